@@ -1,0 +1,71 @@
+"""The one attention entry point of the models, and its backend dispatch.
+
+Two modes:
+  * no KV cache (training, full-sequence scoring): dense causal attention over [B, T].
+  * paged (serving): a ragged batch of new tokens, flattened to [T]. Sequence s owns tokens
+    query_start_loc[s]:query_start_loc[s+1]; they sit at the end of its seq_lens[s] KV entries.
+    Their K/V are first written into the page pool at `slot_mapping`, then every token attends
+    causally to its sequence's pages through the page table.
+
+KV layout (shared by every kernel): pages [num_pages, page_size, num_kv_heads, head_dim] for K
+and for V, one pair per layer; page_table int32[S, pages_per_seq]; seq_lens int32[S].
+"""
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+from pallas_kernels.flash_attention.reference import causal_attention
+from pallas_kernels.paged_attention.reference import ragged_paged_attention_xla
+
+BACKENDS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+
+
+@struct.dataclass
+class AttentionMetadata:
+    positions: jax.Array        # int32[T] absolute position of each new token
+    slot_mapping: jax.Array     # int32[T] page * page_size + offset; out of range (padding) = not written
+    page_table: jax.Array       # int32[S, P]
+    seq_lens: jax.Array         # int32[S] KV length after this step (0 = empty slot)
+    query_start_loc: jax.Array  # int32[S + 1] offsets of each sequence's tokens in the flat batch
+    max_q: int = struct.field(pytree_node=False, default=1)  # static bound on any sequence's new tokens
+    backend: str = struct.field(pytree_node=False, default="xla")
+
+
+def resolve_backend(name: str = "auto") -> str:
+    """`auto` picks the Pallas kernel of the platform, and the XLA reference on CPU."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention_backend {name!r}; choose one of {BACKENDS}")
+    if name != "auto":
+        return name
+    platform = jax.default_backend()
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
+
+
+def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window: int | None,
+           sm_scale: float):
+    """q [.., H, D], k/v [.., KVH, D]. Returns (output like q, updated (k_pages, v_pages) or None)."""
+    if kv_cache is None:
+        return causal_attention(q, k, v, sliding_window=sliding_window, sm_scale=sm_scale), None
+    k_pages, v_pages = write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+    out = paged_attention(q, k_pages, v_pages, meta, sliding_window=sliding_window, sm_scale=sm_scale)
+    return out, (k_pages, v_pages)
+
+
+def write_kv(k_pages, v_pages, k, v, slot_mapping):
+    """Scatter new K/V [T, KVH, D] into their page slots; out-of-range slots (padding) are dropped."""
+    n, ps, kvh, d = k_pages.shape
+
+    def put(pages, x):
+        flat = pages.reshape(n * ps, kvh, d).at[slot_mapping].set(x.astype(pages.dtype), mode="drop")
+        return flat.reshape(n, ps, kvh, d)
+
+    return put(k_pages, k), put(v_pages, v)
+
+
+def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_window, sm_scale):
+    if meta.backend == "xla":
+        return ragged_paged_attention_xla(
+            q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.query_start_loc,
+            max_q=meta.max_q, sm_scale=sm_scale, sliding_window=sliding_window)
+    raise ValueError(f"attention backend {meta.backend!r} is not available")

@@ -1,0 +1,203 @@
+"""Configuration: the model (read from a Hugging Face config.json), the engine, sampling."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import yaml
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary embedding frequency scaling. `kind` is 'default', 'linear' or 'llama3'."""
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    # Per-layer sliding window (None = full attention); a tuple so the config stays hashable.
+    sliding_windows: tuple[int | None, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if not self.sliding_windows:
+            object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+
+    @property
+    def num_params(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        mlp = 3 * h * self.intermediate_size
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * h) + embed + h
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
+        arch = archs[0]
+        heads = cfg["num_attention_heads"]
+        layers = cfg["num_hidden_layers"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        # transformers >= 5 keeps theta and scaling in `rope_parameters`; older configs split them.
+        rope = dict(cfg.get("rope_scaling") or {})
+        rope.update(cfg.get("rope_parameters") or {})
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        scaling = RopeScaling(
+            kind=kind,
+            factor=float(rope.get("factor", 1.0)),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+        )
+        windows = _sliding_windows(cfg, arch, layers)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        is_qwen2 = arch.startswith("Qwen2")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=True if is_qwen2 else cfg.get("attention_bias", False),
+            o_bias=False if is_qwen2 else cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+            sliding_windows=windows,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no config.json in {model_dir}")
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f))
+
+
+def _sliding_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window")
+    if arch.startswith("Qwen2"):
+        if not cfg.get("use_sliding_window", False) or not window:
+            return (None,) * layers
+        # Qwen2 uses full attention in the first `max_window_layers` layers.
+        if "layer_types" in cfg and cfg["layer_types"]:
+            return tuple(window if t == "sliding_attention" else None for t in cfg["layer_types"])
+        first = cfg.get("max_window_layers", layers)
+        return tuple(None if i < first else window for i in range(layers))
+    if arch.startswith("Mistral") and window:
+        return (window,) * layers
+    return (None,) * layers
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Everything the engine needs besides the model weights. Loadable from YAML."""
+    model: str | None = None                # HF directory or orbax checkpoint; None = embedded tiny model
+    dtype: str = "auto"                     # auto | float32 | bfloat16 (auto: bf16 on TPU/GPU, f32 on CPU)
+    max_model_len: int | None = None        # default: model's max_position_embeddings
+    page_size: int = 16
+    num_pages: int | None = None            # None: sized from kv_memory_fraction (accelerators) or kv_cache_mb (CPU)
+    kv_cache_mb: int = 256                  # CPU KV pool size when num_pages is None
+    kv_memory_fraction: float = 0.85        # share of free accelerator memory given to KV pages
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    prefill_chunk_size: int = 256
+    enable_prefix_caching: bool = True
+    admission_eagerness: float = 1.0        # 1.0 admit whenever budget allows; 0.0 only when no decode is running
+    attention_backend: str = "auto"         # auto | pallas_tpu | pallas_gpu | xla
+    max_queue_size: int = 256               # bounded waiting queue; beyond it requests get 429
+    compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
+    seed: int = 0
+    mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"data": 1, "model": 1, "seq": 1})
+
+    @classmethod
+    def from_yaml(cls, path: str, **overrides: Any) -> "EngineConfig":
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown engine config keys in {path}: {sorted(unknown)}")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-request sampling settings (the OpenAI / vLLM set). Validated by `validate()`."""
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0              # 0 = greedy
+    top_k: int = 0                        # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None           # top-N logprobs per sampled token (0 = only the sampled one)
+    priority: int = 0                     # 0 online, 1 batch (lower runs first)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field on anything out of range."""
+        checks = [
+            ("n", 1 <= self.n <= 16, "must be between 1 and 16"),
+            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+            ("temperature", 0.0 <= self.temperature <= 2.0, "must be between 0 and 2"),
+            ("top_k", self.top_k >= 0, "must be 0 (off) or positive"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, "must be in (0, 2]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be between -2 and 2"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be between -2 and 2"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be between 0 and 20"),
+            ("priority", self.priority in (0, 1), "must be 0 (online) or 1 (batch)"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name} {why} (got {getattr(self, name)!r})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

@@ -1,0 +1,24 @@
+"""Plain jnp reference of masked (causal / sliding-window / segment) attention."""
+import jax
+import jax.numpy as jnp
+
+MASK_VALUE = -1e30  # finite so fully-masked (padding) rows stay NaN-free
+
+
+def causal_attention(q, k, v, *, sliding_window=None, sm_scale, segment_ids=None):
+    """Dense causal attention. q [B, T, H, D]; k, v [B, T, KVH, D]; segment_ids [B, T] (optional)."""
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, d)
+    s = jnp.einsum("bqkgd,bjkd->bkgqj", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    pos = jnp.arange(t)
+    mask = pos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        mask &= pos[None, :] > pos[:, None] - sliding_window
+    mask = mask[None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    s = jnp.where(mask[:, None, None], s, MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgqj,bjkd->bqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, h, d).astype(q.dtype)

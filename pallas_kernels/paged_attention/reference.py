@@ -1,0 +1,39 @@
+"""Plain jnp reference of ragged paged attention; also the engine's XLA path on CPU."""
+import functools
+
+import jax
+import jax.numpy as jnp
+
+MASK_VALUE = -1e30  # finite so fully-masked (padding) rows stay NaN-free
+
+
+@functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window"))
+def ragged_paged_attention_xla(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
+                               max_q, sm_scale, sliding_window=None):
+    """XLA path for ragged paged attention: scatter the flat queries into [S, max_q], attend
+    densely against each sequence's gathered pages, gather the rows back to [T]."""
+    t, h, d = q.shape
+    s_max, p = page_table.shape
+    _, ps, kvh, _ = k_pages.shape
+    g = h // kvh
+    tok = jnp.arange(t)
+    seq_id = jnp.clip(jnp.searchsorted(query_start_loc[1:], tok, side="right"), 0, s_max - 1)
+    q_off = tok - query_start_loc[seq_id]
+    valid = tok < query_start_loc[-1]
+    row = jnp.where(valid, seq_id, s_max)  # padding tokens scatter out of range and are dropped
+    qp = jnp.zeros((s_max, max_q, h, d), q.dtype).at[row, q_off].set(q, mode="drop")
+    qp = qp.reshape(s_max, max_q, kvh, g, d)
+    k = k_pages[page_table].reshape(s_max, p * ps, kvh, d)
+    v = v_pages[page_table].reshape(s_max, p * ps, kvh, d)
+    scores = jnp.einsum("sqkgd,sjkd->skgqj", qp, k, preferred_element_type=jnp.float32) * sm_scale
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    q_pos = (seq_lens - q_len)[:, None] + jnp.arange(max_q)[None, :]  # [S, max_q]
+    kv_pos = jnp.arange(p * ps)
+    mask = kv_pos[None, None, :] <= q_pos[:, :, None]
+    if sliding_window is not None:
+        mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    scores = jnp.where(mask[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    o = jnp.einsum("skgqj,sjkd->sqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = o.reshape(s_max, max_q, h, d)[seq_id, q_off]
+    return jnp.where(valid[:, None, None], o, 0).astype(q.dtype)
