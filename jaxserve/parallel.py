@@ -1,0 +1,135 @@
+"""Scale-out: the device mesh and the sharding rules of parameters and the KV cache.
+
+Every run is on a mesh with axes ("data", "model", "seq"); one device is the mesh 1x1x1.
+  * "model": tensor parallelism, Megatron layout. q/k/v, gate and up are split over their
+    output (heads / ffn) and o and down over their input, so each layer costs two
+    all-reduces of the [tokens, hidden] activations and nothing else.
+  * "seq": sequence-parallel prefill (a long prompt split in chunks across devices).
+  * "data": independent replicas (each serves its own batches; nothing shared).
+
+Parameters carry logical axis names (by their path in the params tree); LOGICAL_RULES maps
+them to mesh axes. A dim that does not split evenly is replicated instead: heads are split
+only in whole heads (num_heads or num_kv_heads divisible by the "model" size), so with
+2 kv heads under TP 4 the k/v projections and the KV cache are replicated while q, o and
+the MLP are still split.
+
+Embedding and lm_head are split over the vocabulary, not the hidden size: the logits then
+come out split over vocab and one all-gather of [batch, vocab / tp] per device assembles
+them (hidden-split would need an all-reduce of the full [batch, vocab] partial sums, twice
+the bytes), and a tied embedding needs one layout that serves both the lookup and the
+logits. The lookup on a vocab-split table costs one all-reduce of [tokens, hidden] per step
+(each device fills the rows it owns, zeros elsewhere), the same as any split table.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.config import ModelConfig
+
+MESH_AXES = ("data", "model", "seq")
+
+# Logical axis name -> mesh axis (None = replicated).
+LOGICAL_RULES = {
+    "batch": "data",
+    "length": "seq",
+    "vocab": "model",
+    "embed": None,
+    "heads": "model",
+    "kv_heads": "model",
+    "mlp": "model",
+    "head_dim": None,
+    "pages": None,
+    "page_slots": None,
+}
+
+# Param path suffix -> logical axes of the leaf (kernels are [in, out], as Flax stores them).
+_PARAM_AXES = {
+    ("embed_tokens", "embedding"): ("vocab", "embed"),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+    ("q_proj", "kernel"): ("embed", "heads"),
+    ("q_proj", "bias"): ("heads",),
+    ("k_proj", "kernel"): ("embed", "kv_heads"),
+    ("k_proj", "bias"): ("kv_heads",),
+    ("v_proj", "kernel"): ("embed", "kv_heads"),
+    ("v_proj", "bias"): ("kv_heads",),
+    ("o_proj", "kernel"): ("heads", "embed"),
+    ("o_proj", "bias"): ("embed",),
+    ("gate_proj", "kernel"): ("embed", "mlp"),
+    ("gate_proj", "bias"): ("mlp",),
+    ("up_proj", "kernel"): ("embed", "mlp"),
+    ("up_proj", "bias"): ("mlp",),
+    ("down_proj", "kernel"): ("mlp", "embed"),
+    ("down_proj", "bias"): ("embed",),
+    ("weight",): ("embed",),  # RMSNorm scales
+}
+
+KV_CACHE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
+
+
+def make_mesh(mesh_shape: dict[str, int] | None = None, devices=None) -> Mesh:
+    """A ("data", "model", "seq") mesh; missing axes are 1. The product must equal len(devices)."""
+    shape = {"data": 1, "model": 1, "seq": 1, **(mesh_shape or {})}
+    unknown = set(shape) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; the axes are {MESH_AXES}")
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [int(shape[a]) for a in MESH_AXES]
+    if math.prod(sizes) != len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
+                         f"got {len(devices)}")
+    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES)
+
+
+def _leaf_axes(path) -> tuple[str, ...]:
+    keys = tuple(getattr(k, "key", str(k)) for k in path)
+    for suffix, axes in _PARAM_AXES.items():
+        if keys[-len(suffix):] == suffix:
+            return axes
+    raise ValueError(f"no sharding rule for parameter {'/'.join(keys)}")
+
+
+def param_logical_axes(params_or_shapes):
+    """The logical axis names of every parameter, as a pytree of tuples shaped like params."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_axes(path), params_or_shapes)
+
+
+def _head_counts(cfg: ModelConfig) -> dict[str, int]:
+    """How many whole units each logical axis holds (a head dim splits only between heads)."""
+    return {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads}
+
+
+def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh,
+                    cfg: ModelConfig) -> P:
+    """PartitionSpec for logical `axes`; a dim whose units do not divide the mesh axis is replicated."""
+    units = _head_counts(cfg)
+    spec = []
+    for name, size in zip(axes, shape):
+        mesh_axis = LOGICAL_RULES[name]
+        n = mesh.shape[mesh_axis] if mesh_axis else 1
+        if n == 1 or units.get(name, size) % n:
+            spec.append(None)
+        else:
+            spec.append(mesh_axis)
+    return P(*spec)
+
+
+def param_shardings(params_or_shapes, mesh: Mesh, cfg: ModelConfig):
+    """NamedSharding for every parameter (pass to checkpoint.load_params or jax.device_put)."""
+    def one(path, leaf):
+        return NamedSharding(mesh, logical_to_spec(_leaf_axes(path), leaf.shape, mesh, cfg))
+    return jax.tree_util.tree_map_with_path(one, params_or_shapes)
+
+
+def kv_cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
+    """Sharding of one K or V page pool [num_pages, page_size, num_kv_heads, head_dim]:
+    kv heads over "model", replicated when they do not divide the "model" axis size."""
+    shape = (0, 0, cfg.num_kv_heads, cfg.head_dim)
+    return NamedSharding(mesh, logical_to_spec(KV_CACHE_AXES, shape, mesh, cfg))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
