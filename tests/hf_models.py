@@ -1,0 +1,35 @@
+"""Small seeded Hugging Face checkpoints for parity tests (written with save_pretrained)."""
+import torch
+import transformers as tf
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            max_position_embeddings=512, initializer_range=0.1)
+
+CONFIGS = {
+    "llama_gqa_rope3": (tf.LlamaConfig, dict(
+        num_attention_heads=8, num_key_value_heads=2, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "mistral_window": (tf.MistralConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=12)),
+    "qwen2_bias_tied": (tf.Qwen2Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama_mha": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
+    "llama_mqa": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1,
+                                       attention_bias=True)),
+}
+
+
+def save_hf_model(name: str, out_dir: str, seed: int = 0):
+    """Build the named config with seeded random weights, save_pretrained it, return the model."""
+    cls, extra = CONFIGS[name]
+    torch.manual_seed(seed)
+    cfg = cls(**BASE, **extra)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    if name == "qwen2_bias_tied":  # biases are zero-initialised: make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
+    model.save_pretrained(out_dir)
+    return model
