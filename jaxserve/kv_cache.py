@@ -1,0 +1,185 @@
+"""BlockManager: the paged KV pool's bookkeeping (no device memory here).
+
+Every page is in exactly one state:
+  * used: referenced by `ref_counts[p] > 0` page-table entries (sequences may share a page);
+  * cached: unreferenced but holding a full page registered in the prefix cache; it is reused
+    when a later prompt starts with the same tokens, and evicted (LRU) only when a page is needed;
+  * free: unreferenced and holding nothing worth keeping.
+Allocation takes a free page first, then evicts the least recently released cached page, so
+`num_free_pages` (free + cached) is what an allocation can count on.
+
+Prefix-cache key of page i: sha256(key of page i-1 + the page's token ids), so a key names the
+whole prefix up to the end of its page. Only full pages whose K/V are computed get keys, and a
+full page is never written again, so a cached page can be shared without copying.
+
+Copy-on-write: a sequence about to write into a page it shares (a fork of an n > 1 request, see
+the scheduler), or into a page registered in the prefix cache, gets a fresh page first; `reserve`
+returns the (src, dst) copies for the runner to apply on device before the step's K/V writes.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+from array import array
+
+from jaxserve.sequence import Sequence
+
+
+def page_key(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_pages
+        self.free_pages = collections.deque(range(num_pages))
+        self.cached_page = {}                                   # key -> page
+        self.page_key = {}                                      # page -> key, for pages in cached_page
+        self.evictable = collections.OrderedDict()              # unreferenced cached pages, LRU first
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ---- stats ----
+    @property
+    def num_free_pages(self) -> int:
+        """Pages an allocation can take: free plus unreferenced cached (evictable) pages."""
+        return len(self.free_pages) + len(self.evictable)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self.evictable)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - self.num_free_pages
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_pages / self.num_pages
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # ---- allocation ----
+    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
+        """Cached pages (and their keys) holding the longest cached prefix of `token_ids`, leaving
+        at least the last token uncovered so a prompt always has a token to compute."""
+        pages, keys, parent = [], [], b""
+        if not self.enable_prefix_caching:
+            return pages, keys
+        ps = self.page_size
+        for i in range((len(token_ids) - 1) // ps):
+            key = page_key(parent, token_ids[i * ps:(i + 1) * ps])
+            page = self.cached_page.get(key)
+            if page is None:
+                break
+            pages.append(page)
+            keys.append(key)
+            parent = key
+        return pages, keys
+
+    def admit(self, seq: Sequence, hit: tuple[list[int], list[bytes]], num_new_tokens: int) -> bool:
+        """Give a sequence with no pages the prefix-cache pages `hit` (from match_prefix) plus fresh
+        pages for `num_new_tokens` more tokens, and set num_computed_tokens past the hit. False (and
+        nothing changed) when the pool is short of pages."""
+        assert not seq.page_table, "admit expects a sequence without pages"
+        pages, keys = hit
+        computed = len(pages) * self.page_size
+        new = self.pages_for(computed + num_new_tokens) - len(pages)
+        reclaimed = sum(1 for p in pages if self.ref_counts[p] == 0)    # evictable hits leave the pool
+        if new > self.num_free_pages - reclaimed:
+            return False
+        for p in pages:
+            self._incref(p)
+        seq.page_table = list(pages) + [self._take_page() for _ in range(new)]
+        seq.page_hashes = list(keys)
+        seq.num_computed_tokens = computed
+        if self.enable_prefix_caching:
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += computed
+        return True
+
+    def fork(self, src: Sequence, dst: Sequence, num_tokens: int) -> None:
+        """Let `dst` share the pages holding `src`'s first num_tokens tokens (same token ids)."""
+        assert not dst.page_table and src.num_computed_tokens >= num_tokens
+        dst.page_table = src.page_table[:self.pages_for(num_tokens)]
+        for p in dst.page_table:
+            self._incref(p)
+        dst.page_hashes = src.page_hashes[:num_tokens // self.page_size]
+        dst.num_computed_tokens = num_tokens
+
+    def reserve(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Make seq's page table cover num_computed_tokens + num_new_tokens tokens, replacing every
+        page this step writes into that is shared or cached by a private copy. Returns the
+        (src, dst) page copies, or None (nothing changed) when the pool is short of pages."""
+        start = seq.num_computed_tokens
+        end_page = self.pages_for(start + num_new_tokens)
+        written = range(start // self.page_size, min(end_page, len(seq.page_table)))
+        shared = [i for i in written if self.ref_counts[seq.page_table[i]] > 1 or seq.page_table[i] in self.page_key]
+        new = end_page - len(seq.page_table)
+        if len(shared) + max(new, 0) > self.num_free_pages:
+            return None
+        copies = [(seq.page_table[i], self._take_page()) for i in shared]
+        seq.page_table.extend(self._take_page() for _ in range(new))
+        for i, (src, dst) in zip(shared, copies):
+            seq.page_table[i] = dst
+            self._decref(src)               # after all takes, so no src is reused in this call
+        return copies
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; tail pages first, so they are evicted before the shared
+        head of a prefix."""
+        for p in reversed(seq.page_table):
+            self._decref(p)
+        seq.page_table = []
+        seq.page_hashes = []
+
+    def cache_full_pages(self, seq: Sequence) -> None:
+        """Register the sequence's full, computed pages in the prefix cache (call after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        ps = self.page_size
+        num_full = seq.num_computed_tokens // ps
+        if num_full <= len(seq.page_hashes):
+            return
+        tokens = seq.token_ids
+        for i in range(len(seq.page_hashes), num_full):
+            key = page_key(seq.page_hashes[-1] if seq.page_hashes else b"", tokens[i * ps:(i + 1) * ps])
+            seq.page_hashes.append(key)
+            page = seq.page_table[i]
+            # The same prefix may already be cached in another page (computed concurrently): keep that one.
+            if key not in self.cached_page and page not in self.page_key:
+                self.cached_page[key] = page
+                self.page_key[page] = key
+
+    # ---- internals ----
+    def _incref(self, page: int) -> None:
+        if self.ref_counts[page] == 0:
+            del self.evictable[page]
+        self.ref_counts[page] += 1
+
+    def _decref(self, page: int) -> None:
+        self.ref_counts[page] -= 1
+        if self.ref_counts[page] == 0:
+            if page in self.page_key:
+                self.evictable[page] = None
+            else:
+                self.free_pages.append(page)
+
+    def _take_page(self) -> int:
+        if self.free_pages:
+            page = self.free_pages.popleft()
+        else:
+            page, _ = self.evictable.popitem(last=False)    # least recently released
+            del self.cached_page[self.page_key.pop(page)]
+        self.ref_counts[page] = 1
+        return page

@@ -1,0 +1,56 @@
+"""One generation stream: a prompt, its sampled tokens, and where its K/V live in the page pool."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import time
+
+from jaxserve.config import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class Sequence:
+    """A request with n choices is n Sequences sharing `request_id` (index 0..n-1)."""
+    seq_id: int = dataclasses.field(default_factory=lambda: next(_seq_ids))
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    index: int = 0
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0       # tokens whose K/V are in the cache
+    # Owned by the BlockManager: physical pages, and the chained prefix-cache keys of the
+    # sequence's first len(page_hashes) full pages.
+    page_table: list[int] = dataclasses.field(default_factory=list)
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None   # 'stop' | 'length' | 'abort'
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def priority(self) -> int:
+        return self.sampling.priority
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

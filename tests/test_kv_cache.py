@@ -1,0 +1,215 @@
+"""BlockManager invariants, checked against a model of the page pool's contents.
+
+The model stores, for every slot, the token whose K/V a real runner would have written there
+(copy-on-write copies applied first). A sequence is correct when reading its page table back
+gives its own token ids, so a wrong prefix hit, a shared page written in place or an evicted
+page still in use all show up as a mismatch.
+"""
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from jaxserve.kv_cache import BlockManager
+from jaxserve.sequence import Sequence
+
+PS = 4
+BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12]
+
+
+def seq_of(tokens, rid="r"):
+    return Sequence(request_id=rid, prompt_token_ids=list(tokens))
+
+
+class PagePool:
+    """Slot contents of a pool of pages: what a runner would have written."""
+
+    def __init__(self, bm):
+        self.bm = bm
+        self.slots = [None] * (bm.num_pages * bm.page_size)
+
+    def copy(self, copies):
+        ps = self.bm.page_size
+        data = [self.slots[src * ps:(src + 1) * ps] for src, _ in copies]    # read all, then write
+        for (_, dst), page in zip(copies, data):
+            self.slots[dst * ps:(dst + 1) * ps] = page
+
+    def compute(self, seq, n):
+        """Write K/V of seq's next n tokens; copy-on-write must have left no shared page to write."""
+        ps = self.bm.page_size
+        tokens = seq.token_ids
+        for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            page = seq.page_table[p // ps]
+            assert self.bm.ref_counts[page] == 1, f"writing into shared page {page}"
+            self.slots[page * ps + p % ps] = tokens[p]
+        seq.num_computed_tokens += n
+        self.bm.cache_full_pages(seq)
+
+    def read(self, page_table, num_tokens):
+        ps = self.bm.page_size
+        return [self.slots[page_table[p // ps] * ps + p % ps] for p in range(num_tokens)]
+
+
+def snapshot(bm):
+    return (list(bm.ref_counts), list(bm.free_pages), list(bm.evictable), dict(bm.cached_page))
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    @initialize(num_pages=st.integers(4, 24), caching=st.booleans())
+    def setup(self, num_pages, caching):
+        self.bm = BlockManager(num_pages, PS, enable_prefix_caching=caching)
+        self.pool = PagePool(self.bm)
+        self.live = []
+        self.prefix_of_key = {}   # every key ever registered -> the token prefix it names
+
+    @rule(base=st.sampled_from(BASES), cut=st.integers(1, 12), tail=st.lists(st.integers(0, 3), max_size=6),
+          chunk=st.integers(1, 16))
+    def admit(self, base, cut, tail, chunk):
+        seq = seq_of(base[:cut] + tail)
+        hit = self.bm.match_prefix(seq.token_ids)
+        assert hit == self.bm.match_prefix(seq.token_ids)          # same tokens, same pages
+        assert len(hit[0]) * PS < seq.num_tokens                   # the last token is left to compute
+        assert self.pool.read(hit[0], len(hit[0]) * PS) == seq.token_ids[:len(hit[0]) * PS]
+        n = min(chunk, seq.num_tokens - len(hit[0]) * PS)
+        before = snapshot(self.bm)
+        if self.bm.admit(seq, hit, n):
+            assert seq.num_computed_tokens == len(hit[0]) * PS
+            self.pool.compute(seq, n)
+            self.live.append(seq)
+        else:
+            assert snapshot(self.bm) == before
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), n=st.integers(1, 9), new=st.lists(st.integers(0, 3), min_size=1, max_size=3))
+    def extend(self, data, n, new):
+        seq = data.draw(st.sampled_from(self.live))
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.output_token_ids += new                            # as if sampled
+        n = min(n, seq.num_tokens - seq.num_computed_tokens)
+        before = snapshot(self.bm)
+        copies = self.bm.reserve(seq, n)
+        if copies is None:
+            assert snapshot(self.bm) == before
+            return
+        for src, dst in copies:    # the source stays with its other holders or in the prefix cache
+            assert self.bm.ref_counts[src] >= 1 or src in self.bm.evictable
+            assert self.bm.ref_counts[dst] == 1 and dst not in self.bm.page_key
+        assert len({dst for _, dst in copies}) == len(copies)
+        assert len(seq.page_table) == self.bm.pages_for(seq.num_computed_tokens + n)
+        self.pool.copy(copies)
+        self.pool.compute(seq, n)
+
+    @precondition(lambda self: any(s.num_computed_tokens for s in self.live))
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 3), max_size=3))
+    def fork(self, data, tail):
+        src = data.draw(st.sampled_from([s for s in self.live if s.num_computed_tokens]))
+        k = data.draw(st.integers(1, src.num_computed_tokens))
+        child = seq_of(src.token_ids[:k] + tail + [0])
+        self.bm.fork(src, child, k)
+        self.live.append(child)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(self.live))
+        self.bm.free(seq)
+        self.live.remove(seq)
+        assert seq.page_table == []
+
+    @invariant()
+    def refcounts_match_page_tables(self):
+        refs = [0] * self.bm.num_pages
+        for s in self.live:
+            for p in s.page_table:
+                refs[p] += 1
+        assert refs == self.bm.ref_counts
+
+    @invariant()
+    def every_page_in_exactly_one_state(self):
+        bm = self.bm
+        free, cached = set(bm.free_pages), set(bm.evictable)
+        used = {p for p in range(bm.num_pages) if bm.ref_counts[p] > 0}
+        assert len(free) == len(bm.free_pages) and len(cached) == len(bm.evictable)
+        assert not (free & cached) and not (free & used) and not (cached & used)
+        assert len(free) + len(used) + len(cached) == bm.num_pages
+        assert bm.num_free_pages + bm.num_used_pages == bm.num_pages
+        assert cached <= set(bm.page_key) and not (free & set(bm.page_key))
+        assert {bm.cached_page[k]: k for k in bm.cached_page} == bm.page_key
+
+    @invariant()
+    def sequences_read_back_their_tokens(self):
+        for s in self.live:
+            assert len(s.page_table) >= self.bm.pages_for(s.num_computed_tokens)
+            assert self.pool.read(s.page_table, s.num_computed_tokens) == s.token_ids[:s.num_computed_tokens]
+
+    @invariant()
+    def cached_pages_hold_their_prefix(self):
+        for s in self.live:
+            for i, key in enumerate(s.page_hashes):
+                self.prefix_of_key.setdefault(key, s.token_ids[:(i + 1) * PS])
+        for key, page in self.bm.cached_page.items():
+            prefix = self.prefix_of_key[key]
+            assert self.pool.read([page], PS) == prefix[-PS:]
+
+
+BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestBlockManager = BlockManagerMachine.TestCase
+
+
+def computed(bm, pool, tokens, rid="r"):
+    """Admit and fully compute a prompt; returns the sequence."""
+    seq = seq_of(tokens, rid)
+    hit = bm.match_prefix(seq.token_ids)
+    assert bm.admit(seq, hit, seq.num_tokens - len(hit[0]) * PS)
+    pool.compute(seq, seq.num_tokens - seq.num_computed_tokens)
+    return seq
+
+
+def test_prefix_hit_reuses_pages_and_counts_hit_rate():
+    bm = BlockManager(8, PS)
+    pool = PagePool(bm)
+    a = computed(bm, pool, range(10))                 # pages 0, 1 full, page 2 partial
+    b = seq_of(list(range(8)) + [50, 51])
+    hit = bm.match_prefix(b.token_ids)
+    assert hit[0] == a.page_table[:2]
+    assert bm.admit(b, hit, 2)
+    assert b.num_computed_tokens == 8 and bm.ref_counts[a.page_table[0]] == 2
+    assert bm.prefix_hit_rate == 8 / 20
+    # A prompt that is exactly the cached pages still leaves its last token to compute.
+    assert len(bm.match_prefix(list(range(8)))[0]) == 1
+
+
+def test_unreferenced_cached_pages_are_evicted_lru_and_only_when_needed():
+    bm = BlockManager(4, PS)
+    pool = PagePool(bm)
+    a = computed(bm, pool, range(9))                  # 2 full pages + 1
+    a_pages = list(a.page_table)
+    bm.free(a)
+    assert bm.num_cached_pages == 2 and bm.num_free_pages == 4
+    # Tail pages are released first, so the second page of the prefix is evicted first.
+    c = computed(bm, pool, [90] * 9)                  # takes both free pages, then evicts one cached
+    assert a_pages[1] in c.page_table and a_pages[0] not in c.page_table
+    hit = bm.match_prefix(list(range(9)))
+    assert hit[0] == a_pages[:1]
+
+
+def test_cow_copy_gives_private_page_to_the_writer():
+    bm = BlockManager(6, PS)
+    pool = PagePool(bm)
+    parent = computed(bm, pool, range(6))             # pages [x, y], y half full
+    child = seq_of(list(range(6)) + [1])
+    bm.fork(parent, child, 6)
+    assert child.page_table == parent.page_table
+    copies = bm.reserve(child, 1)
+    assert copies == [(parent.page_table[1], child.page_table[1])] and parent.page_table[1] != child.page_table[1]
+    pool.copy(copies)
+    pool.compute(child, 1)
+    assert pool.read(parent.page_table, 6) == list(range(6))
+    assert pool.read(child.page_table, 7) == list(range(6)) + [1]
+
+
+def test_reserve_fails_without_changes_when_pool_is_short():
+    bm = BlockManager(2, PS, enable_prefix_caching=False)
+    pool = PagePool(bm)
+    a = computed(bm, pool, range(8))
+    before = snapshot(bm)
+    assert bm.reserve(a, 1) is None and snapshot(bm) == before
