@@ -1,0 +1,190 @@
+"""On-device sampling against numpy references of the HF/vLLM semantics."""
+from collections import Counter
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxserve.config import SamplingParams as P
+from jaxserve.sampling import SamplingMetadata, apply_penalties, sample
+
+
+def build(params, seeds=None, prompts=None, outputs=None, pad_to=None, history_len=None):
+    n = len(params)
+    return SamplingMetadata.build(
+        params, prompts or [[] for _ in range(n)], outputs or [[] for _ in range(n)],
+        seeds if seeds is not None else list(range(n)), pad_to or n, history_len)
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def log_softmax(x):
+    x = x.astype(np.float64)
+    return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+
+
+def ref_allowed(logits, temperature, top_k, top_p, min_p):
+    """HF warpers in order: TopK (ties kept), TopP (ascending cumsum <= 1 - p removed), MinP."""
+    x = logits.astype(np.float64) / temperature
+    allowed = np.ones(x.shape, bool)
+    if 0 < top_k < len(x):
+        allowed &= x >= np.sort(x)[-top_k]
+    if top_p < 1.0:
+        z = np.where(allowed, x, -np.inf)
+        order = np.argsort(z)
+        remove = np.cumsum(softmax(z[order])) <= 1 - top_p
+        remove[-1] = False
+        allowed[order[remove]] = False
+    if min_p > 0.0:
+        p = softmax(np.where(allowed, x, -np.inf))
+        allowed &= p >= min_p * p.max()
+    return allowed
+
+
+def ref_penalties(logits, prompt, output, p):
+    out = logits.astype(np.float64).copy()
+    for t in set(prompt) | set(output):
+        out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+    for t, c in Counter(output).items():
+        out[t] -= p.frequency_penalty * c + p.presence_penalty
+    return out
+
+
+def test_greedy_and_top_k_1_equal_argmax():
+    logits = np.random.default_rng(0).normal(size=(6, 300)).astype(np.float32)
+    expected = logits.argmax(-1)
+    all_greedy = build([P(temperature=0.0)] * 3 + [P(temperature=1.3, top_k=1)] * 3)
+    np.testing.assert_array_equal(sample(logits, all_greedy).tokens, expected)
+    mixed = build([P(temperature=0.0), P(temperature=1.0), P(top_k=1), P(top_p=0.5), P(temperature=0.0), P(top_k=1)],
+                  pad_to=8)
+    tokens = np.asarray(sample(np.pad(logits, ((0, 2), (0, 0))), mixed).tokens)
+    np.testing.assert_array_equal(tokens[[0, 2, 4, 5]], expected[[0, 2, 4, 5]])
+
+
+def test_builder_pads_with_greedy_rows_and_sends_history_only_for_penalties():
+    md = build([P(temperature=0.5, top_k=5)], seeds=[-1], outputs=[[4, 5]], pad_to=4)
+    np.testing.assert_array_equal(md.temperature, [0.5, 0, 0, 0])
+    assert md.seed[0] == 2**32 - 1 and md.step[0] == 2 and md.history.shape == (4, 0)
+    md = build([P(), P(presence_penalty=0.5)], prompts=[[1] * 40, [1] * 20], outputs=[[], [2] * 5])
+    assert md.history.shape == (2, 32) and md.prompt_len.tolist() == [0, 20]
+    assert build([P(presence_penalty=0.5)], history_len=100, prompts=[[1] * 5]).history.shape == (1, 100)
+    with pytest.raises(ValueError):
+        build([P(repetition_penalty=1.1)], history_len=4, prompts=[[1] * 5])
+
+
+def test_penalties_match_reference():
+    rng = np.random.default_rng(1)
+    vocab = 50
+    params = [P(repetition_penalty=1.3), P(repetition_penalty=0.7, presence_penalty=0.5),
+              P(frequency_penalty=0.4), P(presence_penalty=-1.0, frequency_penalty=1.5, repetition_penalty=1.1),
+              P()]
+    prompts = [rng.integers(0, vocab, size=int(rng.integers(1, 20))).tolist() for _ in params]
+    outputs = [rng.integers(0, 10, size=int(rng.integers(0, 15))).tolist() for _ in params]  # repeats
+    logits = rng.normal(size=(6, vocab)).astype(np.float32) * 3
+    for history_len in (None, 64):
+        md = build(params, prompts=prompts, outputs=outputs, pad_to=6, history_len=history_len)
+        got = np.asarray(apply_penalties(logits, md))
+        for i, p in enumerate(params):
+            np.testing.assert_allclose(got[i], ref_penalties(logits[i], prompts[i], outputs[i], p), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(got[5], logits[5])  # padding row untouched
+    # Through `sample`: greedy rows pick the argmax of the penalised logits; logprobs stay raw.
+    greedy = [P(temperature=0.0, repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty) for p in params]
+    out = sample(logits, build(greedy, prompts=prompts, outputs=outputs, pad_to=6), num_logprobs=3)
+    expected = [ref_penalties(logits[i], prompts[i], outputs[i], p).argmax() for i, p in enumerate(params)]
+    np.testing.assert_array_equal(np.asarray(out.tokens)[:5], expected)
+    np.testing.assert_allclose(out.logprobs, log_softmax(logits)[np.arange(6), out.tokens], atol=1e-5)
+
+
+def test_logprobs_are_raw_log_softmax():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(4, 1000)).astype(np.float32) * 4
+    md = build([P(temperature=0.5, top_p=0.8), P(temperature=0.0), P(temperature=1.7, frequency_penalty=1.0)],
+               outputs=[[], [], [1, 2, 3]], pad_to=4)
+    out = sample(logits, md, num_logprobs=5)
+    ref = log_softmax(logits)
+    np.testing.assert_allclose(out.logprobs, ref[np.arange(4), out.tokens], atol=1e-5)
+    np.testing.assert_array_equal(out.top_ids, np.argsort(-ref, axis=-1)[:, :5])
+    np.testing.assert_allclose(out.top_logprobs, np.sort(ref, axis=-1)[:, ::-1][:, :5], atol=1e-5)
+    assert out.top_ids.shape == (4, 5) and sample(logits, md).top_ids.shape == (4, 0)
+
+
+FILTERS = [  # temperature, top_k, top_p, min_p
+    (1.0, 5, 1.0, 0.0),
+    (0.7, 0, 0.6, 0.0),
+    (1.3, 0, 1.0, 0.08),
+    (0.8, 12, 0.85, 0.03),
+    (1.0, 100, 1.0, 0.0),  # top_k above the vocabulary = off
+]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", FILTERS)
+def test_filters_sample_exactly_the_allowed_set_with_reference_probabilities(temperature, top_k, top_p, min_p):
+    rng = np.random.default_rng(3)
+    vocab, rows, steps = 64, 512, 4
+    row = rng.normal(size=vocab).astype(np.float32)
+    allowed = ref_allowed(row, temperature, top_k, top_p, min_p)
+    probs = softmax(np.where(allowed, row.astype(np.float64) / temperature, -np.inf))
+    md = build([P(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)] * rows, seeds=list(range(rows)))
+    logits = np.broadcast_to(row, (rows, vocab))
+    tokens = np.concatenate([np.asarray(sample(logits, md.replace(step=md.step + s)).tokens) for s in range(steps)])
+    assert allowed[tokens].all(), sorted(set(tokens[~allowed[tokens]]))
+    counts = np.bincount(tokens, minlength=vocab)
+    assert (counts[probs > 0.02] > 0).all()  # every likely allowed token shows up
+    big = probs * len(tokens) >= 5  # chi-square cells: the likely tokens, the rest pooled
+    observed = np.append(counts[big], counts[~big].sum())
+    expected = np.append(probs[big], probs[~big].sum()) * len(tokens)
+    keep = expected > 0
+    assert stats.chisquare(observed[keep], expected[keep]).pvalue > 1e-3
+
+
+def test_temperature_sampling_follows_softmax_over_temperature():
+    rng = np.random.default_rng(4)
+    vocab, rows, steps, temperature = 8, 2048, 10, 0.7
+    row = rng.normal(size=vocab).astype(np.float32)
+    md = build([P(temperature=temperature)] * rows, seeds=list(range(1000, 1000 + rows)))
+    logits = np.broadcast_to(row, (rows, vocab))
+    tokens = np.concatenate([np.asarray(sample(logits, md.replace(step=md.step + s)).tokens) for s in range(steps)])
+    counts = np.bincount(tokens, minlength=vocab)
+
+    def pvalue(t):
+        return stats.chisquare(counts, softmax(row.astype(np.float64) / t) * len(tokens)).pvalue
+
+    assert pvalue(temperature) > 1e-3
+    assert pvalue(1.0) < 1e-3 and pvalue(0.5) < 1e-3
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    """Same seed, same logits -> same tokens over steps, whatever the batch size, position,
+    padding and the other rows' settings (which switch the sort, penalty and greedy paths)."""
+    rng = np.random.default_rng(5)
+    vocab, steps = 512, 8
+    step_logits = rng.normal(size=(steps, vocab)).astype(np.float32) * 2
+    targets = [P(temperature=0.9), P(temperature=1.2, top_k=40, top_p=0.9, min_p=0.01)]
+    others = [P(temperature=0.0), P(top_k=20), P(top_p=0.5, repetition_penalty=1.2), P(temperature=0.3)]
+
+    def run(target, seed, slot, neighbours, pad_to):
+        out = []
+        for s in range(steps):
+            params = list(neighbours)
+            params.insert(slot, target)
+            seeds = rng.integers(0, 2**31, size=len(params)).tolist()
+            seeds[slot] = seed
+            outputs = [rng.integers(0, vocab, size=s).tolist() for _ in params]
+            outputs[slot] = out
+            logits = rng.normal(size=(pad_to, vocab)).astype(np.float32)
+            logits[slot] = step_logits[s]
+            md = build(params, seeds=seeds, prompts=[[1, 2, 3]] * len(params), outputs=outputs, pad_to=pad_to)
+            out = out + [int(sample(logits, md).tokens[slot])]
+        return out
+
+    for target in targets:
+        alone = run(target, 1234, 0, [], 1)
+        assert len(set(alone)) > 1
+        assert run(target, 1234, 3, others, 8) == alone
+        assert run(target, 1234, 1, others[:2], 4) == alone
+        assert run(target, 1234, 0, [P(temperature=0.0)], 2) == alone
+        assert run(target, 4321, 0, [], 1) != alone
