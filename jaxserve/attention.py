@@ -30,6 +30,12 @@ class AttentionMetadata:
     query_start_loc: jax.Array  # int32[S + 1] offsets of each sequence's tokens in the flat batch
     max_q: int = struct.field(pytree_node=False, default=1)  # static bound on any sequence's new tokens
     backend: str = struct.field(pytree_node=False, default="xla")
+    # Under a mesh (parallel.py): the page pools' sharding, re-asserted after the K/V write so
+    # XLA does not reshard the cache to suit the attention math (that costs a cache all-gather).
+    kv_sharding: object = struct.field(pytree_node=False, default=None)
+    # Sequence-parallel prefill (sequence_parallel.py): q is this shard's chunk; the new K/V
+    # are all-gathered over this mesh axis so every shard writes the whole prompt's K/V.
+    seq_axis: str | None = struct.field(pytree_node=False, default=None)
 
 
 def resolve_backend(name: str = "auto") -> str:
@@ -47,7 +53,12 @@ def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window:
     """q [.., H, D], k/v [.., KVH, D]. Returns (output like q, updated (k_pages, v_pages) or None)."""
     if kv_cache is None:
         return causal_attention(q, k, v, sliding_window=sliding_window, sm_scale=sm_scale), None
+    if meta.seq_axis is not None:
+        k, v = (jax.lax.all_gather(x, meta.seq_axis, axis=0, tiled=True) for x in (k, v))
     k_pages, v_pages = write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+    if meta.kv_sharding is not None:
+        k_pages, v_pages = (jax.lax.with_sharding_constraint(x, meta.kv_sharding)
+                            for x in (k_pages, v_pages))
     out = paged_attention(q, k_pages, v_pages, meta, sliding_window=sliding_window, sm_scale=sm_scale)
     return out, (k_pages, v_pages)
 
