@@ -16,6 +16,7 @@ import jax
 from flax import struct
 
 from pallas_kernels.flash_attention.reference import causal_attention
+from pallas_kernels.paged_attention import gpu as paged_gpu, tpu as paged_tpu
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_xla
 
 BACKENDS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
@@ -29,6 +30,9 @@ class AttentionMetadata:
     seq_lens: jax.Array         # int32[S] KV length after this step (0 = empty slot)
     query_start_loc: jax.Array  # int32[S + 1] offsets of each sequence's tokens in the flat batch
     max_q: int = struct.field(pytree_node=False, default=1)  # static bound on any sequence's new tokens
+    # XLA path only: rows [0, num_prefill_rows) may bring up to max_q tokens, later rows at most
+    # one, so decode rows are padded to [S, 1] rather than [S, max_q]. None: one group.
+    num_prefill_rows: int | None = struct.field(pytree_node=False, default=None)
     backend: str = struct.field(pytree_node=False, default="xla")
     # Under a mesh (parallel.py): the page pools' sharding, re-asserted after the K/V write so
     # XLA does not reshard the cache to suit the attention math (that costs a cache all-gather).
@@ -75,8 +79,14 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
 
 
 def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_window, sm_scale):
+    """Ragged paged attention of q [T, H, D] through the page table. The Pallas backends run in
+    interpret mode when JAX runs on CPU (tests)."""
+    args = (q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.query_start_loc)
+    kwargs = dict(max_q=meta.max_q, sm_scale=sm_scale, sliding_window=sliding_window)
     if meta.backend == "xla":
-        return ragged_paged_attention_xla(
-            q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.query_start_loc,
-            max_q=meta.max_q, sm_scale=sm_scale, sliding_window=sliding_window)
-    raise ValueError(f"attention backend {meta.backend!r} is not available")
+        return ragged_paged_attention_xla(*args, **kwargs)
+    kernels = {"pallas_gpu": paged_gpu.ragged_paged_attention,
+               "pallas_tpu": paged_tpu.ragged_paged_attention}
+    if meta.backend not in kernels:
+        raise ValueError(f"attention backend {meta.backend!r} is not available")
+    return kernels[meta.backend](*args, **kwargs, interpret=jax.default_backend() == "cpu")

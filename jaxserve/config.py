@@ -140,6 +140,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     prefill_chunk_size: int = 256
+    max_prefill_seqs: int = 4               # sequences with more than one new token in one step
     enable_prefix_caching: bool = True
     admission_eagerness: float = 1.0        # 1.0 admit whenever budget allows; 0.0 only when no decode is running
     attention_backend: str = "auto"         # auto | pallas_tpu | pallas_gpu | xla

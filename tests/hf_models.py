@@ -33,3 +33,36 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0):
                     proj.bias.normal_(0, 0.1)
     model.save_pretrained(out_dir)
     return model
+
+
+def save_byte_tokenizer(out_dir: str) -> None:
+    """A byte-level tokenizer.json: ids 0-255 are bytes, 256 is <s>, 257 is </s>."""
+    import json
+    import os
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: bytes(c, "utf-8")))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                    "{% if add_generation_prompt %}assistant:{% endif %}"}, f)
+
+
+def save_engine_model(out_dir: str, seed: int = 0, **overrides):
+    """A random Llama (GQA) with a byte tokenizer, for engine and server tests."""
+    torch.manual_seed(seed)
+    kw = dict(BASE, vocab_size=384, num_attention_heads=4, num_key_value_heads=2, bos_token_id=256,
+              eos_token_id=257, max_position_embeddings=512)
+    kw.update(overrides)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**kw)).eval()
+    model.save_pretrained(out_dir)
+    save_byte_tokenizer(out_dir)
+    return model

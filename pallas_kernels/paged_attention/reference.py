@@ -19,7 +19,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, page_table, seq_lens, query_
     tok = jnp.arange(t)
     seq_id = jnp.clip(jnp.searchsorted(query_start_loc[1:], tok, side="right"), 0, s_max - 1)
     q_off = tok - query_start_loc[seq_id]
-    valid = tok < query_start_loc[-1]
+    valid = (tok >= query_start_loc[0]) & (tok < query_start_loc[-1])  # this call's tokens only
     row = jnp.where(valid, seq_id, s_max)  # padding tokens scatter out of range and are dropped
     qp = jnp.zeros((s_max, max_q, h, d), q.dtype).at[row, q_off].set(q, mode="drop")
     qp = qp.reshape(s_max, max_q, kvh, g, d)

@@ -1,0 +1,246 @@
+"""ModelRunner: packs a scheduled ragged batch into bucketed fixed-shape arrays and runs one
+jit-compiled step (KV write + paged attention + logits), then samples on device.
+
+Rows of a step: prefill rows first (sequences bringing more than one new token), then decode
+rows (one new token each). Static shapes come in two families, all compiled at warm-up:
+  * decode-only steps:  (decode rows S, pages per sequence P)
+  * steps with prefill: (tokens T, prefill rows S_p); the decode rows and pages are then at
+    their maximum, so these cost one full decode step plus the prefill.
+The XLA attention path pads prefill rows to [S_p, T] and decode rows to [S, 1] (see
+attention.py); the Pallas kernels read the flat ragged batch directly.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve import parallel
+from jaxserve.attention import AttentionMetadata, resolve_backend
+from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
+from jaxserve.models import build_model
+from jaxserve.sampling import SamplingMetadata, SampleOutput, sample, uses_penalties
+from jaxserve.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20
+
+
+class SampleResult(NamedTuple):
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # requested top-N (token id, logprob), most likely first
+
+
+def _pow2_buckets(lo: int, hi: int) -> list[int]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return out + [hi]
+
+
+def _bucket(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+class CompileCounter:
+    """Counts XLA backend compilations in this process (warm-up must leave serving at zero)."""
+    count = 0
+    _registered = False
+
+    @classmethod
+    def install(cls):
+        if not cls._registered:
+            def listener(event, *args, **kwargs):
+                if event == "/jax/core/compile/backend_compile_duration":
+                    cls.count += 1
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            cls._registered = True
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, params, engine_cfg: EngineConfig, mesh=None,
+                 dtype=jnp.float32):
+        CompileCounter.install()
+        self.cfg, self.ecfg, self.dtype = cfg, engine_cfg, dtype
+        self.mesh = mesh if mesh is not None else parallel.make_mesh(engine_cfg.mesh)
+        self.backend = resolve_backend(engine_cfg.attention_backend)
+        self.model = build_model(cfg, dtype)
+        self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
+        self.page_size = engine_cfg.page_size
+        self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
+        self.num_pages = engine_cfg.num_pages or self._pages_that_fit()
+        self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh, cfg))
+        kv_sharding = parallel.kv_cache_sharding(cfg, self.mesh)
+        shape = (self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding)
+        self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+
+        max_seqs = engine_cfg.max_num_seqs
+        self.decode_buckets = _pow2_buckets(1, max_seqs)
+        self.page_buckets = _pow2_buckets(min(4, self.max_pages_per_seq), self.max_pages_per_seq)
+        self.token_buckets = _pow2_buckets(min(16, engine_cfg.max_num_batched_tokens),
+                                           engine_cfg.max_num_batched_tokens)
+        self.prefill_row_buckets = _pow2_buckets(1, engine_cfg.max_prefill_seqs)
+        self.max_copies = max_seqs
+        self._step = jax.jit(self._step_fn, static_argnames=("num_prefill_rows", "max_q"),
+                             donate_argnames=("kv_caches",))
+        self._copy = jax.jit(self._copy_fn, donate_argnames=("kv_caches",))
+
+    # ---- sizing ----
+    @property
+    def page_bytes(self) -> int:
+        c = self.cfg
+        return 2 * c.num_layers * self.page_size * c.num_kv_heads * c.head_dim * jnp.dtype(self.dtype).itemsize
+
+    def _pages_that_fit(self) -> int:
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:  # accelerator: a share of what the weights leave free
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            budget = int(free * self.ecfg.kv_memory_fraction) * self.mesh.shape["model"]
+        else:
+            budget = self.ecfg.kv_cache_mb * 2**20
+        return max(budget // self.page_bytes, self.max_pages_per_seq)
+
+    # ---- compiled functions ----
+    def _step_fn(self, params, kv_caches, tokens, positions, slot_mapping, page_table, seq_lens,
+                 query_start_loc, logits_index, *, num_prefill_rows, max_q):
+        meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_table=page_table,
+                                 seq_lens=seq_lens, query_start_loc=query_start_loc, max_q=max_q,
+                                 num_prefill_rows=num_prefill_rows, backend=self.backend)
+        hidden, kv_caches = self.model.apply({"params": params}, tokens, positions, kv_caches, meta)
+        logits = self.model.apply({"params": params}, hidden[logits_index], method=self.model.logits)
+        return logits, kv_caches
+
+    @staticmethod
+    def _copy_fn(kv_caches, src, dst):
+        # Copy-on-write: page dst takes page src's K/V in every layer; dst out of range = no-op.
+        return [(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop"))
+                for k, v in kv_caches]
+
+    # ---- one step ----
+    def execute(self, out: SchedulerOutput, seeds: dict[int, int]) -> dict[int, SampleResult]:
+        """Run the scheduled batch; returns seq_id -> SampleResult for the sequences that sample.
+        `seeds` gives each sampling sequence's seed (the engine draws one when none is set)."""
+        if out.page_copies:
+            self.copy_pages(out.page_copies)
+        if not out.scheduled:
+            return {}
+        batch = self._pack(out)
+        logits, self.kv_caches = self._step(self.params, self.kv_caches, *batch.arrays,
+                                            num_prefill_rows=batch.num_prefill_rows, max_q=batch.max_q)
+        seqs = batch.sampling_seqs
+        if not seqs:
+            return {}
+        params = [s.sampling for s in seqs]
+        md = SamplingMetadata.build(
+            params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+            [seeds[s.seq_id] for s in seqs], pad_to=logits.shape[0],
+            history_len=self.max_model_len if any(map(uses_penalties, params)) else None)
+        res: SampleOutput = jax.device_get(sample(logits, md, num_logprobs=MAX_LOGPROBS))
+        results = {}
+        for i, seq in enumerate(seqs):
+            n = seq.sampling.logprobs or 0
+            top = list(zip(res.top_ids[i, :n].tolist(), res.top_logprobs[i, :n].tolist()))
+            results[seq.seq_id] = SampleResult(int(res.tokens[i]), float(res.logprobs[i]), top)
+        return results
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        for start in range(0, len(copies), self.max_copies):
+            chunk = copies[start:start + self.max_copies]
+            src = np.zeros(self.max_copies, np.int32)
+            dst = np.full(self.max_copies, self.num_pages, np.int32)  # out of range: dropped
+            src[:len(chunk)], dst[:len(chunk)] = zip(*chunk)
+            self.kv_caches = self._copy(self.kv_caches, src, dst)
+
+    def _pack(self, out: SchedulerOutput) -> "_Batch":
+        prefill = [s for s in out.scheduled if s.num_new_tokens > 1]
+        decode = [s for s in out.scheduled if s.num_new_tokens == 1]
+        num_tokens = out.num_tokens
+        if prefill:
+            if len(prefill) > self.prefill_row_buckets[-1]:
+                raise ValueError(f"{len(prefill)} prefill rows > max_prefill_seqs")
+            sp = _bucket(len(prefill), self.prefill_row_buckets)
+            t = _bucket(num_tokens, self.token_buckets)
+            sd, p = self.decode_buckets[-1], self.page_buckets[-1]
+            max_q = min(t, self.ecfg.prefill_chunk_size)
+        else:
+            sp = 0
+            sd = _bucket(len(decode), self.decode_buckets)
+            t = sd
+            longest = max(s.seq.num_computed_tokens + 1 for s in decode)
+            p = _bucket(-(-longest // self.page_size), self.page_buckets)
+            max_q = 1
+        rows: list = prefill + [None] * (sp - len(prefill)) + decode + [None] * (sd - len(decode))
+        tokens = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slots = np.full(t, self.num_pages * self.page_size, np.int32)  # padding: not written
+        page_table = np.zeros((sp + sd, p), np.int32)
+        seq_lens = np.zeros(sp + sd, np.int32)
+        qsl = np.zeros(sp + sd + 1, np.int32)
+        logits_index = np.zeros(sd, np.int32)  # sampling sequences first; sd >= their number
+        sampling_seqs = []
+        cursor = 0
+        for r, s in enumerate(rows):
+            if s is not None:
+                seq, n = s.seq, s.num_new_tokens
+                start = seq.num_computed_tokens
+                pos = np.arange(start, start + n)
+                pages = np.asarray(seq.page_table, np.int32)
+                tokens[cursor:cursor + n] = seq.token_ids[start:start + n]
+                positions[cursor:cursor + n] = pos
+                slots[cursor:cursor + n] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
+                used = -(-(start + n) // self.page_size)
+                page_table[r, :used] = pages[:used]
+                seq_lens[r] = start + n
+                cursor += n
+                if s.sample:
+                    logits_index[len(sampling_seqs)] = cursor - 1
+                    sampling_seqs.append(seq)
+            qsl[r + 1] = cursor
+        arrays = (tokens, positions, slots, page_table, seq_lens, qsl, logits_index)
+        return _Batch(arrays, sampling_seqs, sp, max_q)
+
+    # ---- warm-up ----
+    def warmup(self) -> int:
+        """Compile every bucket (and the sampler for each row count) before serving.
+        Returns the number of compilations it took."""
+        before, t0 = CompileCounter.count, time.perf_counter()
+        shapes = [(sd, sd, 0, p, 1) for sd in self.decode_buckets for p in self.page_buckets]
+        shapes += [(t, self.decode_buckets[-1], sp, self.page_buckets[-1], min(t, self.ecfg.prefill_chunk_size))
+                   for t in self.token_buckets for sp in self.prefill_row_buckets]
+        for t, sd, sp, p, max_q in shapes:
+            n = sp + sd
+            arrays = (np.zeros(t, np.int32), np.zeros(t, np.int32),
+                      np.full(t, self.num_pages * self.page_size, np.int32), np.zeros((n, p), np.int32),
+                      np.zeros(n, np.int32), np.zeros(n + 1, np.int32), np.zeros(sd, np.int32))
+            _, self.kv_caches = self._step(self.params, self.kv_caches, *arrays,
+                                           num_prefill_rows=sp, max_q=max_q)
+        for n in self.decode_buckets:  # logits come in rows of a decode bucket
+            for penalties in (False, True):
+                params = SamplingParams(repetition_penalty=1.1 if penalties else 1.0)
+                md = SamplingMetadata.build([params], [[0]], [[]], [0], pad_to=n,
+                                            history_len=self.max_model_len if penalties else None)
+                jax.block_until_ready(sample(jnp.zeros((n, self.cfg.vocab_size), jnp.float32), md,
+                                             num_logprobs=MAX_LOGPROBS))
+        self.copy_pages([(0, 0)])
+        jax.block_until_ready(self.kv_caches)
+        n = CompileCounter.count - before
+        log.info("warm-up: %d compilations (%d step shapes) in %.1fs", n, len(shapes), time.perf_counter() - t0)
+        return n
+
+
+class _Batch(NamedTuple):
+    arrays: tuple
+    sampling_seqs: list
+    num_prefill_rows: int
+    max_q: int
