@@ -12,11 +12,12 @@ and for V, one pair per layer; page_table int32[S, pages_per_seq]; seq_lens int3
 """
 from __future__ import annotations
 
+import importlib
+
 import jax
 from flax import struct
 
 from pallas_kernels.flash_attention.reference import causal_attention
-from pallas_kernels.paged_attention import gpu as paged_gpu, tpu as paged_tpu
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_xla
 
 BACKENDS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
@@ -81,12 +82,25 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
 def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_window, sm_scale):
     """Ragged paged attention of q [T, H, D] through the page table. The Pallas backends run in
     interpret mode when JAX runs on CPU (tests)."""
-    args = (q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.query_start_loc)
-    kwargs = dict(max_q=meta.max_q, sm_scale=sm_scale, sliding_window=sliding_window)
+    tables = (meta.page_table, meta.seq_lens, meta.query_start_loc)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
     if meta.backend == "xla":
-        return ragged_paged_attention_xla(*args, **kwargs)
-    kernels = {"pallas_gpu": paged_gpu.ragged_paged_attention,
-               "pallas_tpu": paged_tpu.ragged_paged_attention}
-    if meta.backend not in kernels:
+        p, s = meta.num_prefill_rows, meta.page_table.shape[0]
+        if p is None:
+            return ragged_paged_attention_xla(q, k_pages, v_pages, *tables, max_q=meta.max_q, **kwargs)
+        # Prefill rows pad to max_q tokens, decode rows to 1; each call zeroes the other's tokens.
+        out = 0
+        if p > 0:
+            out += ragged_paged_attention_xla(q, k_pages, v_pages, meta.page_table[:p], meta.seq_lens[:p],
+                                              meta.query_start_loc[:p + 1], max_q=meta.max_q, **kwargs)
+        if p < s:
+            out += ragged_paged_attention_xla(q, k_pages, v_pages, meta.page_table[p:], meta.seq_lens[p:],
+                                              meta.query_start_loc[p:], max_q=1, **kwargs)
+        return out
+    if meta.backend not in ("pallas_gpu", "pallas_tpu"):
         raise ValueError(f"attention backend {meta.backend!r} is not available")
-    return kernels[meta.backend](*args, **kwargs, interpret=jax.default_backend() == "cpu")
+    # Imported on first use: the Pallas Triton / Mosaic modules cost a fraction of a second.
+    platform = meta.backend.removeprefix("pallas_")
+    kernel = importlib.import_module(f"pallas_kernels.paged_attention.{platform}")
+    return kernel.ragged_paged_attention(q, k_pages, v_pages, *tables, max_q=meta.max_q, **kwargs,
+                                         interpret=jax.default_backend() == "cpu")

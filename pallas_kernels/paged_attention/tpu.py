@@ -1,0 +1,196 @@
+"""Ragged paged attention for TPU (Pallas, Mosaic TPU).
+
+Grid (kv_head, q_block). A q block is `block_q` consecutive tokens of the flat ragged batch, any
+mix of prefill chunks and decodes. The wrapper lays q out so that program (h, i) gets one 2-D
+block of rows = (query head of KV head h's group, token): the group shares every K/V page it
+reads (GQA), and the kernel needs no in-kernel reshape.
+
+Inside a program the work is a list of (sequence, KV chunk) items: every sequence overlapping
+the block, and for each the chunks of `pages_per_chunk` pages its rows can see (causal bound
+above, sliding window below, so pages wholly outside the window are never read). Pages are
+copied HBM -> VMEM by hand with async DMAs through the scalar-prefetched page table, two chunk
+buffers deep: the next item's copy is in flight while the current one is computed. Softmax is
+online, in f32 VMEM scratch; rows of other sequences are masked.
+
+m and l are kept lane-replicated ([rows, 128]) and chunks are a multiple of 128 keys, the layout
+Mosaic handles without relayouts.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+MASK_VALUE = -1e30
+LANES = 128
+
+
+def _lanes(x, n):
+    """[rows, 128] lane-replicated -> [rows, n]."""
+    if n % LANES == 0:
+        return jnp.tile(x, (1, n // LANES))
+    return x[:, :n]
+
+
+def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  # SMEM
+            q_ref, k_hbm, v_hbm,  # q block [g * block_q, D]; pages [N, ps, KVH, D] in HBM
+            o_ref,
+            k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
+            *, block_q, pages_per_chunk, pages_per_seq, sm_scale, sliding_window):
+    h, i = pl.program_id(0), pl.program_id(1)
+    page_size = k_hbm.shape[1]
+    rows, chunk = acc_ref.shape[0], k_buf.shape[1]
+    tok0 = i * block_q
+    s_end = blk_end_ref[i]
+
+    def span(s):
+        """(position offset, first page, end page, number of chunks) of sequence s in this block."""
+        s = jnp.minimum(s, seq_lens_ref.shape[0] - 1)  # s may be one past the end: keep reads in range
+        q_start, q_end = qsl_ref[s], qsl_ref[s + 1]
+        offset = seq_lens_ref[s] - q_end  # token t sits at position t + offset
+        first = jnp.maximum(q_start, tok0)
+        last = jnp.minimum(q_end, tok0 + block_q) - 1
+        page_end = lax.div(last + offset, page_size) + 1
+        page_lo = 0
+        if sliding_window is not None:
+            page_lo = lax.div(jnp.maximum(first + offset - sliding_window + 1, 0), page_size)
+        n = jnp.where(last >= first, lax.div(page_end - page_lo + pages_per_chunk - 1, pages_per_chunk), 0)
+        return offset, page_lo, page_end, n
+
+    def copy_chunk(s, c, slot, action):
+        """Start (or wait for) the DMAs of chunk c of sequence s into buffer `slot`; pages past
+        the sequence's end are skipped."""
+        _, page_lo, page_end, _ = span(s)
+
+        def page_copy(j, _):
+            page = page_lo + c * pages_per_chunk + j
+            phys = page_table_ref[s * pages_per_seq + jnp.minimum(page, pages_per_seq - 1)]
+            rows_j = pl.ds(pl.multiple_of(j * page_size, page_size), page_size)
+            for kind, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
+                dma = pltpu.make_async_copy(hbm.at[phys, :, h, :], buf.at[slot, rows_j],
+                                            sems.at[kind, slot])
+                pl.when(page < page_end)(getattr(dma, action))
+
+        lax.fori_loop(0, pages_per_chunk, page_copy, None)
+
+    def advance(s, c):
+        """The item after (s, c): the next chunk, else chunk 0 of the next sequence with work."""
+        return lax.while_loop(lambda sc: (sc[0] < s_end) & (sc[1] >= span(sc[0])[3]),
+                              lambda sc: (sc[0] + 1, jnp.int32(0)), (s, c + 1))
+
+    def compute(s, c, slot):
+        offset, page_lo, page_end, _ = span(s)
+        kv0 = (page_lo + c * pages_per_chunk) * page_size
+        k, v = k_buf[slot], v_buf[slot]
+        # Buffer rows past the sequence's last page hold stale (maybe NaN) data: zero them in v.
+        kv_row = kv0 + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        v = jnp.where(kv_row < page_end * page_size, v, jnp.zeros_like(v))
+        scores = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) * sm_scale
+        tok = tok0 + (lax.broadcasted_iota(jnp.int32, scores.shape, 0) & (block_q - 1))
+        q_pos = tok + offset
+        kv_pos = kv0 + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+        mask = (tok >= qsl_ref[s]) & (tok < qsl_ref[s + 1]) & (kv_pos <= q_pos)
+        if sliding_window is not None:
+            mask &= kv_pos > q_pos - sliding_window
+        scores = jnp.where(mask, scores, MASK_VALUE)
+        m_prev = m_ref[...]
+        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_next)
+        p = jnp.where(mask, jnp.exp(scores - _lanes(m_next, chunk)), 0.0)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        m_ref[...] = m_next
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc_ref[...] = acc_ref[...] * _lanes(alpha, acc_ref.shape[1]) + pv
+
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    s0, c0 = advance(blk_first_ref[i], jnp.int32(-1))
+    pl.when(s0 < s_end)(lambda: copy_chunk(s0, c0, 0, "start"))
+
+    def step(carry):
+        s, c, slot = carry
+        s_next, c_next = advance(s, c)
+        pl.when(s_next < s_end)(lambda: copy_chunk(s_next, c_next, 1 - slot, "start"))
+        copy_chunk(s, c, slot, "wait")
+        compute(s, c, slot)
+        return s_next, c_next, 1 - slot
+
+    lax.while_loop(lambda carry: carry[0] < s_end, step, (s0, c0, jnp.int32(0)))
+
+    l = l_ref[...]
+    inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)  # rows with no keys (padding) -> 0
+    o_ref[...] = (acc_ref[...] * _lanes(inv, acc_ref.shape[1])).astype(o_ref.dtype)
+
+
+def _pow2_at_most(n):
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "max_q", "sm_scale", "sliding_window", "block_rows", "kv_block", "interpret"))
+def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
+                           max_q, sm_scale, sliding_window=None, block_rows=256, kv_block=256,
+                           interpret=False):
+    """q [T, H, D]; k/v pages [N, page_size, KVH, D]; page_table int32[S, P]; seq_lens int32[S];
+    query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len. Returns [T, H, D],
+    0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
+
+    block_rows: most (head, token) rows per program. block_q, the tokens per q block, is max_q
+    rounded up to a power of two within that cap: a decode batch gets small blocks, since rows
+    of a block that belong to other sequences are wasted MXU work, and prefill large ones, since
+    each q block re-reads its sequences' pages. kv_block: keys per chunk, a multiple of 128 and of
+    page_size. interpret: run in TPU interpret mode (CPU tests)."""
+    t, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_seqs, pages_per_seq = page_table.shape
+    group = num_heads // num_kv_heads
+    if kv_block % LANES or kv_block % page_size:
+        raise ValueError(f"kv_block {kv_block} must be a multiple of 128 and of page_size {page_size}")
+    min_block = 32 // q.dtype.itemsize  # a full (8, 128) f32 / (16, 128) bf16 tile of rows
+    block_q = max(min_block, min(1 << max(max_q - 1, 0).bit_length(),
+                                 _pow2_at_most(block_rows // group)))
+    num_blocks = pl.cdiv(t, block_q)
+    rows = group * block_q
+
+    # [T, H, D] -> [KVH, q_block, (head in group, token), D]
+    qb = jnp.pad(q, ((0, num_blocks * block_q - t), (0, 0), (0, 0)))
+    qb = qb.reshape(num_blocks, block_q, num_kv_heads, group, head_dim)
+    qb = qb.transpose(2, 0, 3, 1, 4).reshape(num_kv_heads, num_blocks, rows, head_dim)
+
+    # Sequences overlapping each q block: [first, end).
+    starts = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
+    blk_first = jnp.searchsorted(query_start_loc[1:], starts, side="right").astype(jnp.int32)
+    blk_end = jnp.searchsorted(query_start_loc[:-1], starts + block_q, side="left").astype(jnp.int32)
+
+    block = pl.BlockSpec((None, None, rows, head_dim), lambda h, i, *_: (h, i, 0, 0))
+    kernel = functools.partial(
+        _kernel, block_q=block_q, pages_per_chunk=kv_block // page_size,
+        pages_per_seq=pages_per_seq, sm_scale=sm_scale, sliding_window=sliding_window)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(num_kv_heads, num_blocks),
+            in_specs=[block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=block,
+            scratch_shapes=[
+                pltpu.VMEM((2, kv_block, head_dim), k_pages.dtype),
+                pltpu.VMEM((2, kv_block, head_dim), v_pages.dtype),
+                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.VMEM((rows, LANES), jnp.float32),
+                pltpu.VMEM((rows, LANES), jnp.float32),
+                pltpu.VMEM((rows, head_dim), jnp.float32),
+            ]),
+        out_shape=jax.ShapeDtypeStruct(qb.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="ragged_paged_attention",
+    )(page_table.reshape(-1), seq_lens, query_start_loc, blk_first, blk_end, qb, k_pages, v_pages)
+
+    out = out.reshape(num_kv_heads, num_blocks, group, block_q, head_dim)
+    return out.transpose(1, 3, 0, 2, 4).reshape(num_blocks * block_q, num_heads, head_dim)[:t]

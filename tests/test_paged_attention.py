@@ -1,0 +1,212 @@
+"""Ragged paged attention: the XLA reference and the Pallas kernels (interpret mode on CPU)
+against a deliberately naive numpy oracle (one token, one head at a time)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jaxserve import attention
+from pallas_kernels.paged_attention import gpu, reference, tpu
+
+TOL = {"float32": 2e-3, "bfloat16": 2e-2}
+
+
+def naive_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *, sm_scale,
+                    sliding_window=None):
+    """float64, per sequence, per token, per head. Tokens past query_start_loc[-1] stay 0."""
+    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = np.zeros_like(q)
+    for s in range(len(seq_lens)):
+        start, end, kv_len = query_start_loc[s], query_start_loc[s + 1], seq_lens[s]
+        kv_pos = np.arange(kv_len)
+        pages = page_table[s][kv_pos // page_size]
+        k, v = k_pages[pages, kv_pos % page_size], v_pages[pages, kv_pos % page_size]  # [kv_len, KVH, D]
+        for t in range(start, end):
+            pos = kv_len - (end - start) + (t - start)
+            seen = kv_pos <= pos
+            if sliding_window is not None:
+                seen &= kv_pos > pos - sliding_window
+            for h in range(q.shape[1]):
+                scores = k[seen, h // group] @ q[t, h] * sm_scale
+                w = np.exp(scores - scores.max())
+                out[t, h] = (w / w.sum()) @ v[seen, h // group]
+    return out
+
+
+def make_case(seed, *, seqs, num_kv_heads, group, head_dim, page_size, dtype, pad_tokens=0,
+              lead_tokens=0, sliding_window=None):
+    """seqs: one (q_len, kv_len) per batch slot, (0, 0) for an empty slot. Pages are scattered
+    at random through a pool that also holds unused random pages, so reading a wrong page shows.
+    lead_tokens: tokens before query_start_loc[0] (another call's; output 0), pad_tokens: after."""
+    rng = np.random.default_rng(seed)
+    pages_per_seq = max(1, max(math.ceil(kv / page_size) for _, kv in seqs))
+    needed = sum(math.ceil(kv / page_size) for _, kv in seqs)
+    num_pages = needed + 3
+    perm = rng.permutation(num_pages)
+    # Unused page-table entries point at random pages: a kernel must never let them matter.
+    page_table = rng.integers(0, num_pages, (len(seqs), pages_per_seq)).astype(np.int32)
+    used = 0
+    for s, (_, kv) in enumerate(seqs):
+        n = math.ceil(kv / page_size)
+        page_table[s, :n] = perm[used:used + n]
+        used += n
+    q_lens = np.array([ql for ql, _ in seqs], np.int32)
+    total = int(q_lens.sum())
+    pad_tokens = max(pad_tokens, int(lead_tokens + total == 0))  # a batch has at least one token
+    shape_kv = (num_pages, page_size, num_kv_heads, head_dim)
+    return dict(
+        q=jnp.asarray(rng.standard_normal((lead_tokens + total + pad_tokens, num_kv_heads * group,
+                                           head_dim)), dtype),
+        k_pages=jnp.asarray(rng.standard_normal(shape_kv), dtype),
+        v_pages=jnp.asarray(rng.standard_normal(shape_kv), dtype),
+        page_table=jnp.asarray(page_table),
+        seq_lens=jnp.asarray(np.array([kv for _, kv in seqs], np.int32)),
+        query_start_loc=jnp.asarray(lead_tokens + np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)),
+        sm_scale=head_dim ** -0.5,
+        sliding_window=sliding_window,
+        max_q=max(1, int(q_lens.max())),
+    )
+
+
+def oracle(case):
+    return naive_attention(
+        case["q"], case["k_pages"], case["v_pages"], np.asarray(case["page_table"]),
+        np.asarray(case["seq_lens"]), np.asarray(case["query_start_loc"]),
+        sm_scale=case["sm_scale"], sliding_window=case["sliding_window"])
+
+
+def args(case):
+    return (case["q"], case["k_pages"], case["v_pages"], case["page_table"], case["seq_lens"],
+            case["query_start_loc"])
+
+
+def assert_close(out, case):
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    err = np.abs(out - oracle(case)).max()
+    assert err < TOL[jnp.dtype(case["q"].dtype).name], f"max abs err {err}"
+
+
+# Batch slots covering every case: q_len 1, kv_len 1, exact page multiples, an empty slot,
+# decode, prefill chunks after cached context, a whole prompt, KV longer than one kernel chunk.
+def mixed_batch(page_size):
+    ps = page_size
+    return [(1, 1), (0, 0), (1, ps), (ps, ps), (3, 2 * ps), (ps + 1, 4 * ps + 3), (1, 5 * ps + 1),
+            (2 * ps, 2 * ps)]
+
+
+CONFIGS = [  # (group, num_kv_heads, head_dim, page_size, dtype, sliding_window)
+    (1, 2, 64, 16, "float32", None),
+    (4, 1, 128, 32, "bfloat16", 37),
+    (8, 1, 64, 32, "float32", 7),
+    (8, 2, 128, 16, "bfloat16", None),
+]
+
+
+def dispatch(case, backend, **meta):
+    meta = attention.AttentionMetadata(
+        positions=None, slot_mapping=None, page_table=case["page_table"], seq_lens=case["seq_lens"],
+        query_start_loc=case["query_start_loc"], max_q=case["max_q"], backend=backend, **meta)
+    return attention.paged_attention(case["q"], case["k_pages"], case["v_pages"], meta,
+                                     sliding_window=case["sliding_window"], sm_scale=case["sm_scale"])
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "g{}-kvh{}-d{}-ps{}-{}-w{}".format(*c))
+def test_dispatch_matches_oracle_and_reference(backend, config):
+    group, kvh, head_dim, page_size, dtype, window = config
+    case = make_case(0, seqs=mixed_batch(page_size), num_kv_heads=kvh, group=group,
+                     head_dim=head_dim, page_size=page_size, dtype=dtype, pad_tokens=3,
+                     sliding_window=window)
+    out = dispatch(case, backend)
+    assert out.shape == case["q"].shape and out.dtype == case["q"].dtype
+    assert_close(out, case)
+    assert not np.asarray(out[int(case["query_start_loc"][-1]):]).any(), "padding tokens must be 0"
+    if backend != "xla":
+        diff = jnp.abs(out.astype(jnp.float32) - dispatch(case, "xla").astype(jnp.float32)).max()
+        assert diff < TOL[dtype], f"differs from the XLA reference by {diff}"
+
+
+def test_xla_dispatch_pads_decode_rows_separately():
+    # As the runner packs a batch: prefill rows first, then rows of at most one token each.
+    case = make_case(1, seqs=[(5, 20), (16, 16), (1, 9), (0, 0), (1, 33)], num_kv_heads=2, group=4,
+                     head_dim=64, page_size=16, dtype="float32", pad_tokens=2, sliding_window=9)
+    assert_close(dispatch(case, "xla", num_prefill_rows=2), case)
+    assert_close(dispatch(case, "xla", num_prefill_rows=5), case)
+
+
+@st.composite
+def cases(draw):
+    page_size = draw(st.sampled_from([16, 32]))
+    kv_lens = st.one_of(st.sampled_from([1, page_size - 1, page_size, page_size + 1, 2 * page_size]),
+                        st.integers(1, 5 * page_size + 7))
+    seqs = []
+    for _ in range(draw(st.integers(1, 5))):
+        kind = draw(st.sampled_from(["empty", "decode", "prefill", "chunk"]))
+        if kind == "empty":
+            seqs.append((0, 0))
+            continue
+        kv = draw(kv_lens)
+        q_len = {"decode": 1, "prefill": kv}.get(kind) or draw(st.integers(1, kv))
+        seqs.append((q_len, kv))
+    return dict(
+        seed=draw(st.integers(0, 2**31 - 1)),
+        seqs=seqs,
+        num_kv_heads=draw(st.sampled_from([1, 2])),
+        group=draw(st.sampled_from([1, 4, 8])),
+        head_dim=draw(st.sampled_from([64, 128])),
+        page_size=page_size,
+        dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+        pad_tokens=draw(st.integers(0, 3)),
+        lead_tokens=draw(st.sampled_from([0, 0, 0, 2])),
+        sliding_window=draw(st.sampled_from([None, None, 1, 7, page_size, 2 * page_size + 5])),
+    )
+
+
+@settings(max_examples=10, deadline=None)
+@given(cases())
+def test_xla_reference_matches_naive_oracle(spec):
+    case = make_case(**spec)
+    out = reference.ragged_paged_attention_xla(
+        *args(case), max_q=case["max_q"], sm_scale=case["sm_scale"],
+        sliding_window=case["sliding_window"])
+    assert_close(out, case)
+
+
+# Small blocks so that random batches cross q-block, sequence and KV-chunk boundaries.
+@settings(max_examples=4, deadline=None)
+@given(cases())
+def test_tpu_kernel_random_batches(spec):
+    case = make_case(**spec)
+    out = tpu.ragged_paged_attention(
+        *args(case), max_q=case["max_q"], sm_scale=case["sm_scale"],
+        sliding_window=case["sliding_window"], block_rows=8, kv_block=128, interpret=True)
+    assert_close(out, case)
+
+
+@settings(max_examples=4, deadline=None)
+@given(cases())
+def test_gpu_kernel_random_batches(spec):
+    case = make_case(**spec)
+    out = gpu.ragged_paged_attention(
+        *args(case), max_q=case["max_q"], sm_scale=case["sm_scale"],
+        sliding_window=case["sliding_window"], block_rows=16, kv_block=spec["page_size"],
+        interpret=True)
+    assert_close(out, case)
+
+
+# The interpreters skip the Mosaic / Triton lowerings; lowering for the real platform (no device
+# needed) catches kernels that interpret fine but use what the compilers reject.
+@pytest.mark.parametrize("kernel, platform", [(tpu, "tpu"), (gpu, "cuda")], ids=["tpu", "gpu"])
+def test_kernels_lower_for_their_platform(kernel, platform):
+    for dtype, window in [("bfloat16", None), ("float32", 7)]:
+        case = make_case(0, seqs=mixed_batch(16), num_kv_heads=2, group=4, head_dim=128,
+                         page_size=16, dtype=dtype, sliding_window=window)
+        text = kernel.ragged_paged_attention.trace(
+            *args(case), max_q=case["max_q"], sm_scale=case["sm_scale"], sliding_window=window,
+        ).lower(lowering_platforms=(platform,)).as_text()
+        assert {"tpu": "tpu_custom_call", "cuda": "triton"}[platform] in text
