@@ -1,0 +1,224 @@
+"""Continuous batching at iteration level: which sequences run the next step, and how many tokens.
+
+Each `schedule()`:
+  1. Serves the running sequences, decodes first, then prompts being prefilled: one token per
+     decode, the next chunk (at most prefill_chunk_size) per prefill, within
+     max_num_batched_tokens. When the pool is out of pages, the lowest-priority, newest running
+     sequence not yet scheduled this step is preempted by recompute: its pages are freed,
+     num_computed_tokens = 0, and it waits again (in front of later arrivals of its priority),
+     to be recomputed as one prefill of prompt + outputs, so its output is unchanged.
+  2. Admits waiting sequences in (priority, arrival) order while max_num_seqs, the token budget
+     and free pages allow; a long prompt's first chunk rides along with the running decodes.
+     The first waiting sequence that does not get pages stops admission (no overtaking), and
+     a step that preempted admits nothing.
+
+admission_eagerness e in [0, 1]: while any sequence is running (after step 1), the sequences
+admitted in this step together take at most floor(e * max_num_batched_tokens) tokens, and never
+more than step 1 left. With nothing running, admissions may use the whole budget. So e = 1.0
+admits into any leftover budget, and e = 0.0 admits only into an empty batch (static batching:
+a group is admitted, prefilled and decoded to completion before the next one starts). The cap
+holds for first chunks only; an admitted prompt's later chunks are served in step 1.
+
+n > 1: a request's choices arrive as Sequences with the same request_id, index 0..n-1. Choice 0
+is prefilled alone; the others wait until it is running with all prompt tokens but the last
+computed. Then each is forked from it when admitted: it shares choice 0's pages of the first
+prompt_len - 1 tokens (refcounts) and computes the last prompt token itself, which writes into
+the shared last page through copy-on-write, and samples independently. If choice 0 finished
+before a sibling could be admitted, the sibling is prefilled normally (prefix cache helps).
+Forks are exempt from the admission_eagerness cap: their request is already admitted.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from jaxserve.config import EngineConfig
+from jaxserve.kv_cache import BlockManager
+from jaxserve.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int   # seq.token_ids[num_computed : num_computed + num_new_tokens] run this step
+    sample: bool          # this chunk reaches seq.num_tokens: the step yields the next token
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    # (src_page, dst_page) copy-on-write copies to apply before the step's K/V writes, all at
+    # once, reading every src before writing any dst (pages.at[dsts].set(pages[srcs])): a src
+    # released by its copy may be reused later in the step. The dst pages are distinct.
+    page_copies: list[tuple[int, int]]
+    preempted: list[Sequence]
+
+    @property
+    def num_prefill_seqs(self) -> int:
+        return sum(s.num_new_tokens > 1 for s in self.scheduled)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def _order(seq: Sequence):
+    return (seq.priority, seq.arrival_time, seq.seq_id)
+
+
+class Scheduler:
+    def __init__(self, engine_cfg: EngineConfig, block_manager: BlockManager):
+        if not 0.0 <= engine_cfg.admission_eagerness <= 1.0:
+            raise ValueError(f"admission_eagerness must be in [0, 1], got {engine_cfg.admission_eagerness}")
+        self.cfg = engine_cfg
+        self.bm = block_manager
+        self.waiting: list[Sequence] = []    # sorted by _order
+        self.running: list[Sequence] = []    # sorted by _order; the last one is preempted first
+        self.requests: dict[str, list[Sequence]] = {}
+        self.num_preemptions = 0
+
+    # ---- counters for metrics ----
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def page_usage(self) -> float:
+        return self.bm.usage
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.bm.prefix_hit_rate
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- requests ----
+    def add(self, seq: Sequence) -> None:
+        if not seq.prompt_token_ids:
+            raise ValueError(f"request {seq.request_id}: empty prompt")
+        # The last sampled token is never written to the cache.
+        need = self.bm.pages_for(seq.num_prompt_tokens + seq.sampling.max_tokens - 1)
+        if need > self.bm.num_pages:
+            raise ValueError(
+                f"request {seq.request_id}: {seq.num_prompt_tokens} prompt tokens + max_tokens="
+                f"{seq.sampling.max_tokens} need {need} KV pages of {self.bm.page_size} tokens, but the "
+                f"pool has {self.bm.num_pages}; shorten the prompt or lower max_tokens")
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_order)
+        self.requests.setdefault(seq.request_id, []).append(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        aborted = [s for s in self.requests.get(request_id, []) if not s.is_finished]
+        for seq in aborted:
+            self.finish(seq, "abort")
+        return aborted
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.is_finished:
+            return
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if all(s.is_finished for s in self.requests[seq.request_id]):
+            del self.requests[seq.request_id]
+
+    # ---- one step ----
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [], [])
+        scheduled_ids = set()
+        budget = self.cfg.max_num_batched_tokens
+
+        # 1. Running sequences: decodes first (stable sort keeps priority order within each group).
+        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:    # preempted earlier in this loop
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, self.cfg.prefill_chunk_size, budget)
+            if n > 1 and out.num_prefill_seqs >= self.cfg.max_prefill_seqs:
+                continue                                     # the runner's prefill rows are full
+            if self._reserve_or_preempt(seq, n, scheduled_ids, out):
+                out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+                scheduled_ids.add(seq.seq_id)
+                budget -= n
+
+        # 2. Waiting sequences; none after a preemption, which would only take its pages back.
+        if out.preempted:
+            return out
+        cap = int(self.cfg.admission_eagerness * self.cfg.max_num_batched_tokens)
+        admit_budget = min(budget, cap) if self.running else budget
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.cfg.max_num_seqs:
+                break
+            first = self._first_choice(seq)
+            if first is not None and first.status is not SequenceStatus.FINISHED:
+                if first.status is SequenceStatus.WAITING or first.num_computed_tokens < seq.num_prompt_tokens - 1:
+                    continue                                 # wait for choice 0's prefill
+                self.bm.fork(first, seq, seq.num_prompt_tokens - 1)
+                n = 1
+                copies = self.bm.reserve(seq, n)
+                if copies is None:
+                    self.bm.free(seq)
+                    seq.num_computed_tokens = 0
+                    break
+                out.page_copies += copies
+            else:
+                if admit_budget == 0 or out.num_prefill_seqs >= self.cfg.max_prefill_seqs:
+                    continue                                 # forks behind may still join
+                hit = self.bm.match_prefix(seq.token_ids)
+                n = min(seq.num_tokens - len(hit[0]) * self.bm.page_size, self.cfg.prefill_chunk_size, admit_budget)
+                if not self.bm.admit(seq, hit, n):
+                    break
+                admit_budget -= n
+            budget -= n
+            admit_budget = min(admit_budget, budget)
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_order)
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            scheduled_ids.add(seq.seq_id)
+        return out
+
+    def postprocess(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
+        """After the step ran: advance computed tokens, append sampled tokens (seq_id -> token),
+        register newly full pages in the prefix cache."""
+        for s in output.scheduled:
+            seq = s.seq
+            if seq.status is not SequenceStatus.RUNNING:     # aborted while the step ran
+                continue
+            seq.num_computed_tokens += s.num_new_tokens
+            if s.sample:
+                seq.output_token_ids.append(sampled[seq.seq_id])
+            self.bm.cache_full_pages(seq)
+
+    # ---- internals ----
+    def _first_choice(self, seq: Sequence) -> Sequence | None:
+        if seq.index == 0:
+            return None
+        return next((s for s in self.requests[seq.request_id] if s.index == 0), None)
+
+    def _reserve_or_preempt(self, seq: Sequence, n: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:
+        """Pages for seq's next n tokens, preempting from the back of the running queue until they
+        fit. False when seq itself had to be preempted."""
+        while (copies := self.bm.reserve(seq, n)) is None:
+            victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled_ids)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        out.page_copies += copies
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_order)
+        self.num_preemptions += 1

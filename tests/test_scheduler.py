@@ -1,0 +1,320 @@
+"""Scheduler tests against a simulated model.
+
+The fake runner keeps a pool of pages holding, per slot, the token whose K/V were written there.
+It writes each step's tokens through the page table (after the copy-on-write copies) and
+"samples" the next token from the context it reads back through the page table, so a wrong page
+table, a missed copy or a lost page changes the output. Outputs are compared with the same
+deterministic model run directly on the token lists, one request at a time.
+"""
+import dataclasses
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
+from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.kv_cache import BlockManager
+from jaxserve.scheduler import Scheduler
+from jaxserve.sequence import Sequence, SequenceStatus
+
+VOCAB = 37
+
+
+def next_token(context, index):
+    """The simulated model: a deterministic function of the whole context and the choice index."""
+    h = index
+    for t in context:
+        h = (h * 31 + t + 1) % 1_000_003
+    return h % VOCAB
+
+
+def reference(prompt, max_tokens, index=0, stop=()):
+    tokens, out = list(prompt), []
+    while len(out) < max_tokens:
+        out.append(next_token(tokens, index))
+        tokens.append(out[-1])
+        if out[-1] in stop:
+            break
+    return out
+
+
+class FakeRunner:
+    def __init__(self, bm):
+        self.bm = bm
+        self.slots = [None] * (bm.num_pages * bm.page_size)
+
+    def slot(self, seq, pos):
+        ps = self.bm.page_size
+        return seq.page_table[pos // ps] * ps + pos % ps
+
+    def execute(self, out):
+        ps = self.bm.page_size
+        data = [self.slots[s * ps:(s + 1) * ps] for s, _ in out.page_copies]
+        for (_, dst), page in zip(out.page_copies, data):
+            self.slots[dst * ps:(dst + 1) * ps] = page
+        for s in out.scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            tokens = seq.token_ids
+            for pos in range(start, start + s.num_new_tokens):
+                page = seq.page_table[pos // ps]
+                assert self.bm.ref_counts[page] == 1 and page not in self.bm.page_key, "wrote a shared page"
+                self.slots[self.slot(seq, pos)] = tokens[pos]
+        sampled = {}
+        for s in out.scheduled:
+            end = s.seq.num_computed_tokens + s.num_new_tokens
+            context = [self.slots[self.slot(s.seq, p)] for p in range(end)]
+            assert context == s.seq.token_ids[:end], "context read through the page table is wrong"
+            if s.sample:
+                sampled[s.seq.seq_id] = next_token(context, s.seq.index)
+        return sampled
+
+
+def make(num_pages=64, page_size=4, **cfg):
+    cfg = EngineConfig(page_size=page_size, num_pages=num_pages, **cfg)
+    bm = BlockManager(num_pages, page_size, cfg.enable_prefix_caching)
+    return Scheduler(cfg, bm), FakeRunner(bm)
+
+
+def request(rid, prompt, max_tokens=4, n=1, priority=0, arrival=0.0, stop=()):
+    sp = SamplingParams(n=n, max_tokens=max_tokens, priority=priority, stop_token_ids=list(stop))
+    return [Sequence(request_id=rid, prompt_token_ids=list(prompt), sampling=sp, arrival_time=arrival, index=i)
+            for i in range(n)]
+
+
+def add(sched, seqs):
+    for s in seqs:
+        sched.add(s)
+    return seqs
+
+
+def check_step(sched, out):
+    cfg = sched.cfg
+    assert len(out.scheduled) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
+    assert out.num_tokens <= cfg.max_num_batched_tokens
+    assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
+    for s in out.scheduled:
+        assert 1 <= s.num_new_tokens <= cfg.prefill_chunk_size
+        assert s.sample == (s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens)
+        assert s.seq.status is SequenceStatus.RUNNING
+    assert len({d for _, d in out.page_copies}) == len(out.page_copies)
+    refs = [0] * sched.bm.num_pages
+    for seq in sched.running:
+        for p in seq.page_table:
+            refs[p] += 1
+    assert refs == sched.bm.ref_counts
+    assert all(not s.page_table and s.num_computed_tokens == 0 for s in sched.waiting)
+
+
+def step(sched, runner):
+    out = sched.schedule()
+    check_step(sched, out)
+    sched.postprocess(out, runner.execute(out))
+    for s in out.scheduled:
+        seq = s.seq
+        if s.sample and seq.output_token_ids[-1] in seq.sampling.stop_token_ids:
+            sched.finish(seq, "stop")
+        elif s.sample and len(seq.output_token_ids) == seq.sampling.max_tokens:
+            sched.finish(seq, "length")
+    return out
+
+
+def run(sched, runner, max_steps=10_000):
+    outs = []
+    while sched.has_work():
+        outs.append(step(sched, runner))
+        assert len(outs) < max_steps, "scheduler made no progress"
+    return outs
+
+
+def assert_all_pages_back(sched):
+    assert sched.bm.num_free_pages == sched.bm.num_pages and sched.bm.num_used_pages == 0
+    assert not sched.requests
+
+
+def test_chunked_prefill_rides_along_with_decodes():
+    sched, runner = make(max_num_batched_tokens=10, prefill_chunk_size=8)
+    (a,) = add(sched, request("a", [5, 6, 7], max_tokens=8))
+    step(sched, runner)
+    step(sched, runner)
+    (b,) = add(sched, request("b", range(1, 21), max_tokens=2))
+    chunks = []
+    while not b.output_token_ids:
+        out = step(sched, runner)
+        assert [s.seq for s in out.scheduled][0] is a     # a's decode keeps running in every step
+        chunks += [(s.num_new_tokens, s.sample) for s in out.scheduled if s.seq is b]
+    assert chunks == [(8, False), (8, False), (4, True)]
+    run(sched, runner)
+    assert a.output_token_ids == reference([5, 6, 7], 8) and b.output_token_ids == reference(range(1, 21), 2)
+    assert_all_pages_back(sched)
+
+
+def test_budgets_hold_under_load_and_priorities_order_admission():
+    sched, runner = make(max_num_seqs=3, max_num_batched_tokens=12, prefill_chunk_size=5)
+    batch = [add(sched, request(f"b{i}", [i + 1] * 7, max_tokens=5, priority=1, arrival=i))[0] for i in range(4)]
+    online = [add(sched, request(f"o{i}", [i + 9] * 6, max_tokens=5, priority=0, arrival=10 + i))[0] for i in range(4)]
+    first = sched.schedule()
+    assert [s.seq for s in first.scheduled] == online[:3]     # later arrivals, but online first
+    sched.postprocess(first, runner.execute(first))
+    admitted = list(online[:3])
+    for out in run(sched, runner):
+        admitted += [s.seq for s in out.scheduled if s.seq not in admitted]
+    assert admitted.index(online[3]) < min(admitted.index(b) for b in batch)
+    for seq in batch + online:
+        assert seq.output_token_ids == reference(seq.prompt_token_ids, 5)
+    assert_all_pages_back(sched)
+
+
+def test_preemption_takes_newest_lowest_priority_and_recomputes():
+    # 6 pages of 2 tokens; three sequences of 3-token prompts growing to 9 tokens cannot all fit.
+    sched, runner = make(num_pages=6, page_size=2, max_num_seqs=4, max_num_batched_tokens=16,
+                         enable_prefix_caching=False)
+    old_batch = add(sched, request("old-batch", [1, 2, 3], max_tokens=8, priority=1, arrival=0))[0]
+    online1 = add(sched, request("online1", [4, 5, 6], max_tokens=8, arrival=1))[0]
+    online2 = add(sched, request("online2", [7, 8, 9], max_tokens=8, arrival=2))[0]
+    outs = []
+    while not any(o.preempted for o in outs):
+        outs.append(step(sched, runner))
+    assert outs[-1].preempted == [old_batch]                  # batch priority goes first, though oldest
+    assert old_batch.status is SequenceStatus.WAITING and old_batch.num_computed_tokens == 0
+    while len(preempted := [s for o in outs for s in o.preempted]) < 2:
+        assert sched.has_work()
+        outs.append(step(sched, runner))
+    assert preempted[:2] == [old_batch, online2]              # then the newest online one
+    outs += run(sched, runner)
+    recomputed = [s for o in outs for s in o.scheduled if s.seq is old_batch and s.num_new_tokens > 1]
+    assert recomputed and recomputed[-1].sample               # prompt + outputs recomputed in one prefill
+    for seq in (old_batch, online1, online2):
+        assert seq.output_token_ids == reference(seq.prompt_token_ids, 8)
+    assert sched.num_preemptions == len(preempted) >= 2
+    assert_all_pages_back(sched)
+
+
+@pytest.mark.parametrize("eagerness", [0.0, 0.5, 1.0])
+def test_admission_eagerness(eagerness):
+    sched, runner = make(max_num_batched_tokens=16, prefill_chunk_size=16, admission_eagerness=eagerness)
+    (a,) = add(sched, request("a", [1, 2], max_tokens=6))
+    step(sched, runner)
+    (b,) = add(sched, request("b", range(3, 23), max_tokens=2))
+    out = step(sched, runner)
+    b_chunks = [s.num_new_tokens for s in out.scheduled if s.seq is b]
+    if eagerness == 0.0:
+        assert not b_chunks and b.status is SequenceStatus.WAITING
+        while not a.is_finished:
+            assert b.status is SequenceStatus.WAITING
+            step(sched, runner)
+    else:
+        assert b_chunks == [min(15, int(eagerness * 16))]
+    run(sched, runner)
+    assert a.output_token_ids == reference([1, 2], 6) and b.output_token_ids == reference(range(3, 23), 2)
+    assert_all_pages_back(sched)
+
+
+@pytest.mark.parametrize("prompt_len, copies", [(10, 2), (9, 0)])
+def test_n_choices_fork_from_the_first_with_copy_on_write(prompt_len, copies):
+    sched, runner = make(page_size=4)
+    prompt = list(range(1, prompt_len + 1))
+    seqs = add(sched, request("r", prompt, max_tokens=6, n=3))
+    out = step(sched, runner)
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(seqs[0], prompt_len)]
+    out = sched.schedule()
+    check_step(sched, out)
+    forks = [s for s in out.scheduled if s.seq is not seqs[0]]
+    assert [(s.seq, s.num_new_tokens, s.sample) for s in forks] == [(seqs[1], 1, True), (seqs[2], 1, True)]
+    shared = (prompt_len - 1) // 4                            # full pages all three share
+    assert seqs[1].page_table[:shared] == seqs[2].page_table[:shared] == seqs[0].page_table[:shared]
+    assert all(sched.bm.ref_counts[p] == 3 for p in seqs[0].page_table[:shared])
+    last = seqs[0].page_table[shared] if copies else None     # the partial page holding token prompt_len - 2
+    assert out.page_copies == [(last, seqs[1].page_table[shared]), (last, seqs[2].page_table[shared])][:copies]
+    sched.postprocess(out, runner.execute(out))
+    run(sched, runner)
+    outputs = [s.output_token_ids for s in seqs]
+    assert outputs == [reference(prompt, 6, i) for i in range(3)]
+    assert len({tuple(o) for o in outputs}) == 3              # choices sample independently
+    assert_all_pages_back(sched)
+
+
+def test_abort_frees_everything():
+    sched, runner = make(max_num_batched_tokens=8, prefill_chunk_size=8)
+    keep = add(sched, request("keep", [1, 2, 3], max_tokens=10))[0]
+    gone = add(sched, request("gone", range(1, 30), max_tokens=10, n=2))
+    step(sched, runner)
+    step(sched, runner)
+    assert gone[0].page_table and gone[1].status is SequenceStatus.WAITING
+    assert sched.abort("gone") == gone
+    assert all(s.is_finished and s.finish_reason == "abort" and not s.page_table for s in gone)
+    assert sched.abort("gone") == [] and sched.abort("never-seen") == []
+    run(sched, runner)
+    assert keep.output_token_ids == reference([1, 2, 3], 10)
+    assert_all_pages_back(sched)
+
+
+def test_add_rejects_a_request_that_can_never_fit():
+    sched, _ = make(num_pages=4, page_size=4)
+    (fits,) = request("ok", range(10), max_tokens=7)          # 16 tokens with K/V: exactly 4 pages
+    sched.add(fits)
+    with pytest.raises(ValueError, match="KV pages"):
+        sched.add(request("big", range(10), max_tokens=8)[0])
+    with pytest.raises(ValueError, match="empty prompt"):
+        sched.add(request("empty", [], max_tokens=1)[0])
+
+
+def test_prefix_cache_serves_a_repeated_prompt():
+    sched, runner = make(page_size=4, prefill_chunk_size=64)
+    prompt = list(range(1, 15))
+    (a,) = add(sched, request("a", prompt, max_tokens=3))
+    run(sched, runner)
+    (b,) = add(sched, request("b", prompt, max_tokens=3))
+    out = step(sched, runner)
+    assert out.scheduled[0].num_new_tokens == 14 - 12          # three full pages came from the cache
+    assert sched.prefix_hit_rate == 12 / 28
+    run(sched, runner)
+    assert a.output_token_ids == b.output_token_ids == reference(prompt, 3)
+    assert_all_pages_back(sched)
+
+
+BASES = [list(range(1, 13)), [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
+
+
+@st.composite
+def workloads(draw):
+    page_size = draw(st.integers(1, 4))
+    reqs = []
+    for i in range(draw(st.integers(1, 8))):
+        prompt = draw(st.sampled_from(BASES))[:draw(st.integers(0, 12))] + draw(st.lists(st.integers(1, 9), max_size=6))
+        reqs.append(dict(rid=f"r{i}", prompt=prompt or [1], max_tokens=draw(st.integers(1, 8)),
+                         n=draw(st.integers(1, 3)), priority=draw(st.integers(0, 1)),
+                         arrive=draw(st.integers(0, 6)), abort=draw(st.none() | st.integers(0, 12)),
+                         stop=draw(st.lists(st.integers(0, VOCAB - 1), max_size=3))))
+    need = max(-(-(len(r["prompt"]) + r["max_tokens"] - 1) // page_size) for r in reqs)
+    cfg = dict(num_pages=draw(st.integers(need, need + 4)), page_size=page_size,
+               max_num_seqs=draw(st.integers(1, 6)), max_num_batched_tokens=draw(st.integers(1, 24)),
+               prefill_chunk_size=draw(st.integers(1, 12)), enable_prefix_caching=draw(st.booleans()),
+               admission_eagerness=draw(st.sampled_from([0.0, 0.3, 1.0])))
+    return cfg, reqs
+
+
+@settings(max_examples=150, deadline=None)
+@given(workloads())
+def test_random_workloads_finish_with_reference_outputs_and_free_pages(workload):
+    cfg, reqs = workload
+    sched, runner = make(**cfg)
+    seqs, t = {}, 0
+    while sched.has_work() or any(r["arrive"] >= t for r in reqs):
+        for r in reqs:
+            if r["arrive"] == t:
+                seqs[r["rid"]] = add(sched, request(r["rid"], r["prompt"], r["max_tokens"], r["n"], r["priority"], t,
+                                                    stop=r["stop"]))
+            if r["abort"] == t and r["rid"] in seqs:
+                sched.abort(r["rid"])
+        step(sched, runner)
+        t += 1
+        assert t < 5_000, "scheduler made no progress"
+    for r in reqs:
+        for seq in seqs[r["rid"]]:
+            assert seq.is_finished
+            want = reference(r["prompt"], r["max_tokens"], seq.index, r["stop"])
+            if seq.finish_reason == "abort":
+                assert want[:len(seq.output_token_ids)] == seq.output_token_ids
+            else:
+                assert seq.output_token_ids == want
+    assert_all_pages_back(sched)
