@@ -11,6 +11,7 @@ attention.py); the Pallas kernels read the flat ragged batch directly.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import NamedTuple
@@ -92,9 +93,7 @@ class ModelRunner:
                                            engine_cfg.max_num_batched_tokens)
         self.prefill_row_buckets = _pow2_buckets(1, engine_cfg.max_prefill_seqs)
         self.max_copies = max_seqs
-        self._step = jax.jit(self._step_fn, static_argnames=("num_prefill_rows", "max_q"),
-                             donate_argnames=("kv_caches",))
-        self._copy = jax.jit(self._copy_fn, donate_argnames=("kv_caches",))
+        self._step = functools.partial(_step, self.model, backend=self.backend)
 
     # ---- sizing ----
     @property
@@ -110,22 +109,6 @@ class ModelRunner:
         else:
             budget = self.ecfg.kv_cache_mb * 2**20
         return max(budget // self.page_bytes, self.max_pages_per_seq)
-
-    # ---- compiled functions ----
-    def _step_fn(self, params, kv_caches, tokens, positions, slot_mapping, page_table, seq_lens,
-                 query_start_loc, logits_index, *, num_prefill_rows, max_q):
-        meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_table=page_table,
-                                 seq_lens=seq_lens, query_start_loc=query_start_loc, max_q=max_q,
-                                 num_prefill_rows=num_prefill_rows, backend=self.backend)
-        hidden, kv_caches = self.model.apply({"params": params}, tokens, positions, kv_caches, meta)
-        logits = self.model.apply({"params": params}, hidden[logits_index], method=self.model.logits)
-        return logits, kv_caches
-
-    @staticmethod
-    def _copy_fn(kv_caches, src, dst):
-        # Copy-on-write: page dst takes page src's K/V in every layer; dst out of range = no-op.
-        return [(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop"))
-                for k, v in kv_caches]
 
     # ---- one step ----
     def execute(self, out: SchedulerOutput, seeds: dict[int, int]) -> dict[int, SampleResult]:
@@ -160,7 +143,7 @@ class ModelRunner:
             src = np.zeros(self.max_copies, np.int32)
             dst = np.full(self.max_copies, self.num_pages, np.int32)  # out of range: dropped
             src[:len(chunk)], dst[:len(chunk)] = zip(*chunk)
-            self.kv_caches = self._copy(self.kv_caches, src, dst)
+            self.kv_caches = _copy_pages(self.kv_caches, src, dst)
 
     def _pack(self, out: SchedulerOutput) -> "_Batch":
         prefill = [s for s in out.scheduled if s.num_new_tokens > 1]
@@ -237,6 +220,26 @@ class ModelRunner:
         n = CompileCounter.count - before
         log.info("warm-up: %d compilations (%d step shapes) in %.1fs", n, len(shapes), time.perf_counter() - t0)
         return n
+
+
+# Module-level jits with the model as a static argument: engines with the same model and shapes
+# share compilations within a process.
+@functools.partial(jax.jit, static_argnames=("model", "backend", "num_prefill_rows", "max_q"),
+                   donate_argnames=("kv_caches",))
+def _step(model, params, kv_caches, tokens, positions, slot_mapping, page_table, seq_lens,
+          query_start_loc, logits_index, *, backend, num_prefill_rows, max_q):
+    meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_table=page_table,
+                             seq_lens=seq_lens, query_start_loc=query_start_loc, max_q=max_q,
+                             num_prefill_rows=num_prefill_rows, backend=backend)
+    hidden, kv_caches = model.apply({"params": params}, tokens, positions, kv_caches, meta)
+    logits = model.apply({"params": params}, hidden[logits_index], method=model.logits)
+    return logits, kv_caches
+
+
+@functools.partial(jax.jit, donate_argnames=("kv_caches",))
+def _copy_pages(kv_caches, src, dst):
+    # Copy-on-write: page dst takes page src's K/V in every layer; dst out of range = no-op.
+    return [(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop")) for k, v in kv_caches]
 
 
 class _Batch(NamedTuple):
