@@ -1,0 +1,306 @@
+"""Attention kernel benchmark: our Pallas kernels vs the XLA reference vs the kernels that ship
+with JAX, on this machine's default device.
+
+  prefill  flash attention, causal, batch 1, over sequence lengths          -> TFLOP/s
+  decode   ragged paged attention, one token per sequence, over batch size,
+           context length and page size                                     -> GB/s of K/V read
+  mixed    prefill chunks and decodes in one ragged batch                   -> both
+  kv write the XLA scatter of new K/V into the page pool (jaxserve.attention.write_kv)
+
+Each figure stands beside the chip's datasheet peak. On CPU only the XLA path runs (no Pallas
+without interpret mode, which times nothing useful). Writes benchmarks/results/kernels_<device>.md.
+
+  python benchmarks/kernels.py [--quick]
+"""
+import argparse
+import datetime
+import functools
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.attention import write_kv
+from pallas_kernels.flash_attention.reference import causal_attention
+from pallas_kernels.paged_attention.reference import ragged_paged_attention_xla
+
+# Datasheet peaks: dense bf16 TFLOP/s, HBM GB/s. Matched against jax's device_kind.
+PEAKS = {
+    "H200": ("h200", 989, 4800),
+    "H100": ("h100", 989, 3350),  # SXM; PCIe is 756 / 2000
+    "TPU v5 lite": ("tpu-v5e", 197, 819),
+    "TPU v5e": ("tpu-v5e", 197, 819),
+    "TPU v6 lite": ("tpu-v6e", 918, 1640),
+    "TPU v6e": ("tpu-v6e", 918, 1640),
+}
+
+
+def device_info():
+    """(file slug, device kind, peak TFLOP/s or None, peak GB/s or None)."""
+    kind = jax.devices()[0].device_kind
+    for key, (slug, tflops, gbs) in PEAKS.items():
+        if key in kind:
+            return slug, kind, tflops, gbs
+    return kind.lower().replace(" ", "-"), kind, None, None
+
+
+def time_ms(fn, *args, iters):
+    """Median wall time of fn(*args) in ms, after one call to compile. Inputs are arguments, not
+    closures, so jit never bakes them into the program as constants."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e3
+
+
+def attempt(fn):
+    """Run one timing; a kernel that fails on this chip becomes a row saying why."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - a benchmark row, not control flow
+        return f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
+
+
+# ---------------------------------------------------------------- prefill (flash attention)
+
+def prefill_impls(platform, sm_scale):
+    """name -> (prepare, run): prepare(q, k, v) makes the kernel's inputs once (layouts, K/V
+    repeated for kernels without GQA), run(*inputs) is timed. q [B, T, H, D], k/v [B, T, KVH, D]."""
+    same = lambda q, k, v: (q, k, v)  # noqa: E731
+    repeated = lambda q, k, v: (q, repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2]))  # noqa: E731
+    impls = {"xla reference": (same, jax.jit(functools.partial(causal_attention, sm_scale=sm_scale)))}
+    if platform == "gpu":
+        from jax.experimental.pallas.ops.gpu import attention, attention_mgpu
+        from pallas_kernels.flash_attention import gpu
+        impls["ours (Mosaic GPU)"] = (same, functools.partial(gpu.flash_attention, sm_scale=sm_scale))
+        impls["jax mha (Triton)"] = (repeated, lambda q, k, v: attention.mha(
+            q, k, v, None, sm_scale=sm_scale, causal=True))
+        config = attention_mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2,
+                                             causal=True)
+        impls["jax attention_mgpu"] = (same, jax.jit(functools.partial(attention_mgpu.attention,
+                                                                       config=config)))
+    if platform == "tpu":
+        from jax.experimental.pallas.ops.tpu import flash_attention
+        from jax.experimental.pallas.ops.tpu.splash_attention import (
+            splash_attention_kernel as splash, splash_attention_mask as splash_mask)
+        from pallas_kernels.flash_attention import tpu
+        impls["ours (Mosaic TPU)"] = (same, functools.partial(tpu.flash_attention, sm_scale=sm_scale))
+
+        def heads_first(q, k, v):  # JAX's TPU kernels: [B, H, T, D], K/V repeated to H heads
+            return tuple(x.transpose(0, 2, 1, 3) for x in repeated(q, k, v))
+
+        impls["jax flash_attention"] = (heads_first, functools.partial(
+            flash_attention.flash_attention, causal=True, sm_scale=sm_scale))
+
+        def splash_run(q, k, v):  # [B, H, T, D]; splash does not scale
+            h, t = q.shape[1], q.shape[2]
+            kernel = splash.make_splash_mha_single_device(
+                splash_mask.MultiHeadMask([splash_mask.CausalMask((t, t))] * h))
+            return jax.vmap(kernel)(q * sm_scale, k, v)
+
+        impls["jax splash_attention"] = (heads_first, jax.jit(splash_run))
+    return impls
+
+
+def repeat_kv(x, num_heads):
+    return jnp.repeat(x, num_heads // x.shape[2], axis=2)
+
+
+def bench_prefill(platform, seq_lens, heads, dtype, iters, peak_tflops):
+    num_heads, num_kv_heads, head_dim = heads
+    impls = prefill_impls(platform, head_dim ** -0.5)
+    rows = []
+    for t in seq_lens:
+        kq, kk, kv = jax.random.split(jax.random.key(t), 3)
+        q = jax.random.normal(kq, (1, t, num_heads, head_dim), dtype)
+        k = jax.random.normal(kk, (1, t, num_kv_heads, head_dim), dtype)
+        v = jax.random.normal(kv, (1, t, num_kv_heads, head_dim), dtype)
+        flops = 4 * num_heads * head_dim * t * (t + 1) / 2  # QK^T and PV over the causal half
+        for name, (prepare, run) in impls.items():
+            ms = attempt(lambda: time_ms(run, *prepare(q, k, v), iters=iters))
+            rows.append(perf_row(name, f"T={t}", ms, flops=flops, peak_tflops=peak_tflops))
+    return rows
+
+
+# ---------------------------------------------------------------- decode / mixed (paged)
+
+def paged_case(q_lens, ctx_lens, page_size, heads, dtype, seed=0):
+    """A ragged batch with each sequence's pages scattered through the pool."""
+    num_heads, num_kv_heads, head_dim = heads
+    rng = np.random.default_rng(seed)
+    pages_per_seq = max(math.ceil(c / page_size) for c in ctx_lens)
+    pages_per_seq = 1 << (pages_per_seq - 1).bit_length()  # JAX's GPU kernel splits it in 2^k
+    num_pages = len(ctx_lens) * pages_per_seq
+    table = rng.permutation(num_pages).reshape(len(ctx_lens), pages_per_seq).astype(np.int32)
+    kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    return dict(
+        q=jax.random.normal(kq, (sum(q_lens), num_heads, head_dim), dtype),
+        k_pages=jax.random.normal(kk, shape, dtype), v_pages=jax.random.normal(kv, shape, dtype),
+        page_table=jnp.asarray(table), seq_lens=jnp.asarray(ctx_lens, jnp.int32),
+        query_start_loc=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+        max_q=max(q_lens), sm_scale=head_dim ** -0.5)
+
+
+def paged_impls(platform, case, decode_only):
+    """name -> (run, inputs), inputs in the kernel's own layout, made once."""
+    a = tuple(case[n] for n in ("q", "k_pages", "v_pages", "page_table", "seq_lens", "query_start_loc"))
+    kw = dict(max_q=case["max_q"], sm_scale=case["sm_scale"])
+    impls = {"xla reference": (functools.partial(ragged_paged_attention_xla, **kw), a)}
+    if platform in ("gpu", "tpu"):
+        from pallas_kernels.paged_attention import gpu, tpu
+        name, module = {"gpu": ("ours (Triton)", gpu), "tpu": ("ours (Mosaic TPU)", tpu)}[platform]
+        impls[name] = (functools.partial(module.ragged_paged_attention, **kw), a)
+    q, k_pages, v_pages, table, lens, qsl = a
+    scaled_q = q * case["sm_scale"]  # JAX's paged kernels do not scale
+    heads_major = lambda x: x.transpose(2, 0, 1, 3)  # noqa: E731  [KVH, N, page_size, D]
+    if platform == "gpu" and decode_only:
+        from jax.experimental.pallas.ops.gpu import paged_attention
+        splits = min(16, table.shape[1])
+        impls["jax paged_attention (Triton)"] = (functools.partial(
+            paged_attention.paged_attention, k_splits=splits,
+            pages_per_compute_block=min(8, table.shape[1] // splits)),
+            (scaled_q, heads_major(k_pages), heads_major(v_pages), table, lens))
+    if platform == "tpu":
+        from jax.experimental.pallas.ops.tpu import paged_attention, ragged_paged_attention
+        kv = jnp.stack([k_pages, v_pages], axis=3).reshape(  # K and V heads interleaved
+            *k_pages.shape[:2], 2 * k_pages.shape[2], k_pages.shape[3])
+        impls["jax ragged_paged_attention"] = (functools.partial(
+            ragged_paged_attention.ragged_paged_attention, sm_scale=case["sm_scale"]),
+            (q, kv, lens, table, qsl, jnp.array([len(lens)], jnp.int32)))
+        if decode_only:
+            impls["jax paged_attention"] = (functools.partial(
+                paged_attention.paged_attention, pages_per_compute_block=min(8, table.shape[1])),
+                (scaled_q, heads_major(k_pages), heads_major(v_pages), lens, table))
+    return impls
+
+
+def bench_paged(platform, batches, heads, dtype, iters, peaks):
+    """batches: (label, q_lens, ctx_lens, page_size). Reports GB/s of the K/V the batch must read
+    (plus q and out) and TFLOP/s of the visible scores; our kernels' max error vs XLA."""
+    num_heads, num_kv_heads, head_dim = heads
+    itemsize = jnp.dtype(dtype).itemsize
+    peak_tflops, peak_gbs = peaks
+    rows = []
+    for label, q_lens, ctx_lens, page_size in batches:
+        case = paged_case(q_lens, ctx_lens, page_size, heads, dtype)
+        moved = (2 * sum(ctx_lens) * num_kv_heads + 2 * sum(q_lens) * num_heads) * head_dim * itemsize
+        visible = sum(ql * c - ql * (ql - 1) / 2 for ql, c in zip(q_lens, ctx_lens))
+        impls = paged_impls(platform, case, decode_only=max(q_lens) == 1)
+        expected = None
+        for name, (run, inputs) in impls.items():
+            ms = attempt(lambda: time_ms(run, *inputs, iters=iters))
+            err = ""
+            if name.startswith("ours") and not isinstance(ms, str):
+                if expected is None:
+                    ref_run, ref_inputs = impls["xla reference"]
+                    expected = ref_run(*ref_inputs).astype(jnp.float32)
+                err = f"{float(jnp.abs(run(*inputs).astype(jnp.float32) - expected).max()):.1e}"
+            rows.append(perf_row(name, label, ms, bytes_=moved, flops=4 * num_heads * head_dim * visible,
+                                 peak_gbs=peak_gbs, peak_tflops=peak_tflops, err=err))
+    return rows
+
+
+def bench_write_kv(tokens, pool_pages, page_size, heads, dtype, iters, peak_gbs):
+    """The scatter of T new K/V rows into a donated pool (in place, as in the engine)."""
+    _, num_kv_heads, head_dim = heads
+    write = jax.jit(write_kv, donate_argnums=(0, 1))
+    rows = []
+    for t in tokens:
+        shape = (pool_pages, page_size, num_kv_heads, head_dim)
+        pools = [jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)]
+        k = v = jnp.ones((t, num_kv_heads, head_dim), dtype)
+        slots = jnp.asarray(np.random.default_rng(t).permutation(pool_pages * page_size)[:t], jnp.int32)
+
+        def step():
+            pools[:] = write(*pools, k, v, slots)
+            return pools
+
+        ms = time_ms(step, iters=iters)
+        new_kv = 2 * t * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize  # read once, written once
+        rows.append(perf_row("write_kv (XLA scatter)", f"T={t}", ms, bytes_=2 * new_kv,
+                             peak_gbs=peak_gbs))
+    return rows
+
+
+# ---------------------------------------------------------------- report
+
+def perf_row(name, shape, ms, *, flops=None, bytes_=None, peak_tflops=None, peak_gbs=None, err=""):
+    def rate(amount, scale, peak):
+        if amount is None or isinstance(ms, str):
+            return "", ""
+        value = amount / (ms * 1e-3) / scale
+        return f"{value:.3g}", (f"{100 * value / peak:.0f}%" if peak else "n/a")
+
+    tflops, tflops_pct = rate(flops, 1e12, peak_tflops)
+    gbs, gbs_pct = rate(bytes_, 1e9, peak_gbs)
+    ms = ms if isinstance(ms, str) else f"{ms:.3f}"
+    return [name, shape, ms, tflops, tflops_pct, gbs, gbs_pct, err]
+
+
+def table(title, rows):
+    head = ["kernel", "shape", "ms", "TFLOP/s", "% peak", "GB/s", "% peak", "max err vs xla"]
+    lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke run)")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+
+    platform = jax.default_backend()
+    slug, kind, peak_tflops, peak_gbs = device_info()
+    accel = platform in ("gpu", "tpu")
+    dtype = jnp.bfloat16 if accel else jnp.float32
+    heads = (32, 8, 128)  # Llama-3-8B: 32 query heads, 8 KV heads, head_dim 128
+    if args.quick:
+        heads, iters = (8, 2, 64), 3
+        seq_lens, tokens = [128, 256], [64]
+        decode = [(b, c, ps) for b in (4,) for c in (64, 256) for ps in (16, 32)]
+        mixed = [("2 x 32-token chunks + 6 decodes", [32, 32] + [1] * 6, [64] * 8, 16)]
+    else:
+        iters = 20
+        seq_lens, tokens = [1024, 2048, 4096, 8192], [64, 512, 4096]
+        decode = [(b, c, ps) for b in (8, 32, 128) for c in (1024, 4096) for ps in (16, 32)]
+        mixed = [("4 x 512-token chunks + 60 decodes, ctx 2048", [512] * 4 + [1] * 60, [2048] * 64, 16)]
+    decode = [(f"B={b} ctx={c} page={ps}", [1] * b, [c] * b, ps) for b, c, ps in decode]
+
+    sections = [
+        ("Prefill: causal flash attention, batch 1",
+         bench_prefill(platform, seq_lens, heads, dtype, iters, peak_tflops)),
+        ("Decode: ragged paged attention, 1 token per sequence",
+         bench_paged(platform, decode, heads, dtype, iters, (peak_tflops, peak_gbs))),
+        ("Mixed: prefill chunks + decodes in one ragged batch",
+         bench_paged(platform, mixed, heads, dtype, iters, (peak_tflops, peak_gbs))),
+        ("KV write: scatter of new K/V into the page pool (bytes: read + write)",
+         bench_write_kv(tokens, 4096 if args.quick else 65536, 16, heads, dtype, iters, peak_gbs)),
+    ]
+    peak = (f"{peak_tflops} TFLOP/s bf16, {peak_gbs} GB/s HBM (datasheet)" if peak_tflops
+            else "no datasheet peak for this device")
+    report = [
+        f"# Attention kernels on {kind}", "",
+        f"jax {jax.__version__}, {datetime.date.today()}, dtype {jnp.dtype(dtype).name}, "
+        f"heads (q, kv, dim) = {heads}, {'--quick' if args.quick else 'full'} run. Peak: {peak}.",
+        "Median of {} calls after compile.".format(iters),
+        "" if accel else "CPU: XLA reference only (the Pallas kernels need a GPU or TPU).", "",
+    ] + [table(title, rows) for title, rows in sections]
+    text = "\n".join(report)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"kernels_{slug}{'_quick' if args.quick else ''}.md")
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
