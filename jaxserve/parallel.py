@@ -34,8 +34,6 @@ MESH_AXES = ("data", "model", "seq")
 
 # Logical axis name -> mesh axis (None = replicated).
 LOGICAL_RULES = {
-    "batch": "data",
-    "length": "seq",
     "vocab": "model",
     "embed": None,
     "heads": "model",
@@ -71,13 +69,14 @@ KV_CACHE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
 
 
 def make_mesh(mesh_shape: dict[str, int] | None = None, devices=None) -> Mesh:
-    """A ("data", "model", "seq") mesh; missing axes are 1. The product must equal len(devices)."""
+    """A ("data", "model", "seq") mesh; missing axes are 1. The product must equal
+    len(devices); without `devices`, the first that many of jax.devices() are used."""
     shape = {"data": 1, "model": 1, "seq": 1, **(mesh_shape or {})}
     unknown = set(shape) - set(MESH_AXES)
     if unknown:
         raise ValueError(f"unknown mesh axes {sorted(unknown)}; the axes are {MESH_AXES}")
-    devices = list(jax.devices() if devices is None else devices)
     sizes = [int(shape[a]) for a in MESH_AXES]
+    devices = list(jax.devices()[:math.prod(sizes)] if devices is None else devices)
     if math.prod(sizes) != len(devices):
         raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
                          f"got {len(devices)}")
@@ -129,6 +128,14 @@ def kv_cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
     kv heads over "model", replicated when they do not divide the "model" axis size."""
     shape = (0, 0, cfg.num_kv_heads, cfg.head_dim)
     return NamedSharding(mesh, logical_to_spec(KV_CACHE_AXES, shape, mesh, cfg))
+
+
+def logits_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
+    """[batch, vocab] logits as the vocab-split lm_head produces them. Constrain the logits to
+    this right after the projection: left alone, XLA may all-gather the whole lm_head instead
+    of the [batch, vocab / tp] logits when something downstream wants them replicated."""
+    vocab = logical_to_spec(("vocab",), (cfg.vocab_size,), mesh, cfg)
+    return NamedSharding(mesh, P(None, *vocab))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -1,0 +1,75 @@
+"""Sequence-parallel prefill: one long prompt split in equal chunks over the "seq" mesh axis.
+
+`shard_map` is manual over "seq" only; "model" stays automatic inside, so it composes with
+tensor parallelism. Each shard embeds its chunk and runs it through every layer; only the
+attention needs the other chunks.
+
+Attention uses an all-gather, not a ring: in every layer the chunks' new K/V are all-gathered
+over "seq" and every shard writes the whole prompt's K/V into its copy of the paged cache
+(the cache is replicated over "seq" because decoding afterwards reads all of it on every
+device). The local queries then attend through the page table exactly like a plain prefill,
+reaching earlier chunks and any cached prefix. A ring (ppermute of K/V blocks) would avoid
+holding the full K/V per device, but the full K/V must land in every device's cache anyway,
+so it would save no memory and pay n-1 dependent transfers instead of one collective.
+The causal mask leaves later chunks more work than earlier ones (shard i sees i+1 chunks);
+fine for the prefill lengths served here, a zigzag split would even it out.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxserve import parallel
+from jaxserve.attention import AttentionMetadata
+from jaxserve.config import ModelConfig
+
+
+@functools.partial(jax.jit, static_argnames=("model", "mesh", "backend"),
+                   donate_argnames=("kv_caches",))
+def sequence_parallel_prefill(model, mesh, params, kv_caches, tokens, num_tokens, num_cached,
+                              page_table_row, *, backend: str = "xla"):
+    """Prefill one sequence's `num_tokens` new tokens split over the "seq" axis.
+
+    tokens: int32[T], T a multiple of the "seq" size, real tokens first then padding;
+    num_cached: tokens of this sequence already in the cache (the new ones follow them);
+    page_table_row: int32[P], the sequence's pages (covering num_cached + num_tokens).
+    Returns (float32[1, vocab] logits of the last new token, updated kv_caches).
+    """
+    cfg: ModelConfig = model.cfg
+    n = mesh.shape["seq"]
+    t = tokens.shape[0]
+    if t % n:
+        raise ValueError(f"prefill length {t} is not a multiple of the seq axis size {n}")
+    chunk = t // n
+    num_pages, page_size = kv_caches[0][0].shape[:2]
+    idx = jnp.arange(t)
+    positions = num_cached + idx
+    page = page_table_row[jnp.minimum(positions // page_size, page_table_row.shape[0] - 1)]
+    slots = jnp.where(idx < num_tokens, page * page_size + positions % page_size,
+                      num_pages * page_size)  # out of range: padding is not written
+    kv_spec = parallel.kv_cache_sharding(cfg, mesh).spec
+
+    def shard(params, kv_caches, tokens, positions, slots):
+        # Every local token counts as a query (padding too: its output is never read), so
+        # query_start_loc is the same on all shards; seq_lens ends at this chunk's end.
+        s = jax.lax.axis_index("seq")
+        meta = AttentionMetadata(
+            positions=positions, slot_mapping=slots, page_table=page_table_row[None],
+            seq_lens=(num_cached + (s + 1) * chunk)[None],
+            query_start_loc=jnp.array([0, chunk], jnp.int32),
+            max_q=chunk, backend=backend, seq_axis="seq", kv_sharding=kv_spec)
+        hidden, kv_caches = model.apply({"params": params}, tokens, positions, kv_caches, meta)
+        last = num_tokens - 1
+        h = jnp.where(last // chunk == s, hidden[last % chunk], 0)
+        return jax.lax.psum(h, "seq"), kv_caches
+
+    h, kv_caches = jax.shard_map(
+        shard, mesh=mesh, in_specs=(P(), P(), P("seq"), P("seq"), P()), out_specs=(P(), P()),
+        # check_vma off: all_gather's result is typed as varying over "seq" although every shard
+        # holds the same values, so the (truly replicated) cache output could not be declared P().
+        axis_names={"seq"}, check_vma=False)(params, kv_caches, tokens, positions, slots)
+    logits = model.apply({"params": params}, h[None], method=model.logits)
+    return logits, kv_caches

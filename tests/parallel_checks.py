@@ -1,0 +1,231 @@
+"""Multi-device checks, run by tests/test_parallel.py in a subprocess with 8 fake CPU devices
+(XLA_FLAGS must be set before jax is imported, which the pytest workers already did).
+
+`python tests/parallel_checks.py <check>` prints one JSON line of measured values; the pytest
+side asserts on them. Reference: jaxserve.generate.greedy_generate on one device (contiguous
+cache, no mesh, no sharding).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
+
+import collections  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxserve import checkpoint, parallel  # noqa: E402
+from jaxserve.attention import AttentionMetadata  # noqa: E402
+from jaxserve.config import ModelConfig  # noqa: E402
+from jaxserve.generate import greedy_generate  # noqa: E402
+from jaxserve.models import build_model  # noqa: E402
+from jaxserve.sequence_parallel import sequence_parallel_prefill  # noqa: E402
+
+PAGE_SIZE = 4
+NUM_PAGES = 24
+NEW_TOKENS = 4
+STEP_TOKENS = 24  # every step is padded to this many tokens, so each mesh compiles one step
+STEP_MAX_Q = 16
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast")
+
+
+def hf_config(num_kv_heads: int, qkv_bias: bool, tied: bool) -> dict:
+    """A small random Llama (Qwen2 when qkv_bias): 8 heads of 8, 2 layers, vocab 256."""
+    return {
+        "architectures": ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"],
+        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "num_key_value_heads": num_kv_heads, "head_dim": 8,
+        "max_position_embeddings": 256, "rope_theta": 10000.0, "tie_word_embeddings": tied,
+    }
+
+
+CONFIGS = {
+    "even": hf_config(8, qkv_bias=True, tied=False),   # every head count divides TP 2, 4, 8
+    "gqa2": hf_config(2, qkv_bias=False, tied=True),   # 2 kv heads: replicated K/V under TP 4
+}
+
+
+@functools.cache
+def model_and_params(name: str):
+    """The config and random params as host arrays (no init compile; device_put slices them)."""
+    cfg = ModelConfig.from_hf_dict(CONFIGS[name])
+    rng = np.random.default_rng(1)
+    shapes = checkpoint.param_shapes(cfg)
+    params = jax.tree.map(lambda s: (0.1 * rng.standard_normal(s.shape) + (len(s.shape) == 1))
+                          .astype(np.float32), shapes)
+    return cfg, params
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, 13).tolist(), rng.integers(0, 256, 7).tolist()]
+
+
+def page_rows() -> np.ndarray:
+    """Scattered (not contiguous) pages per sequence, so the page table matters."""
+    order = np.random.default_rng(1).permutation(NUM_PAGES).astype(np.int32)
+    return order.reshape(2, NUM_PAGES // 2)
+
+
+def make_step(model, mesh, cfg):
+    """One paged step on `mesh` (prefill or decode): logits of `last` gathered, KV donated.
+    Tokens past qsl[-1] are padding (not written)."""
+    kv_sharding = parallel.kv_cache_sharding(cfg, mesh)
+    logits_sharding = parallel.logits_sharding(cfg, mesh)
+
+    @functools.partial(jax.jit, static_argnames=("max_q",), donate_argnames=("kv",),
+                       out_shardings=(parallel.replicated(mesh), kv_sharding))
+    def step(params, kv, tokens, positions, page_table, seq_lens, qsl, last, *, max_q):
+        idx = jnp.arange(tokens.shape[0])
+        seq = jnp.minimum(jnp.searchsorted(qsl[1:], idx, side="right"), page_table.shape[0] - 1)
+        slots = page_table[seq, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        slots = jnp.where(idx < qsl[-1], slots, NUM_PAGES * PAGE_SIZE)
+        meta = AttentionMetadata(positions=positions, slot_mapping=slots, page_table=page_table,
+                                 seq_lens=seq_lens, query_start_loc=qsl, max_q=max_q,
+                                 kv_sharding=kv_sharding)
+        hidden, kv = model.apply({"params": params}, tokens, positions, kv, meta)
+        logits = model.apply({"params": params}, hidden[last], method=model.logits)
+        return jax.lax.with_sharding_constraint(logits, logits_sharding), kv
+
+    return step
+
+
+def empty_cache(cfg, mesh):
+    sharding = parallel.kv_cache_sharding(cfg, mesh)
+    shape = (NUM_PAGES, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)
+    return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+
+
+def step_args(new_tokens: list[list[int]], starts: list[int], rows: np.ndarray,
+              pad_to: int = STEP_TOKENS):
+    """Arrays of one ragged step: sequence i brings new_tokens[i] after starts[i] cached ones."""
+    lens = np.array([len(t) for t in new_tokens], np.int32)
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    pad = pad_to - qsl[-1]
+    tokens = np.concatenate(new_tokens + [[0] * pad]).astype(np.int32)
+    positions = np.concatenate([s + np.arange(n) for s, n in zip(starts, lens)] + [[0] * pad])
+    return (tokens, positions.astype(np.int32), rows, np.asarray(starts, np.int32) + lens, qsl,
+            qsl[1:] - 1)
+
+
+def decode_args(tokens, lens, pad_to: int = STEP_TOKENS):
+    return step_args([[t] for t in tokens], [n - 1 for n in lens], page_rows(), pad_to)
+
+
+def sharded_generate(cfg, params, mesh, sequence_parallel: bool):
+    """Greedy generation on `mesh`: one ragged prefill step, or sequence-parallel prefills
+    (the first prompt's first PREFIX tokens already cached by a plain step, the second whole),
+    then batched decode steps. Returns tokens and the logits behind each."""
+    model = build_model(cfg)
+    step = make_step(model, mesh, cfg)
+    kv = empty_cache(cfg, mesh)
+    ps, rows = prompts(), page_rows()
+    lens = np.array([len(p) for p in ps], np.int32)
+    if sequence_parallel:
+        prefix = 5
+        _, kv = step(params, kv, *step_args([ps[0][:prefix]], [0], rows[:1]), max_q=STEP_MAX_Q)
+        out = []
+        for i, start in enumerate([prefix, 0]):
+            new = ps[i][start:]
+            toks = np.zeros(16, np.int32)  # one bucket, a multiple of every seq size tested
+            toks[:len(new)] = new
+            logits, kv = sequence_parallel_prefill(model, mesh, params, kv, toks, np.int32(len(new)),
+                                                   np.int32(start), rows[i])
+            out.append(np.asarray(logits)[0])
+        logits = np.stack(out)
+    else:
+        logits, kv = step(params, kv, *step_args(ps, [0, 0], rows), max_q=STEP_MAX_Q)
+    all_logits, out = [], []
+    for i in range(NEW_TOKENS):
+        logits = np.asarray(logits)
+        all_logits.append(logits)
+        out.append(logits.argmax(-1))
+        if i == NEW_TOKENS - 1:
+            break
+        lens = lens + 1
+        logits, kv = step(params, kv, *decode_args(out[-1], lens), max_q=STEP_MAX_Q)
+    return np.stack(out, 1), np.stack(all_logits, 1)
+
+
+def check_generate(meshes: list[tuple[str, dict, bool]]) -> dict:
+    """For each (config, mesh shape, sequence_parallel): greedy tokens equal to one device's,
+    and the largest logit difference."""
+    results = {}
+    refs = {}
+    for name, shape, sp in meshes:
+        cfg, params = model_and_params(name)
+        if name not in refs:
+            refs[name] = greedy_generate(cfg, params, prompts(), NEW_TOKENS, return_logits=True)
+        ref_tokens, ref_logits = refs[name]
+        mesh = parallel.make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))])
+        sharded = jax.device_put(params, parallel.param_shardings(params, mesh, cfg))
+        tokens, logits = sharded_generate(cfg, sharded, mesh, sp)
+        key = f"{name} {shape} {'sp' if sp else 'step'}"
+        results[key] = {"tokens_equal": tokens.tolist() == ref_tokens,
+                        "max_logit_diff": float(np.abs(logits - ref_logits).max())}
+    return results
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """Collective ops in compiled HLO; async pairs (-start/-done) count once."""
+    ops = re.findall(r"=\s*\S+\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo_text)
+    return dict(collections.Counter(ops))
+
+
+def decode_step_hlo(name: str, shape: dict) -> str:
+    cfg, params = model_and_params(name)
+    mesh = parallel.make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))])
+    params = jax.device_put(params, parallel.param_shardings(params, mesh, cfg))
+    step = make_step(build_model(cfg), mesh, cfg)
+    args = decode_args([1, 2], [5, 3], pad_to=2)
+    return step.lower(params, empty_cache(cfg, mesh), *args, max_q=1).compile().as_text()
+
+
+def check_hlo() -> dict:
+    out = {}
+    for name in CONFIGS:
+        cfg = ModelConfig.from_hf_dict(CONFIGS[name])
+        out[name] = {"layers": cfg.num_layers,
+                     "collectives": count_collectives(decode_step_hlo(name, {"model": 4}))}
+    return out
+
+
+def check_param_bytes() -> dict:
+    """Load a save_pretrained checkpoint straight into TP 4 shardings; bytes on device 0."""
+    cfg, params = model_and_params("even")
+    mesh = parallel.make_mesh({"model": 4}, jax.devices()[:4])
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint.save_pretrained(params, CONFIGS["even"], d)
+        loaded = checkpoint.load_params(d, cfg, shardings=parallel.param_shardings(
+            checkpoint.param_shapes(cfg), mesh, cfg))
+    leaves = jax.tree.leaves(loaded)
+    dev = jax.devices()[0]
+    per_device = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == dev)
+    same = all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(leaves, jax.tree.leaves(params)))
+    return {"total": sum(x.nbytes for x in leaves), "per_device": per_device,
+            "values_equal": bool(same)}
+
+
+CHECKS = {
+    "tp": lambda: check_generate([("even", {"model": 2}, False), ("even", {"model": 4}, False),
+                                  ("even", {"model": 8}, False), ("gqa2", {"model": 4}, False)]),
+    "sp": lambda: check_generate([("even", {"seq": 2}, True), ("even", {"seq": 4}, True),
+                                  ("even", {"model": 2, "seq": 2}, True)]),
+    "hlo": check_hlo,
+    "param_bytes": check_param_bytes,
+}
+
+if __name__ == "__main__":
+    print(json.dumps(CHECKS[sys.argv[1]]()))

@@ -1,0 +1,128 @@
+"""Mesh and sharding rules (in process, on abstract meshes), and tensor / sequence parallel
+runs on 8 fake CPU devices (in a subprocess: the device count is fixed when jax starts)."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from jaxserve import parallel
+from jaxserve.checkpoint import param_shapes
+from jaxserve.config import ModelConfig
+
+CHECKS = os.path.join(os.path.dirname(__file__), "parallel_checks.py")
+
+
+def small_cfg(**kw) -> ModelConfig:
+    base = dict(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
+                intermediate_size=128, num_layers=1, num_heads=8, num_kv_heads=8, head_dim=8)
+    return ModelConfig(**{**base, **kw})
+
+
+def specs(cfg, model: int) -> dict[str, P]:
+    mesh = AbstractMesh((1, model, 1), parallel.MESH_AXES)
+    shardings = parallel.param_shardings(param_shapes(cfg), mesh, cfg)
+    return {"/".join(k.key for k in path): s.spec
+            for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+
+
+def test_make_mesh_default_and_errors():
+    mesh = parallel.make_mesh()
+    assert mesh.axis_names == parallel.MESH_AXES
+    assert dict(mesh.shape) == {"data": 1, "model": 1, "seq": 1}
+    with pytest.raises(ValueError, match="needs 4 devices"):
+        parallel.make_mesh({"model": 4}, jax.devices()[:1])
+    with pytest.raises(ValueError, match="needs 1024 devices"):
+        parallel.make_mesh({"model": 1024})
+    with pytest.raises(ValueError, match="unknown mesh axes"):
+        parallel.make_mesh({"tensor": 1})
+
+
+def test_megatron_layout():
+    s = specs(small_cfg(qkv_bias=True), model=4)
+    layer = "model/layers_0/"
+    for name in ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "mlp/gate_proj",
+                 "mlp/up_proj"):
+        assert s[layer + name + "/kernel"] == P(None, "model"), name   # split over outputs
+    for name in ("self_attn/o_proj", "mlp/down_proj"):
+        assert s[layer + name + "/kernel"] == P("model", None), name   # split over inputs
+    for name in ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj"):
+        assert s[layer + name + "/bias"] == P("model"), name           # biases follow outputs
+    assert s["model/embed_tokens/embedding"] == P("model", None)        # vocab
+    assert s["lm_head/kernel"] == P(None, "model")                       # vocab
+    for name in (layer + "input_layernorm/weight", layer + "post_attention_layernorm/weight",
+                 "model/norm/weight"):
+        assert s[name] == P(None), name
+
+
+def test_single_device_is_all_replicated():
+    assert all(spec == P(*[None] * len(spec)) for spec in specs(small_cfg(), model=1).values())
+
+
+def test_kv_heads_that_do_not_divide_are_replicated():
+    cfg = small_cfg(num_kv_heads=2)
+    s = specs(cfg, model=4)
+    layer = "model/layers_0/self_attn/"
+    assert s[layer + "k_proj/kernel"] == P(None, None)   # 2 kv heads: no whole head per device
+    assert s[layer + "v_proj/kernel"] == P(None, None)
+    assert s[layer + "q_proj/kernel"] == P(None, "model")
+    assert s[layer + "o_proj/kernel"] == P("model", None)
+    mesh = AbstractMesh((1, 4, 1), parallel.MESH_AXES)
+    assert parallel.kv_cache_sharding(cfg, mesh).spec == P(None, None, None, None)
+    assert parallel.kv_cache_sharding(small_cfg(num_kv_heads=4), mesh).spec == \
+        P(None, None, "model", None)
+
+
+def test_heads_split_only_whole():
+    # 6 heads of 8 = 48 columns divide by 4, but 6 heads do not: q and o stay whole.
+    s = specs(small_cfg(num_heads=6, num_kv_heads=6, vocab_size=250), model=4)
+    assert s["model/layers_0/self_attn/q_proj/kernel"] == P(None, None)
+    assert s["model/layers_0/self_attn/o_proj/kernel"] == P(None, None)
+    assert s["model/layers_0/mlp/up_proj/kernel"] == P(None, "model")
+    assert s["lm_head/kernel"] == P(None, None)                 # 250 does not divide by 4
+    assert parallel.logits_sharding(small_cfg(vocab_size=250),
+                                    AbstractMesh((1, 4, 1), parallel.MESH_AXES)).spec == P(None, None)
+
+
+def test_every_param_has_logical_axes_of_its_rank():
+    shapes = param_shapes(small_cfg(qkv_bias=True, tie_word_embeddings=True))
+    axes = parallel.param_logical_axes(shapes)
+    for a, s in zip(jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)),
+                    jax.tree.leaves(shapes)):
+        assert len(a) == len(s.shape) and all(n in parallel.LOGICAL_RULES for n in a)
+
+
+def run_check(name: str) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, CHECKS, name], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("check", ["tp", "sp"])
+def test_same_greedy_tokens_and_logits_as_one_device(check):
+    # tp: TP 2, 4, 8 on 8 heads / 8 kv heads, TP 4 on 2 kv heads; sp: sequence-parallel
+    # prefill (one prompt with a cached prefix) on SP 2, 4 and TP x SP 2x2, then decoding.
+    results = run_check(check)
+    assert len(results) == 4 if check == "tp" else 3
+    for case, r in results.items():
+        assert r["tokens_equal"], case
+        assert r["max_logit_diff"] < 1e-4, (case, r)
+
+
+def test_decode_step_has_two_reductions_per_layer_under_tp4():
+    # Per step: one all-reduce per attention block and one per MLP (Megatron), one all-reduce
+    # for the vocab-split embedding lookup, one all-gather of the vocab-split logits.
+    for name, r in run_check("hlo").items():
+        assert r["collectives"] == {"all-reduce": 2 * r["layers"] + 1, "all-gather": 1}, (name, r)
+
+
+def test_tp4_params_per_device_are_a_quarter():
+    r = run_check("param_bytes")
+    assert r["values_equal"]
+    assert 0.25 <= r["per_device"] / r["total"] < 0.26, r   # only the norms are replicated
