@@ -5,14 +5,22 @@ import jax.numpy as jnp
 MASK_VALUE = -1e30  # finite so fully-masked (padding) rows stay NaN-free
 
 
-def causal_attention(q, k, v, *, sliding_window=None, sm_scale, segment_ids=None):
-    """Dense causal attention. q [B, T, H, D]; k, v [B, T, KVH, D]; segment_ids [B, T] (optional)."""
+def causal_attention(q, k, v, *, sliding_window=None, sm_scale, segment_ids=None, soft_cap=None,
+                     causal=True):
+    """Dense attention. q [B, T, H, D]; k, v [B, T, KVH, D]; segment_ids [B, T] (optional).
+
+    soft_cap: logits become soft_cap * tanh(logits / soft_cap) (Gemma 2) before masking.
+    causal=False attends in both directions (still within a segment)."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
     qg = q.reshape(b, t, kvh, h // kvh, d)
     s = jnp.einsum("bqkgd,bjkd->bkgqj", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
     pos = jnp.arange(t)
-    mask = pos[None, :] <= pos[:, None]
+    mask = jnp.ones((t, t), bool)
+    if causal:
+        mask &= pos[None, :] <= pos[:, None]
     if sliding_window is not None:
         mask &= pos[None, :] > pos[:, None] - sliding_window
     mask = mask[None]
