@@ -2,7 +2,6 @@
 against a deliberately naive numpy oracle (one token, one head at a time)."""
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,7 +15,8 @@ TOL = {"float32": 2e-3, "bfloat16": 2e-2}
 
 def naive_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *, sm_scale,
                     sliding_window=None):
-    """float64, per sequence, per token, per head. Tokens past query_start_loc[-1] stay 0."""
+    """float64, per sequence, per token, per head. Tokens outside
+    [query_start_loc[0], query_start_loc[-1]) stay 0."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -92,10 +92,11 @@ def assert_close(out, case):
 
 
 # Batch slots covering every case: q_len 1, kv_len 1, exact page multiples, an empty slot,
-# decode, prefill chunks after cached context, a whole prompt, KV longer than one kernel chunk.
+# decode, prefill chunks after cached context, a whole prompt, KV longer than the kernels' default
+# KV chunks (256 keys on TPU, 64 on GPU).
 def mixed_batch(page_size):
     ps = page_size
-    return [(1, 1), (0, 0), (1, ps), (ps, ps), (3, 2 * ps), (ps + 1, 4 * ps + 3), (1, 5 * ps + 1),
+    return [(1, 1), (0, 0), (1, ps), (ps, ps), (3, 2 * ps), (ps + 1, 4 * ps + 3), (1, 257 + ps),
             (2 * ps, 2 * ps)]
 
 
