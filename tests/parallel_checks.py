@@ -1,34 +1,28 @@
-"""Multi-device checks, run by tests/test_parallel.py in a subprocess with 8 fake CPU devices
-(XLA_FLAGS must be set before jax is imported, which the pytest workers already did).
-
-`python tests/parallel_checks.py <check>` prints one JSON line of measured values; the pytest
-side asserts on them. Reference: jaxserve.generate.greedy_generate on one device (contiguous
-cache, no mesh, no sharding).
+"""Multi-device checks, run by tests/test_parallel.py in a subprocess with 8 fake CPU devices:
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.parallel_checks <check>
+prints one JSON line of measured values; the pytest side asserts on them. Reference:
+jaxserve.generate.greedy_generate on one device (contiguous cache, no mesh, no sharding).
+Also the helpers of tests/multihost_worker.py and benchmarks/parallel.py.
 """
 from __future__ import annotations
 
-import os
+import collections
+import functools
+import json
+import re
+import sys
+import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import collections  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jaxserve import checkpoint, parallel  # noqa: E402
-from jaxserve.attention import AttentionMetadata  # noqa: E402
-from jaxserve.config import ModelConfig  # noqa: E402
-from jaxserve.generate import greedy_generate  # noqa: E402
-from jaxserve.models import build_model  # noqa: E402
-from jaxserve.sequence_parallel import sequence_parallel_prefill  # noqa: E402
+from jaxserve import checkpoint, parallel
+from jaxserve.attention import AttentionMetadata
+from jaxserve.config import ModelConfig
+from jaxserve.generate import greedy_generate
+from jaxserve.models import build_model
+from jaxserve.sequence_parallel import sequence_parallel_prefill
 
 PAGE_SIZE = 4
 NUM_PAGES = 24
@@ -228,4 +222,6 @@ CHECKS = {
 }
 
 if __name__ == "__main__":
+    if jax.device_count() < 8:
+        sys.exit("needs 8 devices: set XLA_FLAGS=--xla_force_host_platform_device_count=8")
     print(json.dumps(CHECKS[sys.argv[1]]()))

@@ -13,7 +13,7 @@ from jaxserve import parallel
 from jaxserve.checkpoint import param_shapes
 from jaxserve.config import ModelConfig
 
-CHECKS = os.path.join(os.path.dirname(__file__), "parallel_checks.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def small_cfg(**kw) -> ModelConfig:
@@ -96,10 +96,10 @@ def test_every_param_has_logical_axes_of_its_rank():
 
 
 def run_check(name: str) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, CHECKS, name], capture_output=True, text=True,
-                          env=env, timeout=600)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, "-m", "tests.parallel_checks", name], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
