@@ -201,20 +201,21 @@ class ModelRunner:
         shapes = [(sd, sd, 0, p, 1) for sd in self.decode_buckets for p in self.page_buckets]
         shapes += [(t, self.decode_buckets[-1], sp, self.page_buckets[-1], min(t, self.ecfg.prefill_chunk_size))
                    for t in self.token_buckets for sp in self.prefill_row_buckets]
+        logits_by_rows = {}
         for t, sd, sp, p, max_q in shapes:
             n = sp + sd
             arrays = (np.zeros(t, np.int32), np.zeros(t, np.int32),
                       np.full(t, self.num_pages * self.page_size, np.int32), np.zeros((n, p), np.int32),
                       np.zeros(n, np.int32), np.zeros(n + 1, np.int32), np.zeros(sd, np.int32))
-            _, self.kv_caches = self._step(self.params, self.kv_caches, *arrays,
-                                           num_prefill_rows=sp, max_q=max_q)
-        for n in self.decode_buckets:  # logits come in rows of a decode bucket
+            logits, self.kv_caches = self._step(self.params, self.kv_caches, *arrays,
+                                                num_prefill_rows=sp, max_q=max_q)
+            logits_by_rows[sd] = logits  # the sampler sees the step's own output layout
+        for n, logits in logits_by_rows.items():
             for penalties in (False, True):
                 params = SamplingParams(repetition_penalty=1.1 if penalties else 1.0)
                 md = SamplingMetadata.build([params], [[0]], [[]], [0], pad_to=n,
                                             history_len=self.max_model_len if penalties else None)
-                jax.block_until_ready(sample(jnp.zeros((n, self.cfg.vocab_size), jnp.float32), md,
-                                             num_logprobs=MAX_LOGPROBS))
+                jax.block_until_ready(sample(logits, md, num_logprobs=MAX_LOGPROBS))
         self.copy_pages([(0, 0)])
         jax.block_until_ready(self.kv_caches)
         n = CompileCounter.count - before

@@ -59,7 +59,7 @@ def save_byte_tokenizer(out_dir: str) -> None:
 def save_engine_model(out_dir: str, seed: int = 0, **overrides):
     """A random Llama (GQA) with a byte tokenizer, for engine and server tests."""
     torch.manual_seed(seed)
-    kw = dict(BASE, vocab_size=384, num_attention_heads=4, num_key_value_heads=2, bos_token_id=256,
+    kw = dict(BASE, vocab_size=258, num_attention_heads=4, num_key_value_heads=2, bos_token_id=256,
               eos_token_id=257, max_position_embeddings=512)
     kw.update(overrides)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**kw)).eval()

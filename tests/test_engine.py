@@ -83,3 +83,126 @@ def test_preemption_keeps_outputs(setup):
     assert _run(engine, prompts, stagger=2) == ref
     assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def _collect(engine, requests):
+    """requests: list of (prompt, SamplingParams). Returns per request {index: (tokens, text, reason, logprobs)}."""
+    ids = [engine.add_request(p, sp) for p, sp in requests]
+    acc: dict[str, dict[int, list]] = {i: {} for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            for c in o.outputs:
+                slot = acc[o.request_id].setdefault(c.index, [[], "", None, []])
+                slot[0] += c.token_ids
+                slot[1] += c.text
+                slot[2] = c.finish_reason or slot[2]
+                slot[3] += c.logprobs or []
+    return [acc[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def engine(setup):
+    return _engine(setup[0])
+
+
+def test_seeded_sampling_same_in_any_batch(setup, engine):
+    _, _, prompts, _ = setup
+    target = (prompts[2], SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True))
+    alone = _collect(engine, [target])[0][0][0]
+    others = [(p, SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True))
+              for p, m in zip(prompts[4:9], MAX_TOKENS)]
+    crowded = _collect(engine, others[:3] + [target] + others[3:])[3][0][0]
+    assert alone == crowded
+    other_seed = _collect(engine, [(target[0], SamplingParams(temperature=0.9, top_p=0.95, seed=99,
+                                                              max_tokens=12, ignore_eos=True))])[0][0][0]
+    assert other_seed != alone
+
+
+def test_n_choices_fork_and_copy_on_write(setup, engine):
+    _, _, prompts, ref = setup
+    greedy = _collect(engine, [(prompts[4], SamplingParams(temperature=0.0, n=2, max_tokens=10, ignore_eos=True))])[0]
+    assert greedy[0][0] == greedy[1][0] == ref[4][:10]
+    sampled = _collect(engine, [(prompts[4], SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=10,
+                                                            ignore_eos=True))])[0]
+    assert sorted(sampled) == [0, 1, 2] and all(len(sampled[i][0]) == 10 for i in range(3))
+    assert len({tuple(sampled[i][0]) for i in range(3)}) == 3
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def test_stop_token_and_stop_string(setup, engine):
+    _, _, prompts, ref = setup
+    tokens = ref[1]
+    out = _collect(engine, [(prompts[1], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[tokens[6]],
+                                                        ignore_eos=True))])[0][0]
+    first = tokens.index(tokens[6])
+    assert out[0] == tokens[:first] and out[2] == "stop"
+    full = _collect(engine, [(prompts[1], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))])[0][0]
+    assert full[2] == "length" and full[0] == tokens
+    text = full[1]
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = _collect(engine, [(prompts[1], SamplingParams(temperature=0.0, max_tokens=20, stop=[stop],
+                                                        ignore_eos=True))])[0][0]
+    assert cut[1] == text[:text.index(stop)] and cut[2] == "stop"
+
+
+def test_logprobs_match_reference(setup, engine):
+    d, _, prompts, _ = setup
+    cfg = ModelConfig.from_pretrained(d)
+    _, logits = greedy_generate(cfg, load_params(d, cfg), [prompts[0]], 6, return_logits=True)
+    out = _collect(engine, [(prompts[0], SamplingParams(temperature=0.0, max_tokens=6, logprobs=3,
+                                                        ignore_eos=True))])[0][0]
+    ref_lp = torch.log_softmax(torch.tensor(logits[0]), -1).numpy()
+    for step, res in enumerate(out[3]):
+        assert abs(res.logprob - ref_lp[step, res.token]) < 1e-4
+        top = np.argsort(-ref_lp[step])[:3]
+        assert [t for t, _ in res.top] == top.tolist()
+        assert np.allclose([lp for _, lp in res.top], ref_lp[step, top], atol=1e-4)
+
+
+def test_abort_frees_pages(setup, engine):
+    _, _, prompts, _ = setup
+    keep = engine.add_request(prompts[3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    gone = engine.add_request(prompts[7], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    final = engine.abort(gone)
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.abort(keep) is None
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def test_no_compilation_after_warmup(setup):
+    from jaxserve.runner import CompileCounter
+
+    d, _, _, _ = setup
+    engine = _engine(d, max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=16, max_model_len=128,
+                     max_prefill_seqs=2, num_pages=12)
+    engine.warmup()
+    before = CompileCounter.count
+    rng = np.random.RandomState(3)
+    requests = [(rng.randint(0, 256, n).tolist(),
+                 SamplingParams(temperature=t, max_tokens=m, n=k, logprobs=lp, repetition_penalty=rp, seed=i,
+                                ignore_eos=True))
+                for i, (n, m, t, k, lp, rp) in enumerate([
+                    (3, 5, 0.0, 1, None, 1.0), (100, 20, 0.7, 1, 2, 1.0), (40, 30, 0.0, 2, None, 1.2),
+                    (17, 60, 1.0, 1, None, 1.0), (64, 10, 0.0, 1, 5, 1.0), (9, 40, 0.5, 3, None, 1.1),
+                    (1, 12, 0.0, 1, None, 1.0), (80, 25, 0.0, 1, None, 1.0)])]
+    for i in range(0, len(requests), 3):  # arrivals in waves: batch sizes and lengths vary
+        _collect(engine, requests[i:i + 3] + requests[:i % 2])
+    assert engine.scheduler.num_preemptions > 0  # the small pool forced preemption on the way
+    assert CompileCounter.count == before
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def test_offline_llm_api(setup):
+    from jaxserve.engine import LLM
+
+    d, _, prompts, ref = setup
+    llm = LLM(model=d, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, num_pages=80)
+    outs = llm.generate([prompts[0], prompts[2]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [ref[0][:5], ref[2][:5]]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    assert outs[0].outputs[0].text == llm.tokenizer.decode(ref[0][:5])
