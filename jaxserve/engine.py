@@ -80,7 +80,7 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, engine_cfg: EngineConfig | None = None, *, params=None):
+    def __init__(self, engine_cfg: EngineConfig | None = None, *, params=None, mesh=None):
         self.ecfg = engine_cfg or EngineConfig()
         _enable_compilation_cache(self.ecfg.compilation_cache_dir)
         model_dir = self.ecfg.model or TINY_MODEL_DIR
@@ -90,7 +90,7 @@ class LLMEngine:
         self.dtype = _resolve_dtype(self.ecfg.dtype)
         self.runner = ModelRunner(self.model_cfg, params if params is not None else
                                   load_params(model_dir, self.model_cfg, self.dtype),
-                                  self.ecfg, dtype=self.dtype)
+                                  self.ecfg, mesh=mesh, dtype=self.dtype)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_pages, self.ecfg.page_size,
                                           self.ecfg.enable_prefix_caching)
