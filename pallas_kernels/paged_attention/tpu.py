@@ -56,8 +56,8 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
         page_lo = 0
         if sliding_window is not None:
             page_lo = lax.div(jnp.maximum(first + offset - sliding_window + 1, 0), page_size)
-        n = jnp.where(last >= first, lax.div(page_end - page_lo + pages_per_chunk - 1, pages_per_chunk), 0)
-        return offset, page_lo, page_end, n
+        num_chunks = lax.div(page_end - page_lo + pages_per_chunk - 1, pages_per_chunk)
+        return offset, page_lo, page_end, jnp.where(last >= first, num_chunks, 0)
 
     def copy_chunk(s, c, slot, action):
         """Start (or wait for) the DMAs of chunk c of sequence s into buffer `slot`; pages past
