@@ -7,6 +7,7 @@ Parameter names follow Hugging Face's (`model.layers_3.self_attn.q_proj.kernel` 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -47,6 +48,10 @@ def apply_rope(x, positions, inv_freq):
     return out.astype(x.dtype)
 
 
+def _dense(features: int, bias: bool, name: str, dtype) -> nn.Dense:
+    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
+
+
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype = jnp.float32
@@ -67,8 +72,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, positions, kv_cache, meta):
         c = self.cfg
-        dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=self.dtype,
-                                               param_dtype=self.dtype, name=name)
+        dense = functools.partial(_dense, dtype=self.dtype)
         q = dense(c.num_heads * c.head_dim, c.qkv_bias, "q_proj")(x)
         k = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, "k_proj")(x)
         v = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, "v_proj")(x)
@@ -92,10 +96,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.cfg
-        dense = lambda n, name: nn.Dense(n, use_bias=c.mlp_bias, dtype=self.dtype,
-                                         param_dtype=self.dtype, name=name)
-        h = nn.silu(dense(c.intermediate_size, "gate_proj")(x)) * dense(c.intermediate_size, "up_proj")(x)
-        return dense(c.hidden_size, "down_proj")(h)
+        dense = functools.partial(_dense, bias=c.mlp_bias, dtype=self.dtype)
+        h = nn.silu(dense(c.intermediate_size, name="gate_proj")(x)) * dense(c.intermediate_size, name="up_proj")(x)
+        return dense(c.hidden_size, name="down_proj")(h)
 
 
 class DecoderLayer(nn.Module):
