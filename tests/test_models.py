@@ -65,3 +65,19 @@ def test_config_reads_family_features(pair):
         "llama_mqa": lambda c: c.num_kv_heads == 1 and c.qkv_bias and c.o_bias,
     }
     assert expected[name](cfg)
+
+
+def test_bfloat16_model_tracks_float32(tmp_path):
+    import jax.numpy as jnp
+
+    hf = save_hf_model("llama_gqa_rope3", str(tmp_path))
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    params = load_params(str(tmp_path), cfg, dtype=jnp.bfloat16)
+    tokens = np.random.RandomState(3).randint(0, cfg.vocab_size, (1, 40))
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)).logits.numpy()[0]
+    model = build_model(cfg, jnp.bfloat16)
+    ours = np.asarray(model.apply({"params": params}, tokens, np.arange(40)[None], method=model.forward_logits))[0]
+    assert ours.dtype == np.float32
+    assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.9
