@@ -1,0 +1,241 @@
+"""Tokenizers: a Hugging Face fast tokenizer (tokenizer.json) or a raw sentencepiece model
+(tokenizer.model) behind one interface, chat templates, and incremental detokenization.
+
+Decoding never applies `clean_up_tokenization_spaces`: that rewrite (" ." -> ".") depends on the
+following text, so streamed deltas would not add up to the full decode.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from datetime import datetime
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def load_tokenizer(model_dir: str) -> "Tokenizer":
+    """tokenizer.json through transformers if present, else tokenizer.model through sentencepiece."""
+    if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+        return HFTokenizer(model_dir)
+    if os.path.exists(os.path.join(model_dir, "tokenizer.model")):
+        return SentencePieceTokenizer(model_dir)
+    raise FileNotFoundError(f"no tokenizer in {model_dir}: looked for {' and '.join(TOKENIZER_FILES)}")
+
+
+class Tokenizer:
+    """What the engine and server use. Backends fill in the token-level methods."""
+    bos_token_id: int | None
+    eos_token_ids: list[int]  # the tokenizer's eos first, then generation_config.json's others
+    vocab_size: int           # including added tokens
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self.config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        self.chat_template = _read_chat_template(model_dir, self.config)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def special_tokens(self) -> dict[str, str | None]:
+        """Template variables: bos_token, eos_token, unk_token, pad_token (strings)."""
+        raise NotImplementedError
+
+    def _eos_ids_with_generation_config(self, eos: int | None) -> list[int]:
+        """The tokenizer's eos plus generation_config.json's (Llama 3 lists several)."""
+        ids = [] if eos is None else [eos]
+        gen = _read_json(os.path.join(self.model_dir, "generation_config.json")).get("eos_token_id")
+        if not isinstance(gen, list):
+            gen = [] if gen is None else [gen]
+        for i in gen:
+            if i not in ids:
+                ids.append(i)
+        return ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render `messages` with the model's template, as transformers does (tokenize=False).
+        The result usually starts with the bos token: encode it with add_special_tokens=False."""
+        if self.chat_template is None:
+            raise ValueError(f"{self.model_dir} has no chat template (no 'chat_template' in "
+                             f"tokenizer_config.json and no chat_template.jinja)")
+        return _compile_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+
+
+class HFTokenizer(Tokenizer):
+    def __init__(self, model_dir: str):
+        from transformers import AutoTokenizer
+
+        super().__init__(model_dir)
+        self.hf = AutoTokenizer.from_pretrained(model_dir)
+        self.bos_token_id = self.hf.bos_token_id
+        self.eos_token_ids = self._eos_ids_with_generation_config(self.hf.eos_token_id)
+        self.vocab_size = len(self.hf)
+
+    def encode(self, text, add_special_tokens=True):
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                              clean_up_tokenization_spaces=False)
+
+    def convert_ids_to_tokens(self, ids):
+        return self.hf.convert_ids_to_tokens(list(ids))
+
+    @property
+    def special_tokens(self):
+        return {name: getattr(self.hf, name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """tokenizer.model read by sentencepiece itself. Control pieces (<s>, </s>, ...) are the
+    special tokens: their strings in the text are encoded as those ids, as HF tokenizers do.
+    Each stretch of text between them is encoded separately (HF's `legacy` behaviour)."""
+
+    def __init__(self, model_dir: str):
+        import sentencepiece as spm
+
+        super().__init__(model_dir)
+        self.sp = spm.SentencePieceProcessor(model_file=os.path.join(model_dir, "tokenizer.model"))
+        self.vocab_size = self.sp.get_piece_size()
+        self.special_ids = {i for i in range(self.vocab_size) if self.sp.is_control(i)}
+        self.special_by_piece = {self.sp.id_to_piece(i): i for i in self.special_ids}
+        pieces = sorted(self.special_by_piece, key=len, reverse=True)
+        self._special_re = re.compile("(" + "|".join(map(re.escape, pieces)) + ")") if pieces else None
+        self.bos_token_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.eos_token_ids = self._eos_ids_with_generation_config(
+            self.sp.eos_id() if self.sp.eos_id() >= 0 else None)
+        self.add_bos = self.config.get("add_bos_token", True) and self.bos_token_id is not None
+        self.add_eos = self.config.get("add_eos_token", False) and self.sp.eos_id() >= 0
+
+    def encode(self, text, add_special_tokens=True):
+        ids = [self.bos_token_id] if add_special_tokens and self.add_bos else []
+        segments = self._special_re.split(text) if self._special_re else [text]
+        for seg in segments:
+            if seg in self.special_by_piece:
+                ids.append(self.special_by_piece[seg])
+            elif seg:
+                ids += self.sp.encode(seg)
+        if add_special_tokens and self.add_eos:
+            ids.append(self.sp.eos_id())
+        return ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        # sentencepiece drops control pieces; keep their text between decoded stretches if asked.
+        out, run = [], []
+        for i in ids:
+            if i in self.special_ids:
+                if not skip_special_tokens:
+                    out.append(self.sp.decode(run))
+                    out.append(self.sp.id_to_piece(i))
+                    run = []
+            else:
+                run.append(i)
+        out.append(self.sp.decode(run))
+        return "".join(out)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.sp.id_to_piece(i) for i in ids]
+
+    @property
+    def special_tokens(self):
+        def piece(i):
+            return self.sp.id_to_piece(i) if i >= 0 else None
+        return {"bos_token": piece(self.sp.bos_id()), "eos_token": piece(self.sp.eos_id()),
+                "unk_token": piece(self.sp.unk_id()), "pad_token": piece(self.sp.pad_id())}
+
+
+class IncrementalDetokenizer:
+    """Streams text deltas for generated ids whose concatenation equals the full decode.
+
+    Each step decodes only a short window: `prefix_offset:read_offset` is text already emitted
+    (kept as left context so word-boundary spaces and byte pieces decode as they do in the
+    full text), `read_offset:` is new. While the window's text ends in U+FFFD (an incomplete
+    UTF-8 character) nothing is emitted. Call `flush()` when the sequence ends to emit anything
+    still held back (an output that ends mid-character)."""
+
+    CONTEXT = 5  # prompt tokens of left context, as vLLM
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_ids[-self.CONTEXT:])
+        # Start the context on a character boundary: bytes of a character cut in two decode as
+        # U+FFFD (HF's byte fallback even turns the whole run of byte pieces into U+FFFD).
+        while self.ids and self._decode(self.ids).startswith("\ufffd"):
+            del self.ids[0]
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _delta(self) -> tuple[str, str]:
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        return prefix, self._decode(self.ids[self.prefix_offset:])
+
+    def step(self, new_token_ids: list[int]) -> str:
+        self.ids.extend(new_token_ids)
+        prefix, text = self._delta()
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self._advance()
+        return text[len(prefix):]
+
+    def flush(self) -> str:
+        prefix, text = self._delta()
+        self._advance()
+        return text[len(prefix):]
+
+    def _advance(self) -> None:
+        # Drop ids left of the new window so memory and work stay O(window).
+        del self.ids[:self.read_offset]
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _read_chat_template(model_dir: str, config: dict) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    jinja_file = os.path.join(model_dir, "chat_template.jinja")
+    if template is None and os.path.exists(jinja_file):
+        with open(jinja_file) as f:
+            template = f.read()
+    return template
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(template: str) -> jinja2.Template:
+    # The environment transformers renders chat templates in.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
