@@ -83,6 +83,11 @@ def make_mesh(mesh_shape: dict[str, int] | None = None, devices=None) -> Mesh:
     return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES)
 
 
+def data_submeshes(mesh: Mesh) -> list[Mesh]:
+    """One mesh per slice of the "data" axis ("data" = 1 in each): a data-parallel replica's devices."""
+    return [Mesh(mesh.devices[i:i + 1], MESH_AXES) for i in range(mesh.shape["data"])]
+
+
 def _leaf_axes(path) -> tuple[str, ...]:
     keys = tuple(getattr(k, "key", str(k)) for k in path)
     for suffix, axes in _PARAM_AXES.items():

@@ -212,6 +212,32 @@ def check_param_bytes() -> dict:
             "values_equal": bool(same)}
 
 
+def check_data_parallel(model_dir: str) -> dict:
+    """Two engine replicas, TP 2 each ({"data": 2, "model": 2}), against one-device greedy."""
+    from jaxserve.config import EngineConfig, SamplingParams
+    from jaxserve.data_parallel import DataParallelEngine
+
+    cfg = ModelConfig.from_pretrained(model_dir)
+    rng = np.random.default_rng(3)
+    ps = [rng.integers(0, 256, n).tolist() for n in (5, 9, 7, 12, 6, 3)]
+    ref = greedy_generate(cfg, checkpoint.load_params(model_dir, cfg), ps, NEW_TOKENS)
+    ecfg = EngineConfig(model=model_dir, mesh={"data": 2, "model": 2}, max_num_seqs=4,
+                        max_num_batched_tokens=32, prefill_chunk_size=32, max_model_len=64,
+                        num_pages=32, page_size=8, compilation_cache_dir=None)
+    dp = DataParallelEngine(ecfg, devices=jax.devices()[:4])
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    streams = [dp.submit(p, sp) for p in ps]  # all queued before the threads start: few shapes
+    dp.start(warmup=False)
+    tokens = [[t for out in s for c in out.outputs for t in c.token_ids] for s in streams]
+    dp.shutdown()
+    return {"tokens_equal": tokens == ref,
+            "finished_per_replica": [t.engine.stats["requests_finished"] for t in dp.threads],
+            "replica_devices": [sorted(d.id for d in t.engine.runner.mesh.devices.flat)
+                                for t in dp.threads],
+            "param_devices": [sorted({d.id for x in jax.tree.leaves(t.engine.runner.params)
+                                      for d in x.devices()}) for t in dp.threads]}
+
+
 CHECKS = {
     "tp": lambda: check_generate([("even", {"model": 2}, False), ("even", {"model": 4}, False),
                                   ("even", {"model": 8}, False), ("gqa2", {"model": 4}, False)]),
@@ -219,9 +245,10 @@ CHECKS = {
                                   ("even", {"model": 2, "seq": 2}, True)]),
     "hlo": check_hlo,
     "param_bytes": check_param_bytes,
+    "dp": check_data_parallel,
 }
 
 if __name__ == "__main__":
     if jax.device_count() < 8:
         sys.exit("needs 8 devices: set XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    print(json.dumps(CHECKS[sys.argv[1]]()))
+    print(json.dumps(CHECKS[sys.argv[1]](*sys.argv[2:])))

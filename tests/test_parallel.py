@@ -95,10 +95,10 @@ def test_every_param_has_logical_axes_of_its_rank():
         assert len(a) == len(s.shape) and all(n in parallel.LOGICAL_RULES for n in a)
 
 
-def run_check(name: str) -> dict:
+def run_check(name: str, *args: str) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.run([sys.executable, "-m", "tests.parallel_checks", name], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "tests.parallel_checks", name, *args], cwd=ROOT,
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -126,3 +126,14 @@ def test_tp4_params_per_device_are_a_quarter():
     r = run_check("param_bytes")
     assert r["values_equal"]
     assert 0.25 <= r["per_device"] / r["total"] < 0.26, r   # only the norms are replicated
+
+
+def test_data_parallel_replicas_match_one_device(tmp_path):
+    from tests.hf_models import save_engine_model
+
+    save_engine_model(str(tmp_path))
+    r = run_check("dp", str(tmp_path))
+    assert r["tokens_equal"]
+    assert r["finished_per_replica"] == [3, 3]                 # least-loaded: alternating
+    assert r["replica_devices"] == [[0, 1], [2, 3]]            # disjoint TP-2 sub-meshes
+    assert r["param_devices"] == r["replica_devices"]
