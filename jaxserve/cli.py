@@ -1,0 +1,121 @@
+"""The `jaxserve` command: serve | generate | convert.
+
+Each subcommand is an `_add_<name>(subparsers)` function that declares its arguments and sets
+`func`; a new subcommand is one more such function listed in SUBCOMMANDS.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+
+from jaxserve.config import EngineConfig
+
+# configs/tiny-cpu.yaml of a source checkout (`pip install -e .`): the default for the embedded model.
+TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "configs", "tiny-cpu.yaml")
+
+
+def engine_config(args) -> EngineConfig:
+    """--config YAML (with --model on top); with neither, configs/tiny-cpu.yaml when present."""
+    path = args.config or (TINY_CPU_CONFIG if args.model is None and os.path.exists(TINY_CPU_CONFIG) else None)
+    return EngineConfig.from_yaml(path, model=args.model) if path else EngineConfig(model=args.model)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face model directory or orbax checkpoint "
+                                   "(default: the embedded tiny model)")
+    p.add_argument("--config", help="engine config YAML (EngineConfig keys), e.g. configs/tiny-cpu.yaml "
+                                    "(default: configs/tiny-cpu.yaml for the embedded model)")
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $JAXSERVE_API_KEY; none: open)")
+    p.add_argument("--served-model-name", help="the name clients use in 'model' (default: the model "
+                                               "directory's name, 'jaxserve-tiny' for the embedded model)")
+    p.set_defaults(func=serve)
+
+
+def serve(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = engine_config(args)
+    from jaxserve.server.wsgi import GunicornServer, exit_worker_on_load_error
+
+    def app_factory():   # runs in the worker process, after gunicorn forked it
+        from jaxserve.server.app import create_app
+        return create_app(cfg, served_model_name=args.served_model_name, api_key=args.api_key,
+                          on_load_error=exit_worker_on_load_error)
+
+    # A thread per connection: every running and queued request, plus a few for probes.
+    threads = cfg.max_num_seqs + cfg.max_queue_size + 8
+    GunicornServer(app_factory, args.host, args.port, threads).run()
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="print a continuation of a prompt (offline, no server)")
+    _add_model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int)
+    p.set_defaults(func=generate)
+
+
+def generate(args) -> int:
+    from jaxserve.config import SamplingParams
+    from jaxserve.engine import LLM
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    try:
+        params.validate()
+    except ValueError as e:
+        sys.exit(f"jaxserve generate: {e}")
+    llm = LLM(**dataclasses.asdict(engine_config(args)))
+    out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="write an orbax-checkpoint copy of a Hugging Face model directory")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.set_defaults(func=convert)
+
+
+def convert(args) -> int:
+    import jax.numpy as jnp
+
+    from jaxserve.checkpoint import convert_to_orbax
+
+    print(convert_to_orbax(args.src, args.dst, dtype=getattr(jnp, args.dtype)))
+    return 0
+
+
+SUBCOMMANDS = [_add_serve, _add_generate, _add_convert]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Prometheus metrics of one server, in its own CollectorRegistry (several servers in one process
+do not clash).
+
+Request latencies are observed by the frontend as each request's deltas arrive; engine state
+(queues, KV pages, prefix cache, token and preemption counts) is read at scrape time.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from jaxserve.engine import LLMEngine, RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.4, 1.0, 2.5, 5.0)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.engine: "LLMEngine | None" = None   # set once loaded
+        r = self.registry
+        self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("jaxserve_inter_token_latency_seconds",
+                                     "Time between consecutive token deltas of a request.",
+                                     buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("jaxserve_e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("jaxserve_request_queue_time_seconds", "Arrival to first scheduled step.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.success = Counter("jaxserve_request_success", "Finished requests by finish reason.",
+                               ["finish_reason"], registry=r)
+        r.register(_EngineCollector(self))
+
+    def observe_finished(self, out: "RequestOutput") -> None:
+        reasons = [c.finish_reason for c in out.outputs if c.finish_reason not in (None, "abort")]
+        if not reasons:   # aborted
+            return
+        if out.first_token_time is not None:
+            self.ttft.observe(out.first_token_time - out.arrival_time)
+        if out.first_scheduled_time is not None:
+            self.queue_time.observe(out.first_scheduled_time - out.arrival_time)
+        self.e2e.observe(out.finish_time - out.arrival_time)
+        self.success.labels(finish_reason=reasons[-1]).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        engine = self.metrics.engine
+        if engine is None:
+            return
+        s = engine.scheduler
+        yield GaugeMetricFamily("jaxserve_num_sequences_running", "Sequences in the running batch.",
+                                value=s.num_running)
+        yield GaugeMetricFamily("jaxserve_num_sequences_waiting", "Sequences waiting to be scheduled.",
+                                value=s.num_waiting)
+        yield GaugeMetricFamily("jaxserve_kv_cache_usage_ratio",
+                                "Share of KV pages held by sequences (prefix-cached pages count as free).",
+                                value=s.page_usage)
+        yield GaugeMetricFamily("jaxserve_prefix_cache_hit_rate",
+                                "Share of queried prompt tokens found in the prefix cache.",
+                                value=s.prefix_hit_rate)
+        yield CounterMetricFamily("jaxserve_prompt_tokens", "Prompt tokens accepted.",
+                                  value=engine.stats["prompt_tokens"])
+        yield CounterMetricFamily("jaxserve_generation_tokens", "Tokens generated.",
+                                  value=engine.stats["generation_tokens"])
+        yield CounterMetricFamily("jaxserve_num_preemptions", "Sequences preempted (recomputed later).",
+                                  value=s.num_preemptions)

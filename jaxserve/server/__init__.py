@@ -1,0 +1,4 @@
+"""OpenAI-compatible HTTP frontend: a Flask app over the background engine, served by gunicorn."""
+from jaxserve.server.app import create_app
+
+__all__ = ["create_app"]

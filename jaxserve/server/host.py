@@ -1,0 +1,116 @@
+"""The frontend's handle on the engine: loads and warms it in the background (requests get 503
+until it is ready), submits requests (engine refusals become HTTP errors), follows their deltas
+(metrics, one log line per request, abort when the consumer goes away) and drains on shutdown."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Iterator
+
+from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.metrics import Metrics
+from jaxserve.server.errors import APIError
+
+log = logging.getLogger("jaxserve.server")
+
+
+class EngineHost:
+    def __init__(self, engine_cfg: EngineConfig, model_name: str,
+                 on_load_error: Callable[[], None] | None = None):
+        self.engine_cfg = engine_cfg
+        self.model_name = model_name
+        self.created = int(time.time())
+        self.metrics = Metrics()
+        self.engine_thread = None          # an EngineThread once warm
+        self.load_error: Exception | None = None
+        self.draining = False
+        self._on_load_error = on_load_error
+        threading.Thread(target=self._load, name="jaxserve-load", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            from jaxserve.engine import EngineThread, LLMEngine   # JAX starts here, in the serving process
+
+            t0 = time.monotonic()
+            engine = LLMEngine(self.engine_cfg)
+            self.metrics.engine = engine
+            thread = EngineThread(engine).start(warmup=True)
+            self.engine_thread = thread
+            log.info("ready: %s (max_model_len %d, %d KV pages) after %.1fs", self.model_name,
+                     engine.max_model_len, engine.block_manager.num_pages, time.monotonic() - t0)
+        except Exception as e:
+            log.exception("the engine failed to load")
+            self.load_error = e
+            if self._on_load_error is not None:
+                self._on_load_error()
+
+    def require_engine(self):
+        """The EngineThread, or 503 while warming up / shutting down."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down")
+        if self.engine_thread is None:
+            if self.load_error is not None:
+                raise APIError(503, f"the engine failed to load: {self.load_error}")
+            raise APIError(503, "the engine is warming up")
+        return self.engine_thread
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> list:
+        """Validate every prompt, then submit each as `{request_id}-{i}`; all or nothing."""
+        from jaxserve.engine import EngineStoppedError, QueueFullError
+
+        engine_thread = self.require_engine()
+        try:
+            for ids in prompts:
+                engine_thread.engine.validate(ids, params)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        streams = []
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(engine_thread.submit(ids, params, f"{request_id}-{i}"))
+        except (QueueFullError, EngineStoppedError) as e:
+            for s in streams:
+                s.abort()
+            raise APIError(429 if isinstance(e, QueueFullError) else 503, str(e)) from None
+        return streams
+
+    def follow(self, streams: list) -> Iterator[tuple[int, object]]:
+        """(prompt index, RequestOutput delta) for each stream in turn (all run concurrently in the
+        engine). Closing this generator early aborts the unfinished requests, freeing their pages."""
+        finished = set()
+        try:
+            for i, stream in enumerate(streams):
+                last = None
+                for out in stream:
+                    now = time.monotonic()
+                    if any(c.token_ids for c in out.outputs):
+                        if last is not None:
+                            self.metrics.inter_token.observe(now - last)
+                        last = now
+                    if out.finished:
+                        finished.add(i)
+                        self.metrics.observe_finished(out)
+                        _log_finished(out)
+                    yield i, out
+        finally:
+            for i, stream in enumerate(streams):
+                if i not in finished:
+                    stream.abort()
+                    log.info("%s aborted (client gone or error)", stream.request_id)
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (503); requests already accepted run to completion."""
+        self.draining = True
+
+    def shutdown(self) -> None:
+        if self.engine_thread is not None:
+            self.engine_thread.shutdown(drain=False)
+
+
+def _log_finished(out) -> None:
+    ttft = "-" if out.first_token_time is None else f"{out.first_token_time - out.arrival_time:.3f}s"
+    reasons = ",".join(sorted({c.finish_reason for c in out.outputs if c.finish_reason}))
+    log.info("%s prompt_tokens=%d completion_tokens=%d ttft=%s total=%.3fs finish=%s", out.request_id,
+             len(out.prompt_token_ids), out.num_generated_tokens, ttft,
+             (out.finish_time or time.monotonic()) - out.arrival_time, reasons or "-")

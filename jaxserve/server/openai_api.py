@@ -1,0 +1,212 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+A request with several prompts (completions) or n > 1 becomes one engine request per prompt with
+n choices each; choice index = prompt index * n + choice. Streaming follows OpenAI: one chunk per
+choice per engine step that produced text, the finish_reason on each choice's last chunk, with
+`stream_options.include_usage` a final chunk with empty `choices` and the usage, then [DONE].
+"""
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+
+import jinja2
+from flask import Blueprint, current_app, jsonify
+
+from jaxserve.server.errors import APIError
+from jaxserve.server.sse import sse_response
+from jaxserve.server.validation import field, json_body, messages, prompts, sampling_params, stream_flags
+
+bp = Blueprint("openai", __name__)
+MIN_LOGPROB = -9999.0   # what OpenAI reports for -inf (JSON has no infinity)
+
+
+def _host():
+    return current_app.extensions["jaxserve"]
+
+
+def _check_model(body: dict, host) -> None:
+    model = field(body, "model", lambda v: isinstance(v, str), "a string", host.model_name)
+    if model != host.model_name:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {host.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+@bp.get("/v1/models")
+def list_models():
+    host = _host()
+    return jsonify({"object": "list", "data": [
+        {"id": host.model_name, "object": "model", "created": host.created, "owned_by": "jaxserve"}]})
+
+
+@bp.post("/v1/completions")
+def completions():
+    host = _host()
+    body = json_body()
+    _check_model(body, host)
+    engine = host.require_engine().engine
+    params = sampling_params(body, chat=False, max_tokens=16)
+    stream, include_usage = stream_flags(body)
+    echo = field(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
+    if echo and params.logprobs is not None:
+        raise APIError(400, "'echo' together with 'logprobs' is not supported (no prompt logprobs)",
+                       param="echo")
+    items = prompts(body, engine.tokenizer.encode)
+    ids = [i for _, i in items]
+    echoes = [t if t is not None else engine.tokenizer.decode(i) for t, i in items] if echo else None
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = host.submit(ids, params, request_id)
+    head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": host.model_name}
+    choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes)
+    deltas = host.follow(streams)
+    prompt_tokens = sum(map(len, ids))
+    if stream:
+        return sse_response(_chunks(deltas, choices, head, include_usage, prompt_tokens))
+    return jsonify({**head, **_collect(deltas, choices, prompt_tokens)})
+
+
+@bp.post("/v1/chat/completions")
+def chat_completions():
+    host = _host()
+    body = json_body()
+    _check_model(body, host)
+    engine = host.require_engine().engine
+    ids = chat_prompt_ids(engine.tokenizer, messages(body))
+    # No max_tokens: up to the context length (the length check then reports an over-long prompt).
+    params = sampling_params(body, chat=True, max_tokens=max(1, engine.max_model_len - len(ids)))
+    stream, include_usage = stream_flags(body)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = host.submit([ids], params, request_id)
+    choices = _Choices(engine.tokenizer, params.n, chat=True)
+    deltas = host.follow(streams)
+    if stream:
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": host.model_name}
+        return sse_response(_chunks(deltas, choices, head, include_usage, len(ids)))
+    head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": host.model_name}
+    return jsonify({**head, **_collect(deltas, choices, len(ids))})
+
+
+def chat_prompt_ids(tokenizer, msgs: list[dict]) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    except (ValueError, jinja2.TemplateError) as e:
+        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)   # the template wrote any bos itself
+
+
+class _Choices:
+    """Turns CompletionOutput deltas into OpenAI choice objects (completion or chat format)."""
+
+    def __init__(self, tokenizer, n: int, chat: bool, echoes: list[str] | None = None):
+        self.tokenizer, self.n, self.chat, self.echoes = tokenizer, n, chat, echoes
+        self.started: set[int] = set()
+        self.offsets: dict[int, int] = {}    # completion logprobs' text_offset so far, per choice
+
+    def delta(self, prompt_index: int, c) -> dict | None:
+        """The streamed choice for one delta, or None when it carries nothing."""
+        index = prompt_index * self.n + c.index
+        first = index not in self.started
+        self.started.add(index)
+        text = c.text
+        if first and self.echoes is not None:
+            text = self.echoes[prompt_index] + text
+        results = c.logprobs if c.logprobs is not None and c.token_ids else None
+        if not (text or results or c.finish_reason or (first and self.chat)):
+            return None
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"index": index, "delta": delta, "logprobs": self._chat_logprobs(results),
+                    "finish_reason": c.finish_reason}
+        return {"index": index, "text": text, "logprobs": self._completion_logprobs(index, text, results),
+                "finish_reason": c.finish_reason}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chat_logprobs(self, results) -> dict | None:
+        if results is None:
+            return None
+
+        def entry(token_id, logprob):
+            s = self._token(token_id)
+            return {"token": s, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(s.encode())}
+        return {"content": [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
+                            for r in results]}
+
+    def _completion_logprobs(self, index: int, text: str, results) -> dict | None:
+        start = self.offsets.get(index, 0)
+        self.offsets[index] = start + len(text)
+        if results is None:
+            return None
+        tokens = [self._token(r.token) for r in results]
+        tops = []
+        for r in results:
+            top = {}
+            for t, lp in r.top:   # most likely first; tokens that decode alike keep the best
+                top.setdefault(self._token(t), max(lp, MIN_LOGPROB))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [max(r.logprob, MIN_LOGPROB) for r in results],
+                "top_logprobs": tops,
+                "text_offset": list(itertools.accumulate([start] + [len(t) for t in tokens[:-1]]))}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _chunks(deltas, choices: _Choices, head: dict, include_usage: bool, prompt_tokens: int):
+    completion_tokens = 0
+    try:
+        for prompt_index, out in deltas:
+            if out.finished:
+                completion_tokens += out.num_generated_tokens
+            for c in out.outputs:
+                choice = choices.delta(prompt_index, c)
+                if choice is not None:
+                    yield {**head, "choices": [choice]}
+    finally:
+        deltas.close()   # a client that left aborts its requests here
+    if include_usage:
+        yield {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
+
+
+def _collect(deltas, choices: _Choices, prompt_tokens: int) -> dict:
+    """The non-streaming body: every choice's deltas merged."""
+    merged: dict[int, dict] = {}
+    completion_tokens = 0
+    try:
+        for prompt_index, out in deltas:
+            if out.finished:
+                completion_tokens += out.num_generated_tokens
+            for c in out.outputs:
+                d = choices.delta(prompt_index, c)
+                if d is not None:
+                    _merge(merged.setdefault(d["index"], {"index": d["index"]}), d)
+    except ValueError as e:   # refused by the engine after submission (e.g. KV pool too small)
+        raise APIError(400, str(e)) from None
+    finally:
+        deltas.close()
+    out = []
+    for index in sorted(merged):
+        d = merged[index]
+        if choices.chat:
+            out.append({"index": index, "message": {"role": "assistant", "content": d.get("content", "")},
+                        "logprobs": d.get("logprobs"), "finish_reason": d.get("finish_reason")})
+        else:
+            out.append({"index": index, "text": d.get("text", ""), "logprobs": d.get("logprobs"),
+                        "finish_reason": d.get("finish_reason")})
+    return {"choices": out, "usage": _usage(prompt_tokens, completion_tokens)}
+
+
+def _merge(acc: dict, d: dict) -> None:
+    acc["finish_reason"] = d["finish_reason"] or acc.get("finish_reason")
+    text = d["delta"].get("content", "") if "delta" in d else d["text"]
+    key = "content" if "delta" in d else "text"
+    acc[key] = acc.get(key, "") + text
+    if d["logprobs"] is not None:
+        lp = acc.setdefault("logprobs", {})
+        for k, v in d["logprobs"].items():
+            lp[k] = lp.get(k, []) + v

@@ -1,0 +1,45 @@
+"""Server-Sent Events: each event is written to the socket as soon as it is produced (the WSGI
+server sends every yielded piece as its own HTTP chunk), then `data: [DONE]`.
+
+The first event is produced before the response starts, so a request the engine refuses after
+submission still gets a proper HTTP error. When the client goes away the WSGI server closes the
+body iterator; closing `events` then aborts the engine requests (see EngineHost.follow).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Iterator
+
+from flask import Response
+
+from jaxserve.server.errors import APIError
+
+log = logging.getLogger(__name__)
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_response(events: Iterator[dict]) -> Response:
+    try:
+        first = next(events, None)
+    except ValueError as e:   # refused by the engine (e.g. KV pool too small for the request)
+        raise APIError(400, str(e)) from None
+
+    def body():
+        try:
+            if first is not None:
+                yield _event(first)
+            for event in events:
+                yield _event(event)
+        except Exception as e:   # the status line is sent: report in-band, as OpenAI does
+            log.exception("stream failed")
+            yield _event(APIError(500, f"internal error: {e}").body())
+        finally:
+            events.close()
+        yield "data: [DONE]\n\n"
+
+    return Response(body(), mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,169 @@
+"""Request bodies -> checked Python values. Anything wrong raises APIError(400) naming the field.
+
+Unknown fields are ignored (clients send extras such as `user` or `metadata`); known OpenAI fields
+this server does not implement are rejected when set, rather than silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+from flask import request
+
+from jaxserve.config import SamplingParams
+from jaxserve.server.errors import APIError
+
+MAX_STOP_STRINGS = 16
+MAX_PROMPTS = 64
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+# Set to anything but these "off" values, these fields get a 400.
+UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+               "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def json_body() -> dict:
+    """The request's JSON object (400 / 415 on anything else)."""
+    if request.mimetype != "application/json":
+        raise APIError(415, "Content-Type must be application/json")
+    raw = request.get_data(cache=False)   # 413 past MAX_CONTENT_LENGTH
+    try:
+        body = json.loads(raw.decode("utf-8"))
+        # Lone surrogates ("\ud800") parse but are not text: the tokenizer would choke on them.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeError:
+        raise APIError(400, "request body is not valid UTF-8 text") from None
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"malformed JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return body
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def is_token_ids(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(map(is_int, v))
+
+
+def field(body: dict, name: str, check, what: str, default=None):
+    """body[name] if it passes `check`; `default` when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not check(value):
+        raise APIError(400, f"'{name}' must be {what}, got {json.dumps(value)[:80]}", param=name)
+    return value
+
+
+def reject_unsupported(body: dict) -> None:
+    for name, off in UNSUPPORTED.items():
+        if name in body and body[name] not in off:
+            raise APIError(400, f"'{name}' is not supported by this server", param=name)
+
+
+def sampling_params(body: dict, *, chat: bool, max_tokens: int | None) -> SamplingParams:
+    """The sampling fields shared by completions and chat. `max_tokens` is the default when the
+    body has none."""
+    reject_unsupported(body)
+    n = field(body, "n", is_int, "an integer", 1)
+    best_of = field(body, "best_of", is_int, "an integer", n)
+    if best_of != n:
+        raise APIError(400, "'best_of' other than n is not supported", param="best_of")
+    if chat:
+        max_tokens = field(body, "max_completion_tokens", is_int, "an integer", max_tokens)
+        want = field(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+        top = field(body, "top_logprobs", is_int, "an integer", None)
+        if top is not None and not want:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        logprobs = (top or 0) if want else None
+    else:
+        logprobs = field(body, "logprobs", is_int, "an integer", None)
+    stop = field(body, "stop", lambda v: isinstance(v, (str, list)), "a string or a list of strings", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, f"'stop' must hold at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    top_k = field(body, "top_k", is_int, "an integer", 0)
+    params = SamplingParams(
+        n=n,
+        max_tokens=field(body, "max_tokens", is_int, "an integer", max_tokens),
+        temperature=field(body, "temperature", is_number, "a number", 1.0),
+        top_p=field(body, "top_p", is_number, "a number", 1.0),
+        top_k=0 if top_k == -1 else top_k,   # -1 also means off (vLLM)
+        min_p=field(body, "min_p", is_number, "a number", 0.0),
+        presence_penalty=field(body, "presence_penalty", is_number, "a number", 0.0),
+        frequency_penalty=field(body, "frequency_penalty", is_number, "a number", 0.0),
+        repetition_penalty=field(body, "repetition_penalty", is_number, "a number", 1.0),
+        seed=field(body, "seed", lambda v: is_int(v) and -2**63 <= v < 2**64, "a 64-bit integer", None),
+        stop=stop,
+        stop_token_ids=field(body, "stop_token_ids", lambda v: isinstance(v, list) and all(map(is_int, v)),
+                             "a list of token ids", []),
+        ignore_eos=field(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
+        logprobs=logprobs,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        name = str(e).split()[0]
+        name = "top_logprobs" if chat and name == "logprobs" else name
+        raise APIError(400, str(e), param=name if name in SAMPLING_FIELDS | {"top_logprobs"} else None) from None
+    return params
+
+
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage) from `stream` and `stream_options`."""
+    stream = field(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    options = field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    include_usage = field(options, "include_usage", lambda v: isinstance(v, bool), "a boolean", False)
+    if options and not stream:
+        raise APIError(400, "'stream_options' needs 'stream': true", param="stream_options")
+    return stream, include_usage
+
+
+def prompts(body: dict, encode) -> list[tuple[str | None, list[int]]]:
+    """`prompt` as a string, strings, token ids or lists of token ids -> [(text or None, ids)]."""
+    p = body.get("prompt")
+    what = "a string, a list of strings, a list of token ids or a list of token id lists"
+    if isinstance(p, str):
+        items = [p]
+    elif isinstance(p, list) and p and (all(isinstance(x, str) for x in p) or all(map(is_token_ids, p))):
+        items = p
+    elif is_token_ids(p):
+        items = [p]
+    else:
+        raise APIError(400, f"'prompt' must be {what} (non-empty)", param="prompt")
+    if len(items) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    return [(x, encode(x)) if isinstance(x, str) else (None, list(x)) for x in items]
+
+
+def messages(body: dict) -> list[dict]:
+    """Chat messages, normalised to [{"role", "content": str}] ("developer" becomes "system")."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError(400, "'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}] must be an object", param="messages")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
+                                f"{json.dumps(role)[:40]}", param="messages")
+        if isinstance(content, list):   # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       for c in content):
+                raise APIError(400, f"messages[{i}].content parts must all be text parts", param="messages")
+            content = "".join(c["text"] for c in content)
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
+                           param="messages")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out

@@ -1,0 +1,82 @@
+"""The real server (`python -m jaxserve.cli serve`, gunicorn) in a subprocess, for server tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import requests
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+# Few buckets: 4 decode shapes (1-8 sequences, one page bucket) + 2 prefill shapes to compile.
+# The XLA cache is shared by the test servers of all test processes and kept between runs.
+TEST_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, prefill_chunk_size=32, max_prefill_seqs=1,
+                   max_model_len=128, page_size=32, num_pages=64,
+                   compilation_cache_dir=os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache"))
+READY_TIMEOUT_S = 900   # a cold compilation cache on a busy 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, workdir, model_dir: str, *args: str, **engine):
+        self.config = os.path.join(workdir, "engine.yaml")
+        with open(self.config, "w") as f:
+            yaml.safe_dump({**TEST_ENGINE, **engine}, f)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(workdir, "server.log")
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model_dir, "--config", self.config,
+             "--port", str(self.port), *args], stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> list[int]:
+        """Poll /health until 200; returns the status codes seen (connection refused not counted)."""
+        seen, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                r = requests.get(self.url + "/health", timeout=5)
+                seen.append(r.status_code)
+                if r.status_code == 200:
+                    return seen
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples by name ('name{label="value"}' for labelled ones)."""
+        text = requests.get(self.url + "/metrics", timeout=30).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def log_tail(self, n: int = 4000) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-n:]
+
+    def stop(self, timeout: float = 120) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode

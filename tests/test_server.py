@@ -1,0 +1,333 @@
+"""The HTTP server, end to end: one real server (gunicorn subprocess) for the module, driven by the
+official `openai` client and raw HTTP. Generated text is checked against a greedy loop over the
+same checkpoint in Hugging Face transformers."""
+import concurrent.futures
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+import requests
+import torch
+from transformers import AutoTokenizer
+
+from tests.hf_models import save_engine_model
+from tests.server_harness import TEST_ENGINE, ServerProcess
+
+NAME = "jaxserve-tiny"   # served under the embedded model's name, so the README examples run as written
+MAX_LEN = TEST_ENGINE["max_model_len"]
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("model"))
+    hf = save_engine_model(path, vocab_size=258)   # every id is a byte or <s> / </s>
+    return path, hf, AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    s = ServerProcess(tmp_path_factory.mktemp("server"), model[0], "--served-model-name", NAME,
+                      max_queue_size=64)
+    s.wait_ready()
+    yield s
+    assert s.stop() == 0, s.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """n greedy tokens after `ids` (no stop token) and their logprobs, in transformers."""
+    ids, out, lps = list(ids), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)
+            t = int(logp.argmax())
+            ids.append(t)
+            out.append(t)
+            lps.append(float(logp[t]))
+    return out, lps
+
+
+def post(server, path, body, **kw):
+    return requests.post(server.url + path, json=body, timeout=120, **kw)
+
+
+def sse_events(response) -> list[dict]:
+    lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == b"data: [DONE]"
+    assert all(line.startswith(b"data: ") for line in lines)
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+# ---- the openai client ----
+
+def test_completions_match_transformers(server, client, model):
+    _, hf, tok = model
+    prompt = tok.encode("The quick brown fox", add_special_tokens=False)
+    ref, ref_lps = hf_greedy(hf, prompt, 12)
+    kw = dict(model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    out = client.completions.create(logprobs=2, **kw)
+    c = out.choices[0]
+    assert c.text == tok.decode(ref)
+    assert c.finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt), 12)
+    assert c.logprobs.token_logprobs == pytest.approx(ref_lps, abs=1e-3)
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(lp, abs=1e-6)
+               for top, lp in zip(c.logprobs.top_logprobs, c.logprobs.token_logprobs))
+
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == len(prompt) + 12
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+    # A string prompt is tokenized by the server as by the model's tokenizer.
+    text = client.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert text == c.text
+
+
+def test_chat_matches_transformers(server, client, model):
+    _, hf, tok = model
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo wörld ✓"}]
+    # tests/hf_models.py's chat template, written out
+    prompt = tok.encode("system: Be brief.\nuser: héllo wörld ✓\nassistant:", add_special_tokens=False)
+    ref, ref_lps = hf_greedy(hf, prompt, 10)
+    kw = dict(model=NAME, messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+    c = out.choices[0]
+    assert c.message.role == "assistant" and c.message.content == tok.decode(ref)
+    assert c.finish_reason == "length" and out.object == "chat.completion"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt), 10)
+    assert [e.logprob for e in c.logprobs.content] == pytest.approx(ref_lps, abs=1e-3)
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+               for e in c.logprobs.content)
+
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(ch.object == "chat.completion.chunk" and ch.id == chunks[0].id for ch in chunks)
+
+
+def test_several_prompts_and_choices(server):
+    """Two prompts x n=2, seeded: four choices, the same whether streamed or not."""
+    body = dict(model=NAME, prompt=["ab", "cd"], n=2, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    full = post(server, "/v1/completions", body).json()
+    assert [c["index"] for c in full["choices"]] == [0, 1, 2, 3]
+    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 24, "total_tokens": 28}
+    texts = {c["index"]: "" for c in full["choices"]}
+    for event in sse_events(post(server, "/v1/completions", {**body, "stream": True}, stream=True)):
+        for c in event["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == {c["index"]: c["text"] for c in full["choices"]}
+    assert post(server, "/v1/completions", body).json()["choices"] == full["choices"]   # seeded
+
+
+def test_models_health_tokenize(server, client, model):
+    tok = model[2]
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert requests.get(server.url + "/health", timeout=30).json() == {"status": "ok"}
+    r = post(server, "/tokenize", {"prompt": "héllo ✓"}).json()
+    assert r["tokens"] == tok.encode("héllo ✓") and r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_LEN
+    assert post(server, "/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": "héllo ✓"}
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == tok.encode("user: hi\nassistant:", add_special_tokens=False)
+
+
+# ---- hostile input: a 4xx with an error body, never a 500, and the server stays up ----
+
+LONG = "x" * (MAX_LEN + 20)
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = {"model": NAME, "prompt": "hi", "max_tokens": 2}
+MSG = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+JSON = {"Content-Type": "application/json"}
+HOSTILE = [  # (id, method, path, body: dict or raw bytes, extra headers, expected status)
+    ("malformed-json", "POST", C, b'{"prompt": "a",', JSON, 400),
+    ("empty-body", "POST", C, b"", JSON, 400),
+    ("array-body", "POST", C, b"[1, 2]", JSON, 400),
+    ("non-utf8", "POST", C, b'{"prompt": "\xff\xfe"}', JSON, 400),
+    ("lone-surrogate", "POST", C, b'{"prompt": "\\ud800"}', JSON, 400),
+    ("deep-nesting", "POST", C, b"[" * 100000 + b"]" * 100000, JSON, 400),
+    ("giant-integer", "POST", C, b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", JSON, 400),
+    ("wrong-content-type", "POST", C, json.dumps(OK).encode(), {"Content-Type": "text/plain"}, 415),
+    ("huge-body", "POST", C, b'{"prompt": "' + b"a" * (5 * 2**20) + b'"}', JSON, 413),
+    ("unknown-route", "POST", "/v1/nothing", OK, {}, 404),
+    ("wrong-method", "GET", C, None, {}, 405),
+    ("unknown-model", "POST", C, {**OK, "model": "gpt-17"}, {}, 404),
+    ("model-not-string", "POST", C, {**OK, "model": 5}, {}, 400),
+    ("no-prompt", "POST", C, {"model": NAME}, {}, 400),
+    ("prompt-number", "POST", C, {**OK, "prompt": 5}, {}, 400),
+    ("prompt-empty-list", "POST", C, {**OK, "prompt": []}, {}, 400),
+    ("prompt-mixed-list", "POST", C, {**OK, "prompt": ["a", 1]}, {}, 400),
+    ("prompt-empty-string", "POST", C, {**OK, "prompt": ""}, {}, 400),
+    ("token-id-too-big", "POST", C, {**OK, "prompt": [1, 10**6]}, {}, 400),
+    ("token-id-negative", "POST", C, {**OK, "prompt": [-1]}, {}, 400),
+    ("prompt-too-long", "POST", C, {**OK, "prompt": LONG}, {}, 400),
+    ("max-tokens-string", "POST", C, {**OK, "max_tokens": "2"}, {}, 400),
+    ("max-tokens-bool", "POST", C, {**OK, "max_tokens": True}, {}, 400),
+    ("max-tokens-zero", "POST", C, {**OK, "max_tokens": 0}, {}, 400),
+    ("max-tokens-negative", "POST", C, {**OK, "max_tokens": -5}, {}, 400),
+    ("max-tokens-huge", "POST", C, {**OK, "max_tokens": 10**12}, {}, 400),
+    ("temperature-negative", "POST", C, {**OK, "temperature": -1}, {}, 400),
+    ("temperature-inf", "POST", C, b'{"prompt": "a", "temperature": 1e999}', JSON, 400),
+    ("temperature-nan", "POST", C, b'{"prompt": "a", "temperature": NaN}', JSON, 400),
+    ("top-p-zero", "POST", C, {**OK, "top_p": 0}, {}, 400),
+    ("top-k-float", "POST", C, {**OK, "top_k": 1.5}, {}, 400),
+    ("presence-penalty-big", "POST", C, {**OK, "presence_penalty": 5}, {}, 400),
+    ("repetition-penalty-zero", "POST", C, {**OK, "repetition_penalty": 0}, {}, 400),
+    ("n-too-big", "POST", C, {**OK, "n": 1000}, {}, 400),
+    ("n-zero", "POST", C, {**OK, "n": 0}, {}, 400),
+    ("logprobs-too-many", "POST", C, {**OK, "logprobs": 50}, {}, 400),
+    ("stop-not-strings", "POST", C, {**OK, "stop": [1, 2]}, {}, 400),
+    ("stop-empty-string", "POST", C, {**OK, "stop": [""]}, {}, 400),
+    ("stop-too-many", "POST", C, {**OK, "stop": [f"s{i}" for i in range(100)]}, {}, 400),
+    ("seed-string", "POST", C, {**OK, "seed": "abc"}, {}, 400),
+    ("seed-huge", "POST", C, {**OK, "seed": 2**70}, {}, 400),
+    ("stream-not-bool", "POST", C, {**OK, "stream": "yes"}, {}, 400),
+    ("stream-options-without-stream", "POST", C, {**OK, "stream_options": {"include_usage": True}}, {}, 400),
+    ("echo-with-logprobs", "POST", C, {**OK, "echo": True, "logprobs": 1}, {}, 400),
+    ("best-of", "POST", C, {**OK, "best_of": 3}, {}, 400),
+    ("logit-bias-wrong-type", "POST", C, {**OK, "logit_bias": "x"}, {}, 400),
+    ("logit-bias-unsupported", "POST", C, {**OK, "logit_bias": {"1": 100}}, {}, 400),
+    ("chat-no-messages", "POST", CHAT, {"model": NAME}, {}, 400),
+    ("chat-empty-messages", "POST", CHAT, {**MSG, "messages": []}, {}, 400),
+    ("chat-message-not-object", "POST", CHAT, {**MSG, "messages": ["hi"]}, {}, 400),
+    ("chat-wrong-role", "POST", CHAT, {**MSG, "messages": [{"role": "wizard", "content": "hi"}]}, {}, 400),
+    ("chat-content-number", "POST", CHAT, {**MSG, "messages": [{"role": "user", "content": 5}]}, {}, 400),
+    ("chat-image-part", "POST", CHAT, {**MSG, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, {}, 400),
+    ("chat-top-logprobs-alone", "POST", CHAT, {**MSG, "top_logprobs": 2}, {}, 400),
+    ("chat-top-logprobs-too-many", "POST", CHAT, {**MSG, "logprobs": True, "top_logprobs": 21}, {}, 400),
+    ("chat-tools", "POST", CHAT, {**MSG, "tools": [{"type": "function"}]}, {}, 400),
+    ("chat-too-long", "POST", CHAT, {**MSG, "messages": [{"role": "user", "content": LONG}]}, {}, 400),
+    ("tokenize-no-prompt", "POST", "/tokenize", {"text": "hi"}, {}, 400),
+    ("detokenize-bad-ids", "POST", "/detokenize", {"tokens": ["a", 10**9]}, {}, 400),
+]
+
+
+@pytest.mark.parametrize("method,path,body,headers,status", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
+def test_hostile_request(server, method, path, body, headers, status):
+    kw = {"data": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+    r = requests.request(method, server.url + path, headers=headers, timeout=120, **kw)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def test_error_messages_name_the_problem(server):
+    err = post(server, C, {**OK, "prompt": LONG, "max_tokens": 7}).json()["error"]["message"]
+    assert str(MAX_LEN) in err and str(len(LONG)) in err and "7" in err
+    err = post(server, C, {**OK, "temperature": 3}).json()["error"]
+    assert err["param"] == "temperature" and "temperature" in err["message"]
+    assert post(server, C, {**OK, "max_tokens": "2"}).json()["error"]["param"] == "max_tokens"
+
+
+def test_healthy_after_hostile_requests(server):
+    for _, method, path, body, headers, _ in HOSTILE[:12]:   # the raw-bytes ones, again
+        kw = {"data": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+        requests.request(method, server.url + path, headers=headers, timeout=120, **kw)
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    r = post(server, C, OK)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    m = server.metrics()
+    assert m["jaxserve_num_sequences_running"] == 0 and m["jaxserve_kv_cache_usage_ratio"] == 0
+
+
+# ---- load, disconnects, streaming ----
+
+def test_64_concurrent_streams_match_solo(server):
+    prompts = [f"request {i}: {'ab' * (i % 5)}" for i in range(64)]
+
+    def body(p, stream):
+        return dict(model=NAME, prompt=p, max_tokens=8, temperature=0, stream=stream)
+
+    solo = [post(server, C, body(p, False)).json()["choices"][0] for p in prompts]
+
+    def streamed(p):
+        events = sse_events(post(server, C, body(p, True), stream=True))
+        return "".join(e["choices"][0]["text"] for e in events), events[-1]["choices"][0]["finish_reason"]
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        together = list(pool.map(streamed, prompts))
+    assert together == [(c["text"], c["finish_reason"]) for c in solo]
+    m = server.metrics()
+    assert (m["jaxserve_num_sequences_running"], m["jaxserve_num_sequences_waiting"],
+            m["jaxserve_kv_cache_usage_ratio"]) == (0, 0, 0)
+
+
+def test_disconnect_frees_pages_within_a_second(server):
+    before = server.metrics()["jaxserve_generation_tokens_total"]
+    r = post(server, C, {**OK, "max_tokens": 110, "ignore_eos": True, "stream": True}, stream=True)
+    lines = r.iter_lines()
+    for _ in range(3):
+        assert next(lines).startswith(b"data: ")
+        next(lines)
+    assert server.metrics()["jaxserve_kv_cache_usage_ratio"] > 0
+    r.close()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0:
+        m = server.metrics()
+        if m["jaxserve_kv_cache_usage_ratio"] == 0 and m["jaxserve_num_sequences_running"] == 0:
+            break
+        time.sleep(0.02)
+    assert m["jaxserve_kv_cache_usage_ratio"] == 0 and m["jaxserve_num_sequences_running"] == 0
+    assert m["jaxserve_generation_tokens_total"] - before < 110   # aborted, not run to the end
+
+
+def test_chunks_arrive_while_generating(server):
+    """Each token's chunk is sent when its step ends, not buffered to the end of the request."""
+    t0 = time.monotonic()
+    r = post(server, C, {**OK, "max_tokens": 100, "ignore_eos": True, "logprobs": 0, "stream": True}, stream=True)
+    arrivals = [time.monotonic() for line in r.iter_lines() if line.startswith(b"data: {")]
+    assert len(arrivals) == 100
+    first, last = arrivals[0], arrivals[-1]
+    assert last - first > 0.5 * (last - t0)
+    in_first_half = sum(t < (first + last) / 2 for t in arrivals) / len(arrivals)
+    assert 0.2 < in_first_half < 0.8, in_first_half
+
+
+def test_metrics_follow_requests(server):
+    before = server.metrics()
+    usage = post(server, C, {**OK, "max_tokens": 5, "ignore_eos": True}).json()["usage"]
+    after = server.metrics()
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+    assert delta("jaxserve_prompt_tokens_total") == usage["prompt_tokens"]
+    assert delta("jaxserve_generation_tokens_total") == usage["completion_tokens"] == 5
+    assert delta('jaxserve_request_success_total{finish_reason="length"}') == 1
+    for h in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert delta(f"jaxserve_{h}_seconds_count") == 1
+    assert delta("jaxserve_inter_token_latency_seconds_count") == 4
+    assert after["jaxserve_e2e_request_latency_seconds_sum"] > before.get("jaxserve_e2e_request_latency_seconds_sum", 0)
+    assert {"jaxserve_prefix_cache_hit_rate", "jaxserve_num_preemptions_total"} <= set(after)
+
+
+# ---- the README quick start, as written (only host:port substituted) ----
+
+def test_readme_examples_work(server):
+    with open(README) as f:
+        readme = f.read()
+    blocks = re.findall(r"```(\w+)\n(.*?)```", readme, re.S)
+    curl = [code for lang, code in blocks if lang in ("bash", "sh") and "curl " in code]
+    python = [code for lang, code in blocks if lang == "python" and "openai" in code]
+    assert curl and python
+    here = f"127.0.0.1:{server.port}"
+    for code in curl:
+        out = subprocess.run(["bash", "-c", code.replace("127.0.0.1:8000", here)], capture_output=True,
+                             text=True, timeout=120, check=True).stdout
+        assert json.loads(out)["choices"]
+    for code in python:
+        out = subprocess.run([sys.executable, "-c", code.replace("127.0.0.1:8000", here)], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip(), out.stderr
