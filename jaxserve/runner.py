@@ -93,7 +93,8 @@ class ModelRunner:
                                            engine_cfg.max_num_batched_tokens)
         self.prefill_row_buckets = _pow2_buckets(1, engine_cfg.max_prefill_seqs)
         self.max_copies = max_seqs
-        self._step = functools.partial(_step, self.model, backend=self.backend)
+        self._step = functools.partial(_step, self.model, backend=self.backend, kv_sharding=kv_sharding,
+                                       logits_sharding=parallel.logits_sharding(cfg, self.mesh))
 
     # ---- sizing ----
     @property
@@ -225,15 +226,21 @@ class ModelRunner:
 
 # Module-level jits with the model as a static argument: engines with the same model and shapes
 # share compilations within a process.
-@functools.partial(jax.jit, static_argnames=("model", "backend", "num_prefill_rows", "max_q"),
+@functools.partial(jax.jit, static_argnames=("model", "backend", "num_prefill_rows", "max_q",
+                                             "kv_sharding", "logits_sharding"),
                    donate_argnames=("kv_caches",))
 def _step(model, params, kv_caches, tokens, positions, slot_mapping, page_table, seq_lens,
-          query_start_loc, logits_index, *, backend, num_prefill_rows, max_q):
+          query_start_loc, logits_index, *, backend, num_prefill_rows, max_q, kv_sharding,
+          logits_sharding):
     meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_table=page_table,
                              seq_lens=seq_lens, query_start_loc=query_start_loc, max_q=max_q,
-                             num_prefill_rows=num_prefill_rows, backend=backend)
+                             num_prefill_rows=num_prefill_rows, backend=backend, kv_sharding=kv_sharding)
     hidden, kv_caches = model.apply({"params": params}, tokens, positions, kv_caches, meta)
     logits = model.apply({"params": params}, hidden[logits_index], method=model.logits)
+    # Under tensor parallelism: keep the lm_head matmul vocab-split, then gather the logits
+    # once for the sampler (see parallel.logits_sharding). No-ops on one device.
+    logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+    logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(logits_sharding.mesh))
     return logits, kv_caches
 
 
