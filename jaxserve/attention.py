@@ -70,11 +70,13 @@ def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window:
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
     """Scatter new K/V [T, KVH, D] into their page slots; out-of-range slots (padding) are dropped."""
-    n, ps, kvh, d = k_pages.shape
+    ps = k_pages.shape[1]
+    # Indexed as (page, offset), not through a flat reshape: for T = 1 XLA CPU turns the flat
+    # form into a dynamic-update-slice that copies the whole pool several times per step.
+    page, offset = slot_mapping // ps, slot_mapping % ps
 
     def put(pages, x):
-        flat = pages.reshape(n * ps, kvh, d).at[slot_mapping].set(x.astype(pages.dtype), mode="drop")
-        return flat.reshape(n, ps, kvh, d)
+        return pages.at[page, offset].set(x.astype(pages.dtype), mode="drop")
 
     return put(k_pages, k), put(v_pages, v)
 
