@@ -72,4 +72,6 @@ def sequence_parallel_prefill(model, mesh, params, kv_caches, tokens, num_tokens
         # holds the same values, so the (truly replicated) cache output could not be declared P().
         axis_names={"seq"}, check_vma=False)(params, kv_caches, tokens, positions, slots)
     logits = model.apply({"params": params}, h[None], method=model.logits)
-    return logits, kv_caches
+    # As in the runner's step: vocab-split lm_head, then one gather of the logits.
+    logits = jax.lax.with_sharding_constraint(logits, parallel.logits_sharding(cfg, mesh))
+    return jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh)), kv_caches

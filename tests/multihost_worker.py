@@ -15,8 +15,8 @@ from jaxserve import checkpoint, multihost, parallel
 from jaxserve.config import ModelConfig
 from jaxserve.generate import greedy_generate
 from jaxserve.models import build_model
-from tests.parallel_checks import (CONFIGS, NEW_TOKENS, STEP_MAX_Q, decode_args, empty_cache,
-                                   make_step, page_rows, prompts, step_args)
+from tests.parallel_checks import (CONFIGS, NEW_TOKENS, decode_args, empty_cache, make_step,
+                                   page_rows, prompts, step_args)
 
 
 def main(ckpt_dir: str) -> None:
@@ -30,7 +30,7 @@ def main(ckpt_dir: str) -> None:
     state = {"kv": empty_cache(cfg, mesh), "steps": 0}
 
     def run(arrays):
-        logits, state["kv"] = step(params, state["kv"], *arrays, max_q=STEP_MAX_Q)
+        logits, state["kv"] = step(params, state["kv"], *arrays)
         state["steps"] += 1
         return np.asarray(logits.addressable_data(0))  # replicated: every process has it all
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import functools
 import json
-import re
 import sys
 import tempfile
 
@@ -17,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import checkpoint, parallel
-from jaxserve.attention import AttentionMetadata
+from jaxserve import checkpoint, parallel, runner
 from jaxserve.config import ModelConfig
 from jaxserve.generate import greedy_generate
 from jaxserve.models import build_model
@@ -29,8 +27,6 @@ NUM_PAGES = 24
 NEW_TOKENS = 4
 STEP_TOKENS = 24  # every step is padded to this many tokens, so each mesh compiles one step
 STEP_MAX_Q = 16
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-               "collective-broadcast")
 
 
 def hf_config(num_kv_heads: int, qkv_bias: bool, tied: bool) -> dict:
@@ -72,26 +68,11 @@ def page_rows() -> np.ndarray:
 
 
 def make_step(model, mesh, cfg):
-    """One paged step on `mesh` (prefill or decode): logits of `last` gathered, KV donated.
-    Tokens past qsl[-1] are padding (not written)."""
-    kv_sharding = parallel.kv_cache_sharding(cfg, mesh)
-    logits_sharding = parallel.logits_sharding(cfg, mesh)
-
-    @functools.partial(jax.jit, static_argnames=("max_q",), donate_argnames=("kv",),
-                       out_shardings=(parallel.replicated(mesh), kv_sharding))
-    def step(params, kv, tokens, positions, page_table, seq_lens, qsl, last, *, max_q):
-        idx = jnp.arange(tokens.shape[0])
-        seq = jnp.minimum(jnp.searchsorted(qsl[1:], idx, side="right"), page_table.shape[0] - 1)
-        slots = page_table[seq, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
-        slots = jnp.where(idx < qsl[-1], slots, NUM_PAGES * PAGE_SIZE)
-        meta = AttentionMetadata(positions=positions, slot_mapping=slots, page_table=page_table,
-                                 seq_lens=seq_lens, query_start_loc=qsl, max_q=max_q,
-                                 kv_sharding=kv_sharding)
-        hidden, kv = model.apply({"params": params}, tokens, positions, kv, meta)
-        logits = model.apply({"params": params}, hidden[last], method=model.logits)
-        return jax.lax.with_sharding_constraint(logits, logits_sharding), kv
-
-    return step
+    """The engine runner's jitted step on `mesh` (KV donated, logits gathered), over arrays
+    from step_args; all rows in one attention group padded to STEP_MAX_Q."""
+    return functools.partial(runner._step, model, backend="xla", num_prefill_rows=None,
+                             max_q=STEP_MAX_Q, kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
+                             logits_sharding=parallel.logits_sharding(cfg, mesh))
 
 
 def empty_cache(cfg, mesh):
@@ -101,20 +82,24 @@ def empty_cache(cfg, mesh):
     return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
 
-def step_args(new_tokens: list[list[int]], starts: list[int], rows: np.ndarray,
-              pad_to: int = STEP_TOKENS):
-    """Arrays of one ragged step: sequence i brings new_tokens[i] after starts[i] cached ones."""
+def step_args(new_tokens: list[list[int]], starts: list[int], rows: np.ndarray):
+    """The runner's step arrays (tokens, positions, slots, page table, seq_lens, query_start_loc,
+    logits index) when sequence i brings new_tokens[i] after starts[i] cached tokens."""
     lens = np.array([len(t) for t in new_tokens], np.int32)
     qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    pad = pad_to - qsl[-1]
+    pad = STEP_TOKENS - qsl[-1]
     tokens = np.concatenate(new_tokens + [[0] * pad]).astype(np.int32)
-    positions = np.concatenate([s + np.arange(n) for s, n in zip(starts, lens)] + [[0] * pad])
-    return (tokens, positions.astype(np.int32), rows, np.asarray(starts, np.int32) + lens, qsl,
-            qsl[1:] - 1)
+    positions = np.concatenate([s + np.arange(n) for s, n in zip(starts, lens)]).astype(np.int32)
+    seq = np.repeat(np.arange(len(lens)), lens)
+    slots = rows[seq, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+    pad_slots = np.full(pad, NUM_PAGES * PAGE_SIZE)  # out of range: padding is not written
+    return (tokens, np.concatenate([positions, np.zeros(pad)]).astype(np.int32),
+            np.concatenate([slots, pad_slots]).astype(np.int32), rows,
+            np.asarray(starts, np.int32) + lens, qsl, qsl[1:] - 1)
 
 
-def decode_args(tokens, lens, pad_to: int = STEP_TOKENS):
-    return step_args([[t] for t in tokens], [n - 1 for n in lens], page_rows(), pad_to)
+def decode_args(tokens, lens):
+    return step_args([[t] for t in tokens], [n - 1 for n in lens], page_rows())
 
 
 def sharded_generate(cfg, params, mesh, sequence_parallel: bool):
@@ -128,7 +113,7 @@ def sharded_generate(cfg, params, mesh, sequence_parallel: bool):
     lens = np.array([len(p) for p in ps], np.int32)
     if sequence_parallel:
         prefix = 5
-        _, kv = step(params, kv, *step_args([ps[0][:prefix]], [0], rows[:1]), max_q=STEP_MAX_Q)
+        _, kv = step(params, kv, *step_args([ps[0][:prefix]], [0], rows[:1]))
         out = []
         for i, start in enumerate([prefix, 0]):
             new = ps[i][start:]
@@ -139,7 +124,7 @@ def sharded_generate(cfg, params, mesh, sequence_parallel: bool):
             out.append(np.asarray(logits)[0])
         logits = np.stack(out)
     else:
-        logits, kv = step(params, kv, *step_args(ps, [0, 0], rows), max_q=STEP_MAX_Q)
+        logits, kv = step(params, kv, *step_args(ps, [0, 0], rows))
     all_logits, out = [], []
     for i in range(NEW_TOKENS):
         logits = np.asarray(logits)
@@ -148,7 +133,7 @@ def sharded_generate(cfg, params, mesh, sequence_parallel: bool):
         if i == NEW_TOKENS - 1:
             break
         lens = lens + 1
-        logits, kv = step(params, kv, *decode_args(out[-1], lens), max_q=STEP_MAX_Q)
+        logits, kv = step(params, kv, *decode_args(out[-1], lens))
     return np.stack(out, 1), np.stack(all_logits, 1)
 
 
@@ -171,27 +156,31 @@ def check_generate(meshes: list[tuple[str, dict, bool]]) -> dict:
     return results
 
 
-def count_collectives(hlo_text: str) -> dict[str, int]:
-    """Collective ops in compiled HLO; async pairs (-start/-done) count once."""
-    ops = re.findall(r"=\s*\S+\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo_text)
-    return dict(collections.Counter(ops))
+def runner_decode_hlo(name: str, shape: dict) -> str:
+    """Compiled HLO of the engine runner's own step, decode-only bucket (2 rows, 4 pages)."""
+    from jaxserve import runner
 
-
-def decode_step_hlo(name: str, shape: dict) -> str:
     cfg, params = model_and_params(name)
     mesh = parallel.make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))])
     params = jax.device_put(params, parallel.param_shardings(params, mesh, cfg))
-    step = make_step(build_model(cfg), mesh, cfg)
-    args = decode_args([1, 2], [5, 3], pad_to=2)
-    return step.lower(params, empty_cache(cfg, mesh), *args, max_q=1).compile().as_text()
+    rows, pages = 2, 4
+    arrays = (np.zeros(rows, np.int32), np.zeros(rows, np.int32),
+              np.full(rows, NUM_PAGES * PAGE_SIZE, np.int32), np.zeros((rows, pages), np.int32),
+              np.zeros(rows, np.int32), np.zeros(rows + 1, np.int32), np.zeros(rows, np.int32))
+    return runner._step.lower(
+        build_model(cfg), params, empty_cache(cfg, mesh), *arrays, backend="xla",
+        num_prefill_rows=0, max_q=1, kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
+        logits_sharding=parallel.logits_sharding(cfg, mesh)).compile().as_text()
 
 
 def check_hlo() -> dict:
     out = {}
     for name in CONFIGS:
         cfg = ModelConfig.from_hf_dict(CONFIGS[name])
+        ops = parallel.hlo_collectives(runner_decode_hlo(name, {"model": 4}))
         out[name] = {"layers": cfg.num_layers,
-                     "collectives": count_collectives(decode_step_hlo(name, {"model": 4}))}
+                     "collectives": dict(collections.Counter(c["op"] for c in ops)),
+                     "groups": sorted({c["group"] for c in ops})}
     return out
 
 

@@ -116,10 +116,12 @@ def test_same_greedy_tokens_and_logits_as_one_device(check):
 
 
 def test_decode_step_has_two_reductions_per_layer_under_tp4():
-    # Per step: one all-reduce per attention block and one per MLP (Megatron), one all-reduce
-    # for the vocab-split embedding lookup, one all-gather of the vocab-split logits.
+    # The runner's decode step: one all-reduce per attention block and one per MLP (Megatron),
+    # one all-reduce for the vocab-split embedding lookup, one all-gather of the vocab-split
+    # logits; nothing touches the KV cache (with 2 kv heads it is replicated, not resharded).
     for name, r in run_check("hlo").items():
         assert r["collectives"] == {"all-reduce": 2 * r["layers"] + 1, "all-gather": 1}, (name, r)
+        assert r["groups"] == [4], (name, r)
 
 
 def test_tp4_params_per_device_are_a_quarter():
