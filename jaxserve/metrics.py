@@ -22,6 +22,7 @@ class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         self.engine: "LLMEngine | None" = None   # set once loaded
+        self.roofline = None                       # a jaxserve.roofline.RooflineMeter, set once loaded
         r = self.registry
         self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -76,3 +77,5 @@ class _EngineCollector:
                                   value=engine.stats["generation_tokens"])
         yield CounterMetricFamily("jaxserve_num_preemptions", "Sequences preempted (recomputed later).",
                                   value=s.num_preemptions)
+        if self.metrics.roofline is not None:
+            yield from self.metrics.roofline.metric_families()

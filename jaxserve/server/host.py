@@ -31,11 +31,15 @@ class EngineHost:
     def _load(self) -> None:
         try:
             from jaxserve.engine import EngineThread, LLMEngine   # JAX starts here, in the serving process
+            from jaxserve.roofline import RooflineMeter, device_peaks
 
             t0 = time.monotonic()
             engine = LLMEngine(self.engine_cfg)
             self.metrics.engine = engine
-            thread = EngineThread(engine).start(warmup=True)
+            thread = EngineThread(engine)
+            self.metrics.roofline = RooflineMeter(engine, device_peaks())   # MBU / MFU gauges
+            thread.step_listeners.append(self.metrics.roofline.on_step)
+            thread.start(warmup=True)
             self.engine_thread = thread
             log.info("ready: %s (max_model_len %d, %d KV pages) after %.1fs", self.model_name,
                      engine.max_model_len, engine.block_manager.num_pages, time.monotonic() - t0)
@@ -83,8 +87,10 @@ class EngineHost:
             for i, stream in enumerate(streams):
                 last = None
                 for out in stream:
-                    now = time.monotonic()
-                    if any(c.token_ids for c in out.outputs):
+                    # Token gaps as the frontend sees them, from the first stream only: later
+                    # ones have been buffering meanwhile.
+                    if i == 0 and any(c.token_ids for c in out.outputs):
+                        now = time.monotonic()
                         if last is not None:
                             self.metrics.inter_token.observe(now - last)
                         last = now

@@ -80,8 +80,7 @@ class GunicornServer(BaseApplication):
 
     def load_config(self):
         for key, value in self.options.items():
-            if key in self.cfg.settings:   # control_socket_disable exists from gunicorn 25
-                self.cfg.set(key, value)
+            self.cfg.set(key, value)
 
     def load(self):
         return self.app_factory()
