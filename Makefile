@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,7 @@ serve: $(STAMP)
 	$(BIN)/jaxserve serve
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 -q tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
