@@ -101,6 +101,7 @@ class LLMEngine:
         self._rng = np.random.default_rng(self.ecfg.seed)
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "requests_finished": 0}
+        self.last_schedule = None   # the SchedulerOutput of the latest step (roofline accounting)
 
     def warmup(self) -> int:
         return self.runner.warmup()
@@ -160,7 +161,7 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        out = self.last_schedule = self.scheduler.schedule()
         if not out.scheduled and not out.page_copies:
             return []
         now = time.monotonic()

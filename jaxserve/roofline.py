@@ -1,0 +1,156 @@
+"""Roofline accounting of engine steps: the bytes a step must move (weights + the live KV of its
+batch) and the FLOPs it must do, as shares of the device's peaks: MBU (model bandwidth
+utilization) and MFU (model FLOPs utilization).
+
+Peaks: datasheet figures for known GPUs and TPUs. On any other device (CPU) both are measured
+here: read bandwidth with a jitted reduction over a buffer far larger than the caches, FLOP/s
+with a square matmul; the best of a few runs.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+
+# device_kind substring: (dense bf16 FLOP/s, memory bytes/s), from the vendors' datasheets.
+DATASHEET_PEAKS = {
+    "H200": (989e12, 4.8e12),
+    "H100": (989e12, 3.35e12),        # SXM; PCIe is 756 TFLOP/s, 2.0 TB/s
+    "TPU v5 lite": (197e12, 819e9),   # v5e
+    "TPU v5e": (197e12, 819e9),
+    "TPU v6 lite": (918e12, 1640e9),  # v6e
+    "TPU v6e": (918e12, 1640e9),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Peaks:
+    flops: float        # FLOP/s
+    bandwidth: float    # bytes/s
+    source: str
+
+
+def device_peaks(measure_bytes: int = 256 << 20, matmul_n: int = 1024) -> Peaks:
+    """Datasheet peaks of a known device, else measured ones (the server measures small, once at
+    start-up; the benchmarks measure 1 GiB and 2048^2 in each run)."""
+    kind = jax.devices()[0].device_kind
+    for key, (flops, bandwidth) in DATASHEET_PEAKS.items():
+        if key in kind:
+            return Peaks(flops, bandwidth, f"datasheet ({kind})")
+    return Peaks(measure_matmul_flops(matmul_n), measure_read_bandwidth(measure_bytes),
+                 f"measured ({kind}: {measure_bytes / 2**20:.0f} MiB read, {matmul_n}^2 float32 matmul)")
+
+
+def _best_seconds(fn, *args, iters: int) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_read_bandwidth(nbytes: int = 1 << 30, iters: int = 5) -> float:
+    """Bytes/s of a jitted sum over a float32 buffer of `nbytes` (XLA spreads it over all cores)."""
+    x = jnp.ones(nbytes // 4, jnp.float32)
+    seconds = _best_seconds(jax.jit(jnp.sum), x, iters=iters)
+    del x
+    return nbytes / seconds
+
+
+def measure_matmul_flops(n: int, iters: int = 5) -> float:
+    a = jnp.ones((n, n), jnp.float32)
+    return 2 * n**3 / _best_seconds(jax.jit(jnp.matmul), a, a, iters=iters)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    flops: float
+    bytes: float
+
+
+class CostModel:
+    """Ideal FLOPs and bytes of one step of a Llama-family model: every weight read once, every
+    attended K/V entry read once, new K/V written once; activations left out."""
+
+    def __init__(self, cfg: ModelConfig, itemsize: int):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.layer_params = h * d * 2 * (cfg.num_heads + cfg.num_kv_heads) + 3 * h * cfg.intermediate_size
+        self.head_params = cfg.vocab_size * h
+        # An untied embedding table is only gathered from (a few rows); the LM head is read in full.
+        read_params = cfg.num_params - (0 if cfg.tie_word_embeddings else self.head_params)
+        self.weight_bytes = read_params * itemsize
+        self.kv_bytes_per_token = 2 * cfg.num_kv_heads * d * itemsize    # K and V, one layer
+
+    def step(self, rows: list[tuple[int, int, bool]]) -> StepCost:
+        """rows: (new tokens, KV length after the step, samples a token) for each sequence."""
+        c = self.cfg
+        tokens = sum(n for n, _, _ in rows)
+        flops = 2 * tokens * c.num_layers * self.layer_params + 2 * sum(s for *_, s in rows) * self.head_params
+        nbytes = self.weight_bytes
+        for window in c.sliding_windows:
+            for n, kv, _ in rows:
+                flops += 4 * c.num_heads * c.head_dim * _attended(n, kv, window)
+                nbytes += (min(kv, window or kv) + n) * self.kv_bytes_per_token
+        return StepCost(flops, nbytes)
+
+
+def _attended(n: int, kv: int, window: int | None) -> int:
+    """Query-key pairs of n new causal queries ending at position kv (sum of min(i, window))."""
+    first = kv - n + 1
+    if window is None or window >= kv:
+        return (first + kv) * n // 2
+    below = max(0, min(kv, window) - first + 1)     # queries at i <= window see i keys
+    return (first + first + below - 1) * below // 2 + (n - below) * window
+
+
+def schedule_rows(scheduler_output) -> list[tuple[int, int, bool]]:
+    """CostModel rows of a SchedulerOutput, read after the step ran (num_computed_tokens advanced)."""
+    return [(s.num_new_tokens, s.seq.num_computed_tokens, s.sample) for s in scheduler_output.scheduled]
+
+
+class RooflineMeter:
+    """MBU / MFU over the engine's last `window` steps. `on_step` is an EngineThread step
+    listener; it reads the schedule of the step that just ran from `engine.last_schedule`."""
+
+    def __init__(self, engine, peaks: Peaks, window: int = 64):
+        self.engine = engine
+        self.peaks = peaks
+        self.cost = CostModel(engine.model_cfg, jnp.dtype(engine.dtype).itemsize)
+        self._steps: collections.deque = collections.deque(maxlen=window)   # (StepCost, seconds)
+
+    def on_step(self, outputs, seconds: float) -> None:
+        schedule = self.engine.last_schedule
+        if schedule is not None and schedule.scheduled:
+            self._steps.append((self.cost.step(schedule_rows(schedule)), seconds))
+
+    def utilization(self) -> tuple[float, float]:
+        """(MBU, MFU) of the recent steps; zeros before the first."""
+        steps = list(self._steps)
+        seconds = sum(t for _, t in steps)
+        if not seconds:
+            return 0.0, 0.0
+        return (sum(c.bytes for c, _ in steps) / seconds / self.peaks.bandwidth,
+                sum(c.flops for c, _ in steps) / seconds / self.peaks.flops)
+
+    def metric_families(self):
+        """Prometheus gauges, for a custom collector's collect()."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        mbu, mfu = self.utilization()
+        yield GaugeMetricFamily("jaxserve_model_bandwidth_utilization",
+                                "Ideal bytes moved (weights + live KV) / step time / peak bandwidth, "
+                                "over the last steps.", value=mbu)
+        yield GaugeMetricFamily("jaxserve_model_flops_utilization",
+                                "Model FLOPs / step time / peak FLOP/s, over the last steps.", value=mfu)
+        yield GaugeMetricFamily("jaxserve_peak_memory_bandwidth_bytes_per_second",
+                                f"Peak used for MBU: {self.peaks.source}.", value=self.peaks.bandwidth)
+        yield GaugeMetricFamily("jaxserve_peak_flops_per_second",
+                                f"Peak used for MFU: {self.peaks.source}.", value=self.peaks.flops)
