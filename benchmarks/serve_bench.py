@@ -362,11 +362,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="output path without extension, e.g. benchmarks/results/serve_tiny_cpu")
 
 
+def cli(args) -> int:
+    run(args)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0
+    return cli(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

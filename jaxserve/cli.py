@@ -1,4 +1,4 @@
-"""The `jaxserve` command: serve | generate | convert.
+"""The `jaxserve` command: serve | generate | convert | bench.
 
 Each subcommand is an `_add_<name>(subparsers)` function that declares its arguments and sets
 `func`; a new subcommand is one more such function listed in SUBCOMMANDS.
@@ -101,7 +101,21 @@ def convert(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [_add_serve, _add_generate, _add_convert]
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="run a benchmark of benchmarks/ (source checkout only)")
+    kinds = p.add_subparsers(dest="benchmark", required=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isdir(os.path.join(root, "benchmarks")):
+        return
+    sys.path.append(root)   # benchmarks/ is not part of the installed package
+    from benchmarks import serve_bench
+
+    serve = kinds.add_parser("serve", help=serve_bench.__doc__.splitlines()[0])
+    serve_bench.add_arguments(serve)
+    serve.set_defaults(func=serve_bench.cli)
+
+
+SUBCOMMANDS = [_add_serve, _add_generate, _add_convert, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
