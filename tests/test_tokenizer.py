@@ -1,0 +1,249 @@
+"""Tokenizer backends, chat templates and the incremental detokenizer.
+
+Two tokenizers are built here from a short text (no downloads): a Llama-style sentencepiece
+model (dummy-prefix spaces, byte fallback) and a GPT-2-style byte-level BPE tokenizer.json.
+The embedded tiny model's tokenizer is checked through both of its files.
+"""
+import json
+import os
+import random
+import shutil
+
+import pytest
+import sentencepiece as spm
+from tokenizers import Tokenizer as HFRustTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer
+
+from jaxserve.tokenizer import (HFTokenizer, IncrementalDetokenizer, SentencePieceTokenizer,
+                                load_tokenizer)
+
+TINY_DIR = os.path.join(os.path.dirname(__file__), "..", "jaxserve", "assets", "tiny")
+
+TRAIN_TEXT = """The quick brown fox jumps over the lazy dog. Python is a programming language.
+A function returns a value; a generator yields values. Streams of tokens become text again.
+Les élèves naïfs mangent des crêpes au café. Übermäßig schöne Grüße aus Köln.
+中文字符在这里出现。这是一个测试句子，用于训练分词器。
+    def square(x):
+        return x * x
+""" * 3
+
+TEXTS = [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "中文字符测试，这是一个句子。",
+    "Emoji 🎉👍🏽 and a flag 🇫🇷 in café, naïve, résumé, Ångström.",
+    "  def f(x):\n\treturn x ** 2  # 🐍 snake\n",
+    "mixed 日本語 text, ümlauts and 한국어 (never seen in training).",
+]
+
+CHATML = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system = 'You are helpful.' %}{%- endif %}"
+    "{{ bos_token }}<|im_start|>system\n{{ system }}<|im_end|>\n"
+    "{%- for m in messages %}\n"
+    "    {%- if m['role'] not in ['user', 'assistant'] %}{{ raise_exception('bad role ' + m['role']) }}{% endif %}\n"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+    "{%- endfor %}\n"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is a generator?"}],
+    [{"role": "system", "content": "Answer briefly."},
+     {"role": "user", "content": "  Héllo 🎉  "},
+     {"role": "assistant", "content": "Hi."},
+     {"role": "user", "content": "Tell me about for loops."}],
+]
+
+
+@pytest.fixture(scope="module")
+def spm_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spm")
+    corpus = d / "corpus.txt"
+    corpus.write_text(TRAIN_TEXT)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(d / "tokenizer"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=True, hard_vocab_limit=False,
+        num_threads=1, minloglevel=2)
+    corpus.unlink()
+    (d / "tokenizer.vocab").unlink()
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    tok = HFRustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TRAIN_TEXT.splitlines(), trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+        "eos_token": "<|im_end|>", "clean_up_tokenization_spaces": True, "chat_template": CHATML}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def tiny_spm_only(tmp_path_factory):
+    """The embedded tokenizer without its tokenizer.json: the sentencepiece backend."""
+    d = tmp_path_factory.mktemp("tiny_spm")
+    for fn in ("tokenizer.model", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(TINY_DIR, fn), d / fn)
+    return str(d)
+
+
+BACKENDS = ["spm", "hf", "tiny_hf", "tiny_spm"]
+
+
+@pytest.fixture(params=BACKENDS)
+def tokenizer(request, spm_dir, hf_dir, tiny_spm_only):
+    path = {"spm": spm_dir, "hf": hf_dir, "tiny_hf": TINY_DIR, "tiny_spm": tiny_spm_only}[request.param]
+    return load_tokenizer(path)
+
+
+def test_backend_choice(spm_dir, hf_dir, tiny_spm_only):
+    assert isinstance(load_tokenizer(spm_dir), SentencePieceTokenizer)
+    assert isinstance(load_tokenizer(tiny_spm_only), SentencePieceTokenizer)
+    assert isinstance(load_tokenizer(hf_dir), HFTokenizer)
+    assert isinstance(load_tokenizer(TINY_DIR), HFTokenizer)  # tokenizer.json wins
+
+
+def test_missing_tokenizer_names_dir_and_files(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        load_tokenizer(str(tmp_path))
+    assert str(tmp_path) in str(e.value)
+    assert "tokenizer.json" in str(e.value) and "tokenizer.model" in str(e.value)
+
+
+def test_roundtrip_and_byte_fallback(tokenizer):
+    for text in TEXTS:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        # Emoji are not in the vocabulary: they must come out as byte pieces, not <unk>.
+        ids = tokenizer.encode("🎉👍🏽", add_special_tokens=False)
+        assert sum(tokenizer.sp.is_byte(i) for i in ids) == 12  # 3 emoji code points x 4 bytes
+        assert tokenizer.sp.unk_id() not in ids
+
+
+def test_hf_backend_matches_transformers(hf_dir):
+    ours, ref = load_tokenizer(hf_dir), AutoTokenizer.from_pretrained(hf_dir)
+    for text in TEXTS + ["a<|im_start|>b<|im_end|>"]:
+        ids = ref.encode(text)
+        assert ours.encode(text) == ids
+        # Ours never cleans up tokenization spaces (the config asks transformers to).
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True,
+                                              clean_up_tokenization_spaces=False)
+    assert ours.eos_token_ids == [ref.eos_token_id, 0]  # generation_config adds id 0
+    assert ours.bos_token_id == ref.bos_token_id and ours.vocab_size == len(ref)
+
+
+def test_embedded_backends_agree(tiny_spm_only):
+    """tokenizer.model through sentencepiece == tokenizer.json through transformers."""
+    sp, hf = load_tokenizer(tiny_spm_only), load_tokenizer(TINY_DIR)
+    chat = hf.apply_chat_template(CONVERSATIONS[1])
+    texts = TEXTS + [chat, "a<s>b</s>c<|user|>", " leading and trailing spaces  ", "x = 1234567.89"]
+    for text in texts:
+        for special in (True, False):
+            assert sp.encode(text, special) == hf.encode(text, special), text
+        ids = hf.encode(text)
+        for skip in (True, False):
+            assert sp.decode(ids, skip) == hf.decode(ids, skip)
+    assert sp.apply_chat_template(CONVERSATIONS[1]) == chat
+    assert (sp.bos_token_id, sp.eos_token_ids, sp.vocab_size) == (hf.bos_token_id, hf.eos_token_ids, hf.vocab_size)
+    assert sp.convert_ids_to_tokens(hf.encode(chat)) == hf.convert_ids_to_tokens(hf.encode(chat))
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(hf_dir, spm_dir, conversation, add_generation_prompt):
+    for path in (hf_dir, TINY_DIR):
+        expected = AutoTokenizer.from_pretrained(path).apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        assert load_tokenizer(path).apply_chat_template(conversation, add_generation_prompt) == expected
+    # The sentencepiece backend renders the same template with its own special-token strings.
+    rendered = load_tokenizer(spm_dir).apply_chat_template(conversation, add_generation_prompt)
+    assert rendered.startswith("<s><|im_start|>system\n") and rendered.endswith(
+        "<|im_start|>assistant\n" if add_generation_prompt else "<|im_end|>")
+
+
+def test_chat_template_errors(hf_dir, tmp_path):
+    with pytest.raises(Exception, match="bad role tool"):
+        load_tokenizer(hf_dir).apply_chat_template([{"role": "tool", "content": "x"}])
+    shutil.copy(os.path.join(hf_dir, "tokenizer.json"), tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match="no chat template"):
+        load_tokenizer(str(tmp_path)).apply_chat_template(CONVERSATIONS[0])
+
+
+def stream(tokenizer, prompt, output, skip, rng):
+    """Feed `output` to a detokenizer in random chunks of 1-3 ids; return the deltas."""
+    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+    deltas, i = [], 0
+    while i < len(output):
+        n = rng.randint(1, 3)
+        deltas.append(detok.step(output[i:i + n]))
+        i += n
+    deltas.append(detok.flush())
+    return deltas
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_detokenizer_real_text(tokenizer, skip):
+    rng = random.Random(0)
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        deltas = stream(tokenizer, [], ids, skip, rng)
+        assert "".join(deltas) == tokenizer.decode(ids, skip)
+        assert not any("\ufffd" in d for d in deltas)  # never half a character
+        # With a prompt: the deltas are the text the output adds to the prompt's text.
+        for cut in range(1, len(ids)):
+            prompt_text, full = tokenizer.decode(ids[:cut], skip), tokenizer.decode(ids, skip)
+            if "\ufffd" in prompt_text:
+                continue  # the prompt ends inside a character
+            deltas = stream(tokenizer, ids[:cut], ids[cut:], skip, rng)
+            assert "".join(deltas) == full[len(prompt_text):]
+            assert not any("\ufffd" in d for d in deltas)
+
+
+def random_ids(tokenizer, rng, n):
+    """Random ids. HF's byte fallback decodes a run of byte pieces holding any invalid UTF-8 as
+    all U+FFFD, which no stream can know in advance; there, byte pieces come as whole characters."""
+    if not isinstance(tokenizer, HFTokenizer) or "<0xE4>" not in tokenizer.hf.get_vocab():
+        return [rng.randrange(tokenizer.vocab_size) for _ in range(n)]
+    byte_ids = {tokenizer.hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
+    ids = []
+    while len(ids) < n:
+        i = rng.randrange(tokenizer.vocab_size)
+        if i in byte_ids:
+            char = chr(rng.choice([rng.randrange(0x80, 0x800), rng.randrange(0x4E00, 0x9FFF), rng.randrange(0x1F300, 0x1F64F)]))
+            ids += [tokenizer.hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in char.encode()]
+        else:
+            ids.append(i)
+    return ids
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_detokenizer_random_ids(tokenizer, skip):
+    rng = random.Random(1)
+    for _ in range(40):
+        ids = random_ids(tokenizer, rng, rng.randint(1, 60))
+        assert "".join(stream(tokenizer, [], ids, skip, rng)) == tokenizer.decode(ids, skip)
+
+
+def test_detokenizer_work_is_bounded(tokenizer):
+    """Each step decodes a short window, however long the output grows."""
+    ids = tokenizer.encode(" ".join(TEXTS * 8))
+    widths = []
+    decode = tokenizer.decode
+    tokenizer.decode = lambda window, skip_special_tokens=True: widths.append(len(window)) or decode(window, skip_special_tokens)
+    detok = IncrementalDetokenizer(tokenizer, ids[:50])
+    text = "".join(detok.step([i]) for i in ids[50:]) + detok.flush()
+    del tokenizer.decode
+    assert len(ids) > 400 and max(widths) <= 16
+    assert text == decode(ids)[len(decode(ids[:50])):]
