@@ -17,7 +17,6 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 
 import jax
@@ -71,19 +70,16 @@ def split_corpus(max_topics: int | None) -> tuple[dict[str, str], dict[str, str]
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str) -> None:
     """sentencepiece BPE (byte fallback, no dummy prefix, spaces kept) -> tokenizer.model,
     the same tokenizer as tokenizer.json for transformers, and tokenizer_config.json."""
-    with tempfile.TemporaryDirectory() as tmp:
-        corpus = os.path.join(tmp, "corpus.txt")
-        with open(corpus, "w") as f:
-            f.write("\n".join(texts))
+    # Sentences are lines; an iterator and an in-memory writer keep file paths out of the model.
+    with open(os.path.join(out_dir, "tokenizer.model"), "wb") as f:
         spm.SentencePieceTrainer.train(
-            input=corpus, model_prefix=os.path.join(tmp, "sp"), vocab_size=vocab_size,
-            model_type="bpe", byte_fallback=True, character_coverage=1.0,
+            sentence_iterator=iter("\n".join(texts).split("\n")), model_writer=f,
+            vocab_size=vocab_size, model_type="bpe", byte_fallback=True, character_coverage=1.0,
             normalization_rule_name="identity", remove_extra_whitespaces=False,
             add_dummy_prefix=False, split_digits=True, allow_whitespace_only_pieces=True,
             control_symbols=ROLE_TOKENS, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
             max_sentence_length=1 << 16, num_threads=1, seed_sentencepiece_size=1 << 20,
             minloglevel=2)
-        shutil.copy(os.path.join(tmp, "sp.model"), os.path.join(out_dir, "tokenizer.model"))
     sp = spm.SentencePieceProcessor(model_file=os.path.join(out_dir, "tokenizer.model"))
     to_hf_tokenizer(sp).save(os.path.join(out_dir, "tokenizer.json"))
     config = {
