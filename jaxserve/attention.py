@@ -17,6 +17,7 @@ import importlib
 import jax
 from flax import struct
 
+from jaxserve.parallel import gather_tokens
 from pallas_kernels.flash_attention.reference import causal_attention
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_xla
 
@@ -59,7 +60,7 @@ def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window:
     if kv_cache is None:
         return causal_attention(q, k, v, sliding_window=sliding_window, sm_scale=sm_scale), None
     if meta.seq_axis is not None:
-        k, v = (jax.lax.all_gather(x, meta.seq_axis, axis=0, tiled=True) for x in (k, v))
+        k, v = (gather_tokens(x, meta.seq_axis, meta.kv_sharding) for x in (k, v))
     k_pages, v_pages = write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
     if meta.kv_sharding is not None:
         k_pages, v_pages = (jax.lax.with_sharding_constraint(x, meta.kv_sharding)

@@ -148,6 +148,23 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def gather_tokens(x, seq_axis: str, kv_spec: P | None):
+    """All-gather new K or V [tokens, kv_heads, head_dim] over `seq_axis`, inside a shard_map
+    manual over it (sequence-parallel prefill). When kv heads are split over an automatic axis
+    (kv_spec[2], "model"), the gather runs in a nested shard_map manual over that axis too:
+    a collective over a manual axis otherwise first replicates its operand over the automatic
+    ones, i.e. XLA would all-gather every layer's K/V heads across "model" as well."""
+    def gather(a):
+        return jax.lax.all_gather(a, seq_axis, axis=0, tiled=True)
+
+    head_axis = kv_spec[2] if kv_spec is not None else None
+    if head_axis is None:
+        return gather(x)
+    spec = P(None, head_axis, None)
+    return jax.shard_map(gather, in_specs=spec, out_specs=spec, axis_names={head_axis},
+                         check_vma=False)(x)
+
+
 _COLLECTIVE = re.compile(
     r"=\s*(?P<shape>\([^)]*\)|\S+)\s+(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|"
     r"collective-permute|collective-broadcast)(?:-start)?\((?P<rest>.*)$")

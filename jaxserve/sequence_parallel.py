@@ -45,17 +45,19 @@ def sequence_parallel_prefill(model, mesh, params, kv_caches, tokens, num_tokens
         raise ValueError(f"prefill length {t} is not a multiple of the seq axis size {n}")
     chunk = t // n
     num_pages, page_size = kv_caches[0][0].shape[:2]
-    idx = jnp.arange(t)
-    positions = num_cached + idx
-    page = page_table_row[jnp.minimum(positions // page_size, page_table_row.shape[0] - 1)]
-    slots = jnp.where(idx < num_tokens, page * page_size + positions % page_size,
-                      num_pages * page_size)  # out of range: padding is not written
     kv_spec = parallel.kv_cache_sharding(cfg, mesh).spec
 
-    def shard(params, kv_caches, tokens, positions, slots):
+    def shard(params, kv_caches, tokens, num_tokens, num_cached, page_table_row):
+        s = jax.lax.axis_index("seq")
+        # Every shard writes all T tokens' K/V (gathered in attention), so it needs all slots.
+        idx = jnp.arange(t)
+        pos = num_cached + idx
+        page = page_table_row[jnp.minimum(pos // page_size, page_table_row.shape[0] - 1)]
+        slots = jnp.where(idx < num_tokens, page * page_size + pos % page_size,
+                          num_pages * page_size)  # out of range: padding is not written
+        positions = num_cached + s * chunk + jnp.arange(chunk)
         # Every local token counts as a query (padding too: its output is never read), so
         # query_start_loc is the same on all shards; seq_lens ends at this chunk's end.
-        s = jax.lax.axis_index("seq")
         meta = AttentionMetadata(
             positions=positions, slot_mapping=slots, page_table=page_table_row[None],
             seq_lens=(num_cached + (s + 1) * chunk)[None],
@@ -64,13 +66,15 @@ def sequence_parallel_prefill(model, mesh, params, kv_caches, tokens, num_tokens
         hidden, kv_caches = model.apply({"params": params}, tokens, positions, kv_caches, meta)
         last = num_tokens - 1
         h = jnp.where(last // chunk == s, hidden[last % chunk], 0)
-        return jax.lax.psum(h, "seq"), kv_caches
+        # In float32: XLA CPU's all-reduce promotion pass crashes on this bf16 psum (jax 0.10).
+        return jax.lax.psum(h.astype(jnp.float32), "seq").astype(h.dtype), kv_caches
 
     h, kv_caches = jax.shard_map(
-        shard, mesh=mesh, in_specs=(P(), P(), P("seq"), P("seq"), P()), out_specs=(P(), P()),
+        shard, mesh=mesh, in_specs=(P(), P(), P("seq"), P(), P(), P()), out_specs=(P(), P()),
         # check_vma off: all_gather's result is typed as varying over "seq" although every shard
         # holds the same values, so the (truly replicated) cache output could not be declared P().
-        axis_names={"seq"}, check_vma=False)(params, kv_caches, tokens, positions, slots)
+        axis_names={"seq"}, check_vma=False)(params, kv_caches, tokens, num_tokens, num_cached,
+                                             page_table_row)
     logits = model.apply({"params": params}, h[None], method=model.logits)
     # As in the runner's step: vocab-split lm_head, then one gather of the logits.
     logits = jax.lax.with_sharding_constraint(logits, parallel.logits_sharding(cfg, mesh))

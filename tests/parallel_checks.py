@@ -173,14 +173,26 @@ def runner_decode_hlo(name: str, shape: dict) -> str:
         logits_sharding=parallel.logits_sharding(cfg, mesh)).compile().as_text()
 
 
+def sp_prefill_hlo(name: str, shape: dict) -> str:
+    cfg, params = model_and_params(name)
+    mesh = parallel.make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))])
+    params = jax.device_put(params, parallel.param_shardings(params, mesh, cfg))
+    return sequence_parallel_prefill.lower(
+        build_model(cfg), mesh, params, empty_cache(cfg, mesh), np.zeros(16, np.int32),
+        np.int32(16), np.int32(0), page_rows()[0]).compile().as_text()
+
+
 def check_hlo() -> dict:
-    out = {}
-    for name in CONFIGS:
-        cfg = ModelConfig.from_hf_dict(CONFIGS[name])
-        ops = parallel.hlo_collectives(runner_decode_hlo(name, {"model": 4}))
-        out[name] = {"layers": cfg.num_layers,
-                     "collectives": dict(collections.Counter(c["op"] for c in ops)),
-                     "groups": sorted({c["group"] for c in ops})}
+    """Collectives ({op: {group size: count}}) of the runner's decode step under TP 4, and of
+    a sequence-parallel prefill under TP 2 x SP 2."""
+    def summary(hlo):
+        out = collections.defaultdict(collections.Counter)
+        for c in parallel.hlo_collectives(hlo):
+            out[c["op"]][str(c["group"])] += 1
+        return out
+
+    out = {f"{name} decode tp4": summary(runner_decode_hlo(name, {"model": 4})) for name in CONFIGS}
+    out["even sp-prefill tp2 sp2"] = summary(sp_prefill_hlo("even", {"model": 2, "seq": 2}))
     return out
 
 

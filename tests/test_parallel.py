@@ -115,13 +115,19 @@ def test_same_greedy_tokens_and_logits_as_one_device(check):
         assert r["max_logit_diff"] < 1e-4, (case, r)
 
 
-def test_decode_step_has_two_reductions_per_layer_under_tp4():
-    # The runner's decode step: one all-reduce per attention block and one per MLP (Megatron),
-    # one all-reduce for the vocab-split embedding lookup, one all-gather of the vocab-split
-    # logits; nothing touches the KV cache (with 2 kv heads it is replicated, not resharded).
-    for name, r in run_check("hlo").items():
-        assert r["collectives"] == {"all-reduce": 2 * r["layers"] + 1, "all-gather": 1}, (name, r)
-        assert r["groups"] == [4], (name, r)
+def test_collectives_per_step_are_the_layout_minimum():
+    layers = 2
+    r = run_check("hlo")
+    # The runner's decode step under TP 4: one all-reduce per attention block and one per MLP
+    # (Megatron), one for the vocab-split embedding lookup, one all-gather of the vocab-split
+    # logits. Nothing touches the KV cache (with 2 kv heads it is replicated, not resharded).
+    for name in ("even decode tp4", "gqa2 decode tp4"):
+        assert r[name] == {"all-reduce": {"4": 2 * layers + 1}, "all-gather": {"4": 1}}, r[name]
+    # Sequence-parallel prefill under TP 2 x SP 2: the same TP all-reduces (over 2), plus per
+    # layer one all-gather of K and one of V over "seq" (heads stay split: no gather over
+    # "model"), the psum of the last token's hidden state, and the logits gather.
+    assert r["even sp-prefill tp2 sp2"] == {"all-reduce": {"2": 2 * layers + 2},
+                                            "all-gather": {"2": 2 * layers + 1}}, r
 
 
 def test_tp4_params_per_device_are_a_quarter():
