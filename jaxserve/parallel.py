@@ -85,7 +85,8 @@ def make_mesh(mesh_shape: dict[str, int] | None = None, devices=None) -> Mesh:
 
 
 def data_submeshes(mesh: Mesh) -> list[Mesh]:
-    """One mesh per slice of the "data" axis ("data" = 1 in each): a data-parallel replica's devices."""
+    """One mesh per slice of the "data" axis ("data" = 1 in each): each data-parallel
+    replica's devices."""
     return [Mesh(mesh.devices[i:i + 1], MESH_AXES) for i in range(mesh.shape["data"])]
 
 
