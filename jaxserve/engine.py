@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.checkpoint import load_params
+from jaxserve import parallel
+from jaxserve.checkpoint import load_params, param_shapes
 from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
 from jaxserve.kv_cache import BlockManager
 from jaxserve.runner import ModelRunner, SampleResult
@@ -88,9 +89,11 @@ class LLMEngine:
         self.model_cfg = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.dtype = _resolve_dtype(self.ecfg.dtype)
-        self.runner = ModelRunner(self.model_cfg, params if params is not None else
-                                  load_params(model_dir, self.model_cfg, self.dtype),
-                                  self.ecfg, mesh=mesh, dtype=self.dtype)
+        mesh = mesh if mesh is not None else parallel.make_mesh(self.ecfg.mesh)
+        if params is None:  # each device reads only its own slice of every weight
+            shardings = parallel.param_shardings(param_shapes(self.model_cfg, self.dtype), mesh, self.model_cfg)
+            params = load_params(model_dir, self.model_cfg, self.dtype, shardings=shardings)
+        self.runner = ModelRunner(self.model_cfg, params, self.ecfg, mesh=mesh, dtype=self.dtype)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_pages, self.ecfg.page_size,
                                           self.ecfg.enable_prefix_caching)

@@ -79,9 +79,9 @@ class ModelRunner:
         self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
         self.page_size = engine_cfg.page_size
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
-        self.num_pages = engine_cfg.num_pages or self._pages_that_fit()
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh, cfg))
         kv_sharding = parallel.kv_cache_sharding(cfg, self.mesh)
+        self.num_pages = engine_cfg.num_pages or self._pages_that_fit(kv_sharding)
         shape = (self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding)
         self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
@@ -102,11 +102,12 @@ class ModelRunner:
         c = self.cfg
         return 2 * c.num_layers * self.page_size * c.num_kv_heads * c.head_dim * jnp.dtype(self.dtype).itemsize
 
-    def _pages_that_fit(self) -> int:
-        stats = jax.devices()[0].memory_stats() or {}
-        if "bytes_limit" in stats:  # accelerator: a share of what the weights leave free
+    def _pages_that_fit(self, kv_sharding) -> int:
+        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        if "bytes_limit" in stats:  # accelerator: a share of what the (placed) weights leave free
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            budget = int(free * self.ecfg.kv_memory_fraction) * self.mesh.shape["model"]
+            shards = self.mesh.shape["model"] if "model" in kv_sharding.spec else 1
+            budget = int(free * self.ecfg.kv_memory_fraction) * shards
         else:
             budget = self.ecfg.kv_cache_mb * 2**20
         return max(budget // self.page_bytes, self.max_pages_per_seq)
