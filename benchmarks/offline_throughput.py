@@ -1,0 +1,363 @@
+"""Offline throughput: all requests known up front, greedy, outputs forced to their lengths.
+
+For each model (the embedded tiny model, a random ~100M Llama; same weights on both sides):
+  1. jaxserve with continuous batching vs transformers `generate` in static, left-padded batches
+     (torch float32 on the CPU, torch threads = cores): output tokens/s.
+  2. jaxserve continuous batching vs the same engine run as static batching: requests submitted
+     in groups of B, the next group only once the previous one has finished.
+  3. KV memory at the step where pages in use peak: share of the allocated pages' token slots
+     holding live K/V, against a contiguous cache reserving max_model_len per running sequence.
+
+Output tokens counted = the tokens the requests ask for (a static batch generates up to its
+longest request; the extra tokens are waste, not throughput). Compilation (engine warm-up) is
+timed apart and excluded. Writes benchmarks/results/offline_throughput.md.
+
+  python -m benchmarks.offline_throughput [--quick] [--models tiny,100m] [--num-prompts 256] ...
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+
+import numpy as np
+
+from benchmarks.common import (MODEL_NAMES, Request, load_hf_model, machine_info, make_workload,
+                               model_summary, prepare_model)
+from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.engine import LLMEngine
+from jaxserve.runner import CompileCounter
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "offline_throughput.md")
+
+
+@dataclasses.dataclass
+class Run:
+    system: str
+    requests: int
+    output_tokens: int
+    seconds: float
+    outputs: list[list[int]]
+    profile: "StepProfile | None" = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+@dataclasses.dataclass
+class KVPeak:
+    """Polled after every engine step: the step with the most pages in use."""
+    pages: int = 0
+    live_tokens: int = 0
+    running: int = 0
+    page_size: int = 16
+    max_model_len: int = 0
+
+    def observe(self, engine: LLMEngine) -> None:
+        used = engine.block_manager.num_used_pages
+        if used > self.pages:
+            running = engine.scheduler.running
+            self.pages, self.running = used, len(running)
+            self.live_tokens = sum(s.num_computed_tokens for s in running)
+
+    @property
+    def paged_share(self) -> float:
+        return self.live_tokens / (self.pages * self.page_size)
+
+    @property
+    def contiguous_share(self) -> float:
+        return self.live_tokens / (self.running * self.max_model_len)
+
+
+class StepProfile:
+    """Wraps one engine's runner (instance attributes only) to record, per step, the real and
+    bucket-padded token counts and the time spent inside runner.execute."""
+
+    def __init__(self, engine: LLMEngine):
+        self.runner = engine.runner
+        self.execute, self.jit_step = self.runner.execute, self.runner._step
+        self.runner.execute, self.runner._step = self._execute, self._jit_step
+        self.rows: list[tuple[bool, int, int, float]] = []   # (has prefill, tokens, padded, seconds)
+        self._padded = 0
+
+    def _jit_step(self, params, kv_caches, tokens, *args, **kwargs):
+        self._padded = len(tokens)
+        return self.jit_step(params, kv_caches, tokens, *args, **kwargs)
+
+    def _execute(self, out, seeds):
+        t0 = time.perf_counter()
+        res = self.execute(out, seeds)
+        self.rows.append((out.num_prefill_seqs > 0, out.num_tokens, self._padded, time.perf_counter() - t0))
+        return res
+
+    def detach(self) -> None:
+        self.runner.execute, self.runner._step = self.execute, self.jit_step
+
+    def summary(self, total_s: float) -> dict:
+        rows = np.array([r[:3] for r in self.rows], dtype=np.int64).reshape(-1, 3)
+        secs = np.array([r[3] for r in self.rows])
+        pre = rows[:, 0].astype(bool)
+        return {"steps": len(rows), "prefill_steps": int(pre.sum()),
+                "prefill_step_ms": 1e3 * float(secs[pre].mean()) if pre.any() else 0.0,
+                "decode_step_ms": 1e3 * float(secs[~pre].mean()) if (~pre).any() else 0.0,
+                "padding": 1 - rows[:, 1].sum() / max(rows[:, 2].sum(), 1),
+                "outside_runner": 1 - secs.sum() / total_s}
+
+
+def greedy(req: Request) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
+
+
+def run_engine(name: str, engine: LLMEngine, requests: list[Request], group: int | None = None,
+               kv: KVPeak | None = None) -> Run:
+    """All requests at once (continuous batching), or in groups of `group`, each submitted only
+    when the previous group has finished (static batching)."""
+    profile = StepProfile(engine)
+    compiles = CompileCounter.count
+    group = group or len(requests)
+    outputs: dict[str, list[int]] = {}
+    ids = []
+    t0 = time.perf_counter()
+    for start in range(0, len(requests), group):
+        ids += [engine.add_request(r.prompt_token_ids, greedy(r)) for r in requests[start:start + group]]
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            if kv is not None:
+                kv.observe(engine)
+    seconds = time.perf_counter() - t0
+    profile.detach()
+    if CompileCounter.count != compiles:
+        raise RuntimeError(f"{CompileCounter.count - compiles} compilations after warm-up")
+    result = [outputs[i] for i in ids]
+    _check_lengths(result, requests)
+    return Run(name, len(requests), sum(map(len, result)), seconds, result, profile)
+
+
+def run_hf(model, requests: list[Request], batch_size: int, pad_id: int) -> Run:
+    """transformers generate in left-padded batches of `batch_size`, each run to its longest
+    request's output length. HF's ignore_eos: an eos id outside the vocabulary never stops a row
+    (min_new_tokens would instead mask eos and change greedy outputs where eos is the argmax)."""
+    import torch
+
+    outputs = []
+    t0 = time.perf_counter()
+    for start in range(0, len(requests), batch_size):
+        batch = requests[start:start + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for j, r in enumerate(batch):
+            ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[j, width - len(r.prompt_token_ids):] = 1
+        n = max(r.max_tokens for r in batch)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                 pad_token_id=pad_id, eos_token_id=model.config.vocab_size)
+        outputs += [out[j, width:width + r.max_tokens].tolist() for j, r in enumerate(batch)]
+    seconds = time.perf_counter() - t0
+    _check_lengths(outputs, requests)
+    return Run(f"HF generate B={batch_size}", len(requests), sum(map(len, outputs)), seconds, outputs)
+
+
+def _check_lengths(outputs: list[list[int]], requests: list[Request]) -> None:
+    bad = [i for i, (o, r) in enumerate(zip(outputs, requests)) if len(o) != r.max_tokens]
+    if bad:
+        raise RuntimeError(f"requests {bad[:5]} did not get their max_tokens output tokens")
+
+
+def engine_config(model_dir: str, args) -> EngineConfig:
+    max_len = args.max_input + args.max_output
+    pages_per_seq = -(-max_len // 16)
+    # No prefix caching: every prompt is unique, and a later run must not find an earlier run's pages.
+    return EngineConfig(model=model_dir, dtype="float32", max_model_len=max_len, page_size=16,
+                        enable_prefix_caching=False,
+                        num_pages=args.max_num_seqs * pages_per_seq,   # never preempts
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        prefill_chunk_size=args.prefill_chunk_size)
+
+
+def bench_model(name: str, args) -> dict:
+    import torch
+
+    torch.set_num_threads(os.cpu_count())
+    model_dir = prepare_model(name, args.work_dir)
+    ecfg = engine_config(model_dir, args)
+    engine = LLMEngine(ecfg)
+    t0 = time.perf_counter()
+    compiles = engine.warmup()
+    warmup_s = time.perf_counter() - t0
+    requests = make_workload(args.num_prompts, (args.min_input, args.max_input),
+                             (args.min_output, args.max_output), engine.model_cfg.vocab_size, args.seed)
+    hf_requests = requests[:args.hf_num_prompts or len(requests)]
+    print(f"[{name}] {model_summary(model_dir)}; warm-up {warmup_s:.1f}s, {compiles} compilations", flush=True)
+
+    def logged(run: Run) -> Run:
+        steps = f"; {run.profile.summary(run.seconds)}" if run.profile else ""
+        print(f"[{name}] {run.system}: {run.output_tokens} tokens in {run.seconds:.1f}s = "
+              f"{run.tokens_per_s:.1f} tok/s{steps}", flush=True)
+        return run
+
+    kv = KVPeak(page_size=ecfg.page_size, max_model_len=engine.max_model_len)
+    runs = [logged(run_engine("jaxserve continuous", engine, requests, kv=kv))]
+    for b in args.hf_batch_sizes:
+        runs.append(logged(run_engine(f"jaxserve static, groups of {b}", engine, requests, group=b)))
+    # The engine's own static mode: admission only into an empty batch. Its jitted steps are
+    # shared with the first engine, so its warm-up compiles nothing.
+    static_engine = LLMEngine(dataclasses.replace(ecfg, admission_eagerness=0.0))
+    static_engine.warmup()
+    runs.append(logged(run_engine("jaxserve admission_eagerness=0.0", static_engine, requests)))
+    del static_engine
+    subset = runs[0]
+    if len(hf_requests) < len(requests):
+        subset = logged(run_engine(f"jaxserve continuous (first {len(hf_requests)})", engine, hf_requests))
+    hf = load_hf_model(model_dir)
+    pad_id = 0
+    run_hf(hf, hf_requests[:2], 2, pad_id)   # transformers' first-call set-up, untimed
+    hf_runs = [logged(run_hf(hf, hf_requests, b, pad_id)) for b in args.hf_batch_sizes]
+    same = sum(a == b for a, b in zip(subset.outputs, hf_runs[0].outputs))
+    return dict(name=name, summary=model_summary(model_dir), ecfg=ecfg, backend=engine.runner.backend, warmup_s=warmup_s,
+                compiles=compiles, runs=runs, subset=subset, hf_runs=hf_runs, kv=kv,
+                same_outputs=same, hf_requests=len(hf_requests), requests=requests)
+
+
+NOTES_MARKER = "<!-- notes below are written by hand and kept when this file is regenerated -->"
+
+
+def render(results: list[dict], args, machine: dict, command: str) -> str:
+    machine = dict(machine, **{"load average (1 min) at end": f"{os.getloadavg()[0]:.1f}"})
+    lines = ["# Offline throughput", "",
+             f"Command: `{command}`  ",
+             "Machine: " + "; ".join(f"{k} {v}" for k, v in machine.items()), "",
+             f"Workload per model: {args.num_prompts} prompts of seeded random token ids, input lengths "
+             f"uniform in [{args.min_input}, {args.max_input}], output lengths uniform in "
+             f"[{args.min_output}, {args.max_output}] (forced: ignore_eos on both sides), greedy, float32, "
+             "the same weights in both systems. Output tokens/s = requested output tokens / wall time; "
+             "engine warm-up (compilation) is excluded and listed apart; transformers runs one untimed "
+             "generate call first. Ratios are measured side by side in one run.", "",
+             "Schedules: *continuous* submits every request at once; *static, groups of B* submits B "
+             "requests and the next B only when all of them have finished (same engine, same config); "
+             "*admission_eagerness=0.0* is the engine's own static mode: it admits only into an empty "
+             "batch, so a group is what one step's token budget and max_prefill_seqs take in.", "",
+             "## Summary", "",
+             "| model | jaxserve / HF generate | continuous / static | KV live share at peak: paged (contiguous) |",
+             "|---|---|---|---|"]
+    for r in results:
+        sub, runs, kv = r["subset"], r["runs"], r["kv"]
+        vs_hf = ", ".join(f"{sub.tokens_per_s / h.tokens_per_s:.2f}x (B={b})"
+                          for h, b in zip(r["hf_runs"], args.hf_batch_sizes))
+        vs_static = ", ".join(f"{runs[0].tokens_per_s / run.tokens_per_s:.2f}x ({run.system.removeprefix('jaxserve ')})"
+                              for run in runs[1:])
+        lines.append(f"| {r['name']} | {vs_hf} | {vs_static} | {kv.paged_share:.1%} ({kv.contiguous_share:.1%}) |")
+    lines += ["", "Targets: jaxserve / HF at least 5x; continuous / static at least 1.5x; paged live share "
+              "at least 96%.", ""]
+    for r in results:
+        e = r["ecfg"]
+        lines += [f"## {r['name']}: {r['summary']}", "",
+                  f"Engine: max_num_seqs {e.max_num_seqs}, max_num_batched_tokens {e.max_num_batched_tokens}, "
+                  f"prefill_chunk_size {e.prefill_chunk_size}, max_prefill_seqs {e.max_prefill_seqs}, "
+                  f"page_size {e.page_size}, {e.num_pages} pages (no preemption), prefix caching off, "
+                  f"max_model_len {e.max_model_len}, attention backend {r['backend']}. Warm-up: "
+                  f"{r['warmup_s']:.1f} s, {r['compiles']} compilations; none during the timed runs.", ""]
+        lines += _hf_table(r) + [""] + _batching_table(r) + [""] + _kv_table(r) + [""]
+    return "\n".join(lines)
+
+
+def _kept_notes(path: str) -> str:
+    if not os.path.exists(path):
+        return NOTES_MARKER + "\n"
+    with open(path) as f:
+        text = f.read()
+    return text[text.index(NOTES_MARKER):] if NOTES_MARKER in text else NOTES_MARKER + "\n"
+
+
+def _hf_table(r: dict) -> list[str]:
+    sub = r["subset"]
+    out = [f"### jaxserve vs transformers generate ({r['hf_requests']} of {len(r['requests'])} prompts"
+           + (", the same subset on both sides" if r["hf_requests"] < len(r["requests"]) else "") + ")", "",
+           "| system | requests | output tokens | seconds | output tokens/s | jaxserve / this |",
+           "|---|---|---|---|---|---|"]
+    for run in [sub] + r["hf_runs"]:
+        out.append(f"| {run.system} | {run.requests} | {run.output_tokens} | {run.seconds:.1f} | "
+                   f"{run.tokens_per_s:.1f} | {sub.tokens_per_s / run.tokens_per_s:.2f}x |")
+    out += ["", f"Identical greedy outputs, jaxserve vs HF B={r['hf_runs'][0].system.split('=')[1]}: "
+            f"{r['same_outputs']} of {r['hf_requests']} requests."]
+    return out
+
+
+def _batching_table(r: dict) -> list[str]:
+    runs = r["runs"]
+    out = [f"### Continuous vs static batching (jaxserve, all {len(r['requests'])} prompts, "
+           f"{sum(len(q.prompt_token_ids) for q in r['requests'])} prompt tokens)", "",
+           "| schedule | seconds | output tokens/s | continuous / this | steps | prefill steps | "
+           "ms per prefill step | ms per decode step | bucket padding | time outside runner |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        p = run.profile.summary(run.seconds)
+        out.append(f"| {run.system} | {run.seconds:.1f} | {run.tokens_per_s:.1f} | "
+                   f"{runs[0].tokens_per_s / run.tokens_per_s:.2f}x | {p['steps']} | {p['prefill_steps']} | "
+                   f"{p['prefill_step_ms']:.1f} | {p['decode_step_ms']:.1f} | {p['padding']:.0%} | "
+                   f"{p['outside_runner']:.0%} |")
+    return out
+
+
+def _kv_table(r: dict) -> list[str]:
+    kv = r["kv"]
+    return ["### KV memory at the peak of pages in use (continuous run)", "",
+            "| running sequences | live tokens | paged: slots allocated | paged: live share | "
+            "contiguous (max_model_len each): slots | contiguous: live share |",
+            "|---|---|---|---|---|---|",
+            f"| {kv.running} | {kv.live_tokens} | {kv.pages * kv.page_size} | {kv.paged_share:.1%} | "
+            f"{kv.running * kv.max_model_len} | {kv.contiguous_share:.1%} |"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="tiny,100m", help="tiny, 100m or model directories")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--min-input", type=int, default=16)
+    p.add_argument("--max-input", type=int, default=512)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--hf-batch-sizes", default="16,32")
+    p.add_argument("--hf-num-prompts", type=int, default=0, help="HF on the first N prompts only (0 = all)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--prefill-chunk-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", default="/tmp/jaxserve_bench", help="where the 100m model is built")
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 32 short requests")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.num_prompts, args.hf_batch_sizes = "tiny", 32, "8,16"
+        args.max_input, args.max_output, args.max_num_seqs = 64, 32, 16
+        args.min_input, args.min_output = min(args.min_input, 64), min(args.min_output, 32)
+    args.models = args.models.split(",")
+    unknown = [m for m in args.models if m not in MODEL_NAMES and not os.path.isdir(m)]
+    if unknown:
+        p.error(f"unknown models {unknown}; choose from {MODEL_NAMES} or model directories")
+    args.hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    import sys
+
+    args = parse_args(argv)
+    command = "python -m benchmarks.offline_throughput " + " ".join(sys.argv[1:] if argv is None else argv)
+    machine = machine_info()
+    results = [bench_model(name, args) for name in args.models]
+    text = render(results, args, machine, command.strip())
+    print(text)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    notes = _kept_notes(args.out)
+    with open(args.out, "w") as f:
+        f.write(text + "\n" + notes)
+    return results
+
+
+if __name__ == "__main__":
+    main()
