@@ -227,6 +227,7 @@ def server_view(before: dict | None, after: dict | None) -> dict:
 def markdown(report: dict) -> str:
     a = report["args"]
     lines = [f"# Serving benchmark: {report['model']} at {report['base_url']}", "",
+             *([f"Server: {a['label']}", ""] if a["label"] else []), f"`{report['command']}`", "",
              f"{report['date']}. {a['num_prompts']} requests per rate, Poisson arrivals, seed {a['seed']}; "
              f"prompts: {a['prompt_kind']}, input lognormal(median {a['input_median']}, sigma {a['input_sigma']}) "
              f"clipped to {a['max_input']}; output lognormal(median {a['output_median']}, sigma "
@@ -318,6 +319,7 @@ def run(args) -> dict:
                               args.max_input, args.output_median, args.output_sigma, args.max_output,
                               args.vocab_size)
     report = {"model": model, "base_url": base_url, "date": datetime.date.today().isoformat(),
+              "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
               "args": {k: v for k, v in vars(args).items() if k != "func"}, "machine": machine_info(), "runs": []}
     for rate in rates:
         before, load0 = scrape(base_url), os.getloadavg()[0]
@@ -359,6 +361,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=100)
     p.add_argument("--duration-limit", type=float, default=300, help="per rate: arrivals after this are not sent")
     p.add_argument("--request-timeout", type=float, default=600)
+    p.add_argument("--label", default="", help="how the server was started, for the report")
     p.add_argument("--out", help="output path without extension, e.g. benchmarks/results/serve_tiny_cpu")
 
 

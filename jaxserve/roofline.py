@@ -46,7 +46,7 @@ def device_peaks(measure_bytes: int = 256 << 20, matmul_n: int = 1024) -> Peaks:
                  f"measured ({kind}: {measure_bytes / 2**20:.0f} MiB read, {matmul_n}^2 float32 matmul)")
 
 
-def _best_seconds(fn, *args, iters: int) -> float:
+def best_seconds(fn, *args, iters: int) -> float:
     jax.block_until_ready(fn(*args))
     best = float("inf")
     for _ in range(iters):
@@ -59,14 +59,14 @@ def _best_seconds(fn, *args, iters: int) -> float:
 def measure_read_bandwidth(nbytes: int = 1 << 30, iters: int = 5) -> float:
     """Bytes/s of a jitted sum over a float32 buffer of `nbytes` (XLA spreads it over all cores)."""
     x = jnp.ones(nbytes // 4, jnp.float32)
-    seconds = _best_seconds(jax.jit(jnp.sum), x, iters=iters)
+    seconds = best_seconds(jax.jit(jnp.sum), x, iters=iters)
     del x
     return nbytes / seconds
 
 
 def measure_matmul_flops(n: int, iters: int = 5) -> float:
     a = jnp.ones((n, n), jnp.float32)
-    return 2 * n**3 / _best_seconds(jax.jit(jnp.matmul), a, a, iters=iters)
+    return 2 * n**3 / best_seconds(jax.jit(jnp.matmul), a, a, iters=iters)
 
 
 @dataclasses.dataclass(frozen=True)
