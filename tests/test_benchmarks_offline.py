@@ -5,8 +5,8 @@ from benchmarks import offline_throughput
 from tests.hf_models import save_engine_model
 
 ARGS = ["--num-prompts", "6", "--min-input", "8", "--max-input", "40", "--min-output", "4", "--max-output", "12",
-        "--hf-batch-sizes", "2,4", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-        "--prefill-chunk-size", "16"]
+        "--hf-batch-sizes", "2,4", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
+        "--prefill-chunk-size", "16", "--repeats", "1"]
 
 
 def test_offline_benchmark_smoke(tmp_path):
