@@ -360,13 +360,15 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     command = "python -m benchmarks.offline_throughput " + " ".join(sys.argv[1:] if argv is None else argv)
     machine = machine_info()
-    results = [bench_model(name, args) for name in args.models]
-    text = render(results, args, machine, command.strip())
+    results = []
+    for name in args.models:   # the file is rewritten after each model: a long run keeps what it has
+        results.append(bench_model(name, args))
+        text = render(results, args, machine, command.strip())
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        notes = _kept_notes(args.out)
+        with open(args.out, "w") as f:
+            f.write(text + "\n" + notes)
     print(text)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    notes = _kept_notes(args.out)
-    with open(args.out, "w") as f:
-        f.write(text + "\n" + notes)
     return results
 
 
