@@ -136,7 +136,7 @@ def run_model(args, name: str) -> dict:
 
 def markdown(report: dict) -> str:
     a = report["args"]
-    lines = [f"# Batching strategies: static vs dynamic vs continuous on one engine", "",
+    lines = ["# Batching strategies: static vs dynamic vs continuous on one engine", "",
              f"{report['date']}. `{report['command']}`", "",
              f"One trace per model: {a['num_requests']} requests, Poisson at {a['rate']:g} req/s (seed {a['seed']}), "
              f"input lognormal(median {a['input_median']:g}, sigma {a['input_sigma']:g}) <= {a['max_input']}, "
