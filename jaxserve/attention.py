@@ -19,9 +19,12 @@ from flax import struct
 
 from jaxserve.parallel import gather_tokens
 from pallas_kernels.flash_attention.reference import causal_attention
-from pallas_kernels.paged_attention.reference import ragged_paged_attention_xla
+from pallas_kernels.paged_attention import xla as paged_xla
 
 BACKENDS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+# XLA path: decode rows attend in groups of this many, each group reading K/V only up to its own
+# longest row (the runner orders decode rows longest first, so groups hold similar lengths).
+DECODE_GROUP_ROWS = 16
 
 
 @struct.dataclass
@@ -90,15 +93,15 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
     if meta.backend == "xla":
         p, s = meta.num_prefill_rows, meta.page_table.shape[0]
         if p is None:
-            return ragged_paged_attention_xla(q, k_pages, v_pages, *tables, max_q=meta.max_q, **kwargs)
-        # Prefill rows pad to max_q tokens, decode rows to 1; each call zeroes the other's tokens.
+            return paged_xla.ragged_paged_attention(q, k_pages, v_pages, *tables, max_q=meta.max_q, **kwargs)
+        # Prefill rows pad to max_q tokens, decode rows to 1; each call zeroes the others' tokens.
         out = 0
-        if p > 0:
-            out += ragged_paged_attention_xla(q, k_pages, v_pages, meta.page_table[:p], meta.seq_lens[:p],
-                                              meta.query_start_loc[:p + 1], max_q=meta.max_q, **kwargs)
-        if p < s:
-            out += ragged_paged_attention_xla(q, k_pages, v_pages, meta.page_table[p:], meta.seq_lens[p:],
-                                              meta.query_start_loc[p:], max_q=1, **kwargs)
+        for lo, hi, max_q in [(0, p, meta.max_q)] + [(r, min(r + DECODE_GROUP_ROWS, s), 1)
+                                                     for r in range(p, s, DECODE_GROUP_ROWS)]:
+            if hi > lo:
+                out += paged_xla.ragged_paged_attention(
+                    q, k_pages, v_pages, meta.page_table[lo:hi], meta.seq_lens[lo:hi],
+                    meta.query_start_loc[lo:hi + 1], max_q=max_q, **kwargs)
         return out
     if meta.backend not in ("pallas_gpu", "pallas_tpu"):
         raise ValueError(f"attention backend {meta.backend!r} is not available")

@@ -2,12 +2,13 @@
 jit-compiled step (KV write + paged attention + logits), then samples on device.
 
 Rows of a step: prefill rows first (sequences bringing more than one new token), then decode
-rows (one new token each). Static shapes come in two families, all compiled at warm-up:
-  * decode-only steps:  (decode rows S, pages per sequence P)
-  * steps with prefill: (tokens T, prefill rows S_p); the decode rows and pages are then at
-    their maximum, so these cost one full decode step plus the prefill.
-The XLA attention path pads prefill rows to [S_p, T] and decode rows to [S, 1] (see
-attention.py); the Pallas kernels read the flat ragged batch directly.
+rows (one new token each, longest context first). Static shapes come in two families, all
+compiled at warm-up:
+  * decode-only steps:  decode rows S
+  * steps with prefill: (tokens T, prefill rows S_p), the decode rows at their maximum.
+Page tables are always full width: every attention path reads K/V only up to the real context
+lengths (the XLA path in a loop bounded by them, see pallas_kernels/paged_attention/xla.py),
+so padded rows and unused page-table columns cost next to nothing.
 """
 from __future__ import annotations
 
@@ -88,7 +89,6 @@ class ModelRunner:
 
         max_seqs = engine_cfg.max_num_seqs
         self.decode_buckets = _pow2_buckets(1, max_seqs)
-        self.page_buckets = _pow2_buckets(min(4, self.max_pages_per_seq), self.max_pages_per_seq)
         self.token_buckets = _pow2_buckets(min(16, engine_cfg.max_num_batched_tokens),
                                            engine_cfg.max_num_batched_tokens)
         self.prefill_row_buckets = _pow2_buckets(1, engine_cfg.max_prefill_seqs)
@@ -149,22 +149,22 @@ class ModelRunner:
 
     def _pack(self, out: SchedulerOutput) -> "_Batch":
         prefill = [s for s in out.scheduled if s.num_new_tokens > 1]
-        decode = [s for s in out.scheduled if s.num_new_tokens == 1]
+        decode = sorted((s for s in out.scheduled if s.num_new_tokens == 1),
+                        key=lambda s: -s.seq.num_computed_tokens)
         num_tokens = out.num_tokens
         if prefill:
             if len(prefill) > self.prefill_row_buckets[-1]:
                 raise ValueError(f"{len(prefill)} prefill rows > max_prefill_seqs")
             sp = _bucket(len(prefill), self.prefill_row_buckets)
             t = _bucket(num_tokens, self.token_buckets)
-            sd, p = self.decode_buckets[-1], self.page_buckets[-1]
+            sd = self.decode_buckets[-1]
             max_q = min(t, self.ecfg.prefill_chunk_size)
         else:
             sp = 0
             sd = _bucket(len(decode), self.decode_buckets)
             t = sd
-            longest = max(s.seq.num_computed_tokens + 1 for s in decode)
-            p = _bucket(-(-longest // self.page_size), self.page_buckets)
             max_q = 1
+        p = self.max_pages_per_seq
         rows: list = prefill + [None] * (sp - len(prefill)) + decode + [None] * (sd - len(decode))
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
@@ -200,14 +200,15 @@ class ModelRunner:
         """Compile every bucket (and the sampler for each row count) before serving.
         Returns the number of compilations it took."""
         before, t0 = CompileCounter.count, time.perf_counter()
-        shapes = [(sd, sd, 0, p, 1) for sd in self.decode_buckets for p in self.page_buckets]
-        shapes += [(t, self.decode_buckets[-1], sp, self.page_buckets[-1], min(t, self.ecfg.prefill_chunk_size))
+        shapes = [(sd, sd, 0, 1) for sd in self.decode_buckets]
+        shapes += [(t, self.decode_buckets[-1], sp, min(t, self.ecfg.prefill_chunk_size))
                    for t in self.token_buckets for sp in self.prefill_row_buckets]
         logits_by_rows = {}
-        for t, sd, sp, p, max_q in shapes:
+        for t, sd, sp, max_q in shapes:
             n = sp + sd
             arrays = (np.zeros(t, np.int32), np.zeros(t, np.int32),
-                      np.full(t, self.num_pages * self.page_size, np.int32), np.zeros((n, p), np.int32),
+                      np.full(t, self.num_pages * self.page_size, np.int32),
+                      np.zeros((n, self.max_pages_per_seq), np.int32),
                       np.zeros(n, np.int32), np.zeros(n + 1, np.int32), np.zeros(sd, np.int32))
             logits, self.kv_caches = self._step(self.params, self.kv_caches, *arrays,
                                                 num_prefill_rows=sp, max_q=max_q)

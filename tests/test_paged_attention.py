@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxserve import attention
-from pallas_kernels.paged_attention import gpu, reference, tpu
+from pallas_kernels.paged_attention import gpu, reference, tpu, xla
 
 TOL = {"float32": 2e-3, "bfloat16": 2e-2}
 
@@ -175,6 +175,17 @@ def test_xla_reference_matches_naive_oracle(spec):
     out = reference.ragged_paged_attention_xla(
         *args(case), max_q=case["max_q"], sm_scale=case["sm_scale"],
         sliding_window=case["sliding_window"])
+    assert_close(out, case)
+
+
+# Blocks of one or two pages: random batches cross block, window and sequence boundaries.
+@settings(max_examples=10, deadline=None)
+@given(cases(), st.sampled_from([1, 2]))
+def test_blockwise_xla_path_matches_naive_oracle(spec, block_pages):
+    case = make_case(**spec)
+    out = xla.ragged_paged_attention(
+        *args(case), max_q=case["max_q"], sm_scale=case["sm_scale"],
+        sliding_window=case["sliding_window"], block_tokens=block_pages * spec["page_size"])
     assert_close(out, case)
 
 

@@ -1,0 +1,76 @@
+"""Ragged paged attention in plain XLA, blockwise: the engine's path where no Pallas kernel runs
+(CPU), and its fallback anywhere.
+
+Rows are padded to [S, max_q] queries (as in reference.py), but K/V are read in blocks of pages
+inside a while loop whose trip count is the longest live row's KV length, with online softmax.
+So the cost follows the real context lengths of the step, not the page table's width: the
+runner can pass full-width page tables (no page-count buckets to compile) and a padded row or
+an empty group costs nearly nothing. Under a sliding window the loop starts at the first block
+any row can see.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+MASK_VALUE = -1e30
+
+
+@functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "block_tokens"))
+def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *, max_q,
+                           sm_scale, sliding_window=None, block_tokens=128):
+    """q [T, H, D] flat ragged batch; sequence s owns tokens query_start_loc[s]:[s+1], the last
+    of its seq_lens[s] positions. Tokens outside query_start_loc[0]:[-1] come back as 0."""
+    t, h, d = q.shape
+    s_max, p = page_table.shape
+    _, ps, kvh, _ = k_pages.shape
+    g = h // kvh
+    bp = max(1, min(p, block_tokens // ps))  # pages per block
+    bt = bp * ps
+    page_table = jnp.pad(page_table, ((0, 0), (0, -p % bp)))
+
+    tok = jnp.arange(t)
+    seq_id = jnp.clip(jnp.searchsorted(query_start_loc[1:], tok, side="right"), 0, s_max - 1)
+    q_off = tok - query_start_loc[seq_id]
+    valid = (tok >= query_start_loc[0]) & (tok < query_start_loc[-1])
+    row = jnp.where(valid, seq_id, s_max)  # other tokens scatter out of range and are dropped
+    qp = jnp.zeros((s_max, max_q, h, d), q.dtype).at[row, q_off].set(q, mode="drop")
+    qp = qp.reshape(s_max, max_q, kvh, g, d)
+
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    first_pos = seq_lens - q_len
+    q_pos = first_pos[:, None] + jnp.arange(max_q)[None, :]  # [S, max_q]
+    live = q_len > 0
+    end_block = (jnp.max(jnp.where(live, seq_lens, 0)) + bt - 1) // bt
+    start_block = 0
+    if sliding_window is not None:
+        lowest = jnp.min(jnp.where(live, first_pos - sliding_window + 1, jnp.iinfo(jnp.int32).max))
+        start_block = jnp.minimum(jnp.maximum(lowest, 0) // bt, end_block)
+
+    def block(j, carry):
+        m, l, acc = carry
+        pages = lax.dynamic_slice_in_dim(page_table, j * bp, bp, axis=1)  # [S, bp]
+        # Whole pages as rows of a 2-D operand: XLA CPU gathers those about 2x faster.
+        k = k_pages.reshape(k_pages.shape[0], -1)[pages].reshape(s_max, bt, kvh, d)
+        v = v_pages.reshape(v_pages.shape[0], -1)[pages].reshape(s_max, bt, kvh, d)
+        s = jnp.einsum("sqkgd,sjkd->skgqj", qp, k, preferred_element_type=jnp.float32) * sm_scale
+        kv_pos = j * bt + jnp.arange(bt)
+        mask = kv_pos[None, None, :] <= q_pos[:, :, None]
+        if sliding_window is not None:
+            mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        mask = mask[:, None, None]  # [S, 1, 1, max_q, bt]
+        m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, MASK_VALUE), axis=-1))
+        probs = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        scale = jnp.exp(m - m_new)
+        l = l * scale + probs.sum(-1)
+        acc = acc * scale[..., None] + jnp.einsum("skgqj,sjkd->skgqd", probs.astype(v.dtype), v,
+                                                  preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    stats = jnp.full((s_max, kvh, g, max_q), MASK_VALUE, jnp.float32)
+    init = (stats, jnp.zeros_like(stats), jnp.zeros((s_max, kvh, g, max_q, d), jnp.float32))
+    _, l, acc = lax.fori_loop(start_block, end_block, block, init)
+    o = acc / jnp.maximum(l, 1e-30)[..., None]
+    o = o.transpose(0, 3, 1, 2, 4).reshape(s_max, max_q, h, d)[seq_id, q_off]
+    return jnp.where(valid[:, None, None], o, 0).astype(q.dtype)
