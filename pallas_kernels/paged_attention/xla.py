@@ -36,11 +36,14 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     valid = (tok >= query_start_loc[0]) & (tok < query_start_loc[-1])
     row = jnp.where(valid, seq_id, s_max)  # other tokens scatter out of range and are dropped
     qp = jnp.zeros((s_max, max_q, h, d), q.dtype).at[row, q_off].set(q, mode="drop")
-    qp = qp.reshape(s_max, max_q, kvh, g, d)
+    # One [query x group] row axis per KV head: plain batched matmuls (s, kv head), which XLA
+    # CPU runs about 2x faster than a dot that keeps the group as its own axis.
+    rows = max_q * g
+    qp = qp.reshape(s_max, max_q, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(s_max, kvh, rows, d)
 
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     first_pos = seq_lens - q_len
-    q_pos = first_pos[:, None] + jnp.arange(max_q)[None, :]  # [S, max_q]
+    q_pos = jnp.repeat(first_pos[:, None] + jnp.arange(max_q)[None, :], g, axis=1)  # [S, rows]
     live = q_len > 0
     end_block = (jnp.max(jnp.where(live, seq_lens, 0)) + bt - 1) // bt
     start_block = 0
@@ -54,23 +57,23 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         # Whole pages as rows of a 2-D operand: XLA CPU gathers those about 2x faster.
         k = k_pages.reshape(k_pages.shape[0], -1)[pages].reshape(s_max, bt, kvh, d)
         v = v_pages.reshape(v_pages.shape[0], -1)[pages].reshape(s_max, bt, kvh, d)
-        s = jnp.einsum("sqkgd,sjkd->skgqj", qp, k, preferred_element_type=jnp.float32) * sm_scale
+        s = jnp.einsum("skrd,sjkd->skrj", qp, k, preferred_element_type=jnp.float32) * sm_scale
         kv_pos = j * bt + jnp.arange(bt)
         mask = kv_pos[None, None, :] <= q_pos[:, :, None]
         if sliding_window is not None:
             mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-        mask = mask[:, None, None]  # [S, 1, 1, max_q, bt]
+        mask = mask[:, None]  # [S, 1, rows, bt]
         m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, MASK_VALUE), axis=-1))
         probs = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         scale = jnp.exp(m - m_new)
         l = l * scale + probs.sum(-1)
-        acc = acc * scale[..., None] + jnp.einsum("skgqj,sjkd->skgqd", probs.astype(v.dtype), v,
+        acc = acc * scale[..., None] + jnp.einsum("skrj,sjkd->skrd", probs.astype(v.dtype), v,
                                                   preferred_element_type=jnp.float32)
         return m_new, l, acc
 
-    stats = jnp.full((s_max, kvh, g, max_q), MASK_VALUE, jnp.float32)
-    init = (stats, jnp.zeros_like(stats), jnp.zeros((s_max, kvh, g, max_q, d), jnp.float32))
+    stats = jnp.full((s_max, kvh, rows), MASK_VALUE, jnp.float32)
+    init = (stats, jnp.zeros_like(stats), jnp.zeros((s_max, kvh, rows, d), jnp.float32))
     _, l, acc = lax.fori_loop(start_block, end_block, block, init)
     o = acc / jnp.maximum(l, 1e-30)[..., None]
-    o = o.transpose(0, 3, 1, 2, 4).reshape(s_max, max_q, h, d)[seq_id, q_off]
-    return jnp.where(valid[:, None, None], o, 0).astype(q.dtype)
+    o = o.reshape(s_max, kvh, max_q, g, d).transpose(0, 2, 1, 3, 4).reshape(s_max, max_q, h, d)
+    return jnp.where(valid[:, None, None], o[seq_id, q_off], 0).astype(q.dtype)
