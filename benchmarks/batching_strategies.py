@@ -19,23 +19,21 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import json
+import dataclasses
 import os
 import sys
-import tempfile
 import time
 
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import MODEL_NAMES, machine_info, model_summary, prepare_model
-from benchmarks.serve_bench import arrival_offsets, make_requests, percentiles
+from benchmarks.common import (MODEL_NAMES, RESULTS_DIR, WORK_DIR, command_line, load_average, load_change,
+                               machine_line, markdown_table, measured_peaks, model_summary, percentiles,
+                               prepare_model, pyplot, report_header, save_figure, timed_step, write_report)
+from benchmarks.serve_bench import add_length_arguments, arrival_offsets, make_requests
 from jaxserve import roofline
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine import LLMEngine
-
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def static_policy(batch: int):
@@ -73,10 +71,7 @@ def drive(engine: LLMEngine, trace: list, offsets: np.ndarray, release, cost: ro
             engine.add_request(trace[i].prompt, SamplingParams(max_tokens=trace[i].max_tokens, temperature=0.0,
                                                                ignore_eos=True), str(i), start + offsets[i])
         if engine.has_unfinished():
-            t0 = time.perf_counter()
-            outputs = engine.step()
-            seconds = time.perf_counter() - t0
-            rows = roofline.schedule_rows(engine.last_schedule)
+            outputs, seconds, rows = timed_step(engine)
             steps.append((cost.step(rows), seconds, len(rows)))
             finished += [o for o in outputs if o.finished]
         else:   # idle: until the next arrival, or poll while a dynamic batch is forming
@@ -111,7 +106,7 @@ def run_model(args, name: str) -> dict:
     t0 = time.perf_counter()
     engine.warmup()
     print(f"{name}: warm-up {time.perf_counter() - t0:.0f}s; {model_summary(model_dir)}", file=sys.stderr)
-    peaks = roofline.device_peaks(measure_bytes=1 << 30, matmul_n=2048)
+    peaks = measured_peaks()
     cost = roofline.CostModel(engine.model_cfg, jnp.dtype(engine.dtype).itemsize)
     trace = make_requests(args.num_requests, args.seed, "ids", args.input_median, args.input_sigma, args.max_input,
                           args.output_median, args.output_sigma, args.max_output, engine.model_cfg.vocab_size)
@@ -120,16 +115,16 @@ def run_model(args, name: str) -> dict:
                 "continuous": continuous_policy()}
     results = {}
     for strategy in args.strategies.split(","):
-        load0 = os.getloadavg()[0]
+        load0 = load_average()
         run = drive(engine, trace, offsets, policies[strategy], cost)
-        results[strategy] = summarize(run, peaks) | {"load_avg": [load0, os.getloadavg()[0]]}
+        results[strategy] = summarize(run, peaks) | {"load_avg": [load0, load_average()]}
         s = results[strategy]
         print(f"{name} {strategy}: {s['request_throughput']:.2f} req/s, e2e p50 {s['e2e_ms']['p50']:.0f} "
               f"p99 {s['e2e_ms']['p99']:.0f} ms", file=sys.stderr)
     return {"model": name, "summary": model_summary(model_dir), "engine": {
                 k: getattr(cfg, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs",
                                              "max_model_len", "dtype")},
-            "peaks": {"flops": peaks.flops, "bandwidth": peaks.bandwidth, "source": peaks.source},
+            "peaks": dataclasses.asdict(peaks),
             "input_tokens": sum(r.input_len for r in trace), "output_tokens": sum(r.max_tokens for r in trace),
             "strategies": results}
 
@@ -144,19 +139,19 @@ def markdown(report: dict) -> str:
              f"tokens (ignore_eos). static: batches of {a['batch']}; dynamic: up to {a['batch']} or "
              f"{a['timeout_ms']:g} ms; continuous: the scheduler (max_num_seqs {a['batch']}). "
              "Throughput over first arrival -> last finish; latencies from arrival.", "",
-             "Machine: " + "; ".join(f"{k} {v}" for k, v in report["machine"].items()), ""]
+             machine_line(report["machine"]), ""]
     for m in report["models"]:
         lines += [f"## {m['model']}: {m['summary']}", "",
                   f"Engine: {m['engine']}. Peaks: {m['peaks']['bandwidth'] / 1e9:.1f} GB/s, "
-                  f"{m['peaks']['flops'] / 1e9:.1f} GFLOP/s ({m['peaks']['source']}).", "",
-                  "| strategy | req/s | out tok/s | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | steps | mean batch "
-                  "| MBU | MFU | load avg |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for name, s in m["strategies"].items():
-            lines.append(f"| {name} | {s['request_throughput']:.2f} | {s['output_throughput']:.1f} | "
-                         f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p99']:.0f} | "
-                         f"{s['e2e_ms']['p50']:.0f} / {s['e2e_ms']['p99']:.0f} | {s['steps']} | "
-                         f"{s['mean_batch']:.1f} | {100 * s['mbu']:.1f}% | {100 * s['mfu']:.1f}% | "
-                         f"{s['load_avg'][0]:.1f} -> {s['load_avg'][1]:.1f} |")
+                  f"{m['peaks']['flops'] / 1e9:.1f} GFLOP/s ({m['peaks']['source']}).", ""]
+        lines += markdown_table(
+            ["strategy", "req/s", "out tok/s", "TTFT p50 / p99 (ms)", "E2E p50 / p99 (ms)", "steps", "mean batch",
+             "MBU", "MFU", "load avg"],
+            [[name, f"{s['request_throughput']:.2f}", f"{s['output_throughput']:.1f}",
+              f"{s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p99']:.0f}",
+              f"{s['e2e_ms']['p50']:.0f} / {s['e2e_ms']['p99']:.0f}", s["steps"], f"{s['mean_batch']:.1f}",
+              f"{100 * s['mbu']:.1f}%", f"{100 * s['mfu']:.1f}%", load_change(s["load_avg"])]
+             for name, s in m["strategies"].items()])
         st, co = m["strategies"].get("static"), m["strategies"].get("continuous")
         if st and co:
             lines += ["", f"Continuous vs static: E2E p99 {st['e2e_ms']['p99'] / co['e2e_ms']['p99']:.2f}x lower, "
@@ -166,12 +161,8 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models = report["models"]
-    fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.6 * len(models)), squeeze=False)
+    fig, axes = pyplot().subplots(len(models), 2, figsize=(10, 3.6 * len(models)), squeeze=False)
     for (ax1, ax2), m in zip(axes, models):
         names = list(m["strategies"])
         x = np.arange(len(names))
@@ -183,9 +174,7 @@ def plot(report: dict, path: str) -> None:
         ax2.set(xticks=x, xticklabels=names, ylabel="seconds", title=f"{m['model']}: latency")
         ax2.legend()
     fig.suptitle(f"Poisson {report['args']['rate']:g} req/s, {report['machine']['cpu']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,24 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-ms", type=float, default=500, help="dynamic batching: longest wait of the oldest request")
     p.add_argument("--max-num-batched-tokens", type=int, default=128)
     p.add_argument("--max-prefill-seqs", type=int, default=4)
-    p.add_argument("--input-median", type=float, default=16)
-    p.add_argument("--input-sigma", type=float, default=0.8)
-    p.add_argument("--max-input", type=int, default=64)
-    p.add_argument("--output-median", type=float, default=64)
-    p.add_argument("--output-sigma", type=float, default=0.8)
-    p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "jaxserve-bench"))
+    add_length_arguments(p, input_median=16, max_input=64, output_median=64, max_output=256)
+    p.add_argument("--work-dir", default=WORK_DIR)
     p.add_argument("--out", default=os.path.join(RESULTS_DIR, "batching_cpu"), help="path without extension")
     args = p.parse_args(argv)
-    report = {"date": datetime.date.today().isoformat(), "command": "python -m benchmarks.batching_strategies "
-              + " ".join(argv if argv is not None else sys.argv[1:]), "args": vars(args), "machine": machine_info(),
-              "models": [run_model(args, name) for name in args.models.split(",")]}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(report))
-    plot(report, args.out + ".png")
+    report = report_header(command_line("batching_strategies", argv), args) | {
+        "models": [run_model(args, name) for name in args.models.split(",")]}
+    write_report(args.out, report, markdown, plot)
     print(markdown(report))
     return 0
 

@@ -1,5 +1,6 @@
 """Shared by the benchmarks: the models they run (the embedded tiny model, a random ~100M Llama),
-seeded random-token workloads, and a description of the machine.
+seeded random-token workloads, the machine's description, latency percentiles, timed engine steps,
+and the writing of reports (markdown tables, JSON, PNG plots, hand-written notes kept).
 
   100m: hidden 768, 12 layers, 12 heads / 4 KV heads, ffn 2048, vocab 32000, tied embeddings
         -> 100.1M parameters, float32, seeded random weights written with save_pretrained.
@@ -7,20 +8,26 @@ seeded random-token workloads, and a description of the machine.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import platform
+import sys
+import tempfile
+import time
 
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine import TINY_MODEL_DIR
 
 LLAMA_100M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                   num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                   initializer_range=0.02)
 MODEL_NAMES = ("tiny", "100m")
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+WORK_DIR = os.path.join(tempfile.gettempdir(), "jaxserve-bench")   # where the 100m model is built
+NOTES_MARKER = "<!-- notes below are written by hand and kept when this file is regenerated -->"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +49,8 @@ def make_workload(num_prompts: int, input_range: tuple[int, int], output_range: 
 def prepare_model(name: str, work_dir: str) -> str:
     """The model directory of `name` (HF format): 'tiny', '100m' (built once under work_dir) or the
     path of a Hugging Face model directory."""
+    from jaxserve.engine import TINY_MODEL_DIR   # not at import: serve_bench (the CLI) needs no JAX
+
     if os.path.isdir(name):
         return name
     if name == "tiny":
@@ -106,6 +115,107 @@ def machine_info() -> dict[str, str]:
     devices = jax.devices()
     accel = "none" if devices[0].platform == "cpu" else f"{len(devices)} x {devices[0].device_kind}"
     return {"cpu": f"{cpu}, {os.cpu_count()} cores", "accelerator": accel,
-            "load average (1 min) at start": f"{os.getloadavg()[0]:.1f}",
+            "load average (1 min) at start": f"{load_average():.1f}",
             "python": platform.python_version(), "jax": jax.__version__, "torch": torch.__version__,
             "transformers": transformers.__version__}
+
+
+def load_average() -> float:
+    """The 1-minute load average: the machine is shared, and a busy neighbour slows a run."""
+    return os.getloadavg()[0]
+
+
+def measured_peaks():
+    """This device's roofline.Peaks: the datasheet's, or on CPU measured over 1 GiB and a 2048^2 matmul."""
+    from jaxserve import roofline
+
+    return roofline.device_peaks(measure_bytes=1 << 30, matmul_n=2048)
+
+
+def timed_step(engine) -> tuple[list, float, list[tuple[int, int, bool]]]:
+    """One engine step: its outputs, its wall time in seconds and its roofline rows."""
+    from jaxserve import roofline
+
+    start = time.perf_counter()
+    outputs = engine.step()
+    seconds = time.perf_counter() - start
+    return outputs, seconds, roofline.schedule_rows(engine.last_schedule)
+
+
+def percentiles(values, scale: float = 1e3) -> dict:
+    """Mean, p50, p90 and p99 of `values` x `scale` (seconds -> ms by default); None when empty."""
+    if not len(values):
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    v = np.asarray(values) * scale
+    return {"mean": float(v.mean()), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
+            "p99": float(np.percentile(v, 99))}
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """How the benchmark was run: `python -m benchmarks.<module>` and its arguments."""
+    return " ".join([f"python -m benchmarks.{module}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def report_header(command: str, args) -> dict:
+    """What every JSON report starts with: the date, the command, its arguments, the machine."""
+    return {"date": datetime.date.today().isoformat(), "command": command,
+            "args": {k: v for k, v in vars(args).items() if k != "func"}, "machine": machine_info()}
+
+
+def machine_line(machine: dict) -> str:
+    return "Machine: " + "; ".join(f"{k} {v}" for k, v in machine.items())
+
+
+def load_change(load_avg: list[float]) -> str:
+    """A [start, end] load average pair as a table cell."""
+    return f"{load_avg[0]:.1f} -> {load_avg[1]:.1f}"
+
+
+def markdown_table(header: list[str], rows: list[list], right_aligned: tuple[int, ...] = ()) -> list[str]:
+    """The lines of a markdown table; cells are written with str()."""
+    def line(cells):
+        return "| " + " | ".join(map(str, cells)) + " |"
+
+    rule = ["---:" if i in right_aligned else "---" for i in range(len(header))]
+    return [line(header), "|" + "|".join(rule) + "|"] + [line(r) for r in rows]
+
+
+def pyplot():
+    """matplotlib.pyplot, drawing to files only (the Agg backend)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+def write_text(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def write_report(out: str, report: dict, markdown, plot) -> None:
+    """<out>.json, <out>.md and <out>.png of a report; markdown and plot are the benchmark's own."""
+    write_text(out + ".json", json.dumps(report, indent=1))
+    write_text(out + ".md", markdown(report))
+    plot(report, out + ".png")
+
+
+def write_keeping_notes(path: str, text: str) -> None:
+    """Rewrites a results file, keeping what stands from NOTES_MARKER on (notes written by hand)."""
+    write_text(path, text + "\n" + kept_notes(path))
+
+
+def kept_notes(path: str) -> str:
+    text = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+    return text[text.index(NOTES_MARKER):] if NOTES_MARKER in text else NOTES_MARKER + "\n"

@@ -17,15 +17,18 @@ import datetime
 import functools
 import math
 import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention import write_kv
-from pallas_kernels.flash_attention.reference import causal_attention
-from pallas_kernels.paged_attention.reference import ragged_paged_attention_xla
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a script: find benchmarks/
+from benchmarks.common import RESULTS_DIR, markdown_table, write_text  # noqa: E402
+from jaxserve.attention import write_kv  # noqa: E402
+from pallas_kernels.flash_attention.reference import causal_attention  # noqa: E402
+from pallas_kernels.paged_attention.reference import ragged_paged_attention_xla  # noqa: E402
 
 # Datasheet peaks: dense bf16 TFLOP/s, HBM GB/s. Matched against jax's device_kind.
 PEAKS = {
@@ -246,15 +249,13 @@ def perf_row(name, shape, ms, *, flops=None, bytes_=None, peak_tflops=None, peak
 
 def table(title, rows):
     head = ["kernel", "shape", "ms", "TFLOP/s", "% peak", "GB/s", "% peak", "max err vs xla"]
-    lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return "\n".join([f"### {title}", "", *markdown_table(head, rows)]) + "\n"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke run)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=RESULTS_DIR)
     args = parser.parse_args()
 
     platform = jax.default_backend()
@@ -295,10 +296,8 @@ def main():
     ] + [table(title, rows) for title, rows in sections]
     text = "\n".join(report)
     print(text)
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"kernels_{slug}{'_quick' if args.quick else ''}.md")
-    with open(path, "w") as f:
-        f.write(text)
+    write_text(path, text)
     print(f"wrote {path}")
 
 

@@ -23,13 +23,14 @@ import time
 
 import numpy as np
 
-from benchmarks.common import (MODEL_NAMES, Request, load_hf_model, machine_info, make_workload,
-                               model_summary, prepare_model)
+from benchmarks.common import (MODEL_NAMES, RESULTS_DIR, Request, command_line, load_average, load_hf_model,
+                               machine_info, machine_line, make_workload, markdown_table, model_summary,
+                               prepare_model, write_keeping_notes)
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine import LLMEngine
 from jaxserve.runner import CompileCounter
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "offline_throughput.md")
+RESULTS = os.path.join(RESULTS_DIR, "offline_throughput.md")
 
 
 @dataclasses.dataclass
@@ -231,14 +232,11 @@ def bench_model(name: str, args) -> dict:
                 same_outputs=same, hf_requests=len(hf_requests), requests=requests)
 
 
-NOTES_MARKER = "<!-- notes below are written by hand and kept when this file is regenerated -->"
-
-
 def render(results: list[dict], args, machine: dict, command: str) -> str:
-    machine = dict(machine, **{"load average (1 min) at end": f"{os.getloadavg()[0]:.1f}"})
+    machine = dict(machine, **{"load average (1 min) at end": f"{load_average():.1f}"})
     lines = ["# Offline throughput", "",
              f"Command: `{command}`  ",
-             "Machine: " + "; ".join(f"{k} {v}" for k, v in machine.items()), "",
+             machine_line(machine), "",
              f"Workload per model: {args.num_prompts} prompts of seeded random token ids, input lengths "
              f"uniform in [{args.min_input}, {args.max_input}], output lengths uniform in "
              f"[{args.min_output}, {args.max_output}] (forced: ignore_eos on both sides), greedy, float32, "
@@ -249,16 +247,9 @@ def render(results: list[dict], args, machine: dict, command: str) -> str:
              "requests and the next B only when all of them have finished (same engine, same config); "
              "*admission_eagerness=0.0* is the engine's own static mode: it admits only into an empty "
              "batch, so a group is what one step's token budget and max_prefill_seqs take in.", "",
-             "## Summary", "",
-             "| model | jaxserve / HF generate | continuous / static | KV live share at peak: paged (contiguous) |",
-             "|---|---|---|---|"]
-    for r in results:
-        sub, runs, kv = r["subset"], r["runs"], r["kv"]
-        vs_hf = ", ".join(f"{sub.tokens_per_s / h.tokens_per_s:.2f}x (B={b})"
-                          for h, b in zip(r["hf_runs"], args.hf_batch_sizes))
-        vs_static = ", ".join(f"{runs[0].tokens_per_s / run.tokens_per_s:.2f}x ({run.system.removeprefix('jaxserve ')})"
-                              for run in runs[1:])
-        lines.append(f"| {r['name']} | {vs_hf} | {vs_static} | {kv.paged_share:.1%} ({kv.contiguous_share:.1%}) |")
+             "## Summary", ""]
+    lines += markdown_table(["model", "jaxserve / HF generate", "continuous / static",
+                             "KV live share at peak: paged (contiguous)"], [_summary_row(r, args) for r in results])
     lines += ["", "Targets: jaxserve / HF at least 5x; continuous / static at least 1.5x; paged live share "
               "at least 96%.", ""]
     for r in results:
@@ -273,25 +264,25 @@ def render(results: list[dict], args, machine: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def _kept_notes(path: str) -> str:
-    if not os.path.exists(path):
-        return NOTES_MARKER + "\n"
-    with open(path) as f:
-        text = f.read()
-    return text[text.index(NOTES_MARKER):] if NOTES_MARKER in text else NOTES_MARKER + "\n"
+def _summary_row(r: dict, args) -> list[str]:
+    sub, runs, kv = r["subset"], r["runs"], r["kv"]
+    vs_hf = ", ".join(f"{sub.tokens_per_s / h.tokens_per_s:.2f}x (B={b})"
+                      for h, b in zip(r["hf_runs"], args.hf_batch_sizes))
+    vs_static = ", ".join(f"{runs[0].tokens_per_s / run.tokens_per_s:.2f}x ({run.system.removeprefix('jaxserve ')})"
+                          for run in runs[1:])
+    return [r["name"], vs_hf, vs_static, f"{kv.paged_share:.1%} ({kv.contiguous_share:.1%})"]
 
 
 def _hf_table(r: dict) -> list[str]:
     sub = r["subset"]
     out = [f"### jaxserve vs transformers generate ({r['hf_requests']} of {len(r['requests'])} prompts"
            + (", the same subset on both sides" if r["hf_requests"] < len(r["requests"]) else "")
-           + f"; best of {len(sub.rounds)} alternating rounds)", "",
-           "| system | requests | output tokens | seconds | output tokens/s | jaxserve / this | tokens/s per round |",
-           "|---|---|---|---|---|---|---|"]
-    for run in [sub] + r["hf_runs"]:
-        out.append(f"| {run.system} | {run.requests} | {run.output_tokens} | {run.seconds:.1f} | "
-                   f"{run.tokens_per_s:.1f} | {sub.tokens_per_s / run.tokens_per_s:.2f}x | "
-                   f"{', '.join(f'{x:.1f}' for x in run.rounds)} |")
+           + f"; best of {len(sub.rounds)} alternating rounds)", ""]
+    out += markdown_table(
+        ["system", "requests", "output tokens", "seconds", "output tokens/s", "jaxserve / this", "tokens/s per round"],
+        [[run.system, run.requests, run.output_tokens, f"{run.seconds:.1f}", f"{run.tokens_per_s:.1f}",
+          f"{sub.tokens_per_s / run.tokens_per_s:.2f}x", ", ".join(f"{x:.1f}" for x in run.rounds)]
+         for run in [sub] + r["hf_runs"]])
     out += ["", f"Identical greedy outputs, jaxserve vs {r['hf_runs'][0].system}: "
             f"{r['same_outputs']} of {r['hf_requests']} requests."]
     return out
@@ -299,28 +290,27 @@ def _hf_table(r: dict) -> list[str]:
 
 def _batching_table(r: dict) -> list[str]:
     runs = r["runs"]
-    out = [f"### Continuous vs static batching (jaxserve, all {len(r['requests'])} prompts, "
-           f"{sum(len(q.prompt_token_ids) for q in r['requests'])} prompt tokens)", "",
-           "| schedule | seconds | output tokens/s | continuous / this | steps | prefill steps | "
-           "ms per prefill step | ms per decode step | bucket padding | time outside runner |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for run in runs:
-        p = run.profile.summary(run.seconds)
-        out.append(f"| {run.system} | {run.seconds:.1f} | {run.tokens_per_s:.1f} | "
-                   f"{runs[0].tokens_per_s / run.tokens_per_s:.2f}x | {p['steps']} | {p['prefill_steps']} | "
-                   f"{p['prefill_step_ms']:.1f} | {p['decode_step_ms']:.1f} | {p['padding']:.0%} | "
-                   f"{p['outside_runner']:.0%} |")
-    return out
+    return [f"### Continuous vs static batching (jaxserve, all {len(r['requests'])} prompts, "
+            f"{sum(len(q.prompt_token_ids) for q in r['requests'])} prompt tokens)", ""] + markdown_table(
+        ["schedule", "seconds", "output tokens/s", "continuous / this", "steps", "prefill steps",
+         "ms per prefill step", "ms per decode step", "bucket padding", "time outside runner"],
+        [_schedule_row(run, runs[0]) for run in runs])
+
+
+def _schedule_row(run: Run, continuous: Run) -> list:
+    p = run.profile.summary(run.seconds)
+    return [run.system, f"{run.seconds:.1f}", f"{run.tokens_per_s:.1f}",
+            f"{continuous.tokens_per_s / run.tokens_per_s:.2f}x", p["steps"], p["prefill_steps"],
+            f"{p['prefill_step_ms']:.1f}", f"{p['decode_step_ms']:.1f}", f"{p['padding']:.0%}", f"{p['outside_runner']:.0%}"]
 
 
 def _kv_table(r: dict) -> list[str]:
     kv = r["kv"]
-    return ["### KV memory at the peak of pages in use (continuous run)", "",
-            "| running sequences | live tokens | paged: slots allocated | paged: live share | "
-            "contiguous (max_model_len each): slots | contiguous: live share |",
-            "|---|---|---|---|---|---|",
-            f"| {kv.running} | {kv.live_tokens} | {kv.pages * kv.page_size} | {kv.paged_share:.1%} | "
-            f"{kv.running * kv.max_model_len} | {kv.contiguous_share:.1%} |"]
+    return ["### KV memory at the peak of pages in use (continuous run)", ""] + markdown_table(
+        ["running sequences", "live tokens", "paged: slots allocated", "paged: live share",
+         "contiguous (max_model_len each): slots", "contiguous: live share"],
+        [[kv.running, kv.live_tokens, kv.pages * kv.page_size, f"{kv.paged_share:.1%}",
+          kv.running * kv.max_model_len, f"{kv.contiguous_share:.1%}"]])
 
 
 def parse_args(argv=None):
@@ -355,19 +345,14 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> list[dict]:
-    import sys
-
     args = parse_args(argv)
-    command = "python -m benchmarks.offline_throughput " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("offline_throughput", argv)
     machine = machine_info()
     results = []
     for name in args.models:   # the file is rewritten after each model: a long run keeps what it has
         results.append(bench_model(name, args))
-        text = render(results, args, machine, command.strip())
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        notes = _kept_notes(args.out)
-        with open(args.out, "w") as f:
-            f.write(text + "\n" + notes)
+        text = render(results, args, machine, command)
+        write_keeping_notes(args.out, text)
     print(text)
     return results
 

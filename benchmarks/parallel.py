@@ -11,10 +11,12 @@ layouts communicate, not how fast.
 from __future__ import annotations
 
 import os
+import sys
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a script: find benchmarks/
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
@@ -24,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from benchmarks.common import RESULTS_DIR, markdown_table, write_text  # noqa: E402
 from jaxserve import parallel, runner  # noqa: E402
 from jaxserve.checkpoint import param_shapes  # noqa: E402
 from jaxserve.config import ModelConfig  # noqa: E402
@@ -38,7 +41,7 @@ MESHES = [(1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (2, 2), (4, 2)]  # (mo
 DECODE_ROWS, PAGES_PER_SEQ, PAGE_SIZE, NUM_PAGES = 64, 64, 16, 4096
 PREFILL_TOKENS = 2048
 DTYPE = jnp.bfloat16
-OUT = os.path.join(os.path.dirname(__file__), "results", "parallel.md")
+OUT = os.path.join(RESULTS_DIR, "parallel.md")
 
 
 def abstract(shape, dtype, sharding):
@@ -135,11 +138,10 @@ def write(cfg: ModelConfig, rows, seconds: float) -> None:
         "implementation (all-reduce 2(n-1)/n, all-gather (n-1)/n of the result). "
         "**Fake CPU devices: no speed claim.**",
         "",
-        "| TP | SP | step | collectives | result MiB | sent MiB / device |",
-        "|---:|---:|---|---|---:|---:|",
     ]
-    for tp, sp, what, text, total, moved in rows:
-        lines.append(f"| {tp} | {sp} | {what} | {text} | {total:.1f} | {moved:.1f} |")
+    lines += markdown_table(["TP", "SP", "step", "collectives", "result MiB", "sent MiB / device"],
+                            [[tp, sp, what, text, f"{total:.1f}", f"{moved:.1f}"]
+                             for tp, sp, what, text, total, moved in rows], right_aligned=(0, 1, 4, 5))
     lines += ["", "What the counts say:", "",
               f"* Decode under TP n: 2 all-reduces per layer ({2 * cfg.num_layers}) + 1 for the "
               "vocab-split embedding lookup, each of [64, hidden]; 1 all-gather of the "
@@ -158,9 +160,7 @@ def write(cfg: ModelConfig, rows, seconds: float) -> None:
               "* For one long prompt, sequence parallelism moves far less than tensor "
               "parallelism: it exchanges the K/V of the kv heads (GQA: 8 x 128 per token), "
               "TP all-reduces the full hidden state (4096 per token) twice per layer."]
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text(OUT, "\n".join(lines) + "\n")
     print(f"wrote {OUT}")
 
 

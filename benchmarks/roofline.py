@@ -13,27 +13,21 @@ known GPUs/TPUs they are the datasheet's.
 from __future__ import annotations
 
 import argparse
-import datetime
+import dataclasses
 import functools
 import os
 import sys
-import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import MODEL_NAMES, machine_info, model_summary, prepare_model
+from benchmarks.common import (MODEL_NAMES, RESULTS_DIR, WORK_DIR, command_line, load_average, machine_line,
+                               markdown_table, measured_peaks, model_summary, prepare_model, pyplot, report_header,
+                               save_figure, timed_step, write_text)
 from jaxserve import roofline
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine import LLMEngine
-
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def measured_peaks() -> roofline.Peaks:
-    return roofline.device_peaks(measure_bytes=1 << 30, matmul_n=2048)
 
 
 def matvec_bandwidth(nbytes: int = 1 << 30, n: int = 2048) -> float:
@@ -54,10 +48,7 @@ def decode_steps(engine: LLMEngine, batch: int, context: int, steps: int, seed: 
         engine.add_request(rng.integers(3, engine.model_cfg.vocab_size, context).tolist(), params)
     out = []
     while engine.has_unfinished():
-        start = time.perf_counter()
-        engine.step()
-        seconds = time.perf_counter() - start
-        rows = roofline.schedule_rows(engine.last_schedule)
+        _, seconds, rows = timed_step(engine)
         if len(rows) == batch and all(n == 1 for n, _, _ in rows):   # decode-only, full batch
             out.append((cost.step(rows), seconds))
     return out
@@ -74,7 +65,7 @@ def run_model(args, name: str) -> dict:
     before, matvec_before = measured_peaks(), matvec_bandwidth()
     rows = []
     for b in batches:
-        load = os.getloadavg()[0]
+        load = load_average()
         steps = decode_steps(engine, b, args.context, args.steps, args.seed)
         t = np.array([s for _, s in steps])
         c = steps[len(steps) // 2][0]   # the KV grows by a token per step: the middle step's cost
@@ -88,7 +79,7 @@ def run_model(args, name: str) -> dict:
         r.update(gbs=r["bytes"] / s / 1e9, gflops=r["flops"] / s / 1e9, mbu=r["bytes"] / s / peaks.bandwidth,
                  mfu=r["flops"] / s / peaks.flops, vs_matvec=r["bytes"] / s / matvec)
     return {"model": name, "summary": model_summary(model_dir), "rows": rows, "matvec": matvec,
-            "peaks": [{"bandwidth": p.bandwidth, "flops": p.flops, "source": p.source} for p in (before, after)],
+            "peaks": [dataclasses.asdict(p) for p in (before, after)],
             "used": {"bandwidth": peaks.bandwidth, "flops": peaks.flops}}
 
 
@@ -98,7 +89,7 @@ def markdown(report: dict) -> str:
              f"Each batch: B sequences with {a['context']}-token prompts, then {a['steps']} decode steps, each "
              "timed around LLMEngine.step (scheduling, packing, sampling included); median step. Bytes: weights + "
              "live KV read once + new KV written; FLOPs: 2 x params x tokens + attention.", "",
-             "Machine: " + "; ".join(f"{k} {v}" for k, v in report["machine"].items()), ""]
+             machine_line(report["machine"]), ""]
     for m in report["models"]:
         p0, p1 = m["peaks"]
         lines += [f"## {m['model']}: {m['summary']}", "",
@@ -107,23 +98,19 @@ def markdown(report: dict) -> str:
                   f"{p1['flops'] / 1e9:.1f} GFLOP/s ({p0['source']}). MBU and MFU use the run with the higher "
                   f"bandwidth: {m['used']['bandwidth'] / 1e9:.2f} GB/s, {m['used']['flops'] / 1e9:.1f} GFLOP/s. "
                   f"XLA's one-row matmul (batch-1 dot) reads at most {m['matvec'] / 1e9:.2f} GB/s here: the "
-                  "'vs matvec' column is the step's bandwidth against that ceiling.", "",
-                  "| batch | ms / step | tokens/s | MB / step | MFLOP / step | GB/s | GFLOP/s | MBU | vs matvec | MFU "
-                  "| load avg |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in m["rows"]:
-            lines.append(f"| {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | {r['bytes'] / 1e6:.1f} | "
-                         f"{r['flops'] / 1e6:.0f} | {r['gbs']:.2f} | {r['gflops']:.2f} | {100 * r['mbu']:.1f}% | "
-                         f"{100 * r['vs_matvec']:.0f}% | {100 * r['mfu']:.1f}% | {r['load_avg']:.1f} |")
+                  "'vs matvec' column is the step's bandwidth against that ceiling.", ""]
+        lines += markdown_table(
+            ["batch", "ms / step", "tokens/s", "MB / step", "MFLOP / step", "GB/s", "GFLOP/s", "MBU", "vs matvec",
+             "MFU", "load avg"],
+            [[r["batch"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:.1f}", f"{r['bytes'] / 1e6:.1f}",
+              f"{r['flops'] / 1e6:.0f}", f"{r['gbs']:.2f}", f"{r['gflops']:.2f}", f"{100 * r['mbu']:.1f}%",
+              f"{100 * r['vs_matvec']:.0f}%", f"{100 * r['mfu']:.1f}%", f"{r['load_avg']:.1f}"] for r in m["rows"]])
         lines.append("")
     return "\n".join(lines)
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    fig, ax = pyplot().subplots(figsize=(6.5, 4.5))
     for m in report["models"]:
         bw, peak = m["used"]["bandwidth"], m["used"]["flops"]
         ai = np.array([r["flops"] / r["bytes"] for r in m["rows"]])
@@ -135,9 +122,7 @@ def plot(report: dict, path: str) -> None:
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)", ylabel="GFLOP/s",
            title=f"Decode steps vs the measured roofline\n{report['machine']['cpu']}")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,14 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=32, help="decode steps per batch")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "jaxserve-bench"))
+    p.add_argument("--work-dir", default=WORK_DIR)
     p.add_argument("--out", default=os.path.join(RESULTS_DIR, "roofline_cpu"), help="path without extension")
     args = p.parse_args(argv)
-    report = {"date": datetime.date.today().isoformat(), "command": "python -m benchmarks.roofline "
-              + " ".join(argv if argv is not None else sys.argv[1:]), "args": vars(args), "machine": machine_info(),
-              "models": [run_model(args, name) for name in args.models.split(",")]}
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(report))
+    report = report_header(command_line("roofline", argv), args) | {
+        "models": [run_model(args, name) for name in args.models.split(",")]}
+    write_text(args.out + ".md", markdown(report))
     plot(report, args.out + ".png")
     print(markdown(report))
     return 0

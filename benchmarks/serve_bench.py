@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import ipaddress
 import json
 import math
@@ -32,6 +31,9 @@ import time
 import urllib.parse
 
 import numpy as np
+
+from benchmarks.common import (load_average, load_change, machine_line, markdown_table, percentiles, pyplot,
+                               report_header, save_figure, write_report)
 
 
 # ---- workload ----
@@ -62,6 +64,17 @@ def make_requests(n: int, seed: int, kind: str, input_median: float, input_sigma
         starts = rng.integers(0, len(words) - max_input, n)
         prompts = [" ".join(words[s:s + m]) for s, m in zip(starts, ins)]
     return [BenchRequest(p, int(m), int(o)) for p, m, o in zip(prompts, ins, outs)]
+
+
+def add_length_arguments(p: argparse.ArgumentParser, input_median: float, max_input: int, output_median: float,
+                         max_output: int) -> None:
+    """make_requests' lognormal lengths as flags: medians, sigmas and the maxima they are clipped to."""
+    p.add_argument("--input-median", type=float, default=input_median)
+    p.add_argument("--input-sigma", type=float, default=0.8)
+    p.add_argument("--max-input", type=int, default=max_input)
+    p.add_argument("--output-median", type=float, default=output_median)
+    p.add_argument("--output-sigma", type=float, default=0.8)
+    p.add_argument("--max-output", type=int, default=max_output)
 
 
 def _doc_words() -> list[str]:
@@ -171,14 +184,6 @@ async def run_rate(base_url: str, model: str, requests: list[BenchRequest], rate
     return results, duration
 
 
-def percentiles(values, scale: float = 1e3) -> dict:
-    if not len(values):
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    v = np.asarray(values) * scale
-    return {"mean": float(v.mean()), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
-            "p99": float(np.percentile(v, 99))}
-
-
 def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
     ok = [r for r in results if r.ok]
     good = [r for r in ok if r.ttft * 1e3 <= slo_ttft_ms and r.tpot * 1e3 <= slo_tpot_ms]
@@ -233,28 +238,28 @@ def markdown(report: dict) -> str:
              f"clipped to {a['max_input']}; output lognormal(median {a['output_median']}, sigma "
              f"{a['output_sigma']}) clipped to {a['max_output']}; ignore_eos {a['ignore_eos']}. "
              f"SLO: TTFT <= {a['slo_ttft_ms']:g} ms and TPOT <= {a['slo_tpot_ms']:g} ms.", "",
-             "Machine: " + "; ".join(f"{k} {v}" for k, v in report["machine"].items()), "",
-             "| rate (req/s) | done/sent | req/s | out tok/s | goodput (req/s) | SLO met | TTFT p50 / p99 (ms) "
-             "| TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | E2E p50 / p90 / p99 (ms) | load avg |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    f = lambda x: "-" if x is None else f"{x:.0f}" if x >= 100 else f"{x:.1f}"  # noqa: E731
-    for run in report["runs"]:
-        s = run["summary"]
-        lines.append(
-            f"| {run['rate']:g} | {s['completed']}/{s['sent']} | {s['request_throughput']:.2f} | "
-            f"{s['output_throughput']:.1f} | {s['goodput']:.2f} | {100 * s['slo_attainment']:.0f}% | "
-            f"{f(s['ttft_ms']['p50'])} / {f(s['ttft_ms']['p99'])} | {f(s['tpot_ms']['p50'])} / {f(s['tpot_ms']['p99'])} | "
-            f"{f(s['itl_ms']['p50'])} / {f(s['itl_ms']['p99'])} | "
-            f"{f(s['e2e_ms']['p50'])} / {f(s['e2e_ms']['p90'])} / {f(s['e2e_ms']['p99'])} | "
-            f"{run['load_avg'][0]:.1f} -> {run['load_avg'][1]:.1f} |")
+             machine_line(report["machine"]), ""]
+    lines += markdown_table(
+        ["rate (req/s)", "done/sent", "req/s", "out tok/s", "goodput (req/s)", "SLO met", "TTFT p50 / p99 (ms)",
+         "TPOT p50 / p99 (ms)", "ITL p50 / p99 (ms)", "E2E p50 / p90 / p99 (ms)", "load avg"],
+        [_rate_row(run) for run in report["runs"]])
     if any(run["server"] for run in report["runs"]):
-        lines += ["", "Server's /metrics over each rate (counter deltas, utilization gauges at the end):", "",
-                  "| rate | " + " | ".join(_SERVER_KEYS) + " |", "|---" * (len(_SERVER_KEYS) + 1) + "|"]
-        for run in report["runs"]:
-            lines.append(f"| {run['rate']:g} | " + " | ".join(_fmt(run["server"].get(k)) for k in _SERVER_KEYS) + " |")
+        lines += ["", "Server's /metrics over each rate (counter deltas, utilization gauges at the end):", ""]
+        rows = [[f"{run['rate']:g}", *(_fmt(run["server"].get(k)) for k in _SERVER_KEYS)] for run in report["runs"]]
+        lines += markdown_table(["rate", *_SERVER_KEYS], rows)
     errors = [(run["rate"], run["summary"]["first_error"]) for run in report["runs"] if run["summary"]["first_error"]]
     lines += [""] + [f"First error at rate {r:g}: `{e}`" for r, e in errors]
     return "\n".join(lines) + "\n"
+
+
+def _rate_row(run: dict) -> list[str]:
+    s = run["summary"]
+    f = lambda x: "-" if x is None else f"{x:.0f}" if x >= 100 else f"{x:.1f}"  # noqa: E731
+    return [f"{run['rate']:g}", f"{s['completed']}/{s['sent']}", f"{s['request_throughput']:.2f}",
+            f"{s['output_throughput']:.1f}", f"{s['goodput']:.2f}", f"{100 * s['slo_attainment']:.0f}%",
+            f"{f(s['ttft_ms']['p50'])} / {f(s['ttft_ms']['p99'])}", f"{f(s['tpot_ms']['p50'])} / {f(s['tpot_ms']['p99'])}",
+            f"{f(s['itl_ms']['p50'])} / {f(s['itl_ms']['p99'])}",
+            f"{f(s['e2e_ms']['p50'])} / {f(s['e2e_ms']['p90'])} / {f(s['e2e_ms']['p99'])}", load_change(run["load_avg"])]
 
 
 _SERVER_KEYS = ("jaxserve_prompt_tokens_total", "jaxserve_generation_tokens_total",
@@ -266,13 +271,9 @@ def _fmt(x) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = report["runs"]
     rates = [r["rate"] for r in runs]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(11, 4.2))
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E")):
         for pct, style in (("p50", "-o"), ("p99", "--s")):
             ax1.plot(rates, [r["summary"][key][pct] for r in runs], style, label=f"{label} {pct}")
@@ -286,9 +287,7 @@ def plot(report: dict, path: str) -> None:
             title=f"Goodput (TTFT <= {a['slo_ttft_ms']:g} ms, TPOT <= {a['slo_tpot_ms']:g} ms)")
     ax2.legend(fontsize=8)
     fig.suptitle(f"{report['model']}: {report['machine'].get('cpu', '')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---- driver ----
@@ -309,8 +308,6 @@ def served_model(base_url: str) -> str:
 
 def run(args) -> dict:
     """The whole benchmark; returns the report (also written to --out .json/.md/.png)."""
-    from benchmarks.common import machine_info
-
     base_url = args.base_url.rstrip("/")
     check_loopback(base_url, args.allow_remote)
     model = args.model or served_model(base_url)
@@ -318,22 +315,16 @@ def run(args) -> dict:
     requests_ = make_requests(args.num_prompts, args.seed, args.prompt_kind, args.input_median, args.input_sigma,
                               args.max_input, args.output_median, args.output_sigma, args.max_output,
                               args.vocab_size)
-    report = {"model": model, "base_url": base_url, "date": datetime.date.today().isoformat(),
-              "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-              "args": {k: v for k, v in vars(args).items() if k != "func"}, "machine": machine_info(), "runs": []}
+    command = " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])
+    report = {"model": model, "base_url": base_url, **report_header(command, args), "runs": []}
     for rate in rates:
-        before, load0 = scrape(base_url), os.getloadavg()[0]
+        before, load0 = scrape(base_url), load_average()
         results, duration = asyncio.run(run_rate(base_url, model, requests_, rate, args))
         summary = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
         report["runs"].append({"rate": rate, "summary": summary, "server": server_view(before, scrape(base_url)),
-                               "load_avg": [load0, os.getloadavg()[0]]})
+                               "load_avg": [load0, load_average()]})
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out + ".json", "w") as f:
-            json.dump(report, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(markdown(report))
-        plot(report, args.out + ".png")
+        write_report(args.out, report, markdown, plot)
     print(markdown(report))
     return report
 
@@ -349,12 +340,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-kind", choices=["text", "ids"], default="text",
                    help="text: words of Python's docs (lengths in words); ids: random token ids (needs --vocab-size)")
     p.add_argument("--vocab-size", type=int)
-    p.add_argument("--input-median", type=float, default=64)
-    p.add_argument("--input-sigma", type=float, default=0.8)
-    p.add_argument("--max-input", type=int, default=512)
-    p.add_argument("--output-median", type=float, default=48)
-    p.add_argument("--output-sigma", type=float, default=0.8)
-    p.add_argument("--max-output", type=int, default=256)
+    add_length_arguments(p, input_median=64, max_input=512, output_median=48, max_output=256)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (for servers that reject it)")
     p.add_argument("--slo-ttft-ms", type=float, default=1000)
