@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -262,8 +262,24 @@ class RequestStream:
         self._queue.put(item)
 
     def __iter__(self) -> Iterator[RequestOutput]:
+        return self.outputs()
+
+    def outputs(self, alive: Callable[[], bool] | None = None,
+                poll_s: float = 0.25) -> Iterator[RequestOutput]:
+        """The deltas until the finished one. With `alive`, ask it every `poll_s` seconds
+        while waiting and stop early when it says no (the caller then aborts)."""
+        next_check = time.monotonic() + poll_s
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=poll_s if alive else None)
+            except queue.Empty:
+                item = None
+            if alive is not None and time.monotonic() >= next_check:
+                if not alive():
+                    return
+                next_check = time.monotonic() + poll_s
+            if item is None:
+                continue
             if isinstance(item, BaseException):
                 raise item
             yield item

@@ -5,6 +5,7 @@ import concurrent.futures
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -282,6 +283,34 @@ def test_disconnect_frees_pages_within_a_second(server):
         time.sleep(0.02)
     assert m["jaxserve_kv_cache_usage_ratio"] == 0 and m["jaxserve_num_sequences_running"] == 0
     assert m["jaxserve_generation_tokens_total"] - before < 110   # aborted, not run to the end
+
+
+def test_non_streaming_clients_that_leave_are_aborted(server):
+    """24 non-streaming requests (8 run, 16 wait) whose clients hang up at once: every one is
+    aborted, running or queued, instead of generating its 120 tokens for nobody."""
+    before = server.metrics()["jaxserve_generation_tokens_total"]
+    aborted_before = server.log_tail(10**6).count("aborted (client gone")
+    body = json.dumps({**OK, "max_tokens": 120, "ignore_eos": True}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    socks = []
+    for _ in range(24):
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        socks.append(sock)
+    time.sleep(0.2)
+    for sock in socks:
+        sock.close()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10:
+        m = server.metrics()
+        if m["jaxserve_num_sequences_running"] == m["jaxserve_num_sequences_waiting"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["jaxserve_num_sequences_running"] == m["jaxserve_num_sequences_waiting"] == 0
+    assert m["jaxserve_kv_cache_usage_ratio"] == 0
+    assert server.log_tail(10**6).count("aborted (client gone") - aborted_before == 24
+    assert m["jaxserve_generation_tokens_total"] - before < 24 * 120 / 2
 
 
 def test_chunks_arrive_while_generating(server):

@@ -79,14 +79,15 @@ class EngineHost:
             raise APIError(429 if isinstance(e, QueueFullError) else 503, str(e)) from None
         return streams
 
-    def follow(self, streams: list) -> Iterator[tuple[int, object]]:
+    def follow(self, streams: list, alive: Callable[[], bool] | None = None) -> Iterator[tuple[int, object]]:
         """(prompt index, RequestOutput delta) for each stream in turn (all run concurrently in the
-        engine). Closing this generator early aborts the unfinished requests, freeing their pages."""
+        engine). Closing this generator early aborts the unfinished requests, freeing their pages;
+        so does `alive` answering no while it waits (a non-streaming client that left)."""
         finished = set()
         try:
             for i, stream in enumerate(streams):
                 last = None
-                for out in stream:
+                for out in stream.outputs(alive):
                     # Token gaps as the frontend sees them, from the first stream only: later
                     # ones have been buffering meanwhile.
                     if i == 0 and any(c.token_ids for c in out.outputs):

@@ -8,11 +8,14 @@ choice per engine step that produced text, the finish_reason on each choice's la
 from __future__ import annotations
 
 import itertools
+import select
+import socket
 import time
 import uuid
+from typing import Callable
 
 import jinja2
-from flask import Blueprint, current_app, jsonify
+from flask import Blueprint, current_app, jsonify, request
 
 from jaxserve.server.errors import APIError
 from jaxserve.server.sse import sse_response
@@ -59,7 +62,7 @@ def completions():
     streams = host.submit(ids, params, request_id)
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": host.model_name}
     choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes)
-    deltas = host.follow(streams)
+    deltas = host.follow(streams, alive=None if stream else _client_connected(request.environ))
     prompt_tokens = sum(map(len, ids))
     if stream:
         return sse_response(_chunks(deltas, choices, head, include_usage, prompt_tokens))
@@ -79,7 +82,7 @@ def chat_completions():
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = host.submit([ids], params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=True)
-    deltas = host.follow(streams)
+    deltas = host.follow(streams, alive=None if stream else _client_connected(request.environ))
     if stream:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": host.model_name}
@@ -150,6 +153,24 @@ class _Choices:
         return {"tokens": tokens, "token_logprobs": [max(r.logprob, MIN_LOGPROB) for r in results],
                 "top_logprobs": tops,
                 "text_offset": list(itertools.accumulate([start] + [len(t) for t in tokens[:-1]]))}
+
+
+def _client_connected(environ) -> Callable[[], bool]:
+    """Whether a non-streaming request's client still holds its connection (a streaming one
+    finds out when a write fails). A closed socket polls readable with nothing to read; peeking
+    leaves the bytes of any pipelined request in place."""
+    sock = environ.get("gunicorn.socket")
+    if sock is None:
+        return lambda: True
+
+    def alive() -> bool:
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return not readable or sock.recv(1, socket.MSG_PEEK) != b""
+        except (OSError, ValueError):
+            return False
+
+    return alive
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
