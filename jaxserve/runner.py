@@ -12,6 +12,7 @@ so padded rows and unused page-table columns cost next to nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import parallel
+from jaxserve import multihost, parallel
 from jaxserve.attention import AttentionMetadata, resolve_backend
 from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
 from jaxserve.models import build_model
@@ -83,6 +84,14 @@ class ModelRunner:
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh, cfg))
         kv_sharding = parallel.kv_cache_sharding(cfg, self.mesh)
         self.num_pages = engine_cfg.num_pages or self._pages_that_fit(kv_sharding)
+        # Multi-host: process 0 broadcasts every step (see jaxserve/multihost.py); the others
+        # build the same runner and `follow`. The pool size must agree (free memory may not).
+        self.broadcaster = None
+        if jax.process_count() > 1:
+            self.num_pages = int(multihost.broadcast_arrays(
+                [np.array([self.num_pages], np.int32)] if multihost.is_leader() else None)[0][0])
+            multihost.warmup()
+            self.broadcaster = multihost.Broadcaster() if multihost.is_leader() else None
         shape = (self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding)
         self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
@@ -103,7 +112,7 @@ class ModelRunner:
         return 2 * c.num_layers * self.page_size * c.num_kv_heads * c.head_dim * jnp.dtype(self.dtype).itemsize
 
     def _pages_that_fit(self, kv_sharding) -> int:
-        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        stats = self.mesh.local_devices[0].memory_stats() or {}
         if "bytes_limit" in stats:  # accelerator: a share of what the (placed) weights leave free
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
             shards = self.mesh.shape["model"] if "model" in kv_sharding.spec else 1
@@ -116,22 +125,24 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, seeds: dict[int, int]) -> dict[int, SampleResult]:
         """Run the scheduled batch; returns seq_id -> SampleResult for the sequences that sample.
         `seeds` gives each sampling sequence's seed (the engine draws one when none is set)."""
-        if out.page_copies:
-            self.copy_pages(out.page_copies)
-        if not out.scheduled:
+        if not out.scheduled and not out.page_copies:
             return {}
-        batch = self._pack(out)
-        logits, self.kv_caches = self._step(self.params, self.kv_caches, *batch.arrays,
-                                            num_prefill_rows=batch.num_prefill_rows, max_q=batch.max_q)
-        seqs = batch.sampling_seqs
+        batch = self._pack(out) if out.scheduled else None
+        seqs = batch.sampling_seqs if batch is not None else []
+        md = None
+        if seqs:
+            params = [s.sampling for s in seqs]
+            md = SamplingMetadata.build(
+                params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+                [seeds[s.seq_id] for s in seqs], pad_to=len(batch.arrays[-1]),  # the logits' rows
+                history_len=self.max_model_len if any(map(uses_penalties, params)) else None)
+        message = _step_message(out.page_copies, batch, md)
+        if self.broadcaster is not None:
+            message = self.broadcaster.send(message)
+        sampled = self.replay(message)
         if not seqs:
             return {}
-        params = [s.sampling for s in seqs]
-        md = SamplingMetadata.build(
-            params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-            [seeds[s.seq_id] for s in seqs], pad_to=logits.shape[0],
-            history_len=self.max_model_len if any(map(uses_penalties, params)) else None)
-        res: SampleOutput = jax.device_get(sample(logits, md, num_logprobs=MAX_LOGPROBS))
+        res: SampleOutput = multihost.local_value(sampled)
         results = {}
         for i, seq in enumerate(seqs):
             n = seq.sampling.logprobs or 0
@@ -139,12 +150,44 @@ class ModelRunner:
             results[seq.seq_id] = SampleResult(int(res.tokens[i]), float(res.logprobs[i]), top)
         return results
 
-    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+    def replay(self, message: list[np.ndarray]) -> SampleOutput | None:
+        """Launch one step's computations from its host arrays (`_step_message`): page copies,
+        then the model step, then the sampler. Every process of a multi-host mesh runs this with
+        the same message, process 0 from `execute`, the others from `follow`."""
+        copies, *step = message
+        if len(copies):
+            self.copy_pages(copies)
+        if not step:
+            return None
+        (num_prefill_rows, max_q, num_arrays), *arrays = step
+        logits, self.kv_caches = self._step(self.params, self.kv_caches, *arrays[:num_arrays],
+                                            num_prefill_rows=int(num_prefill_rows), max_q=int(max_q))
+        if len(arrays) == num_arrays:   # no row samples
+            return None
+        return sample(logits, SamplingMetadata(*arrays[num_arrays:]), num_logprobs=MAX_LOGPROBS)
+
+    def follow(self) -> int:
+        """The loop of processes other than 0 (multi-host): replay process 0's steps until it
+        stops serving. Call after the same warm-up as process 0's. Returns the steps run."""
+        return multihost.follow(self.replay)
+
+    def pause_followers(self) -> None:
+        """Process 0 has nothing to run: followers wait on the host, not in a collective."""
+        if self.broadcaster is not None:
+            self.broadcaster.pause()
+
+    def stop_followers(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.stop()
+
+    def copy_pages(self, copies) -> None:
+        """copies: (src, dst) page pairs, a list or an int32 [n, 2] array."""
+        copies = np.asarray(copies, np.int32).reshape(-1, 2)
         for start in range(0, len(copies), self.max_copies):
             chunk = copies[start:start + self.max_copies]
             src = np.zeros(self.max_copies, np.int32)
             dst = np.full(self.max_copies, self.num_pages, np.int32)  # out of range: dropped
-            src[:len(chunk)], dst[:len(chunk)] = zip(*chunk)
+            src[:len(chunk)], dst[:len(chunk)] = chunk[:, 0], chunk[:, 1]
             self.kv_caches = _copy_pages(self.kv_caches, src, dst)
 
     def _pack(self, out: SchedulerOutput) -> "_Batch":
@@ -250,6 +293,19 @@ def _step(model, params, kv_caches, tokens, positions, slot_mapping, page_table,
 def _copy_pages(kv_caches, src, dst):
     # Copy-on-write: page dst takes page src's K/V in every layer; dst out of range = no-op.
     return [(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop")) for k, v in kv_caches]
+
+
+def _step_message(page_copies, batch: "_Batch | None", md: SamplingMetadata | None) -> list[np.ndarray]:
+    """A step as a list of host arrays (what multi-host broadcasts): the page copies [n, 2], then,
+    when a model step runs, its static args (num_prefill_rows, max_q, number of step arrays),
+    the step arrays and the sampler's arrays (when a row samples)."""
+    message = [np.asarray(page_copies, np.int32).reshape(-1, 2)]
+    if batch is not None:
+        message += [np.array([batch.num_prefill_rows, batch.max_q, len(batch.arrays)], np.int32),
+                    *batch.arrays]
+        if md is not None:
+            message += [np.asarray(getattr(md, f.name)) for f in dataclasses.fields(md)]
+    return message
 
 
 class _Batch(NamedTuple):
