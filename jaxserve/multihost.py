@@ -49,10 +49,32 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
     return kwargs
 
 
+def detect(**given) -> dict:
+    """`given` completed by JAX's cluster detection (what jax.distributed.initialize would find),
+    without starting JAX: the launcher must know the process id before the serving process starts."""
+    from jax._src.clusters import ClusterEnv   # no public API for detection alone
+
+    address, n, pid, _ = ClusterEnv.auto_detect_unset_distributed_params(
+        given.get("coordinator_address"), given.get("num_processes"), given.get("process_id"),
+        None, None, 300)
+    if None in (address, n, pid):
+        raise SystemExit("multi-host: no cluster detected; give --coordinator-address, --num-processes "
+                         f"and --process-id (or {', '.join(ENV.values())})")
+    return {"coordinator_address": address, "num_processes": int(n), "process_id": int(pid)}
+
+
+def configured() -> bool:
+    """Whether this process is one of several (the JAXSERVE_* variables say so)."""
+    return int(os.environ.get(ENV["num_processes"]) or 1) > 1
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None) -> None:
     """jax.distributed.initialize with `resolve`'s arguments, so on a TPU slice `initialize()`
     on every host is enough."""
+    # JAX's preemption service (for training checkpoints) catches SIGTERM; the server handles
+    # SIGTERM itself (drain, then exit), so it must reach the server.
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(**resolve(coordinator_address, num_processes, process_id))
 
 
