@@ -88,6 +88,9 @@ class ModelRunner:
         # build the same runner and `follow`. The pool size must agree (free memory may not).
         self.broadcaster = None
         if jax.process_count() > 1:
+            if self.mesh.devices.size != jax.device_count():
+                raise ValueError(f"multi-host: the mesh {dict(self.mesh.shape)} must span all "
+                                 f"{jax.device_count()} devices of the {jax.process_count()} processes")
             self.num_pages = int(multihost.broadcast_arrays(
                 [np.array([self.num_pages], np.int32)] if multihost.is_leader() else None)[0][0])
             multihost.warmup()
