@@ -19,9 +19,13 @@ TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 
 def engine_config(args) -> EngineConfig:
-    """--config YAML (with --model on top); with neither, configs/tiny-cpu.yaml when present."""
+    """--config YAML (with --model and --tp/--sp/--dp on top); with neither, configs/tiny-cpu.yaml
+    when present."""
     path = args.config or (TINY_CPU_CONFIG if args.model is None and os.path.exists(TINY_CPU_CONFIG) else None)
-    return EngineConfig.from_yaml(path, model=args.model) if path else EngineConfig(model=args.model)
+    cfg = EngineConfig.from_yaml(path, model=args.model) if path else EngineConfig(model=args.model)
+    axes = {"model": args.tp, "seq": args.sp, "data": args.dp}
+    cfg.mesh = {**cfg.mesh, **{axis: n for axis, n in axes.items() if n is not None}}
+    return cfg
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -29,6 +33,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                    "(default: the embedded tiny model)")
     p.add_argument("--config", help="engine config YAML (EngineConfig keys), e.g. configs/tiny-cpu.yaml "
                                     "(default: configs/tiny-cpu.yaml for the embedded model)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (mesh 'model' axis; overrides the config)")
+    p.add_argument("--sp", type=int, help="sequence-parallel degree (mesh 'seq' axis)")
+    p.add_argument("--dp", type=int, help="data-parallel replicas (mesh 'data' axis; `serve` only)")
 
 
 def _add_serve(sub) -> None:
@@ -40,12 +47,66 @@ def _add_serve(sub) -> None:
                    help="require 'Authorization: Bearer KEY' (default: $JAXSERVE_API_KEY; none: open)")
     p.add_argument("--served-model-name", help="the name clients use in 'model' (default: the model "
                                                "directory's name, 'jaxserve-tiny' for the embedded model)")
+    multi = p.add_argument_group("multi-host", "one process per host, one mesh over all their devices: "
+                                 "run the same command on every host; process 0 serves HTTP, the others "
+                                 "follow its steps")
+    multi.add_argument("--coordinator-address", help="host:port of process 0 "
+                                                     "(default: $JAXSERVE_COORDINATOR_ADDRESS)")
+    multi.add_argument("--num-processes", type=int, help="default: $JAXSERVE_NUM_PROCESSES")
+    multi.add_argument("--process-id", type=int, help="default: $JAXSERVE_PROCESS_ID")
+    multi.add_argument("--multihost", action="store_true",
+                       help="multi-host with whatever is not given detected by JAX (Cloud TPU pod slice, "
+                            "SLURM, Open MPI)")
     p.set_defaults(func=serve)
+
+
+def _multihost_args(args) -> dict | None:
+    """jax.distributed arguments for a multi-host run (flags, else JAXSERVE_* variables, else
+    cluster detection), exported as JAXSERVE_* for the serving process; None on one host. JAX is
+    imported only when multi-host is asked for (the gunicorn master stays free of it otherwise)."""
+    names = ("coordinator_address", "num_processes", "process_id")   # variables: multihost.ENV
+    given = [getattr(args, name) for name in names]
+    if not (args.multihost or any(v is not None for v in given)
+            or any(os.environ.get(f"JAXSERVE_{name.upper()}") for name in names)):
+        return None
+    from jaxserve import multihost
+
+    dist = multihost.resolve(*given)
+    if len(dist) < 3:
+        dist = multihost.detect(**dist)
+    if dist["num_processes"] <= 1:
+        return None
+    os.environ.update({multihost.ENV[name]: str(value) for name, value in dist.items()})
+    return dist
+
+
+def _follow(cfg: EngineConfig) -> int:
+    """A multi-host process other than 0: the same engine and warm-up as process 0's, then its steps."""
+    import jax
+
+    from jaxserve import multihost
+    from jaxserve.engine import LLMEngine
+
+    multihost.initialize()
+    engine = LLMEngine(cfg)
+    engine.warmup()
+    log = logging.getLogger("jaxserve.follower")
+    log.info("process %d of %d: following process 0", jax.process_index(), jax.process_count())
+    steps = engine.runner.follow()
+    log.info("process 0 stopped serving after %d steps", steps)
+    logging.shutdown()
+    os._exit(0)   # as process 0's worker does: no teardown, no jax.distributed shutdown barrier
 
 
 def serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = engine_config(args)
+    dist = _multihost_args(args)
+    if dist is not None and cfg.mesh.get("data", 1) > 1:
+        sys.exit("jaxserve serve: data-parallel replicas (mesh data > 1) run in one process; "
+                 "multi-host serves one engine over all hosts' devices")
+    if dist is not None and dist["process_id"] != 0:
+        return _follow(cfg)
     from jaxserve.server.wsgi import GunicornServer, exit_worker_on_load_error
 
     def app_factory():   # runs in the worker process, after gunicorn forked it

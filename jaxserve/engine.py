@@ -357,6 +357,7 @@ class EngineThread:
         while not self._stop:
             self._drain_inbox()
             if not self.engine.has_unfinished():
+                self.engine.runner.pause_followers()   # multi-host: park the other processes
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -372,6 +373,7 @@ class EngineThread:
                 self._deliver(out)
             for listener in self.step_listeners:
                 listener(outputs, dt)
+        self.engine.runner.stop_followers()
 
     def _drain_inbox(self) -> None:
         while True:

@@ -21,7 +21,7 @@ TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.4
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
-        self.engine: "LLMEngine | None" = None   # set once loaded
+        self.engines: "list[LLMEngine]" = []     # set once loaded: one per data-parallel replica
         self.roofline = None                       # a jaxserve.roofline.RooflineMeter, set once loaded
         r = self.registry
         self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "Arrival to first generated token.",
@@ -57,25 +57,29 @@ class _EngineCollector:
         self.metrics = metrics
 
     def collect(self):
-        engine = self.metrics.engine
-        if engine is None:
+        engines = self.metrics.engines
+        if not engines:
             return
-        s = engine.scheduler
+        scheds = [e.scheduler for e in engines]
+
+        def mean(values):   # replicas have equal KV pools
+            return sum(values) / len(engines)
+
         yield GaugeMetricFamily("jaxserve_num_sequences_running", "Sequences in the running batch.",
-                                value=s.num_running)
+                                value=sum(s.num_running for s in scheds))
         yield GaugeMetricFamily("jaxserve_num_sequences_waiting", "Sequences waiting to be scheduled.",
-                                value=s.num_waiting)
+                                value=sum(s.num_waiting for s in scheds))
         yield GaugeMetricFamily("jaxserve_kv_cache_usage_ratio",
                                 "Share of KV pages held by sequences (prefix-cached pages count as free).",
-                                value=s.page_usage)
+                                value=mean(s.page_usage for s in scheds))
         yield GaugeMetricFamily("jaxserve_prefix_cache_hit_rate",
-                                "Share of queried prompt tokens found in the prefix cache.",
-                                value=s.prefix_hit_rate)
+                                "Share of queried prompt tokens found in the prefix cache (replica mean).",
+                                value=mean(s.prefix_hit_rate for s in scheds))
         yield CounterMetricFamily("jaxserve_prompt_tokens", "Prompt tokens accepted.",
-                                  value=engine.stats["prompt_tokens"])
+                                  value=sum(e.stats["prompt_tokens"] for e in engines))
         yield CounterMetricFamily("jaxserve_generation_tokens", "Tokens generated.",
-                                  value=engine.stats["generation_tokens"])
+                                  value=sum(e.stats["generation_tokens"] for e in engines))
         yield CounterMetricFamily("jaxserve_num_preemptions", "Sequences preempted (recomputed later).",
-                                  value=s.num_preemptions)
+                                  value=sum(s.num_preemptions for s in scheds))
         if self.metrics.roofline is not None:
             yield from self.metrics.roofline.metric_families()

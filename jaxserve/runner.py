@@ -12,6 +12,7 @@ so padded rows and unused page-table columns cost next to nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -21,12 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import parallel
+from jaxserve import multihost, parallel
 from jaxserve.attention import AttentionMetadata, resolve_backend
 from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
 from jaxserve.models import build_model
 from jaxserve.sampling import SamplingMetadata, SampleOutput, sample, uses_penalties
 from jaxserve.scheduler import SchedulerOutput
+from jaxserve.sequence_parallel import sequence_parallel_prefill
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,17 @@ class ModelRunner:
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh, cfg))
         kv_sharding = parallel.kv_cache_sharding(cfg, self.mesh)
         self.num_pages = engine_cfg.num_pages or self._pages_that_fit(kv_sharding)
+        # Multi-host: process 0 broadcasts every step (see jaxserve/multihost.py); the others
+        # build the same runner and `follow`. The pool size must agree (free memory may not).
+        self.broadcaster = None
+        if jax.process_count() > 1:
+            if self.mesh.devices.size != jax.device_count():
+                raise ValueError(f"multi-host: the mesh {dict(self.mesh.shape)} must span all "
+                                 f"{jax.device_count()} devices of the {jax.process_count()} processes")
+            self.num_pages = int(multihost.broadcast_arrays(
+                [np.array([self.num_pages], np.int32)] if multihost.is_leader() else None)[0][0])
+            multihost.warmup()
+            self.broadcaster = multihost.Broadcaster() if multihost.is_leader() else None
         shape = (self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding)
         self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
@@ -92,6 +105,9 @@ class ModelRunner:
         self.token_buckets = _pow2_buckets(min(16, engine_cfg.max_num_batched_tokens),
                                            engine_cfg.max_num_batched_tokens)
         self.prefill_row_buckets = _pow2_buckets(1, engine_cfg.max_prefill_seqs)
+        if any(t % self.mesh.shape["seq"] for t in self.token_buckets):
+            raise ValueError(f"token buckets {self.token_buckets} must be multiples of the mesh's seq size "
+                             f"{self.mesh.shape['seq']} (set max_num_batched_tokens to one)")
         self.max_copies = max_seqs
         self._step = functools.partial(_step, self.model, backend=self.backend, kv_sharding=kv_sharding,
                                        logits_sharding=parallel.logits_sharding(cfg, self.mesh))
@@ -103,7 +119,7 @@ class ModelRunner:
         return 2 * c.num_layers * self.page_size * c.num_kv_heads * c.head_dim * jnp.dtype(self.dtype).itemsize
 
     def _pages_that_fit(self, kv_sharding) -> int:
-        stats = self.mesh.devices.flat[0].memory_stats() or {}
+        stats = self.mesh.local_devices[0].memory_stats() or {}
         if "bytes_limit" in stats:  # accelerator: a share of what the (placed) weights leave free
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
             shards = self.mesh.shape["model"] if "model" in kv_sharding.spec else 1
@@ -116,35 +132,100 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, seeds: dict[int, int]) -> dict[int, SampleResult]:
         """Run the scheduled batch; returns seq_id -> SampleResult for the sequences that sample.
         `seeds` gives each sampling sequence's seed (the engine draws one when none is set)."""
-        if out.page_copies:
-            self.copy_pages(out.page_copies)
-        if not out.scheduled:
+        if not out.scheduled and not out.page_copies:
             return {}
-        batch = self._pack(out)
-        logits, self.kv_caches = self._step(self.params, self.kv_caches, *batch.arrays,
-                                            num_prefill_rows=batch.num_prefill_rows, max_q=batch.max_q)
-        seqs = batch.sampling_seqs
-        if not seqs:
-            return {}
-        params = [s.sampling for s in seqs]
-        md = SamplingMetadata.build(
-            params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-            [seeds[s.seq_id] for s in seqs], pad_to=logits.shape[0],
-            history_len=self.max_model_len if any(map(uses_penalties, params)) else None)
-        res: SampleOutput = jax.device_get(sample(logits, md, num_logprobs=MAX_LOGPROBS))
+        # With a "seq" mesh axis, each prefill chunk runs sequence-parallel on its own; the step
+        # takes the rest.
+        split = self.mesh.shape["seq"] > 1
+        ops = [self._sequence_parallel_op(s, seeds) for s in out.scheduled if split and s.num_new_tokens > 1]
+        rest = [s for s in out.scheduled if not (split and s.num_new_tokens > 1)]
+        if rest:
+            batch = self._pack(dataclasses.replace(out, scheduled=rest))
+            seqs = batch.sampling_seqs
+            ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q], batch.arrays, seqs,
+                           self._sampling(seqs, seeds, len(batch.arrays[-1]))))  # logits_index: the logits' rows
+        message = [np.asarray(out.page_copies, np.int32).reshape(-1, 2)]
+        for op in ops:
+            message += op.message()
+        if self.broadcaster is not None:
+            message = self.broadcaster.send(message)
         results = {}
-        for i, seq in enumerate(seqs):
-            n = seq.sampling.logprobs or 0
-            top = list(zip(res.top_ids[i, :n].tolist(), res.top_logprobs[i, :n].tolist()))
-            results[seq.seq_id] = SampleResult(int(res.tokens[i]), float(res.logprobs[i]), top)
+        for op, sampled in zip(ops, self.replay(message)):
+            if not op.seqs:
+                continue
+            res: SampleOutput = multihost.local_value(sampled)
+            for i, seq in enumerate(op.seqs):
+                n = seq.sampling.logprobs or 0
+                top = list(zip(res.top_ids[i, :n].tolist(), res.top_logprobs[i, :n].tolist()))
+                results[seq.seq_id] = SampleResult(int(res.tokens[i]), float(res.logprobs[i]), top)
         return results
 
-    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+    def _sampling(self, seqs: list, seeds: dict[int, int], rows: int) -> SamplingMetadata | None:
+        if not seqs:
+            return None
+        params = [s.sampling for s in seqs]
+        return SamplingMetadata.build(
+            params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+            [seeds[s.seq_id] for s in seqs], pad_to=rows,
+            history_len=self.max_model_len if any(map(uses_penalties, params)) else None)
+
+    def _sequence_parallel_op(self, s, seeds: dict[int, int]) -> "_Op":
+        """One prefill chunk for sequence_parallel_prefill: its tokens padded to a token bucket
+        (a multiple of the "seq" size), (new, cached) token counts, the full-width page row."""
+        seq, n, start = s.seq, s.num_new_tokens, s.seq.num_computed_tokens
+        tokens = np.zeros(_bucket(n, self.token_buckets), np.int32)
+        tokens[:n] = seq.token_ids[start:start + n]
+        row = np.zeros(self.max_pages_per_seq, np.int32)
+        row[:len(seq.page_table)] = seq.page_table
+        seqs = [seq] if s.sample else []
+        return _Op([_SEQUENCE_PARALLEL], (tokens, np.array([n, start], np.int32), row), seqs,
+                   self._sampling(seqs, seeds, 1))
+
+    def replay(self, message: list[np.ndarray]) -> list[SampleOutput | None]:
+        """Launch one step's computations from its host arrays (see `_Op.message`): the page
+        copies, then each op (a sequence-parallel prefill or the batched step) and its sampler.
+        Every process of a multi-host mesh runs this with the same message, process 0 from
+        `execute`, the others from `follow`. Returns each op's samples (None: no row samples)."""
+        copies, *rest = message
+        if len(copies):
+            self.copy_pages(copies)
+        sampled = []
+        while rest:
+            (num_arrays, num_md, kind, *static), *rest = rest
+            arrays, md, rest = rest[:num_arrays], rest[num_arrays:num_arrays + num_md], rest[num_arrays + num_md:]
+            if kind == _STEP:
+                logits, self.kv_caches = self._step(self.params, self.kv_caches, *arrays,
+                                                    num_prefill_rows=int(static[0]), max_q=int(static[1]))
+            else:
+                tokens, (num_tokens, num_cached), row = arrays
+                logits, self.kv_caches = sequence_parallel_prefill(
+                    self.model, self.mesh, self.params, self.kv_caches, tokens, num_tokens, num_cached,
+                    row, backend=self.backend)
+            sampled.append(sample(logits, SamplingMetadata(*md), num_logprobs=MAX_LOGPROBS) if md else None)
+        return sampled
+
+    def follow(self) -> int:
+        """The loop of processes other than 0 (multi-host): replay process 0's steps until it
+        stops serving. Call after the same warm-up as process 0's. Returns the steps run."""
+        return multihost.follow(self.replay)
+
+    def pause_followers(self) -> None:
+        """Process 0 has nothing to run: followers wait on the host, not in a collective."""
+        if self.broadcaster is not None:
+            self.broadcaster.pause()
+
+    def stop_followers(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.stop()
+
+    def copy_pages(self, copies) -> None:
+        """copies: (src, dst) page pairs, a list or an int32 [n, 2] array."""
+        copies = np.asarray(copies, np.int32).reshape(-1, 2)
         for start in range(0, len(copies), self.max_copies):
             chunk = copies[start:start + self.max_copies]
             src = np.zeros(self.max_copies, np.int32)
             dst = np.full(self.max_copies, self.num_pages, np.int32)  # out of range: dropped
-            src[:len(chunk)], dst[:len(chunk)] = zip(*chunk)
+            src[:len(chunk)], dst[:len(chunk)] = chunk[:, 0], chunk[:, 1]
             self.kv_caches = _copy_pages(self.kv_caches, src, dst)
 
     def _pack(self, out: SchedulerOutput) -> "_Batch":
@@ -219,6 +300,11 @@ class ModelRunner:
                 md = SamplingMetadata.build([params], [[0]], [[]], [0], pad_to=n,
                                             history_len=self.max_model_len if penalties else None)
                 jax.block_until_ready(sample(logits, md, num_logprobs=MAX_LOGPROBS))
+        if self.mesh.shape["seq"] > 1:   # the sequence-parallel prefill of each token bucket
+            for t in self.token_buckets:   # no token: nothing written
+                _, self.kv_caches = sequence_parallel_prefill(
+                    self.model, self.mesh, self.params, self.kv_caches, np.zeros(t, np.int32), np.int32(0),
+                    np.int32(0), np.zeros(self.max_pages_per_seq, np.int32), backend=self.backend)
         self.copy_pages([(0, 0)])
         jax.block_until_ready(self.kv_caches)
         n = CompileCounter.count - before
@@ -250,6 +336,23 @@ def _step(model, params, kv_caches, tokens, positions, slot_mapping, page_table,
 def _copy_pages(kv_caches, src, dst):
     # Copy-on-write: page dst takes page src's K/V in every layer; dst out of range = no-op.
     return [(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop")) for k, v in kv_caches]
+
+
+_STEP, _SEQUENCE_PARALLEL = 0, 1
+
+
+class _Op(NamedTuple):
+    """One computation of a step (the batched step or a sequence-parallel prefill) and its sampler."""
+    static: list            # kind, then the static args (step: num_prefill_rows, max_q)
+    arrays: tuple           # the computation's host arrays
+    seqs: list              # the sequences it samples for, in row order
+    md: SamplingMetadata | None
+
+    def message(self) -> list[np.ndarray]:
+        """As host arrays (what multi-host broadcasts): a header (array counts, kind, static
+        args), the arrays, the sampler's arrays."""
+        md = [] if self.md is None else [np.asarray(getattr(self.md, f.name)) for f in dataclasses.fields(self.md)]
+        return [np.array([len(self.arrays), len(md), *self.static], np.int32), *self.arrays, *md]
 
 
 class _Batch(NamedTuple):

@@ -1,57 +1,75 @@
-"""One of two local processes serving one TP-4 model through jax.distributed (2 CPU devices
-each), run by tests/test_multihost.py:
+"""One of two local processes serving one engine through jax.distributed (2 CPU devices each,
+tensor parallel over the 4 global devices), run by tests/test_multihost.py:
   JAXSERVE_COORDINATOR_ADDRESS=127.0.0.1:PORT JAXSERVE_NUM_PROCESSES=2 JAXSERVE_PROCESS_ID=i \\
-  XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.multihost_worker CKPT_DIR
-Process 0 plays the engine: it decides every step (prefill, then greedy decodes) and
-broadcasts the step's arrays; process 1 only follows. Process 0 prints a JSON line with the
-tokens and logits next to a single-device greedy_generate of the same checkpoint."""
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.multihost_worker MODEL_DIR
+Both processes build the same LLMEngine and warm it up. Process 0 serves WAVES through the
+engine thread (idle between the waves, so the follower is parked and woken once), then shuts it
+down; process 1 only follows. Each prints one JSON line: the steps it ran, and on process 0
+every request's tokens and logprobs."""
 import json
+import os
 import sys
+import tempfile
+import time
 
 import jax
-import numpy as np
 
-from jaxserve import checkpoint, multihost, parallel
-from jaxserve.config import ModelConfig
-from jaxserve.generate import greedy_generate
-from jaxserve.models import build_model
-from tests.parallel_checks import (CONFIGS, NEW_TOKENS, decode_args, empty_cache, make_step,
-                                   page_rows, prompts, step_args)
+from jaxserve import multihost
+from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.engine import EngineThread, LLMEngine
+
+# Small buckets: warm-up compiles 8 shapes (3 steps, 4 samplers, the page copy), kept between runs
+# in the persistent cache the server tests use.
+ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=16, max_prefill_seqs=1,
+              max_model_len=96, page_size=8, num_pages=48,
+              compilation_cache_dir=os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache"))
 
 
-def main(ckpt_dir: str) -> None:
+def _greedy(max_tokens: int, n: int = 1) -> SamplingParams:
+    return SamplingParams(n=n, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=3)
+
+
+# (request id, prompt token ids, params) per wave. Prompt lengths 3 to 40 (prefills of up to 3
+# chunks beside decodes); the n=2 request forks its prompt's pages (copy-on-write).
+WAVES = [
+    [("a", list(range(10, 13)), _greedy(9)),
+     ("b", [(7 * i) % 250 for i in range(40)], _greedy(6)),
+     ("c", list(range(100, 111)), _greedy(12)),
+     ("d", [5, 9, 200, 31, 77, 3, 150, 8, 64, 19, 222, 47, 90, 11, 4, 180, 33, 71, 2, 160, 99, 13],
+      _greedy(7, n=2))],
+    [("e", [(13 * i + 5) % 256 for i in range(29)], _greedy(8)),
+     ("f", list(range(60, 67)), _greedy(10))],
+]
+
+
+def collect(stream) -> dict:
+    """A request's choices: their token ids and each token's top-3 (token id, logprob)."""
+    tokens, top = {}, {}
+    for out in stream:
+        for c in out.outputs:
+            tokens.setdefault(c.index, []).extend(c.token_ids)
+            for r in c.logprobs or []:
+                top.setdefault(c.index, []).append(r.top)
+    return {"tokens": [tokens[i] for i in sorted(tokens)], "top": [top[i] for i in sorted(top)]}
+
+
+def main(model_dir: str) -> None:
     multihost.initialize()
     assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.devices())
-    cfg = ModelConfig.from_hf_dict(CONFIGS["even"])
-    mesh = parallel.make_mesh({"model": 4})
-    shardings = parallel.param_shardings(checkpoint.param_shapes(cfg), mesh, cfg)
-    params = checkpoint.load_params(ckpt_dir, cfg, shardings=shardings)  # own slices only
-    step = make_step(build_model(cfg), mesh, cfg)
-    state = {"kv": empty_cache(cfg, mesh), "steps": 0}
-
-    def run(arrays):
-        logits, state["kv"] = step(params, state["kv"], *arrays)
-        state["steps"] += 1
-        return np.asarray(logits.addressable_data(0))  # replicated: every process has it all
-
+    engine = LLMEngine(EngineConfig(model=model_dir, mesh={"model": 4}, **ENGINE))
+    engine.warmup()
     if not multihost.is_leader():
-        multihost.follow(run)
-        print(json.dumps({"process": 1, "steps": state["steps"]}))
+        print(json.dumps({"steps": engine.runner.follow()}))
         return
-    ps = prompts()
-    lens = np.array([len(p) for p in ps])
-    arrays, tokens, logits = step_args(ps, [0, 0], page_rows()), [], []
-    for i in range(NEW_TOKENS):
-        logits.append(run(multihost.broadcast_arrays(list(arrays))))
-        tokens.append(logits[-1].argmax(-1))
-        lens = lens + 1
-        arrays = decode_args(tokens[-1], lens)
-    multihost.broadcast_arrays([])
-    ref_tokens, ref_logits = greedy_generate(cfg, checkpoint.load_params(ckpt_dir, cfg), ps,
-                                             NEW_TOKENS, return_logits=True)
-    print(json.dumps({"process": 0, "steps": state["steps"],
-                      "tokens": np.stack(tokens, 1).tolist(), "ref_tokens": ref_tokens,
-                      "max_logit_diff": float(np.abs(np.stack(logits, 1) - ref_logits).max())}))
+    thread = EngineThread(engine).start(warmup=False)
+    results = {}
+    for wave in WAVES:
+        streams = {rid: thread.submit(ids, params, rid) for rid, ids, params in wave}
+        results.update({rid: collect(s) for rid, s in streams.items()})
+        time.sleep(0.3)   # the engine thread idles: the follower is parked until the next wave
+    thread.shutdown()
+    print(json.dumps({"steps": engine.stats["steps"], "pauses": engine.runner.broadcaster.pauses,
+                      "results": results}))
 
 
 if __name__ == "__main__":

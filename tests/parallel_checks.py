@@ -239,6 +239,38 @@ def check_data_parallel(model_dir: str) -> dict:
                                       for d in x.devices()}) for t in dp.threads]}
 
 
+def check_engine_sequence_parallel(model_dir: str, mesh: str) -> dict:
+    """The engine on a mesh with a "seq" axis: prefill chunks go through
+    sequence_parallel_prefill (counted), chunked prompts reach their cached chunks, decodes run
+    in the batched step; greedy tokens against one device. Warm-up first, then no compilation."""
+    from jaxserve import runner
+    from jaxserve.config import EngineConfig, SamplingParams
+    from jaxserve.engine import LLMEngine
+
+    cfg = ModelConfig.from_pretrained(model_dir)
+    rng = np.random.default_rng(4)
+    ps = [rng.integers(0, 256, n).tolist() for n in (5, 40, 70, 23)]  # 70: three 32-token chunks
+    ref = greedy_generate(cfg, checkpoint.load_params(model_dir, cfg), ps, NEW_TOKENS)
+    shape = json.loads(mesh)
+    ecfg = EngineConfig(model=model_dir, mesh=shape, max_num_seqs=4, max_num_batched_tokens=32,
+                        prefill_chunk_size=32, max_prefill_seqs=1, max_model_len=96, num_pages=48,
+                        page_size=8, compilation_cache_dir=None)
+    engine = LLMEngine(ecfg, mesh=parallel.make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))]))
+    engine.warmup()
+    calls = []
+    prefill = runner.sequence_parallel_prefill
+    runner.sequence_parallel_prefill = lambda *a, **k: calls.append(int(a[5])) or prefill(*a, **k)
+    compiles = runner.CompileCounter.count
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    ids = [engine.add_request(p, sp) for p in ps]
+    tokens = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += [t for c in out.outputs for t in c.token_ids]
+    return {"tokens_equal": [tokens[i] for i in ids] == ref, "prefill_tokens": sorted(calls),
+            "compiles_after_warmup": runner.CompileCounter.count - compiles}
+
+
 CHECKS = {
     "tp": lambda: check_generate([("even", {"model": 2}, False), ("even", {"model": 4}, False),
                                   ("even", {"model": 8}, False), ("gqa2", {"model": 4}, False)]),
@@ -247,6 +279,7 @@ CHECKS = {
     "hlo": check_hlo,
     "param_bytes": check_param_bytes,
     "dp": check_data_parallel,
+    "engine_sp": check_engine_sequence_parallel,
 }
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Multi-host: the step broadcast (in process), and two local processes serving one TP-4
-model through jax.distributed on the CPU (gloo) collectives."""
+"""Multi-host: the step broadcast (in process), and two local processes serving one TP-4 engine
+through jax.distributed on the CPU (gloo) collectives, against transformers' greedy tokens."""
 import json
 import os
 import socket
@@ -9,20 +9,24 @@ import sys
 import numpy as np
 import pytest
 
-from jaxserve import checkpoint, multihost
-from tests.parallel_checks import CONFIGS, NEW_TOKENS, model_and_params
+import torch
+
+from jaxserve import multihost
+from tests.hf_models import save_engine_model
+from tests.multihost_worker import WAVES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_broadcast_round_trip_in_one_process():
+    big = np.arange(3 * multihost.BLOCK_SIZE + 5, dtype=np.int32)   # first block + 4 more
     arrays = [np.arange(6, dtype=np.int32).reshape(2, 3), np.array([0.5, -1e-3], np.float32),
               np.array([True, False, True]), np.uint32(7) * np.ones((), np.uint32),
-              np.zeros((0, 4), np.int32)]
+              np.zeros((0, 4), np.int32), big.view(np.float32)]
     out = multihost.broadcast_arrays(arrays)
     assert len(out) == len(arrays)
     for a, b in zip(arrays, out):
-        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
     assert multihost.broadcast_arrays([]) == []
     with pytest.raises(TypeError, match="float64"):
         multihost.broadcast_arrays([np.zeros(2)])
@@ -34,9 +38,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one_device(tmp_path):
-    _, params = model_and_params("even")
-    checkpoint.save_pretrained(params, CONFIGS["even"], str(tmp_path))
+def run_workers(model_dir: str) -> list[dict]:
     port = free_port()
     procs = []
     for pid in range(2):
@@ -44,7 +46,7 @@ def test_two_processes_match_one_device(tmp_path):
                "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
                "JAXSERVE_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                "JAXSERVE_NUM_PROCESSES": "2", "JAXSERVE_PROCESS_ID": str(pid)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", str(tmp_path)],
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", model_dir],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outs = []
@@ -56,7 +58,34 @@ def test_two_processes_match_one_device(tmp_path):
     finally:
         for p in procs:
             p.kill()
-    leader, follower = outs
-    assert leader["steps"] == follower["steps"] == NEW_TOKENS  # the follower ran every step
-    assert leader["tokens"] == leader["ref_tokens"]
-    assert leader["max_logit_diff"] < 1e-4
+    return outs
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], list[list[tuple[int, float]]]]:
+    """n greedy tokens after `ids` in transformers, with each step's top-3 (id, logprob)."""
+    ids, out, tops = list(ids), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)
+            top = torch.topk(logp, 3)
+            tops.append(list(zip(top.indices.tolist(), top.values.tolist())))
+            ids.append(tops[-1][0][0])
+            out.append(ids[-1])
+    return out, tops
+
+
+def test_engine_on_two_processes_matches_one_process(tmp_path):
+    hf = save_engine_model(str(tmp_path))
+    leader, follower = run_workers(str(tmp_path))
+    assert leader["steps"] == follower["steps"] > 0   # the follower replayed every step
+    assert leader["pauses"] >= len(WAVES) - 1         # parked between waves, then woken
+    requests = [r for wave in WAVES for r in wave]
+    assert sorted(leader["results"]) == sorted(rid for rid, _, _ in requests)
+    for rid, ids, params in requests:
+        want_tokens, want_top = hf_greedy(hf, ids, params.max_tokens)
+        got = leader["results"][rid]
+        assert got["tokens"] == [want_tokens] * params.n, rid
+        for top in got["top"]:
+            for got_step, want_step in zip(top, want_top, strict=True):
+                assert [t for t, _ in got_step] == [t for t, _ in want_step], rid
+                np.testing.assert_allclose([p for _, p in got_step], [p for _, p in want_step], atol=1e-4)

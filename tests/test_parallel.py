@@ -145,3 +145,15 @@ def test_data_parallel_replicas_match_one_device(tmp_path):
     assert r["finished_per_replica"] == [3, 3]                 # least-loaded: alternating
     assert r["replica_devices"] == [[0, 1], [2, 3]]            # disjoint TP-2 sub-meshes
     assert r["param_devices"] == r["replica_devices"]
+
+
+def test_engine_routes_prefills_through_sequence_parallel(tmp_path):
+    from tests.hf_models import save_engine_model
+
+    save_engine_model(str(tmp_path))
+    r = run_check("engine_sp", str(tmp_path), json.dumps({"model": 2, "seq": 2}))
+    assert r["tokens_equal"]
+    # Prompts of 5, 40, 70, 23 tokens in chunks of at most 32 (less beside decodes): every
+    # prefill chunk ran sequence-parallel, later chunks on top of cached ones.
+    assert sum(r["prefill_tokens"]) == 5 + 40 + 70 + 23 and len(r["prefill_tokens"]) > 4, r
+    assert r["compiles_after_warmup"] == 0

@@ -22,7 +22,7 @@ class EngineHost:
         self.model_name = model_name
         self.created = int(time.time())
         self.metrics = Metrics()
-        self.engine_thread = None          # an EngineThread once warm
+        self.engine_thread = None          # an EngineThread (or DataParallelEngine) once warm
         self.load_error: Exception | None = None
         self.draining = False
         self._on_load_error = on_load_error
@@ -30,19 +30,32 @@ class EngineHost:
 
     def _load(self) -> None:
         try:
-            from jaxserve.engine import EngineThread, LLMEngine   # JAX starts here, in the serving process
+            from jaxserve import multihost   # JAX starts here, in the serving process
+            from jaxserve.data_parallel import DataParallelEngine
+            from jaxserve.engine import EngineThread, LLMEngine
             from jaxserve.roofline import RooflineMeter, device_peaks
 
             t0 = time.monotonic()
-            engine = LLMEngine(self.engine_cfg)
-            self.metrics.engine = engine
-            thread = EngineThread(engine)
-            self.metrics.roofline = RooflineMeter(engine, device_peaks())   # MBU / MFU gauges
-            thread.step_listeners.append(self.metrics.roofline.on_step)
-            thread.start(warmup=True)
-            self.engine_thread = thread
-            log.info("ready: %s (max_model_len %d, %d KV pages) after %.1fs", self.model_name,
-                     engine.max_model_len, engine.block_manager.num_pages, time.monotonic() - t0)
+            if multihost.configured():   # process 0 of several (the others follow: jaxserve.cli)
+                multihost.initialize()
+            if self.engine_cfg.mesh.get("data", 1) > 1:   # one engine thread per replica
+                served = DataParallelEngine(self.engine_cfg)
+                threads = served.threads
+            else:
+                served = EngineThread(LLMEngine(self.engine_cfg))
+                threads = [served]
+            for thread in threads:   # before anything else: multi-host followers warm up at once
+                thread.engine.warmup()
+            engine = threads[0].engine
+            self.metrics.engines = [thread.engine for thread in threads]
+            # MBU / MFU gauges of the first replica (every replica has the same devices' share).
+            self.metrics.roofline = RooflineMeter(engine, device_peaks())
+            threads[0].step_listeners.append(self.metrics.roofline.on_step)
+            served.start(warmup=False)
+            self.engine_thread = served
+            log.info("ready: %s (max_model_len %d, %d KV pages, %d replica(s)) after %.1fs", self.model_name,
+                     engine.max_model_len, engine.block_manager.num_pages, len(threads),
+                     time.monotonic() - t0)
         except Exception as e:
             log.exception("the engine failed to load")
             self.load_error = e
