@@ -85,12 +85,23 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     return put(k_pages, k), put(v_pages, v)
 
 
+def _pages_split(kv_sharding) -> bool:
+    """Whether the page pools are split over devices: a NamedSharding under jit, or a
+    PartitionSpec inside shard_map (sequence_parallel.py), where any named axis counts."""
+    if kv_sharding is None:
+        return False
+    if hasattr(kv_sharding, "is_fully_replicated"):
+        return not kv_sharding.is_fully_replicated
+    return any(axis is not None for axis in kv_sharding)
+
+
 def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_window, sm_scale):
     """Ragged paged attention of q [T, H, D] through the page table. The Pallas backends run in
     interpret mode when JAX runs on CPU (tests)."""
     tables = (meta.page_table, meta.seq_lens, meta.query_start_loc)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
     if meta.backend == "xla":
+        kwargs["flat_gather"] = not _pages_split(meta.kv_sharding)
         p, s = meta.num_prefill_rows, meta.page_table.shape[0]
         if p is None:
             return paged_xla.ragged_paged_attention(q, k_pages, v_pages, *tables, max_q=meta.max_q, **kwargs)

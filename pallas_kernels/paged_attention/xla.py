@@ -17,11 +17,15 @@ from jax import lax
 MASK_VALUE = -1e30
 
 
-@functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "block_tokens"))
+@functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "block_tokens",
+                                             "flat_gather"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *, max_q,
-                           sm_scale, sliding_window=None, block_tokens=128):
+                           sm_scale, sliding_window=None, block_tokens=128, flat_gather=True):
     """q [T, H, D] flat ragged batch; sequence s owns tokens query_start_loc[s]:[s+1], the last
-    of its seq_lens[s] positions. Tokens outside query_start_loc[0]:[-1] come back as 0."""
+    of its seq_lens[s] positions. Tokens outside query_start_loc[0]:[-1] come back as 0.
+    flat_gather: gather whole pages as rows of a 2-D view of the pool, which XLA CPU does about
+    2x faster; pass False when the pool is sharded over KV heads (the view would merge the
+    sharded axis, and XLA would all-gather the cache)."""
     t, h, d = q.shape
     s_max, p = page_table.shape
     _, ps, kvh, _ = k_pages.shape
@@ -51,12 +55,13 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         lowest = jnp.min(jnp.where(live, first_pos - sliding_window + 1, jnp.iinfo(jnp.int32).max))
         start_block = jnp.minimum(jnp.maximum(lowest, 0) // bt, end_block)
 
+    def gather(pool, pages):
+        return pool.reshape(pool.shape[0], -1)[pages] if flat_gather else pool[pages]
+
     def block(j, carry):
         m, l, acc = carry
         pages = lax.dynamic_slice_in_dim(page_table, j * bp, bp, axis=1)  # [S, bp]
-        # Whole pages as rows of a 2-D operand: XLA CPU gathers those about 2x faster.
-        k = k_pages.reshape(k_pages.shape[0], -1)[pages].reshape(s_max, bt, kvh, d)
-        v = v_pages.reshape(v_pages.shape[0], -1)[pages].reshape(s_max, bt, kvh, d)
+        k, v = (gather(x, pages).reshape(s_max, bt, kvh, d) for x in (k_pages, v_pages))
         s = jnp.einsum("skrd,sjkd->skrj", qp, k, preferred_element_type=jnp.float32) * sm_scale
         kv_pos = j * bt + jnp.arange(bt)
         mask = kv_pos[None, None, :] <= q_pos[:, :, None]
