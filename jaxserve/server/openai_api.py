@@ -178,38 +178,44 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+class _ChoiceDeltas:
+    """Iterates the choice deltas of a request's outputs, counting the completion tokens of
+    its finished prompts. The end of the iteration, early or not, closes `deltas`, which aborts
+    whatever has not finished (a client that left)."""
+
+    def __init__(self, deltas, choices: _Choices):
+        self.deltas, self.choices, self.completion_tokens = deltas, choices, 0
+
+    def __iter__(self):
+        try:
+            for prompt_index, out in self.deltas:
+                if out.finished:
+                    self.completion_tokens += out.num_generated_tokens
+                for c in out.outputs:
+                    d = self.choices.delta(prompt_index, c)
+                    if d is not None:
+                        yield d
+        finally:
+            self.deltas.close()
+
+
 def _chunks(deltas, choices: _Choices, head: dict, include_usage: bool, prompt_tokens: int):
-    completion_tokens = 0
-    try:
-        for prompt_index, out in deltas:
-            if out.finished:
-                completion_tokens += out.num_generated_tokens
-            for c in out.outputs:
-                choice = choices.delta(prompt_index, c)
-                if choice is not None:
-                    yield {**head, "choices": [choice]}
-    finally:
-        deltas.close()   # a client that left aborts its requests here
+    followed = _ChoiceDeltas(deltas, choices)
+    for choice in followed:
+        yield {**head, "choices": [choice]}
     if include_usage:
-        yield {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
+        yield {**head, "choices": [], "usage": _usage(prompt_tokens, followed.completion_tokens)}
 
 
 def _collect(deltas, choices: _Choices, prompt_tokens: int) -> dict:
     """The non-streaming body: every choice's deltas merged."""
     merged: dict[int, dict] = {}
-    completion_tokens = 0
+    followed = _ChoiceDeltas(deltas, choices)
     try:
-        for prompt_index, out in deltas:
-            if out.finished:
-                completion_tokens += out.num_generated_tokens
-            for c in out.outputs:
-                d = choices.delta(prompt_index, c)
-                if d is not None:
-                    _merge(merged.setdefault(d["index"], {"index": d["index"]}), d)
+        for d in followed:
+            _merge(merged.setdefault(d["index"], {"index": d["index"]}), d)
     except ValueError as e:   # refused by the engine after submission (e.g. KV pool too small)
         raise APIError(400, str(e)) from None
-    finally:
-        deltas.close()
     out = []
     for index in sorted(merged):
         d = merged[index]
@@ -219,7 +225,7 @@ def _collect(deltas, choices: _Choices, prompt_tokens: int) -> dict:
         else:
             out.append({"index": index, "text": d.get("text", ""), "logprobs": d.get("logprobs"),
                         "finish_reason": d.get("finish_reason")})
-    return {"choices": out, "usage": _usage(prompt_tokens, completion_tokens)}
+    return {"choices": out, "usage": _usage(prompt_tokens, followed.completion_tokens)}
 
 
 def _merge(acc: dict, d: dict) -> None:
