@@ -60,13 +60,9 @@ def completions():
     echoes = [t if t is not None else engine.tokenizer.decode(i) for t, i in items] if echo else None
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = host.submit(ids, params, request_id)
-    head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": host.model_name}
     choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes)
-    deltas = host.follow(streams, alive=None if stream else _client_connected(request.environ))
-    prompt_tokens = sum(map(len, ids))
-    if stream:
-        return sse_response(_chunks(deltas, choices, head, include_usage, prompt_tokens))
-    return jsonify({**head, **_collect(deltas, choices, prompt_tokens)})
+    return _respond(host, streams, choices, request_id, "text_completion", stream, include_usage,
+                    sum(map(len, ids)))
 
 
 @bp.post("/v1/chat/completions")
@@ -82,13 +78,18 @@ def chat_completions():
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = host.submit([ids], params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=True)
+    return _respond(host, streams, choices, request_id,
+                    "chat.completion.chunk" if stream else "chat.completion", stream, include_usage, len(ids))
+
+
+def _respond(host, streams, choices, request_id: str, obj: str, stream: bool, include_usage: bool,
+             prompt_tokens: int):
+    """The SSE stream, or the JSON body, of submitted requests."""
+    head = {"id": request_id, "object": obj, "created": int(time.time()), "model": host.model_name}
     deltas = host.follow(streams, alive=None if stream else _client_connected(request.environ))
     if stream:
-        head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": host.model_name}
-        return sse_response(_chunks(deltas, choices, head, include_usage, len(ids)))
-    head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": host.model_name}
-    return jsonify({**head, **_collect(deltas, choices, len(ids))})
+        return sse_response(_chunks(deltas, choices, head, include_usage, prompt_tokens))
+    return jsonify({**head, **_collect(deltas, choices, prompt_tokens)})
 
 
 def chat_prompt_ids(tokenizer, msgs: list[dict]) -> list[int]:
