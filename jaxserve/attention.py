@@ -12,10 +12,12 @@ and for V, one pair per layer; page_table int32[S, pages_per_seq]; seq_lens int3
 """
 from __future__ import annotations
 
+import functools
 import importlib
 
 import jax
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.parallel import gather_tokens
 from pallas_kernels.flash_attention.reference import causal_attention
@@ -119,5 +121,24 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
     # Imported on first use: the Pallas Triton / Mosaic modules cost a fraction of a second.
     platform = meta.backend.removeprefix("pallas_")
     kernel = importlib.import_module(f"pallas_kernels.paged_attention.{platform}")
-    return kernel.ragged_paged_attention(q, k_pages, v_pages, *tables, max_q=meta.max_q, **kwargs,
-                                         interpret=jax.default_backend() == "cpu")
+    call = functools.partial(kernel.ragged_paged_attention, max_q=meta.max_q, **kwargs,
+                             interpret=jax.default_backend() == "cpu")
+    head_axis = _head_axis(meta.kv_sharding)
+    if head_axis is None:
+        return call(q, k_pages, v_pages, *tables)
+    # Tensor parallelism with KV heads split: XLA cannot partition a Pallas call (it would
+    # gather the whole cache to every device), so each device runs the kernel on its own KV
+    # heads and their query heads; a group never straddles devices since both split evenly.
+    heads, pages = P(None, head_axis, None), P(None, None, head_axis, None)
+    return jax.shard_map(call, mesh=meta.kv_sharding.mesh, in_specs=(heads, pages, pages, P(), P(), P()),
+                         out_specs=heads, check_vma=False)(q, k_pages, v_pages, *tables)
+
+
+def _head_axis(kv_sharding):
+    """The mesh axis the page pools' KV heads are split over (a NamedSharding under jit), or None:
+    one device, KV heads replicated, or inside shard_map (sequence_parallel.py), where XLA is
+    left to partition the call."""
+    spec = getattr(kv_sharding, "spec", None)
+    if spec is None or kv_sharding.is_fully_replicated:
+        return None
+    return spec[2]

@@ -67,10 +67,10 @@ def page_rows() -> np.ndarray:
     return order.reshape(2, NUM_PAGES // 2)
 
 
-def make_step(model, mesh, cfg):
+def make_step(model, mesh, cfg, backend="xla"):
     """The engine runner's jitted step on `mesh` (KV donated, logits gathered), over arrays
     from step_args; all rows in one attention group padded to STEP_MAX_Q."""
-    return functools.partial(runner._step, model, backend="xla", num_prefill_rows=None,
+    return functools.partial(runner._step, model, backend=backend, num_prefill_rows=None,
                              max_q=STEP_MAX_Q, kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
                              logits_sharding=parallel.logits_sharding(cfg, mesh))
 
@@ -102,12 +102,12 @@ def decode_args(tokens, lens):
     return step_args([[t] for t in tokens], [n - 1 for n in lens], page_rows())
 
 
-def sharded_generate(cfg, params, mesh, sequence_parallel: bool):
+def sharded_generate(cfg, params, mesh, sequence_parallel: bool, backend: str = "xla"):
     """Greedy generation on `mesh`: one ragged prefill step, or sequence-parallel prefills
     (the first prompt's first PREFIX tokens already cached by a plain step, the second whole),
     then batched decode steps. Returns tokens and the logits behind each."""
     model = build_model(cfg)
-    step = make_step(model, mesh, cfg)
+    step = make_step(model, mesh, cfg, backend)
     kv = empty_cache(cfg, mesh)
     ps, rows = prompts(), page_rows()
     lens = np.array([len(p) for p in ps], np.int32)
@@ -137,26 +137,26 @@ def sharded_generate(cfg, params, mesh, sequence_parallel: bool):
     return np.stack(out, 1), np.stack(all_logits, 1)
 
 
-def check_generate(meshes: list[tuple[str, dict, bool]]) -> dict:
-    """For each (config, mesh shape, sequence_parallel): greedy tokens equal to one device's,
-    and the largest logit difference."""
+def check_generate(meshes: list[tuple]) -> dict:
+    """For each (config, mesh shape, sequence_parallel[, attention backend]): greedy tokens equal
+    to one device's, and the largest logit difference."""
     results = {}
     refs = {}
-    for name, shape, sp in meshes:
+    for name, shape, sp, *backend in meshes:
         cfg, params = model_and_params(name)
         if name not in refs:
             refs[name] = greedy_generate(cfg, params, prompts(), NEW_TOKENS, return_logits=True)
         ref_tokens, ref_logits = refs[name]
         mesh = parallel.make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))])
         sharded = jax.device_put(params, parallel.param_shardings(params, mesh, cfg))
-        tokens, logits = sharded_generate(cfg, sharded, mesh, sp)
-        key = f"{name} {shape} {'sp' if sp else 'step'}"
+        tokens, logits = sharded_generate(cfg, sharded, mesh, sp, *backend)
+        key = f"{name} {shape} {'sp' if sp else 'step'}" + "".join(f" {b}" for b in backend)
         results[key] = {"tokens_equal": tokens.tolist() == ref_tokens,
                         "max_logit_diff": float(np.abs(logits - ref_logits).max())}
     return results
 
 
-def runner_decode_hlo(name: str, shape: dict) -> str:
+def runner_decode_hlo(name: str, shape: dict, backend: str = "xla") -> str:
     """Compiled HLO of the engine runner's own step, decode-only bucket (2 rows, 4 pages)."""
     from jaxserve import runner
 
@@ -168,7 +168,7 @@ def runner_decode_hlo(name: str, shape: dict) -> str:
               np.full(rows, NUM_PAGES * PAGE_SIZE, np.int32), np.zeros((rows, pages), np.int32),
               np.zeros(rows, np.int32), np.zeros(rows + 1, np.int32), np.zeros(rows, np.int32))
     return runner._step.lower(
-        build_model(cfg), params, empty_cache(cfg, mesh), *arrays, backend="xla",
+        build_model(cfg), params, empty_cache(cfg, mesh), *arrays, backend=backend,
         num_prefill_rows=0, max_q=1, kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
         logits_sharding=parallel.logits_sharding(cfg, mesh)).compile().as_text()
 
@@ -192,6 +192,8 @@ def check_hlo() -> dict:
         return out
 
     out = {f"{name} decode tp4": summary(runner_decode_hlo(name, {"model": 4})) for name in CONFIGS}
+    for backend in ("pallas_gpu", "pallas_tpu"):
+        out[f"even decode tp4 {backend}"] = summary(runner_decode_hlo("even", {"model": 4}, backend))
     out["even sp-prefill tp2 sp2"] = summary(sp_prefill_hlo("even", {"model": 2, "seq": 2}))
     return out
 
@@ -276,6 +278,8 @@ CHECKS = {
                                   ("even", {"model": 8}, False), ("gqa2", {"model": 4}, False)]),
     "sp": lambda: check_generate([("even", {"seq": 2}, True), ("even", {"seq": 4}, True),
                                   ("even", {"model": 2, "seq": 2}, True)]),
+    "pallas_tp": lambda: check_generate([("even", {"model": 2}, False, "pallas_gpu"),
+                                         ("even", {"model": 2}, False, "pallas_tpu")]),
     "hlo": check_hlo,
     "param_bytes": check_param_bytes,
     "dp": check_data_parallel,

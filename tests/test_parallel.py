@@ -104,12 +104,13 @@ def run_check(name: str, *args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("check", ["tp", "sp"])
+@pytest.mark.parametrize("check", ["tp", "sp", "pallas_tp"])
 def test_same_greedy_tokens_and_logits_as_one_device(check):
     # tp: TP 2, 4, 8 on 8 heads / 8 kv heads, TP 4 on 2 kv heads; sp: sequence-parallel
-    # prefill (one prompt with a cached prefix) on SP 2, 4 and TP x SP 2x2, then decoding.
+    # prefill (one prompt with a cached prefix) on SP 2, 4 and TP x SP 2x2, then decoding;
+    # pallas_tp: TP 2 through the GPU and TPU Pallas kernels (interpret mode).
     results = run_check(check)
-    assert len(results) == 4 if check == "tp" else 3
+    assert len(results) == {"tp": 4, "sp": 3, "pallas_tp": 2}[check]
     for case, r in results.items():
         assert r["tokens_equal"], case
         assert r["max_logit_diff"] < 1e-4, (case, r)
@@ -121,7 +122,9 @@ def test_collectives_per_step_are_the_layout_minimum():
     # The runner's decode step under TP 4: one all-reduce per attention block and one per MLP
     # (Megatron), one for the vocab-split embedding lookup, one all-gather of the vocab-split
     # logits. Nothing touches the KV cache (with 2 kv heads it is replicated, not resharded).
-    for name in ("even decode tp4", "gqa2 decode tp4"):
+    # The Pallas kernels run per device on their own KV heads (shard_map): the same collectives.
+    for name in ("even decode tp4", "gqa2 decode tp4", "even decode tp4 pallas_gpu",
+                 "even decode tp4 pallas_tpu"):
         assert r[name] == {"all-reduce": {"4": 2 * layers + 1}, "all-gather": {"4": 1}}, r[name]
     # Sequence-parallel prefill under TP 2 x SP 2: the same TP all-reduces (over 2), plus per
     # layer one all-gather of K and one of V over "seq" (heads stay split: no gather over
