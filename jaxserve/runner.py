@@ -41,10 +41,14 @@ class SampleResult(NamedTuple):
     top: list[tuple[int, float]]  # requested top-N (token id, logprob), most likely first
 
 
-def _pow2_buckets(lo: int, hi: int) -> list[int]:
+def _buckets(lo: int, hi: int, halfway_from: int | None = None) -> list[int]:
+    """Powers of two from lo up to hi (hi itself last). From `halfway_from` on, also 1.5x each
+    power of two: padding stays under a third where a step's cost follows its size."""
     out, b = [], lo
     while b < hi:
         out.append(b)
+        if halfway_from is not None and b >= halfway_from and b * 3 // 2 < hi:
+            out.append(b * 3 // 2)
         b *= 2
     return out + [hi]
 
@@ -101,10 +105,10 @@ class ModelRunner:
         self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
         max_seqs = engine_cfg.max_num_seqs
-        self.decode_buckets = _pow2_buckets(1, max_seqs)
-        self.token_buckets = _pow2_buckets(min(16, engine_cfg.max_num_batched_tokens),
-                                           engine_cfg.max_num_batched_tokens)
-        self.prefill_row_buckets = _pow2_buckets(1, engine_cfg.max_prefill_seqs)
+        self.decode_buckets = _buckets(1, max_seqs, halfway_from=32)
+        self.token_buckets = _buckets(min(16, engine_cfg.max_num_batched_tokens),
+                                      engine_cfg.max_num_batched_tokens, halfway_from=128)
+        self.prefill_row_buckets = _buckets(1, engine_cfg.max_prefill_seqs)
         if any(t % self.mesh.shape["seq"] for t in self.token_buckets):
             raise ValueError(f"token buckets {self.token_buckets} must be multiples of the mesh's seq size "
                              f"{self.mesh.shape['seq']} (set max_num_batched_tokens to one)")
