@@ -5,7 +5,8 @@ Rows of a step: prefill rows first (sequences bringing more than one new token),
 rows (one new token each, longest context first). Static shapes come in two families, all
 compiled at warm-up:
   * decode-only steps:  decode rows S
-  * steps with prefill: (tokens T, prefill rows S_p), the decode rows at their maximum.
+  * steps with prefill: (tokens T, prefill rows S_p, bound on a row's new tokens: 32 or the
+    chunk size), the decode rows at their maximum.
 Page tables are always full width: every attention path reads K/V only up to the real context
 lengths (the XLA path in a loop bounded by them, see pallas_kernels/paged_attention/xla.py),
 so padded rows and unused page-table columns cost next to nothing.
@@ -33,6 +34,9 @@ from jaxserve.sequence_parallel import sequence_parallel_prefill
 log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
+# Steps whose prefill chunks are all this short pad each to it rather than to the chunk size:
+# the XLA path attends over [prefill rows, max_q] queries, and chat-length prompts are short.
+SHORT_PREFILL_Q = 32
 
 
 class SampleResult(NamedTuple):
@@ -243,7 +247,7 @@ class ModelRunner:
             sp = _bucket(len(prefill), self.prefill_row_buckets)
             t = _bucket(num_tokens, self.token_buckets)
             sd = self.decode_buckets[-1]
-            max_q = min(t, self.ecfg.prefill_chunk_size)
+            max_q = _bucket(max(s.num_new_tokens for s in prefill), self._max_q_options(t))
         else:
             sp = 0
             sd = _bucket(len(decode), self.decode_buckets)
@@ -280,14 +284,18 @@ class ModelRunner:
         arrays = (tokens, positions, slots, page_table, seq_lens, qsl, logits_index)
         return _Batch(arrays, sampling_seqs, sp, max_q)
 
+    def _max_q_options(self, t: int) -> list[int]:
+        """The static bounds on one sequence's new tokens in a prefill step of t tokens."""
+        return sorted({min(t, SHORT_PREFILL_Q), min(t, self.ecfg.prefill_chunk_size)})
+
     # ---- warm-up ----
     def warmup(self) -> int:
         """Compile every bucket (and the sampler for each row count) before serving.
         Returns the number of compilations it took."""
         before, t0 = CompileCounter.count, time.perf_counter()
         shapes = [(sd, sd, 0, 1) for sd in self.decode_buckets]
-        shapes += [(t, self.decode_buckets[-1], sp, min(t, self.ecfg.prefill_chunk_size))
-                   for t in self.token_buckets for sp in self.prefill_row_buckets]
+        shapes += [(t, self.decode_buckets[-1], sp, max_q) for t in self.token_buckets
+                   for sp in self.prefill_row_buckets for max_q in self._max_q_options(t)]
         logits_by_rows = {}
         for t, sd, sp, max_q in shapes:
             n = sp + sd
