@@ -87,23 +87,13 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     return put(k_pages, k), put(v_pages, v)
 
 
-def _pages_split(kv_sharding) -> bool:
-    """Whether the page pools are split over devices: a NamedSharding under jit, or a
-    PartitionSpec inside shard_map (sequence_parallel.py), where any named axis counts."""
-    if kv_sharding is None:
-        return False
-    if hasattr(kv_sharding, "is_fully_replicated"):
-        return not kv_sharding.is_fully_replicated
-    return any(axis is not None for axis in kv_sharding)
-
-
 def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_window, sm_scale):
     """Ragged paged attention of q [T, H, D] through the page table. The Pallas backends run in
     interpret mode when JAX runs on CPU (tests)."""
     tables = (meta.page_table, meta.seq_lens, meta.query_start_loc)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
     if meta.backend == "xla":
-        kwargs["flat_gather"] = not _pages_split(meta.kv_sharding)
+        kwargs["flat_gather"] = _kv_head_axis(meta.kv_sharding) is None
         p, s = meta.num_prefill_rows, meta.page_table.shape[0]
         if p is None:
             return paged_xla.ragged_paged_attention(q, k_pages, v_pages, *tables, max_q=meta.max_q, **kwargs)
@@ -123,8 +113,8 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
     kernel = importlib.import_module(f"pallas_kernels.paged_attention.{platform}")
     call = functools.partial(kernel.ragged_paged_attention, max_q=meta.max_q, **kwargs,
                              interpret=jax.default_backend() == "cpu")
-    head_axis = _head_axis(meta.kv_sharding)
-    if head_axis is None:
+    head_axis = _kv_head_axis(meta.kv_sharding)
+    if head_axis is None or not hasattr(meta.kv_sharding, "mesh"):   # inside shard_map: XLA partitions
         return call(q, k_pages, v_pages, *tables)
     # Tensor parallelism with KV heads split: XLA cannot partition a Pallas call (it would
     # gather the whole cache to every device), so each device runs the kernel on its own KV
@@ -134,11 +124,11 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
                          out_specs=heads, check_vma=False)(q, k_pages, v_pages, *tables)
 
 
-def _head_axis(kv_sharding):
-    """The mesh axis the page pools' KV heads are split over (a NamedSharding under jit), or None:
-    one device, KV heads replicated, or inside shard_map (sequence_parallel.py), where XLA is
-    left to partition the call."""
-    spec = getattr(kv_sharding, "spec", None)
-    if spec is None or kv_sharding.is_fully_replicated:
+def _kv_head_axis(kv_sharding):
+    """The mesh axis the page pools' KV heads are split over, or None (one device, heads
+    replicated). kv_sharding: a NamedSharding under jit, a PartitionSpec inside shard_map
+    (sequence_parallel.py), or None."""
+    spec = getattr(kv_sharding, "spec", kv_sharding)
+    if spec is None or getattr(kv_sharding, "is_fully_replicated", False):
         return None
-    return spec[2]
+    return spec[2] if len(spec) > 2 else None
