@@ -7,6 +7,13 @@ Two modes:
     Their K/V are first written into the page pool at `slot_mapping`, then every token attends
     causally to its sequence's pages through the page table.
 
+Kernels per backend: "xla" runs pallas_kernels/paged_attention/xla.py (CPU serving). The Pallas
+backends run the paged kernel of their platform; in steps with prefill rows they also hold the
+block-sparse flash kernel (pallas_kernels/flash_attention) where it takes the shapes (GPU:
+head_dim a multiple of 64), chosen at run time: when no prefill row has a cached prefix, the
+prefill tokens attend with flash over the packed flat batch (one segment per row) and only the
+decode rows go through the paged kernel; otherwise the paged kernel takes the whole batch.
+
 KV layout (shared by every kernel): pages [num_pages, page_size, num_kv_heads, head_dim] for K
 and for V, one pair per layer; page_table int32[S, pages_per_seq]; seq_lens int32[S].
 """
@@ -16,7 +23,9 @@ import functools
 import importlib
 
 import jax
+import jax.numpy as jnp
 from flax import struct
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.parallel import gather_tokens
@@ -70,7 +79,8 @@ def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window:
     if meta.kv_sharding is not None:
         k_pages, v_pages = (jax.lax.with_sharding_constraint(x, meta.kv_sharding)
                             for x in (k_pages, v_pages))
-    out = paged_attention(q, k_pages, v_pages, meta, sliding_window=sliding_window, sm_scale=sm_scale)
+    out = paged_attention(q, k_pages, v_pages, meta, sliding_window=sliding_window, sm_scale=sm_scale,
+                          k=k, v=v)
     return out, (k_pages, v_pages)
 
 
@@ -87,9 +97,11 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     return put(k_pages, k), put(v_pages, v)
 
 
-def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_window, sm_scale):
+def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_window, sm_scale,
+                    k=None, v=None):
     """Ragged paged attention of q [T, H, D] through the page table. The Pallas backends run in
-    interpret mode when JAX runs on CPU (tests)."""
+    interpret mode when JAX runs on CPU (tests). k, v [T, KVH, D]: this step's new K/V (already
+    in the pages), which let the Pallas backends run fresh prefill rows through the flash kernel."""
     tables = (meta.page_table, meta.seq_lens, meta.query_start_loc)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
     if meta.backend == "xla":
@@ -110,18 +122,62 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
         raise ValueError(f"attention backend {meta.backend!r} is not available")
     # Imported on first use: the Pallas Triton / Mosaic modules cost a fraction of a second.
     platform = meta.backend.removeprefix("pallas_")
+    interpret = jax.default_backend() == "cpu"
     kernel = importlib.import_module(f"pallas_kernels.paged_attention.{platform}")
-    call = functools.partial(kernel.ragged_paged_attention, max_q=meta.max_q, **kwargs,
-                             interpret=jax.default_backend() == "cpu")
+    paged = functools.partial(kernel.ragged_paged_attention, **kwargs, interpret=interpret)
     head_axis = _kv_head_axis(meta.kv_sharding)
-    if head_axis is None or not hasattr(meta.kv_sharding, "mesh"):   # inside shard_map: XLA partitions
-        return call(q, k_pages, v_pages, *tables)
-    # Tensor parallelism with KV heads split: XLA cannot partition a Pallas call (it would
-    # gather the whole cache to every device), so each device runs the kernel on its own KV
-    # heads and their query heads; a group never straddles devices since both split evenly.
     heads, pages = P(None, head_axis, None), P(None, None, head_axis, None)
-    return jax.shard_map(call, mesh=meta.kv_sharding.mesh, in_specs=(heads, pages, pages, P(), P(), P()),
-                         out_specs=heads, check_vma=False)(q, k_pages, v_pages, *tables)
+    args, specs = (q, k_pages, v_pages, *tables), (heads, pages, pages, P(), P(), P())
+    if _flash_fits(meta, q, k, interpret):
+        flash = importlib.import_module(f"pallas_kernels.flash_attention.{platform}").flash_attention
+        call = functools.partial(_fresh_prefill_or_paged, paged=paged, num_prefill_rows=meta.num_prefill_rows,
+                                 max_q=meta.max_q, flash=functools.partial(flash, interpret=interpret, **kwargs))
+        args, specs = args + (k.astype(k_pages.dtype), v.astype(v_pages.dtype)), specs + (heads, heads)
+    else:
+        call = functools.partial(paged, max_q=meta.max_q)
+    if head_axis is None or not hasattr(meta.kv_sharding, "mesh"):   # inside shard_map: XLA partitions
+        return call(*args)
+    # Tensor parallelism with KV heads split: XLA cannot partition a Pallas call (it would
+    # gather the whole cache to every device), so each device runs the kernels on its own KV
+    # heads and their query heads; a group never straddles devices since both split evenly.
+    return jax.shard_map(call, mesh=meta.kv_sharding.mesh, in_specs=specs, out_specs=heads,
+                         check_vma=False)(*args)
+
+
+def _flash_fits(meta: AttentionMetadata, q, k, interpret: bool) -> bool:
+    """Whether a step's prefill rows may take the flash kernel (see its docstrings): the step
+    has prefill rows and their new K/V came along; Mosaic GPU needs head_dim a multiple of 64
+    and 16-bit operands on a real GPU. The TPU kernel takes any shape."""
+    if not meta.num_prefill_rows or k is None:
+        return False
+    return meta.backend == "pallas_tpu" or (q.shape[-1] % 64 == 0 and (q.dtype.itemsize == 2 or interpret))
+
+
+def _fresh_prefill_or_paged(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k, v, *,
+                            paged, flash, num_prefill_rows, max_q):
+    """Chosen at run time (both branches live in one compiled step): when no prefill row has a
+    cached prefix, the prefill tokens go through the flash kernel and the decode rows through
+    the paged kernel; otherwise the whole batch goes through the paged kernel."""
+    p, qsl = num_prefill_rows, query_start_loc
+    # The flash kernel sees only this step's K/V, and masks by in-row index. A row without
+    # cached prefix (first chunk of a prompt, no prefix hit) has all its K/V in this step, and
+    # packed back to back its in-row indices keep its positions' order and differences.
+    fresh = jnp.all(seq_lens[:p] == qsl[1:p + 1] - qsl[:p])
+
+    def flash_then_paged():
+        end = qsl[p]
+        tok = jnp.arange(q.shape[0])
+        # One segment per prefill row; every later token (decode, padding) one of its own, so
+        # ids stay non-decreasing (exact block skipping, masks.py) and those tokens skip the rest.
+        seg = jnp.where(tok < end, jnp.searchsorted(qsl, tok, side="right") - 1, p + tok)
+        prefill = flash(q[None], k[None], v[None], segment_ids=seg[None])[0]
+        # Prefill rows emptied (no tokens, no KV): the paged kernel does the one-token rows only.
+        decode = paged(q, k_pages, v_pages, page_table, seq_lens.at[:p].set(0), qsl.at[:p].set(end),
+                       max_q=1)
+        return jnp.where(((tok >= qsl[0]) & (tok < end))[:, None, None], prefill, decode)
+
+    return lax.cond(fresh, flash_then_paged,
+                    lambda: paged(q, k_pages, v_pages, page_table, seq_lens, qsl, max_q=max_q))
 
 
 def _kv_head_axis(kv_sharding):

@@ -67,10 +67,10 @@ def page_rows() -> np.ndarray:
     return order.reshape(2, NUM_PAGES // 2)
 
 
-def make_step(model, mesh, cfg, backend="xla"):
+def make_step(model, mesh, cfg, backend="xla", num_prefill_rows=None):
     """The engine runner's jitted step on `mesh` (KV donated, logits gathered), over arrays
     from step_args; all rows in one attention group padded to STEP_MAX_Q."""
-    return functools.partial(runner._step, model, backend=backend, num_prefill_rows=None,
+    return functools.partial(runner._step, model, backend=backend, num_prefill_rows=num_prefill_rows,
                              max_q=STEP_MAX_Q, kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
                              logits_sharding=parallel.logits_sharding(cfg, mesh))
 
@@ -107,7 +107,10 @@ def sharded_generate(cfg, params, mesh, sequence_parallel: bool, backend: str = 
     (the first prompt's first PREFIX tokens already cached by a plain step, the second whole),
     then batched decode steps. Returns tokens and the logits behind each."""
     model = build_model(cfg)
-    step = make_step(model, mesh, cfg, backend)
+    # Both rows count as prefill rows (one attention group, as None would): the Pallas backends'
+    # flash branch runs for the fresh prompts, under the KV-head shard_map, and the paged one
+    # for the decodes.
+    step = make_step(model, mesh, cfg, backend, num_prefill_rows=None if sequence_parallel else 2)
     kv = empty_cache(cfg, mesh)
     ps, rows = prompts(), page_rows()
     lens = np.array([len(p) for p in ps], np.int32)

@@ -1,5 +1,6 @@
 """Ragged paged attention: the XLA reference and the Pallas kernels (interpret mode on CPU)
 against a deliberately naive numpy oracle (one token, one head at a time)."""
+import importlib
 import math
 
 import jax.numpy as jnp
@@ -222,3 +223,53 @@ def test_kernels_lower_for_their_platform(kernel, platform):
             *args(case), max_q=case["max_q"], sm_scale=case["sm_scale"], sliding_window=window,
         ).lower(lowering_platforms=(platform,)).as_text()
         assert {"tpu": "tpu_custom_call", "cuda": "triton"}[platform] in text
+
+
+# The Pallas backends' flash path for prefill rows: `attend` writes the new K/V into the pages
+# and, when no prefill row has a cached prefix, runs those rows through the flash kernel.
+FRESH = [(20, 20), (5, 5), (0, 0), (1, 40), (1, 1), (0, 0)]   # 3 prefill rows (1 padding), decodes
+CACHED = [(20, 20), (5, 37), (0, 0), (1, 40), (1, 1), (0, 0)]  # row 1: 32 tokens already cached
+
+
+def attend_case(seqs, backend, sliding_window=None):
+    """attend() on a runner-style step (prefill rows first): returns (output, case with the
+    written pages), for the naive oracle."""
+    case = make_case(2, seqs=seqs, num_kv_heads=2, group=2, head_dim=64, page_size=16,
+                     dtype="float32", pad_tokens=5, sliding_window=sliding_window)
+    rng = np.random.default_rng(3)
+    t, ps, num_pages = case["q"].shape[0], 16, case["k_pages"].shape[0]
+    qsl, table = np.asarray(case["query_start_loc"]), np.asarray(case["page_table"])
+    slots = np.full(t, num_pages * ps, np.int32)  # padding: not written
+    for s, (q_len, kv_len) in enumerate(seqs):
+        pos = np.arange(kv_len - q_len, kv_len)
+        slots[qsl[s]:qsl[s + 1]] = table[s, pos // ps] * ps + pos % ps
+    k, v = (jnp.asarray(rng.standard_normal((t, 2, 64)), jnp.float32) for _ in range(2))
+    meta = attention.AttentionMetadata(
+        positions=None, slot_mapping=jnp.asarray(slots), page_table=case["page_table"],
+        seq_lens=case["seq_lens"], query_start_loc=case["query_start_loc"], max_q=32,
+        num_prefill_rows=3, backend=backend)
+    out, (k_pages, v_pages) = attention.attend(case["q"], k, v, (case["k_pages"], case["v_pages"]), meta,
+                                               sliding_window=sliding_window, sm_scale=case["sm_scale"])
+    return out, dict(case, k_pages=k_pages, v_pages=v_pages)
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_attend_fresh_prefill_rows_match_oracle(backend):
+    out, case = attend_case(FRESH, backend, sliding_window=7)
+    assert_close(out, case)
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_flash_runs_only_for_fresh_prefill_rows(monkeypatch, backend):
+    # A flash kernel that returns zeros: the fresh step's prefill tokens must show it, its
+    # decode tokens and the step with a cached prefix (paged kernel only) must not.
+    flash = importlib.import_module(f"pallas_kernels.flash_attention.{backend.removeprefix('pallas_')}")
+    monkeypatch.setattr(flash, "flash_attention", lambda q, *a, **k: jnp.zeros_like(q))
+    out, case = attend_case(FRESH, backend)
+    prefill = int(case["query_start_loc"][3])
+    assert not np.asarray(out[:prefill]).any()
+    want = oracle(case)
+    assert np.abs(want[:prefill]).max() > 0.1
+    assert np.abs(np.asarray(out[prefill:]) - want[prefill:]).max() < TOL["float32"]
+    out, case = attend_case(CACHED, backend)
+    assert_close(out, case)

@@ -1,4 +1,5 @@
-"""Block-sparse flash attention for prefill.
+"""Block-sparse flash attention for prefill. Used by jaxserve.attention (Pallas backends) in
+steps whose prefill rows have no cached prefix (see `_fresh_prefill_or_paged` there).
 
   masks.py      the one mask description (causal, sliding window, segment ids) and the per-q-block
                 list of kv blocks to visit, shared by both kernels
