@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks.common import (MODEL_NAMES, RESULTS_DIR, WORK_DIR, command_line, load_average, machine_line,
                                markdown_table, measured_peaks, model_summary, prepare_model, pyplot, report_header,
-                               save_figure, timed_step, write_keeping_notes, write_text)
+                               save_figure, timed_step, write_keeping_notes)
 from jaxserve import roofline
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine import LLMEngine
