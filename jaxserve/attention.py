@@ -172,8 +172,9 @@ def _fresh_prefill_or_paged(q, k_pages, v_pages, page_table, seq_lens, query_sta
         seg = jnp.where(tok < end, jnp.searchsorted(qsl, tok, side="right") - 1, p + tok)
         prefill = flash(q[None], k[None], v[None], segment_ids=seg[None])[0]
         # Prefill rows emptied (no tokens, no KV): the paged kernel does the one-token rows only.
-        decode = paged(q, k_pages, v_pages, page_table, seq_lens.at[:p].set(0), qsl.at[:p].set(end),
-                       max_q=1)
+        rows = jnp.arange(qsl.shape[0])
+        decode = paged(q, k_pages, v_pages, page_table, jnp.where(rows[:-1] < p, 0, seq_lens),
+                       jnp.where(rows < p, end, qsl), max_q=1)
         return jnp.where(((tok >= qsl[0]) & (tok < end))[:, None, None], prefill, decode)
 
     return lax.cond(fresh, flash_then_paged,
