@@ -1,6 +1,9 @@
 """Scale-out: the device mesh and the sharding rules of parameters and the KV cache.
 
-Every run is on a mesh with axes ("data", "model", "seq"); one device is the mesh 1x1x1.
+Every run is on a mesh with axes ("data", "seq", "model"); one device is the mesh 1x1x1.
+"model" is innermost: tensor parallelism talks every layer, so its groups are neighbouring
+devices (the fastest links). Sequence-parallel prefill nests a shard_map manual over "model"
+inside one manual over "seq", and jax 0.11 requires nested manual axes in mesh order.
   * "model": tensor parallelism, Megatron layout. q/k/v, gate and up are split over their
     output (heads / ffn) and o and down over their input, so each layer costs two
     all-reduces of the [tokens, hidden] activations and nothing else.
@@ -31,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ModelConfig
 
-MESH_AXES = ("data", "model", "seq")
+MESH_AXES = ("data", "seq", "model")
 
 # Logical axis name -> mesh axis (None = replicated).
 LOGICAL_RULES = {
@@ -70,7 +73,7 @@ KV_CACHE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
 
 
 def make_mesh(mesh_shape: dict[str, int] | None = None, devices=None) -> Mesh:
-    """A ("data", "model", "seq") mesh; missing axes are 1. The product must equal
+    """A ("data", "seq", "model") mesh; missing axes are 1. The product must equal
     len(devices); without `devices`, the first that many of jax.devices() are used."""
     shape = {"data": 1, "model": 1, "seq": 1, **(mesh_shape or {})}
     unknown = set(shape) - set(MESH_AXES)
@@ -175,7 +178,8 @@ _ARRAY = re.compile(r"(pred|[a-z]+)(\d+)?\[([\d,]*)\]")
 def _group_size(op: str, rest: str) -> int:
     if op == "collective-permute":
         return 2  # point to point
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest):  # mesh form
+    # mesh form, device_ids present when the devices are not in mesh order
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\S+)?\s*\{([^}]*)\}", rest):
         sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
         return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
     if m := re.search(r"replica_groups=\[[\d,]*?(\d+)\]<=", rest):               # iota form

@@ -22,8 +22,12 @@ def small_cfg(**kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
+def tp_mesh(model: int) -> AbstractMesh:
+    return AbstractMesh(tuple(model if a == "model" else 1 for a in parallel.MESH_AXES), parallel.MESH_AXES)
+
+
 def specs(cfg, model: int) -> dict[str, P]:
-    mesh = AbstractMesh((1, model, 1), parallel.MESH_AXES)
+    mesh = tp_mesh(model)
     shardings = parallel.param_shardings(param_shapes(cfg), mesh, cfg)
     return {"/".join(k.key for k in path): s.spec
             for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
@@ -70,7 +74,7 @@ def test_kv_heads_that_do_not_divide_are_replicated():
     assert s[layer + "v_proj/kernel"] == P(None, None)
     assert s[layer + "q_proj/kernel"] == P(None, "model")
     assert s[layer + "o_proj/kernel"] == P("model", None)
-    mesh = AbstractMesh((1, 4, 1), parallel.MESH_AXES)
+    mesh = tp_mesh(4)
     assert parallel.kv_cache_sharding(cfg, mesh).spec == P(None, None, None, None)
     assert parallel.kv_cache_sharding(small_cfg(num_kv_heads=4), mesh).spec == \
         P(None, None, "model", None)
@@ -84,7 +88,7 @@ def test_heads_split_only_whole():
     assert s["model/layers_0/mlp/up_proj/kernel"] == P(None, "model")
     assert s["lm_head/kernel"] == P(None, None)                 # 250 does not divide by 4
     assert parallel.logits_sharding(small_cfg(vocab_size=250),
-                                    AbstractMesh((1, 4, 1), parallel.MESH_AXES)).spec == P(None, None)
+                                    tp_mesh(4)).spec == P(None, None)
 
 
 def test_every_param_has_logical_axes_of_its_rank():
