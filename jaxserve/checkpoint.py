@@ -1,7 +1,7 @@
 """Checkpoints: Hugging Face safetensors <-> the Flax params pytree, and an orbax copy.
 
 Loading reads tensors with safetensors' lazy slices (no PyTorch), renames them to the Flax
-tree, transposes Linear weights ([out, in] -> [in, out]) and places each one on device. With
+tree (whose Linear weights keep PyTorch's [out, in]) and places each one on device. With
 `shardings` each device reads only its own slice, so a large model is never whole on one device.
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import init_params
 
 ORBAX_DIR = "orbax"
-_LINEAR_LEAVES = ("kernel",)
 
 
 def param_shapes(cfg: ModelConfig, dtype=jnp.float32) -> dict:
@@ -29,18 +28,16 @@ def param_shapes(cfg: ModelConfig, dtype=jnp.float32) -> dict:
     return jax.eval_shape(lambda key: init_params(cfg, key, dtype), jax.random.key(0))
 
 
-def hf_name(path: tuple[str, ...]) -> tuple[str, bool]:
-    """Flax param path -> (Hugging Face tensor name, whether it is stored transposed)."""
+def hf_name(path: tuple[str, ...]) -> str:
+    """Flax param path -> Hugging Face tensor name."""
     parts = []
     for p in path:
         if p.startswith("layers_"):
             parts += ["layers", p.split("_", 1)[1]]
         else:
             parts.append(p)
-    leaf = parts[-1]
-    transposed = leaf in _LINEAR_LEAVES
-    parts[-1] = {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
-    return ".".join(parts), transposed
+    parts[-1] = {"embedding": "weight"}.get(parts[-1], parts[-1])
+    return ".".join(parts)
 
 
 def _tensor_index(model_dir: str) -> dict[str, str]:
@@ -78,34 +75,27 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
     try:
         for (path, spec), sharding in zip(flat, sharding_leaves):
             keys = tuple(k.key for k in path)
-            name, transposed = hf_name(keys)
+            name = hf_name(keys)
             if name not in index:
                 raise ValueError(f"checkpoint {model_dir} is missing tensor {name!r} "
-                                 f"(expected shape {_hf_shape(spec.shape, transposed)})")
+                                 f"(expected shape {tuple(spec.shape)})")
             fn = index[name]
             if fn not in open_files:
                 open_files[fn] = safe_open(fn, framework="np")
             tensor = open_files[fn].get_slice(name)
             hf_shape = tuple(tensor.get_shape())
-            if hf_shape != _hf_shape(spec.shape, transposed):
+            if hf_shape != tuple(spec.shape):
                 raise ValueError(f"tensor {name!r} has shape {hf_shape} in the checkpoint, "
-                                 f"expected {_hf_shape(spec.shape, transposed)}")
-            leaves.append(_place(tensor, spec, transposed, sharding))
+                                 f"expected {tuple(spec.shape)}")
+            leaves.append(_place(tensor, spec, sharding))
     finally:
         open_files.clear()
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), leaves)
 
 
-def _hf_shape(shape, transposed):
-    return tuple(reversed(shape)) if transposed else tuple(shape)
-
-
-def _place(tensor, spec, transposed: bool, sharding) -> jax.Array:
+def _place(tensor, spec, sharding) -> jax.Array:
     def read(index=None) -> np.ndarray:
-        index = index or tuple(slice(None) for _ in spec.shape)
-        hf_index = tuple(reversed(index)) if transposed else index
-        x = tensor[hf_index]
-        return (x.T if transposed else x).astype(spec.dtype)
+        return tensor[index or tuple(slice(None) for _ in spec.shape)].astype(spec.dtype)
 
     if sharding is None:
         return jnp.asarray(read())
@@ -152,8 +142,8 @@ def save_pretrained(params: dict, hf_config: dict, out_dir: str, dtype=None) -> 
     os.makedirs(out_dir, exist_ok=True)
     tensors = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name, transposed = hf_name(tuple(k.key for k in path))
-        x = np.asarray(leaf.T if transposed else leaf)
+        name = hf_name(tuple(k.key for k in path))
+        x = np.asarray(leaf)
         if dtype is not None:
             x = x.astype(dtype)
         tensors[name] = np.ascontiguousarray(x)

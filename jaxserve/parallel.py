@@ -48,23 +48,24 @@ LOGICAL_RULES = {
     "page_slots": None,
 }
 
-# Param path suffix -> logical axes of the leaf (kernels are [in, out], as Flax stores them).
+# Param path suffix -> logical axes of the leaf (Linear weights are [out, in], as in PyTorch;
+# the first matching suffix wins, so the norms' bare "weight" comes last).
 _PARAM_AXES = {
     ("embed_tokens", "embedding"): ("vocab", "embed"),
-    ("lm_head", "kernel"): ("embed", "vocab"),
-    ("q_proj", "kernel"): ("embed", "heads"),
+    ("lm_head", "weight"): ("vocab", "embed"),
+    ("q_proj", "weight"): ("heads", "embed"),
     ("q_proj", "bias"): ("heads",),
-    ("k_proj", "kernel"): ("embed", "kv_heads"),
+    ("k_proj", "weight"): ("kv_heads", "embed"),
     ("k_proj", "bias"): ("kv_heads",),
-    ("v_proj", "kernel"): ("embed", "kv_heads"),
+    ("v_proj", "weight"): ("kv_heads", "embed"),
     ("v_proj", "bias"): ("kv_heads",),
-    ("o_proj", "kernel"): ("heads", "embed"),
+    ("o_proj", "weight"): ("embed", "heads"),
     ("o_proj", "bias"): ("embed",),
-    ("gate_proj", "kernel"): ("embed", "mlp"),
+    ("gate_proj", "weight"): ("mlp", "embed"),
     ("gate_proj", "bias"): ("mlp",),
-    ("up_proj", "kernel"): ("embed", "mlp"),
+    ("up_proj", "weight"): ("mlp", "embed"),
     ("up_proj", "bias"): ("mlp",),
-    ("down_proj", "kernel"): ("mlp", "embed"),
+    ("down_proj", "weight"): ("embed", "mlp"),
     ("down_proj", "bias"): ("embed",),
     ("weight",): ("embed",),  # RMSNorm scales
 }

@@ -50,13 +50,13 @@ def test_megatron_layout():
     layer = "model/layers_0/"
     for name in ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "mlp/gate_proj",
                  "mlp/up_proj"):
-        assert s[layer + name + "/kernel"] == P(None, "model"), name   # split over outputs
+        assert s[layer + name + "/weight"] == P("model", None), name   # split over outputs
     for name in ("self_attn/o_proj", "mlp/down_proj"):
-        assert s[layer + name + "/kernel"] == P("model", None), name   # split over inputs
+        assert s[layer + name + "/weight"] == P(None, "model"), name   # split over inputs
     for name in ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj"):
         assert s[layer + name + "/bias"] == P("model"), name           # biases follow outputs
     assert s["model/embed_tokens/embedding"] == P("model", None)        # vocab
-    assert s["lm_head/kernel"] == P(None, "model")                       # vocab
+    assert s["lm_head/weight"] == P("model", None)                       # vocab
     for name in (layer + "input_layernorm/weight", layer + "post_attention_layernorm/weight",
                  "model/norm/weight"):
         assert s[name] == P(None), name
@@ -70,10 +70,10 @@ def test_kv_heads_that_do_not_divide_are_replicated():
     cfg = small_cfg(num_kv_heads=2)
     s = specs(cfg, model=4)
     layer = "model/layers_0/self_attn/"
-    assert s[layer + "k_proj/kernel"] == P(None, None)   # 2 kv heads: no whole head per device
-    assert s[layer + "v_proj/kernel"] == P(None, None)
-    assert s[layer + "q_proj/kernel"] == P(None, "model")
-    assert s[layer + "o_proj/kernel"] == P("model", None)
+    assert s[layer + "k_proj/weight"] == P(None, None)   # 2 kv heads: no whole head per device
+    assert s[layer + "v_proj/weight"] == P(None, None)
+    assert s[layer + "q_proj/weight"] == P("model", None)
+    assert s[layer + "o_proj/weight"] == P(None, "model")
     mesh = tp_mesh(4)
     assert parallel.kv_cache_sharding(cfg, mesh).spec == P(None, None, None, None)
     assert parallel.kv_cache_sharding(small_cfg(num_kv_heads=4), mesh).spec == \
@@ -83,10 +83,10 @@ def test_kv_heads_that_do_not_divide_are_replicated():
 def test_heads_split_only_whole():
     # 6 heads of 8 = 48 columns divide by 4, but 6 heads do not: q and o stay whole.
     s = specs(small_cfg(num_heads=6, num_kv_heads=6, vocab_size=250), model=4)
-    assert s["model/layers_0/self_attn/q_proj/kernel"] == P(None, None)
-    assert s["model/layers_0/self_attn/o_proj/kernel"] == P(None, None)
-    assert s["model/layers_0/mlp/up_proj/kernel"] == P(None, "model")
-    assert s["lm_head/kernel"] == P(None, None)                 # 250 does not divide by 4
+    assert s["model/layers_0/self_attn/q_proj/weight"] == P(None, None)
+    assert s["model/layers_0/self_attn/o_proj/weight"] == P(None, None)
+    assert s["model/layers_0/mlp/up_proj/weight"] == P("model", None)
+    assert s["lm_head/weight"] == P(None, None)                 # 250 does not divide by 4
     assert parallel.logits_sharding(small_cfg(vocab_size=250),
                                     tp_mesh(4)).spec == P(None, None)
 
