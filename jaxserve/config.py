@@ -144,7 +144,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     admission_eagerness: float = 1.0        # 1.0 admit whenever budget allows; 0.0 only when no decode is running
     attention_backend: str = "auto"         # auto | pallas_tpu | pallas_gpu | xla
-    max_queue_size: int = 256               # bounded waiting queue; beyond it requests get 429
+    max_queue_size: int = 256               # requests in flight beyond max_num_seqs; more get 429
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
     seed: int = 0
     mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"data": 1, "model": 1, "seq": 1})

@@ -322,8 +322,11 @@ class EngineThread:
         with self._lock:
             if not self._accepting:
                 raise EngineStoppedError("the server is shutting down")
-            if self.engine.scheduler.num_waiting + self._inbox.qsize() >= self.max_queue_size:
-                raise QueueFullError(f"the waiting queue is full ({self.max_queue_size} requests)")
+            # Counted from the requests in flight, not the scheduler's waiting list: the engine
+            # thread admits with a lag, and a burst must not see slots it has not reached yet.
+            if self._pending >= self.engine.ecfg.max_num_seqs + self.max_queue_size:
+                raise QueueFullError(f"the waiting queue is full ({self.max_queue_size} requests beyond "
+                                     f"the {self.engine.ecfg.max_num_seqs} running)")
             request_id = request_id or f"req-{next(self._ids)}"
             stream = RequestStream(request_id, self)
             self._streams[request_id] = stream

@@ -62,7 +62,9 @@ def _lifecycle(server):
     with concurrent.futures.ThreadPoolExecutor(40) as pool:
         burst = list(pool.map(lambda _: complete(url, **long_request), range(40)))
     codes = [r.status_code for r in burst]
-    assert set(codes) == {200, 429} and codes.count(200) >= TEST_ENGINE["max_num_seqs"], codes
+    # Every slot (running + queued) is taken before the first of these finishes, unless a slow
+    # machine spreads the burst out: then more get through, never fewer.
+    assert codes.count(200) >= TEST_ENGINE["max_num_seqs"] + 2 and set(codes) == {200, 429}, codes
     assert all(r.json()["error"]["type"] == "rate_limit_error" for r in burst if r.status_code == 429)
     assert all(r.json()["usage"]["completion_tokens"] == 100 for r in burst if r.status_code == 200)
 
