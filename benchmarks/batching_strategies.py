@@ -8,7 +8,10 @@ driver around add_request / step differs, the engine always steps at full speed:
               arrived or the oldest has waited T ms; run them to completion.
   continuous  each request goes to the engine on arrival; the scheduler admits it at the next
               step, beside the running decodes (chunked prefill).
-Latencies count from the trace arrival, so time held back in the driver counts. Throughput is
+Static and dynamic batches are fixed batches, as in a server without iteration-level scheduling
+(transformers `generate`, FasterTransformer): every row keeps decoding until the batch's longest
+request is done, and the batch's results return together when it ends. A request counts only
+its own tokens. Latencies count from the trace arrival, so time held back in the driver counts. Throughput is
 over first arrival -> last finish. MBU / MFU: the ideal bytes and FLOPs of every step
 (jaxserve/roofline.py) over the time spent stepping, against this machine's peaks measured in
 the same run (CPU) or the datasheet (GPU/TPU).
@@ -36,6 +39,14 @@ from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine import LLMEngine
 
 
+@dataclasses.dataclass
+class Record:
+    arrival: float
+    first_token: float
+    finish: float
+    tokens: int
+
+
 def static_policy(batch: int):
     def release(held: int, idle: bool, waited: float, more: bool) -> int:
         return min(held, batch) if idle and (held >= batch or (held and not more)) else 0
@@ -55,41 +66,53 @@ def continuous_policy():
     return release
 
 
-def drive(engine: LLMEngine, trace: list, offsets: np.ndarray, release, cost: roofline.CostModel) -> dict:
-    """Replay the trace in real time under a release policy; per-request times and step costs."""
+def drive(engine: LLMEngine, trace: list, offsets: np.ndarray, release, cost: roofline.CostModel,
+          fixed_batches: bool) -> dict:
+    """Replay the trace in real time under a release policy; per-request records and step costs.
+    fixed_batches: each release is one fixed batch (see the module docstring)."""
     start = time.monotonic()
     held: collections.deque = collections.deque()
-    nxt, finished, steps = 0, [], []
+    nxt, groups, finished, steps = 0, [], {}, []
     while nxt < len(trace) or held or engine.has_unfinished():
         now = time.monotonic() - start
         while nxt < len(trace) and offsets[nxt] <= now:
             held.append(nxt)
             nxt += 1
         waited = now - offsets[held[0]] if held else 0.0
-        for _ in range(release(len(held), not engine.has_unfinished(), waited, nxt < len(trace))):
-            i = held.popleft()
-            engine.add_request(trace[i].prompt, SamplingParams(max_tokens=trace[i].max_tokens, temperature=0.0,
-                                                               ignore_eos=True), str(i), start + offsets[i])
+        group = [held.popleft() for _ in range(release(len(held), not engine.has_unfinished(), waited,
+                                                       nxt < len(trace)))]
+        if group:
+            groups.append(group)
+            longest = max(trace[i].max_tokens for i in group)
+            for i in group:
+                max_tokens = longest if fixed_batches else trace[i].max_tokens
+                engine.add_request(trace[i].prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                   ignore_eos=True), str(i), start + offsets[i])
         if engine.has_unfinished():
             outputs, seconds, rows = timed_step(engine)
             steps.append((cost.step(rows), seconds, len(rows)))
-            finished += [o for o in outputs if o.finished]
+            finished |= {int(o.request_id): o for o in outputs if o.finished}
         else:   # idle: until the next arrival, or poll while a dynamic batch is forming
             until = offsets[nxt] if nxt < len(trace) else now
             time.sleep(min(max(0.0, until - now), 0.001 if held else 1.0))
-    return {"finished": finished, "steps": steps, "end": time.monotonic() - start}
+    records = []
+    for group in groups:
+        end = max(finished[i].finish_time for i in group)
+        records += [Record(finished[i].arrival_time, finished[i].first_token_time,
+                           end if fixed_batches else finished[i].finish_time, trace[i].max_tokens) for i in group]
+    return {"records": records, "steps": steps, "end": time.monotonic() - start}
 
 
 def summarize(run: dict, peaks: roofline.Peaks) -> dict:
-    done = run["finished"]
-    span = max(o.finish_time for o in done) - (min(o.arrival_time for o in done))
-    tokens = sum(o.num_generated_tokens for o in done)
+    done = run["records"]
+    span = max(r.finish for r in done) - min(r.arrival for r in done)
+    tokens = sum(r.tokens for r in done)
     step_s = sum(t for _, t, _ in run["steps"])
     return {
         "requests": len(done), "output_tokens": tokens, "span_s": span,
         "request_throughput": len(done) / span, "output_throughput": tokens / span,
-        "ttft_ms": percentiles([o.first_token_time - o.arrival_time for o in done]),
-        "e2e_ms": percentiles([o.finish_time - o.arrival_time for o in done]),
+        "ttft_ms": percentiles([r.first_token - r.arrival for r in done]),
+        "e2e_ms": percentiles([r.finish - r.arrival for r in done]),
         "steps": len(run["steps"]), "mean_batch": float(np.mean([n for *_, n in run["steps"]])),
         "mbu": sum(c.bytes for c, _, _ in run["steps"]) / step_s / peaks.bandwidth,
         "mfu": sum(c.flops for c, _, _ in run["steps"]) / step_s / peaks.flops,
@@ -116,7 +139,7 @@ def run_model(args, name: str) -> dict:
     results = {}
     for strategy in args.strategies.split(","):
         load0 = load_average()
-        run = drive(engine, trace, offsets, policies[strategy], cost)
+        run = drive(engine, trace, offsets, policies[strategy], cost, fixed_batches=strategy != "continuous")
         results[strategy] = summarize(run, peaks) | {"load_avg": [load0, load_average()]}
         s = results[strategy]
         print(f"{name} {strategy}: {s['request_throughput']:.2f} req/s, e2e p50 {s['e2e_ms']['p50']:.0f} "
@@ -138,7 +161,10 @@ def markdown(report: dict) -> str:
              f"output lognormal(median {a['output_median']:g}, sigma {a['output_sigma']:g}) <= {a['max_output']} "
              f"tokens (ignore_eos). static: batches of {a['batch']}; dynamic: up to {a['batch']} or "
              f"{a['timeout_ms']:g} ms; continuous: the scheduler (max_num_seqs {a['batch']}). "
-             "Throughput over first arrival -> last finish; latencies from arrival.", "",
+             "Static and dynamic batches are fixed: every row decodes until the batch's longest request is "
+             "done and the batch's results return together (a request counts only its own tokens). "
+             "Throughput over first arrival -> last finish; latencies from arrival; TTFT is the first "
+             "token's time, as streamed.", "",
              machine_line(report["machine"]), ""]
     for m in report["models"]:
         lines += [f"## {m['model']}: {m['summary']}", "",

@@ -108,22 +108,25 @@ class StepProfile:
                 "outside_runner": 1 - secs.sum() / total_s}
 
 
-def greedy(req: Request) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def run_engine(name: str, engine: LLMEngine, requests: list[Request], group: int | None = None,
                kv: KVPeak | None = None) -> Run:
     """All requests at once (continuous batching), or in groups of `group`, each submitted only
-    when the previous group has finished (static batching)."""
+    when the previous group has finished (static batching). A group is a fixed batch, as in
+    transformers' generate: every row decodes until the group's longest request is done, and
+    each request keeps its own max_tokens of the output."""
     profile = StepProfile(engine)
     compiles = CompileCounter.count
-    group = group or len(requests)
     outputs: dict[str, list[int]] = {}
     ids = []
     t0 = time.perf_counter()
-    for start in range(0, len(requests), group):
-        ids += [engine.add_request(r.prompt_token_ids, greedy(r)) for r in requests[start:start + group]]
+    for start in range(0, len(requests), group or len(requests)):
+        batch = requests[start:start + (group or len(requests))]
+        longest = max(r.max_tokens for r in batch)
+        ids += [engine.add_request(r.prompt_token_ids, greedy(longest if group else r.max_tokens)) for r in batch]
         while engine.has_unfinished():
             for out in engine.step():
                 outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
@@ -133,7 +136,7 @@ def run_engine(name: str, engine: LLMEngine, requests: list[Request], group: int
     profile.detach()
     if CompileCounter.count != compiles:
         raise RuntimeError(f"{CompileCounter.count - compiles} compilations after warm-up")
-    result = [outputs[i] for i in ids]
+    result = [outputs[i][:r.max_tokens] for i, r in zip(ids, requests)]
     _check_lengths(result, requests)
     return Run(name, len(requests), sum(map(len, result)), seconds, result, profile)
 
@@ -244,7 +247,9 @@ def render(results: list[dict], args, machine: dict, command: str) -> str:
              "engine warm-up (compilation) is excluded and listed apart; transformers runs one untimed "
              "generate call first. Ratios are measured side by side in one run.", "",
              "Schedules: *continuous* submits every request at once; *static, groups of B* submits B "
-             "requests and the next B only when all of them have finished (same engine, same config); "
+             "requests and the next B only when all of them have finished (same engine, same config), "
+             "each group a fixed batch as in transformers' generate: every row decodes until the group's "
+             "longest request is done (only the requested tokens count); "
              "*admission_eagerness=0.0* is the engine's own static mode: it admits only into an empty "
              "batch, so a group is what one step's token budget and max_prefill_seqs take in.", "",
              "## Summary", ""]
