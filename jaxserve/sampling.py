@@ -46,6 +46,7 @@ class SamplingMetadata:
     # penalties, which is what turns the penalty code off (a static shape, not a value).
     history: jax.Array             # int32[S, H]
     prompt_len: jax.Array          # int32[S] leading entries of `history` that are prompt
+    logprobs: jax.Array            # bool[S] the row's request asked for logprobs
 
     @property
     def use_penalties(self) -> bool:
@@ -100,11 +101,13 @@ class SamplingMetadata:
             step=column([len(o) for o in output_ids], 0, np.int32),
             history=history,
             prompt_len=prompt_len,
+            logprobs=column([p.logprobs is not None for p in params], False, np.bool_),
         )
 
 
 class SampleOutput(NamedTuple):
     tokens: jax.Array        # int32[S]
+    # Zeros unless a row of the batch asked for logprobs (md.logprobs):
     logprobs: jax.Array      # f32[S] raw logprob of the sampled token
     top_ids: jax.Array       # int32[S, N] the N most likely tokens under the raw distribution
     top_logprobs: jax.Array  # f32[S, N]
@@ -167,8 +170,7 @@ def _random_sample(logits: jax.Array, md: SamplingMetadata, greedy: jax.Array) -
 def sample(logits: jax.Array, md: SamplingMetadata, *, num_logprobs: int = 0) -> SampleOutput:
     """Sample one token per row of `logits` [S, V]. `num_logprobs` (static) is the N of top_ids /
     top_logprobs; penalties run only when `md.history` is non-empty (static shape)."""
-    logits = logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    raw = logits = logits.astype(jnp.float32)
     if md.use_penalties:
         logits = apply_penalties(logits, md)
     greedy = (md.temperature <= 0.0) | (md.top_k == 1)
@@ -176,6 +178,15 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, num_logprobs: int = 0) ->
     # An all-greedy batch skips the noise and the filters.
     sampled = jax.lax.cond(jnp.all(greedy), lambda: argmax, lambda: _random_sample(logits, md, greedy))
     tokens = jnp.where(greedy, argmax, sampled)
-    logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
-    return SampleOutput(tokens, logprobs, top_ids.astype(jnp.int32), top_logprobs)
+
+    def logprobs():   # a full-vocabulary softmax and top-k: most batches want none of it
+        raw_logprobs = jax.nn.log_softmax(raw, axis=-1)
+        top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+        return (jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32),
+                top_logprobs)
+
+    def none():
+        rows = tokens.shape[0]
+        return (jnp.zeros(rows), jnp.zeros((rows, num_logprobs), jnp.int32), jnp.zeros((rows, num_logprobs)))
+
+    return SampleOutput(tokens, *jax.lax.cond(jnp.any(md.logprobs), logprobs, none))

@@ -1,4 +1,5 @@
 """On-device sampling against numpy references of the HF/vLLM semantics."""
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -92,7 +93,7 @@ def test_penalties_match_reference():
         np.testing.assert_array_equal(got[5], logits[5])  # padding row untouched
     # Through `sample`: greedy rows pick the argmax of the penalised logits; logprobs stay raw.
     greedy = [P(temperature=0.0, repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-                frequency_penalty=p.frequency_penalty) for p in params]
+                frequency_penalty=p.frequency_penalty, logprobs=0) for p in params]
     out = sample(logits, build(greedy, prompts=prompts, outputs=outputs, pad_to=6), num_logprobs=3)
     expected = [ref_penalties(logits[i], prompts[i], outputs[i], p).argmax() for i, p in enumerate(params)]
     np.testing.assert_array_equal(np.asarray(out.tokens)[:5], expected)
@@ -102,9 +103,13 @@ def test_penalties_match_reference():
 def test_logprobs_are_raw_log_softmax():
     rng = np.random.default_rng(2)
     logits = rng.normal(size=(4, 1000)).astype(np.float32) * 4
-    md = build([P(temperature=0.5, top_p=0.8), P(temperature=0.0), P(temperature=1.7, frequency_penalty=1.0)],
-               outputs=[[], [], [1, 2, 3]], pad_to=4)
-    out = sample(logits, md, num_logprobs=5)
+    params = [P(temperature=0.5, top_p=0.8), P(temperature=0.0), P(temperature=1.7, frequency_penalty=1.0)]
+    md = build(params, outputs=[[], [], [1, 2, 3]], pad_to=4)
+    unasked = sample(logits, md, num_logprobs=5)   # no row asked: no softmax, zeros
+    assert not np.any(unasked.logprobs) and not np.any(unasked.top_ids) and not np.any(unasked.top_logprobs)
+    md = build([dataclasses.replace(params[0], logprobs=5)] + params[1:], outputs=[[], [], [1, 2, 3]], pad_to=4)
+    out = sample(logits, md, num_logprobs=5)   # one row asked: every row gets them
+    np.testing.assert_array_equal(out.tokens, unasked.tokens)
     ref = log_softmax(logits)
     np.testing.assert_allclose(out.logprobs, ref[np.arange(4), out.tokens], atol=1e-5)
     np.testing.assert_array_equal(out.top_ids, np.argsort(-ref, axis=-1)[:, :5])
