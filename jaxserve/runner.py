@@ -13,9 +13,11 @@ so padded rows and unused page-table columns cost next to nothing.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
+import os
 import time
 from typing import NamedTuple
 
@@ -296,14 +298,28 @@ class ModelRunner:
         shapes = [(sd, sd, 0, 1) for sd in self.decode_buckets]
         shapes += [(t, self.decode_buckets[-1], sp, max_q) for t in self.token_buckets
                    for sp in self.prefill_row_buckets for max_q in self._max_q_options(t)]
+
+        def arrays(t, sd, sp):   # an empty batch: nothing written, nothing attended
+            n = sp + sd
+            return (np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, self.num_pages * self.page_size, np.int32),
+                    np.zeros((n, self.max_pages_per_seq), np.int32), np.zeros(n, np.int32),
+                    np.zeros(n + 1, np.int32), np.zeros(sd, np.int32))
+
+        # XLA compiles with the GIL released: the step shapes compile side by side (abstract KV
+        # caches, so nothing is donated), and the calls below find them compiled.
+        kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_caches)
+        step = self._step   # a partial of the module-level jit
+
+        def compile_shape(shape):
+            t, sd, sp, max_q = shape
+            step.func.lower(*step.args, self.params, kv, *arrays(t, sd, sp), num_prefill_rows=sp, max_q=max_q,
+                            **step.keywords).compile()
+
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+            list(pool.map(compile_shape, shapes))
         logits_by_rows = {}
         for t, sd, sp, max_q in shapes:
-            n = sp + sd
-            arrays = (np.zeros(t, np.int32), np.zeros(t, np.int32),
-                      np.full(t, self.num_pages * self.page_size, np.int32),
-                      np.zeros((n, self.max_pages_per_seq), np.int32),
-                      np.zeros(n, np.int32), np.zeros(n + 1, np.int32), np.zeros(sd, np.int32))
-            logits, self.kv_caches = self._step(self.params, self.kv_caches, *arrays,
+            logits, self.kv_caches = self._step(self.params, self.kv_caches, *arrays(t, sd, sp),
                                                 num_prefill_rows=sp, max_q=max_q)
             logits_by_rows[sd] = logits  # the sampler sees the step's own output layout
         for n, logits in logits_by_rows.items():
