@@ -123,8 +123,9 @@ def run_engine(name: str, engine: LLMEngine, requests: list[Request], group: int
     outputs: dict[str, list[int]] = {}
     ids = []
     t0 = time.perf_counter()
-    for start in range(0, len(requests), group or len(requests)):
-        batch = requests[start:start + (group or len(requests))]
+    size = group or len(requests)
+    for start in range(0, len(requests), size):
+        batch = requests[start:start + size]
         longest = max(r.max_tokens for r in batch)
         ids += [engine.add_request(r.prompt_token_ids, greedy(longest if group else r.max_tokens)) for r in batch]
         while engine.has_unfinished():

@@ -66,10 +66,6 @@ class Linear(nn.Module):
         return y
 
 
-def _dense(features: int, bias: bool, name: str, dtype) -> Linear:
-    return Linear(features, bias, dtype, name=name)
-
-
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype = jnp.float32
@@ -90,10 +86,10 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, positions, kv_cache, meta):
         c = self.cfg
-        dense = functools.partial(_dense, dtype=self.dtype)
-        q = dense(c.num_heads * c.head_dim, c.qkv_bias, "q_proj")(x)
-        k = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, "k_proj")(x)
-        v = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, "v_proj")(x)
+        dense = functools.partial(Linear, dtype=self.dtype)
+        q = dense(c.num_heads * c.head_dim, c.qkv_bias, name="q_proj")(x)
+        k = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, name="k_proj")(x)
+        v = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, name="v_proj")(x)
         lead = x.shape[:-1]
         q = q.reshape(*lead, c.num_heads, c.head_dim)
         k = k.reshape(*lead, c.num_kv_heads, c.head_dim)
@@ -103,7 +99,7 @@ class Attention(nn.Module):
         out, kv_cache = attention.attend(
             q, k, v, kv_cache, meta, sliding_window=c.sliding_windows[self.layer],
             sm_scale=1.0 / math.sqrt(c.head_dim))
-        out = dense(c.hidden_size, c.o_bias, "o_proj")(out.reshape(*lead, -1))
+        out = dense(c.hidden_size, c.o_bias, name="o_proj")(out.reshape(*lead, -1))
         return out, kv_cache
 
 
@@ -114,7 +110,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.cfg
-        dense = functools.partial(_dense, bias=c.mlp_bias, dtype=self.dtype)
+        dense = functools.partial(Linear, use_bias=c.mlp_bias, dtype=self.dtype)
         h = nn.silu(dense(c.intermediate_size, name="gate_proj")(x)) * dense(c.intermediate_size, name="up_proj")(x)
         return dense(c.hidden_size, name="down_proj")(h)
 
