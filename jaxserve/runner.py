@@ -296,8 +296,9 @@ class ModelRunner:
         Returns the number of compilations it took."""
         before, t0 = CompileCounter.count, time.perf_counter()
         shapes = [(sd, sd, 0, 1) for sd in self.decode_buckets]
-        shapes += [(t, self.decode_buckets[-1], sp, max_q) for t in self.token_buckets
-                   for sp in self.prefill_row_buckets for max_q in self._max_q_options(t)]
+        if self.mesh.shape["seq"] == 1:   # else prefill chunks take the sequence-parallel path (execute)
+            shapes += [(t, self.decode_buckets[-1], sp, max_q) for t in self.token_buckets
+                       for sp in self.prefill_row_buckets for max_q in self._max_q_options(t)]
 
         def arrays(t, sd, sp):   # an empty batch: nothing written, nothing attended
             n = sp + sd
