@@ -106,17 +106,15 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
     if meta.backend == "xla":
         kwargs["flat_gather"] = _kv_head_axis(meta.kv_sharding) is None
-        p, s = meta.num_prefill_rows, meta.page_table.shape[0]
+        p = meta.num_prefill_rows
         if p is None:
             return paged_xla.ragged_paged_attention(q, k_pages, v_pages, *tables, max_q=meta.max_q, **kwargs)
         # Prefill rows pad to max_q tokens, decode rows to 1; each call zeroes the others' tokens.
-        out = 0
-        for lo, hi, max_q in [(0, p, meta.max_q)] + [(r, min(r + DECODE_GROUP_ROWS, s), 1)
-                                                     for r in range(p, s, DECODE_GROUP_ROWS)]:
-            if hi > lo:
-                out += paged_xla.ragged_paged_attention(
-                    q, k_pages, v_pages, meta.page_table[lo:hi], meta.seq_lens[lo:hi],
-                    meta.query_start_loc[lo:hi + 1], max_q=max_q, **kwargs)
+        page_table, seq_lens, qsl = tables
+        out = _decode_rows_in_groups(q, k_pages, v_pages, page_table[p:], seq_lens[p:], qsl[p:], **kwargs)
+        if p:
+            out += paged_xla.ragged_paged_attention(q, k_pages, v_pages, page_table[:p], seq_lens[:p], qsl[:p + 1],
+                                                    max_q=meta.max_q, **kwargs)
         return out
     if meta.backend not in ("pallas_gpu", "pallas_tpu"):
         raise ValueError(f"attention backend {meta.backend!r} is not available")
@@ -142,6 +140,30 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
     # heads and their query heads; a group never straddles devices since both split evenly.
     return jax.shard_map(call, mesh=meta.kv_sharding.mesh, in_specs=specs, out_specs=heads,
                          check_vma=False)(*args)
+
+
+def _decode_rows_in_groups(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, **kwargs):
+    """XLA path: rows of at most one new token, DECODE_GROUP_ROWS at a time in one loop. Each
+    group reads K/V only up to its own longest row; as a loop (not one call per group) the step
+    holds one group's code whatever its row count, which measured faster on CPU and compiles
+    faster, and keeps the step's JIT-mapped code sections (a few per kernel, bounded by
+    vm.max_map_count) from growing with max_num_seqs."""
+    rows = page_table.shape[0]
+    if not rows:
+        return jnp.zeros_like(q)
+    g = min(DECODE_GROUP_ROWS, rows)
+    n = -(-rows // g)
+    pad = n * g - rows   # empty rows: no tokens, no KV
+    page_table, seq_lens = jnp.pad(page_table, ((0, pad), (0, 0))), jnp.pad(seq_lens, (0, pad))
+    query_start_loc = jnp.pad(query_start_loc, (0, pad), mode="edge")
+
+    def group(i, out):
+        def rows_of(x, size):
+            return lax.dynamic_slice_in_dim(x, i * g, size)
+        return out + paged_xla.ragged_paged_attention(q, k_pages, v_pages, rows_of(page_table, g), rows_of(seq_lens, g),
+                                                      rows_of(query_start_loc, g + 1), max_q=1, **kwargs)
+
+    return lax.fori_loop(0, n, group, jnp.zeros_like(q))
 
 
 def _flash_fits(meta: AttentionMetadata, q, k, interpret: bool) -> bool:
