@@ -145,9 +145,9 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
 def _decode_rows_in_groups(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, **kwargs):
     """XLA path: rows of at most one new token, DECODE_GROUP_ROWS at a time in one loop. Each
     group reads K/V only up to its own longest row; as a loop (not one call per group) the step
-    holds one group's code whatever its row count, which measured faster on CPU and compiles
-    faster, and keeps the step's JIT-mapped code sections (a few per kernel, bounded by
-    vm.max_map_count) from growing with max_num_seqs."""
+    holds one group's code whatever its row count: it compiles faster, measured 6-7% faster on
+    the CPU offline workload (its prefill steps), and keeps the step's JIT-mapped code sections
+    (a few per kernel, bounded by vm.max_map_count) from growing with max_num_seqs."""
     rows = page_table.shape[0]
     if not rows:
         return jnp.zeros_like(q)

@@ -122,6 +122,12 @@ class ModelRunner:
         self._step = functools.partial(_step, self.model, backend=self.backend, kv_sharding=kv_sharding,
                                        logits_sharding=parallel.logits_sharding(cfg, self.mesh))
 
+    @property
+    def prefills_sequence_parallel(self) -> bool:
+        """With a "seq" mesh axis, each prefill chunk runs sequence-parallel on its own
+        (sequence_parallel_prefill) and the batched step takes only the decode rows."""
+        return self.mesh.shape["seq"] > 1
+
     # ---- sizing ----
     @property
     def page_bytes(self) -> int:
@@ -144,9 +150,7 @@ class ModelRunner:
         `seeds` gives each sampling sequence's seed (the engine draws one when none is set)."""
         if not out.scheduled and not out.page_copies:
             return {}
-        # With a "seq" mesh axis, each prefill chunk runs sequence-parallel on its own; the step
-        # takes the rest.
-        split = self.mesh.shape["seq"] > 1
+        split = self.prefills_sequence_parallel
         ops = [self._sequence_parallel_op(s, seeds) for s in out.scheduled if split and s.num_new_tokens > 1]
         rest = [s for s in out.scheduled if not (split and s.num_new_tokens > 1)]
         if rest:
@@ -296,7 +300,7 @@ class ModelRunner:
         Returns the number of compilations it took."""
         before, t0 = CompileCounter.count, time.perf_counter()
         shapes = [(sd, sd, 0, 1) for sd in self.decode_buckets]
-        if self.mesh.shape["seq"] == 1:   # else prefill chunks take the sequence-parallel path (execute)
+        if not self.prefills_sequence_parallel:
             shapes += [(t, self.decode_buckets[-1], sp, max_q) for t in self.token_buckets
                        for sp in self.prefill_row_buckets for max_q in self._max_q_options(t)]
 
@@ -329,7 +333,7 @@ class ModelRunner:
                 md = SamplingMetadata.build([params], [[0]], [[]], [0], pad_to=n,
                                             history_len=self.max_model_len if penalties else None)
                 jax.block_until_ready(sample(logits, md, num_logprobs=MAX_LOGPROBS))
-        if self.mesh.shape["seq"] > 1:   # the sequence-parallel prefill of each token bucket
+        if self.prefills_sequence_parallel:   # the sequence-parallel prefill of each token bucket
             for t in self.token_buckets:   # no token: nothing written
                 _, self.kv_caches = sequence_parallel_prefill(
                     self.model, self.mesh, self.params, self.kv_caches, np.zeros(t, np.int32), np.int32(0),
