@@ -1,0 +1,9 @@
+"""jaxserve: a JAX/XLA engine that serves large language models.
+
+The offline API, as vLLM users write it: `from jaxserve import LLM, SamplingParams`. Importing
+jaxserve starts no JAX: `LLM` builds its engine when called.
+"""
+from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.llm import LLM, CompletionOutput, Logprob, RequestOutput
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig"]

@@ -1,4 +1,4 @@
-"""The `jaxserve` command: serve | generate | convert | bench.
+"""The `jaxserve` command: serve | generate | convert.
 
 Each subcommand is an `_add_<name>(subparsers)` function that declares its arguments and sets
 `func`; a new subcommand is one more such function listed in SUBCOMMANDS.
@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import DistributedConfig, EngineConfig
 
 # configs/tiny-cpu.yaml of a source checkout (`pip install -e .`): the default for the embedded model.
 TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -24,8 +24,7 @@ def engine_config(args) -> EngineConfig:
     path = args.config or (TINY_CPU_CONFIG if args.model is None and os.path.exists(TINY_CPU_CONFIG) else None)
     cfg = EngineConfig.from_yaml(path, model=args.model) if path else EngineConfig(model=args.model)
     axes = {"model": args.tp, "seq": args.sp, "data": args.dp}
-    cfg.mesh = {**cfg.mesh, **{axis: n for axis, n in axes.items() if n is not None}}
-    return cfg
+    return dataclasses.replace(cfg, mesh={**cfg.mesh, **{axis: n for axis, n in axes.items() if n is not None}})
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -60,52 +59,40 @@ def _add_serve(sub) -> None:
     p.set_defaults(func=serve)
 
 
-def _multihost_args(args) -> dict | None:
-    """jax.distributed arguments for a multi-host run (flags, else JAXSERVE_* variables, else
-    cluster detection), exported as JAXSERVE_* for the serving process; None on one host. JAX is
-    imported only when multi-host is asked for (the gunicorn master stays free of it otherwise)."""
-    names = ("coordinator_address", "num_processes", "process_id")   # variables: multihost.ENV
+def _distributed(args) -> DistributedConfig | None:
+    """This process's multi-host settings (flags, else JAXSERVE_* variables, else cluster
+    detection); None on one host. JAX is imported only when multi-host is asked for (the
+    gunicorn master stays free of it otherwise)."""
+    names = ("coordinator_address", "num_processes", "process_id")
     given = [getattr(args, name) for name in names]
     if not (args.multihost or any(v is not None for v in given)
             or any(os.environ.get(f"JAXSERVE_{name.upper()}") for name in names)):
         return None
     from jaxserve import multihost
 
-    dist = multihost.resolve(*given)
-    if len(dist) < 3:
-        dist = multihost.detect(**dist)
-    if dist["num_processes"] <= 1:
-        return None
-    os.environ.update({multihost.ENV[name]: str(value) for name, value in dist.items()})
-    return dist
+    return multihost.distributed_config(*given)
 
 
 def _follow(cfg: EngineConfig) -> int:
     """A multi-host process other than 0: the same engine and warm-up as process 0's, then its steps."""
-    import jax
+    from jaxserve import factory
 
-    from jaxserve import multihost
-    from jaxserve.engine import LLMEngine
-
-    multihost.initialize()
-    engine = LLMEngine(cfg)
-    engine.warmup()
+    follower = factory.build_client(cfg).start()
     log = logging.getLogger("jaxserve.follower")
-    log.info("process %d of %d: following process 0", jax.process_index(), jax.process_count())
-    steps = engine.runner.follow()
-    log.info("process 0 stopped serving after %d steps", steps)
+    log.info("process %d of %d: following process 0", cfg.distributed.process_id, cfg.distributed.num_processes)
+    follower.shutdown(drain=True)   # returns when process 0 stops serving
+    log.info("process 0 stopped serving after %d steps", follower.steps)
     logging.shutdown()
     os._exit(0)   # as process 0's worker does: no teardown, no jax.distributed shutdown barrier
 
 
 def serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = engine_config(args)
-    dist = _multihost_args(args)
-    if dist is not None and cfg.mesh.get("data", 1) > 1:
-        sys.exit("jaxserve serve: data-parallel replicas (mesh data > 1) run in one process; "
-                 "multi-host serves one engine over all hosts' devices")
-    if dist is not None and dist["process_id"] != 0:
+    try:
+        cfg = dataclasses.replace(engine_config(args), distributed=_distributed(args))
+    except ValueError as e:
+        sys.exit(f"jaxserve serve: {e}")
+    if cfg.distributed is not None and not cfg.distributed.is_leader:
         return _follow(cfg)
     from jaxserve.server.wsgi import GunicornServer, exit_worker_on_load_error
 
@@ -132,14 +119,14 @@ def _add_generate(sub) -> None:
 
 def generate(args) -> int:
     from jaxserve.config import SamplingParams
-    from jaxserve.engine import LLM
+    from jaxserve.llm import LLM
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     try:
-        params.validate()
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        cfg = engine_config(args)
     except ValueError as e:
         sys.exit(f"jaxserve generate: {e}")
-    llm = LLM(**dataclasses.asdict(engine_config(args)))
+    llm = LLM(**dataclasses.asdict(cfg))
     out = llm.generate([args.prompt], params, use_tqdm=False)[0]
     print(out.outputs[0].text)
     return 0
@@ -162,21 +149,7 @@ def convert(args) -> int:
     return 0
 
 
-def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="run a benchmark of benchmarks/ (source checkout only)")
-    kinds = p.add_subparsers(dest="benchmark", required=True)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.isdir(os.path.join(root, "benchmarks")):
-        return
-    sys.path.append(root)   # benchmarks/ is not part of the installed package
-    from benchmarks import serve_bench
-
-    serve = kinds.add_parser("serve", help=serve_bench.__doc__.splitlines()[0])
-    serve_bench.add_arguments(serve)
-    serve.set_defaults(func=serve_bench.cli)
-
-
-SUBCOMMANDS = [_add_serve, _add_generate, _add_convert, _add_bench]
+SUBCOMMANDS = [_add_serve, _add_generate, _add_convert]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,18 @@ from typing import Any
 
 import yaml
 
+MAX_N = 16                             # choices per request
+MAX_LOGPROBS = 20                      # top-N logprobs per sampled token (the runner's sampler returns 20)
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot serve; `param` names the field at fault (a SamplingParams
+    field, or "prompt")."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -127,9 +139,26 @@ def _sliding_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int |
     return (None,) * layers
 
 
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """One process of a multi-host engine: the jax.distributed.initialize arguments."""
+    coordinator_address: str               # host:port of process 0
+    num_processes: int
+    process_id: int
+
+    def __post_init__(self):
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, {self.num_processes}), got {self.process_id}")
+
+    @property
+    def is_leader(self) -> bool:
+        return self.process_id == 0
+
+
 @dataclasses.dataclass
 class EngineConfig:
-    """Everything the engine needs besides the model weights. Loadable from YAML."""
+    """Everything the engine needs besides the model weights. Loadable from YAML; checked when
+    built (a bad value fails here, naming the key, not deep in the engine)."""
     model: str | None = None                # HF directory or orbax checkpoint; None = embedded tiny model
     dtype: str = "auto"                     # auto | float32 | bfloat16 (auto: bf16 on TPU/GPU, f32 on CPU)
     max_model_len: int | None = None        # default: model's max_position_embeddings
@@ -148,6 +177,30 @@ class EngineConfig:
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
     seed: int = 0
     mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"data": 1, "model": 1, "seq": 1})
+    # This process's place in a multi-host engine (None: one process). A dict (from YAML or
+    # dataclasses.asdict) becomes a DistributedConfig.
+    distributed: DistributedConfig | None = None
+
+    def __post_init__(self):
+        if isinstance(self.distributed, dict):
+            self.distributed = DistributedConfig(**self.distributed)
+        positive = ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size",
+                    "max_prefill_seqs", "kv_cache_mb")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine config: {name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "num_pages"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"engine config: {name} must be at least 1 or null, got {getattr(self, name)}")
+        if self.max_queue_size < 0:
+            raise ValueError(f"engine config: max_queue_size must be 0 or more, got {self.max_queue_size}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"engine config: kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if not 0.0 <= self.admission_eagerness <= 1.0:
+            raise ValueError(f"engine config: admission_eagerness must be in [0, 1], got {self.admission_eagerness}")
+        if self.distributed is not None and self.mesh.get("data", 1) > 1:
+            raise ValueError("engine config: data-parallel replicas (mesh data > 1) run in one process; "
+                             "a multi-host engine is one engine over all hosts' devices")
 
     @classmethod
     def from_yaml(cls, path: str, **overrides: Any) -> "EngineConfig":
@@ -161,9 +214,11 @@ class EngineConfig:
         return cls(**data)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings (the OpenAI / vLLM set). Validated by `validate()`."""
+    """Per-request sampling settings (the OpenAI / vLLM set), checked when built: a SamplingParams
+    that exists is valid (frozen, so it stays so). Like vLLM, `stop` may be one string and
+    `top_k=-1` means off."""
     n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0              # 0 = greedy
@@ -180,24 +235,29 @@ class SamplingParams:
     logprobs: int | None = None           # top-N logprobs per sampled token (0 = only the sampled one)
     priority: int = 0                     # 0 online, 1 batch (lower runs first)
 
-    def validate(self) -> None:
-        """Raise ValueError naming the field on anything out of range."""
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", [self.stop])
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         checks = [
-            ("n", 1 <= self.n <= 16, "must be between 1 and 16"),
+            ("n", 1 <= self.n <= MAX_N, f"must be between 1 and {MAX_N}"),
             ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
             ("temperature", 0.0 <= self.temperature <= 2.0, "must be between 0 and 2"),
-            ("top_k", self.top_k >= 0, "must be 0 (off) or positive"),
+            ("top_k", self.top_k >= 0, "must be 0 or -1 (off) or positive"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, "must be in (0, 2]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be between -2 and 2"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be between -2 and 2"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be between 0 and 20"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must hold non-empty strings"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"must be between 0 and {MAX_LOGPROBS}"),
             ("priority", self.priority in (0, 1), "must be 0 (online) or 1 (batch)"),
         ]
         for name, ok, why in checks:
             if not ok:
-                raise ValueError(f"{name} {why} (got {getattr(self, name)!r})")
+                raise InvalidRequest(f"{name} {why} (got {getattr(self, name)!r})", param=name)
 
     @property
     def greedy(self) -> bool:

@@ -1,29 +1,27 @@
 """Data parallelism within one process: independent engine replicas over the "data" mesh axis.
 
-Each slice of the "data" axis gets its own LLMEngine on its own ("model" x "seq") sub-mesh:
-its own copy of the weights, KV cache, scheduler and engine thread; replicas share nothing,
-so no collective ever crosses the "data" axis. `DataParallelEngine` has the EngineThread
-interface the server uses (start / submit / abort / shutdown / num_pending) and sends each
-request to the replica with the fewest unfinished requests.
+Each slice of the "data" axis gets its own LLMEngine on its own ("model" x "seq") sub-mesh
+(built by jaxserve.factory): its own copy of the weights, KV cache, scheduler and engine
+thread; replicas share nothing, so no collective ever crosses the "data" axis.
+`DataParallelEngine` is an EngineClient like EngineThread and sends each request to the
+replica with the fewest unfinished requests.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 
-from jaxserve import parallel
-from jaxserve.config import EngineConfig, SamplingParams
-from jaxserve.engine import EngineThread, LLMEngine, RequestStream
+from jaxserve.config import SamplingParams
+from jaxserve.engine_thread import EngineThread, RequestStream
 
 
 class DataParallelEngine:
-    def __init__(self, engine_cfg: EngineConfig, *, params=None, devices=None):
-        mesh = parallel.make_mesh(engine_cfg.mesh, devices)
-        replica_cfg = dataclasses.replace(engine_cfg, mesh={**engine_cfg.mesh, "data": 1})
-        self.threads = [EngineThread(LLMEngine(replica_cfg, params=params, mesh=sub))
-                        for sub in parallel.data_submeshes(mesh)]
-        self.engine = self.threads[0].engine  # tokenizer, limits, validate: the same in every replica
+    def __init__(self, threads: list[EngineThread]):
+        self.threads = threads
+        self.engines = [t.engine for t in threads]
+        self.engine = self.engines[0]   # tokenizer and limits: the same in every replica
+        # MBU / MFU gauges follow the first replica (every replica has the same devices' share).
+        self.step_listeners = threads[0].step_listeners
         self._ids = itertools.count()
         self._lock = threading.Lock()
 

@@ -1,19 +1,19 @@
-"""LLMEngine (add / abort / step), the background engine thread with per-request streams, and
-the offline `LLM` API.
+"""LLMEngine: add / abort / step, and the processing of each step's output.
 
 The engine owns the scheduler (what runs), the runner (how it runs) and the detokenizers; it
 turns each step's sampled tokens into text deltas, applies stop conditions and frees pages.
+A request is checked once, when it is made (`new_request`: the sampling settings were checked
+when they were built; here the prompt: its ids, its length, whether it fits the KV pool), and
+then carries its own state: its sequences (with their seeds), detokenizers and text so far.
+Its RequestOutputs are deltas (what each step added); `jaxserve.llm` gathers them into the
+offline API's final outputs, `jaxserve.engine_thread` streams them to the server.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import os
-import queue
-import threading
 import time
-from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -21,24 +21,14 @@ import numpy as np
 
 from jaxserve import parallel
 from jaxserve.checkpoint import load_params, param_shapes
-from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
+from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingParams
 from jaxserve.kv_cache import BlockManager
 from jaxserve.runner import ModelRunner, SampleResult
 from jaxserve.scheduler import Scheduler
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
-log = logging.getLogger(__name__)
-
 TINY_MODEL_DIR = os.path.join(os.path.dirname(__file__), "assets", "tiny")
-
-
-class QueueFullError(RuntimeError):
-    """The bounded waiting queue is full (HTTP 429)."""
-
-
-class EngineStoppedError(RuntimeError):
-    """The engine is shutting down and accepts no new requests (HTTP 503)."""
 
 
 @dataclasses.dataclass
@@ -66,15 +56,16 @@ class RequestOutput:
 
 
 @dataclasses.dataclass
-class _Request:
+class Request:
+    """A checked request (made by LLMEngine.new_request) and its state while it runs."""
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    seqs: list[Sequence]
-    detoks: list[IncrementalDetokenizer]
-    texts: list[str]                    # full text of each choice so far (stop-string search)
-    emitted: list[int]                  # characters of each choice's text already sent
     arrival_time: float
+    seqs: list[Sequence]                # one per choice; seeds are set when it is added
+    detoks: list[IncrementalDetokenizer] = dataclasses.field(default_factory=list)
+    texts: list[str] = dataclasses.field(default_factory=list)    # each choice's text so far (stop search)
+    emitted: list[int] = dataclasses.field(default_factory=list)  # characters of each text already sent
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_generated: int = 0
@@ -99,8 +90,7 @@ class LLMEngine:
                                           self.ecfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.ecfg, self.block_manager)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_cfg.eos_token_ids)
-        self._requests: dict[str, _Request] = {}
-        self._seeds: dict[int, int] = {}
+        self._requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(self.ecfg.seed)
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "requests_finished": 0}
@@ -110,48 +100,59 @@ class LLMEngine:
         return self.runner.warmup()
 
     # ---- requests ----
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError on anything the engine cannot serve."""
-        params.validate()
+    def new_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, arrival_time: float | None = None) -> Request:
+        """The one check of a request, at the edge (LLM.generate, EngineThread.submit): raises
+        InvalidRequest on a prompt the engine cannot serve. Safe to call from any thread."""
         if not prompt_token_ids:
-            raise ValueError("prompt is empty")
+            raise InvalidRequest("prompt is empty", param="prompt")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model_cfg.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}")
+            raise InvalidRequest(f"prompt token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}",
+                                 param="prompt")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; "
-                             f"the prompt has {len(prompt_token_ids)} tokens and max_tokens is "
-                             f"{params.max_tokens} ({total} in total)")
-
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
-        self.validate(prompt_token_ids, params)
+            raise InvalidRequest(f"this model's maximum context length is {self.max_model_len} tokens; "
+                                 f"the prompt has {len(prompt_token_ids)} tokens and max_tokens is "
+                                 f"{params.max_tokens} ({total} in total)", param="prompt")
+        # The last sampled token is never written to the cache.
+        pages = -(-(total - 1) // self.ecfg.page_size)
+        if pages > self.block_manager.num_pages:
+            raise InvalidRequest(f"{len(prompt_token_ids)} prompt tokens + max_tokens={params.max_tokens} need "
+                                 f"{pages} KV pages of {self.ecfg.page_size} tokens, but the pool has "
+                                 f"{self.block_manager.num_pages}; shorten the prompt or lower max_tokens",
+                                 param="prompt")
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=params,
                          arrival_time=arrival, index=i) for i in range(params.n)]
-        for seq in seqs:
-            self.scheduler.add(seq)
+        return Request(request_id, list(prompt_token_ids), params, arrival, seqs)
+
+    def add(self, req: Request) -> str:
+        """Schedule a request made by `new_request` (on the thread that steps the engine)."""
+        if req.request_id in self._requests:
+            raise InvalidRequest(f"duplicate request id {req.request_id!r}")
+        for seq in req.seqs:
             # Choices of one seeded request differ from each other but repeat run to run.
-            self._seeds[seq.seq_id] = (params.seed + seq.index if params.seed is not None
-                                       else int(self._rng.integers(2**31)))
-        self._requests[request_id] = _Request(
-            request_id, list(prompt_token_ids), params, seqs,
-            [IncrementalDetokenizer(self.tokenizer, prompt_token_ids) for _ in seqs],
-            [""] * len(seqs), [0] * len(seqs), arrival)
-        self.stats["prompt_tokens"] += len(prompt_token_ids)
-        return request_id
+            seq.seed = (req.params.seed + seq.index if req.params.seed is not None
+                        else int(self._rng.integers(2**31)))
+            self.scheduler.add(seq)
+        req.detoks = [IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids) for _ in req.seqs]
+        req.texts, req.emitted = [""] * len(req.seqs), [0] * len(req.seqs)
+        self._requests[req.request_id] = req
+        self.stats["prompt_tokens"] += len(req.prompt_token_ids)
+        return req.request_id
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """new_request then add, for callers that step the engine themselves."""
+        return self.add(self.new_request(prompt_token_ids, params, request_id, arrival_time))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
         self.scheduler.abort(request_id)
-        for seq in req.seqs:
-            self._seeds.pop(seq.seq_id, None)
         return self._output(req, [CompletionOutput(s.index, "", [], None, "abort") for s in req.seqs],
                             finished=True)
 
@@ -172,7 +173,7 @@ class LLMEngine:
             req = self._requests[s.seq.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        results = self.runner.execute(out, self._seeds)
+        results = self.runner.execute(out, {s.seq.seq_id: s.seq.seed for s in out.scheduled})
         self.scheduler.postprocess(out, {k: r.token for k, r in results.items()})
         self.stats["steps"] += 1
         now = time.monotonic()
@@ -194,12 +195,10 @@ class LLMEngine:
             outputs.append(self._output(req, choice_outputs, finished))
             if finished:
                 del self._requests[request_id]
-                for seq in req.seqs:
-                    self._seeds.pop(seq.seq_id, None)
                 self.stats["requests_finished"] += 1
         return outputs
 
-    def _advance(self, req: _Request, seq: Sequence, res: SampleResult) -> CompletionOutput:
+    def _advance(self, req: Request, seq: Sequence, res: SampleResult) -> CompletionOutput:
         """Detokenize the new token, apply stop conditions, return the choice's delta."""
         p, i, token = req.params, seq.index, res.token
         reason = None
@@ -231,7 +230,7 @@ class LLMEngine:
         token_ids = [] if is_stop_token else [token]
         return CompletionOutput(i, text, token_ids, [res] if p.logprobs is not None else None, reason)
 
-    def _output(self, req: _Request, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
+    def _output(self, req: Request, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
         return RequestOutput(
             req.request_id, req.prompt_token_ids, outputs, finished, req.num_generated,
             req.arrival_time, req.first_token_time, time.monotonic() if finished else None,
@@ -248,216 +247,3 @@ def _enable_compilation_cache(path: str | None) -> None:
     if path:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
-class RequestStream:
-    """The frontend's handle on one request: iterate it for RequestOutput deltas."""
-
-    def __init__(self, request_id: str, engine: "EngineThread"):
-        self.request_id = request_id
-        self._engine = engine
-        self._queue: queue.Queue = queue.Queue()
-
-    def put(self, item) -> None:
-        self._queue.put(item)
-
-    def __iter__(self) -> Iterator[RequestOutput]:
-        return self.outputs()
-
-    def outputs(self, alive: Callable[[], bool] | None = None,
-                poll_s: float = 0.25) -> Iterator[RequestOutput]:
-        """The deltas until the finished one. With `alive`, ask it every `poll_s` seconds
-        while waiting and stop early when it says no (the caller then aborts)."""
-        next_check = time.monotonic() + poll_s
-        while True:
-            try:
-                item = self._queue.get(timeout=poll_s if alive else None)
-            except queue.Empty:
-                item = None
-            if alive is not None and time.monotonic() >= next_check:
-                if not alive():
-                    return
-                next_check = time.monotonic() + poll_s
-            if item is None:
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finished:
-                return
-
-    def abort(self) -> None:
-        self._engine.abort(self.request_id)
-
-
-class EngineThread:
-    """Runs LLMEngine.step in a background thread; thread-safe submit / abort / shutdown."""
-
-    def __init__(self, engine: LLMEngine, max_queue_size: int | None = None):
-        self.engine = engine
-        self.max_queue_size = max_queue_size or engine.ecfg.max_queue_size
-        self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, RequestStream] = {}
-        self._wake = threading.Event()
-        self._accepting = True
-        self._stop = False
-        self._lock = threading.Lock()
-        self._pending = 0   # submitted, not yet finished
-        self._ids = itertools.count()
-        self.ready = threading.Event()
-        self.step_listeners = []   # called with (RequestOutput list, step seconds) after each step
-        self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
-
-    def start(self, warmup: bool = True) -> "EngineThread":
-        if warmup:
-            self.engine.warmup()
-        self.ready.set()
-        self._thread.start()
-        return self
-
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               request_id: str | None = None) -> RequestStream:
-        """Validate and enqueue. Raises ValueError (bad input), QueueFullError, EngineStoppedError."""
-        self.engine.validate(prompt_token_ids, params)
-        with self._lock:
-            if not self._accepting:
-                raise EngineStoppedError("the server is shutting down")
-            # Counted from the requests in flight, not the scheduler's waiting list: the engine
-            # thread admits with a lag, and a burst must not see slots it has not reached yet.
-            if self._pending >= self.engine.ecfg.max_num_seqs + self.max_queue_size:
-                raise QueueFullError(f"the waiting queue is full ({self.max_queue_size} requests beyond "
-                                     f"the {self.engine.ecfg.max_num_seqs} running)")
-            request_id = request_id or f"req-{next(self._ids)}"
-            stream = RequestStream(request_id, self)
-            self._streams[request_id] = stream
-            self._pending += 1
-        self._inbox.put(("add", request_id, prompt_token_ids, params, time.monotonic()))
-        self._wake.set()
-        return stream
-
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
-
-    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop accepting; with drain, finish what was accepted first."""
-        with self._lock:
-            self._accepting = False
-        if drain:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while self._pending and (deadline is None or time.monotonic() < deadline):
-                time.sleep(0.01)
-        self._stop = True
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-
-    @property
-    def num_pending(self) -> int:
-        return self._pending
-
-    def _loop(self) -> None:
-        while not self._stop:
-            self._drain_inbox()
-            if not self.engine.has_unfinished():
-                self.engine.runner.pause_followers()   # multi-host: park the other processes
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            t0 = time.monotonic()
-            try:
-                outputs = self.engine.step()
-            except Exception as e:  # never leave clients hanging on a dead engine
-                log.exception("engine step failed")
-                self._fail_all(e)
-                continue
-            dt = time.monotonic() - t0
-            for out in outputs:
-                self._deliver(out)
-            for listener in self.step_listeners:
-                listener(outputs, dt)
-        self.engine.runner.stop_followers()
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if msg[0] == "add":
-                _, request_id, prompt, params, arrival = msg
-                if request_id not in self._streams:   # aborted before it was added
-                    continue
-                try:
-                    self.engine.add_request(prompt, params, request_id, arrival)
-                except ValueError as e:
-                    self._finish_stream(request_id, e)
-            else:
-                out = self.engine.abort(msg[1])
-                if out is not None:
-                    self._deliver(out)
-                elif msg[1] in self._streams:       # still in the inbox: drop it there
-                    self._finish_stream(msg[1], None)
-
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is not None:
-            stream.put(out)
-        if out.finished:
-            self._finish_stream(out.request_id, None, notify=False)
-
-    def _finish_stream(self, request_id: str, error: BaseException | None, notify: bool = True) -> None:
-        with self._lock:
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                self._pending -= 1
-        if stream is not None and notify:
-            stream.put(error if error is not None else RequestOutput(request_id, [], [], finished=True))
-
-    def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self._streams):
-            self.engine.abort(request_id)
-            self._finish_stream(request_id, RuntimeError(f"engine failure: {error}"))
-
-
-class LLM:
-    """Offline batch generation: `LLM(model=dir).generate(prompts, SamplingParams(...))`."""
-
-    def __init__(self, model: str | None = None, **engine_kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
-        self.tokenizer = self.engine.tokenizer
-
-    def generate(self, prompts: list[str] | list[list[int]] | str,
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Final outputs in prompt order (each choice's full text and token ids)."""
-        from tqdm import tqdm
-
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        order = {}
-        for i, (p, sp) in enumerate(zip(ids, params)):
-            order[self.engine.add_request(p, sp)] = i
-        results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    final = results.setdefault(out.request_id, RequestOutput(
-                        out.request_id, out.prompt_token_ids,
-                        [CompletionOutput(i, "", []) for i in range(params[order[out.request_id]].n)]))
-                    for c in out.outputs:
-                        acc = final.outputs[c.index]
-                        acc.text += c.text
-                        acc.token_ids += c.token_ids
-                        if c.logprobs:
-                            acc.logprobs = (acc.logprobs or []) + c.logprobs
-                        acc.finish_reason = c.finish_reason or acc.finish_reason
-                    final.finished = out.finished
-                    if out.finished:
-                        final.arrival_time, final.first_token_time = out.arrival_time, out.first_token_time
-                        final.finish_time = out.finish_time
-                        bar.update(1)
-        return [results[rid] for rid, _ in sorted(order.items(), key=lambda kv: kv[1])]

@@ -20,7 +20,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-ENV = {
+from jaxserve.config import DistributedConfig
+
+ENV = {   # read only by distributed_config
     "coordinator_address": "JAXSERVE_COORDINATOR_ADDRESS",  # host:port of process 0
     "num_processes": "JAXSERVE_NUM_PROCESSES",
     "process_id": "JAXSERVE_PROCESS_ID",
@@ -33,49 +35,37 @@ WAKE_KEY = "jaxserve/wake/{}"
 _DTYPES = (np.int32, np.float32, np.bool_, np.uint32)
 
 
-def resolve(coordinator_address: str | None = None, num_processes: int | None = None,
-            process_id: int | None = None) -> dict:
-    """The jax.distributed.initialize arguments: the given ones, else the JAXSERVE_* environment
-    variables; those still unset are left to JAX's cluster detection (Cloud TPU pod slices,
-    SLURM, Open MPI)."""
+def distributed_config(coordinator_address: str | None = None, num_processes: int | None = None,
+                       process_id: int | None = None) -> DistributedConfig | None:
+    """This process's multi-host settings: the given values, else the documented JAXSERVE_*
+    variables, the rest from JAX's cluster detection (Cloud TPU pod slices, SLURM, Open MPI);
+    None when there is one process. The launcher (jaxserve.cli) calls it once and passes the
+    result on in EngineConfig.distributed: it must know the process id before the engine starts."""
     given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
              "process_id": process_id}
-    kwargs = {}
     for name, value in given.items():
         if value is None and os.environ.get(ENV[name]):
-            value = os.environ[ENV[name]]
-        if value is not None:
-            kwargs[name] = value if name == "coordinator_address" else int(value)
-    return kwargs
+            given[name] = os.environ[ENV[name]]
+    if None in given.values():
+        from jax._src.clusters import ClusterEnv   # no public API for detection alone
+
+        address, n, pid, _ = ClusterEnv.auto_detect_unset_distributed_params(
+            given["coordinator_address"], given["num_processes"], given["process_id"], None, None, 300)
+        if None in (address, n, pid):
+            raise SystemExit("multi-host: no cluster detected; give --coordinator-address, --num-processes "
+                             f"and --process-id (or {', '.join(ENV.values())})")
+        given = {"coordinator_address": address, "num_processes": n, "process_id": pid}
+    dist = DistributedConfig(str(given["coordinator_address"]), int(given["num_processes"]),
+                             int(given["process_id"]))
+    return dist if dist.num_processes > 1 else None
 
 
-def detect(**given) -> dict:
-    """`given` completed by JAX's cluster detection (what jax.distributed.initialize would find),
-    without starting JAX: the launcher must know the process id before the serving process starts."""
-    from jax._src.clusters import ClusterEnv   # no public API for detection alone
-
-    address, n, pid, _ = ClusterEnv.auto_detect_unset_distributed_params(
-        given.get("coordinator_address"), given.get("num_processes"), given.get("process_id"),
-        None, None, 300)
-    if None in (address, n, pid):
-        raise SystemExit("multi-host: no cluster detected; give --coordinator-address, --num-processes "
-                         f"and --process-id (or {', '.join(ENV.values())})")
-    return {"coordinator_address": address, "num_processes": int(n), "process_id": int(pid)}
-
-
-def configured() -> bool:
-    """Whether this process is one of several (the JAXSERVE_* variables say so)."""
-    return int(os.environ.get(ENV["num_processes"]) or 1) > 1
-
-
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> None:
-    """jax.distributed.initialize with `resolve`'s arguments, so on a TPU slice `initialize()`
-    on every host is enough."""
+def initialize(dist: DistributedConfig) -> None:
+    """jax.distributed.initialize for this process of a multi-host engine."""
     # JAX's preemption service (for training checkpoints) catches SIGTERM; the server handles
     # SIGTERM itself (drain, then exit), so it must reach the server.
     jax.config.update("jax_enable_preemption_service", False)
-    jax.distributed.initialize(**resolve(coordinator_address, num_processes, process_id))
+    jax.distributed.initialize(dist.coordinator_address, dist.num_processes, dist.process_id)
 
 
 def is_leader() -> bool:

@@ -26,6 +26,7 @@ class Sequence:
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     index: int = 0
+    seed: int = 0                      # the sampler's seed for this choice (set by the engine)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0       # tokens whose K/V are in the cache
     # Owned by the BlockManager: physical pages, and the chained prefix-cache keys of the

@@ -1,11 +1,12 @@
 """One of two local processes serving one engine through jax.distributed (2 CPU devices each,
 tensor parallel over the 4 global devices), run by tests/test_multihost.py:
-  JAXSERVE_COORDINATOR_ADDRESS=127.0.0.1:PORT JAXSERVE_NUM_PROCESSES=2 JAXSERVE_PROCESS_ID=i \\
-  XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.multihost_worker MODEL_DIR
-Both processes build the same LLMEngine and warm it up. Process 0 serves WAVES through the
-engine thread (idle between the waves, so the follower is parked and woken once), then shuts it
-down; process 1 only follows. Each prints one JSON line: the steps it ran, and on process 0
-every request's tokens and logprobs."""
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
+  python -m tests.multihost_worker MODEL_DIR 127.0.0.1:PORT PROCESS_ID
+Both processes build their engine client through jaxserve.factory from the same EngineConfig
+(but for the process id) and warm it up: process 0 gets an EngineThread and serves WAVES
+(idle between the waves, so the follower is parked and woken once), then shuts it down;
+process 1 gets a Follower. Each prints one JSON line: the steps it ran, and on process 0 every
+request's tokens and logprobs."""
 import json
 import os
 import sys
@@ -14,9 +15,9 @@ import time
 
 import jax
 
-from jaxserve import multihost
-from jaxserve.config import EngineConfig, SamplingParams
-from jaxserve.engine import EngineThread, LLMEngine
+from jaxserve import factory
+from jaxserve.config import DistributedConfig, EngineConfig, SamplingParams
+from jaxserve.engine_thread import EngineThread
 
 # Small buckets: warm-up compiles 8 shapes (3 steps, 4 samplers, the page copy), kept between runs
 # in the persistent cache the server tests use.
@@ -53,24 +54,26 @@ def collect(stream) -> dict:
     return {"tokens": [tokens[i] for i in sorted(tokens)], "top": [top[i] for i in sorted(top)]}
 
 
-def main(model_dir: str) -> None:
-    multihost.initialize()
+def main(model_dir: str, coordinator_address: str, process_id: str) -> None:
+    dist = DistributedConfig(coordinator_address, num_processes=2, process_id=int(process_id))
+    client = factory.build_client(EngineConfig(model=model_dir, mesh={"model": 4}, distributed=dist, **ENGINE))
     assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.devices())
-    engine = LLMEngine(EngineConfig(model=model_dir, mesh={"model": 4}, **ENGINE))
-    engine.warmup()
-    if not multihost.is_leader():
-        print(json.dumps({"steps": engine.runner.follow()}))
+    client.start()
+    if not dist.is_leader:
+        assert isinstance(client, factory.Follower)
+        client.shutdown(drain=True)   # until process 0 stops
+        print(json.dumps({"steps": client.steps}))
         return
-    thread = EngineThread(engine).start(warmup=False)
+    assert isinstance(client, EngineThread)
     results = {}
     for wave in WAVES:
-        streams = {rid: thread.submit(ids, params, rid) for rid, ids, params in wave}
+        streams = {rid: client.submit(ids, params, rid) for rid, ids, params in wave}
         results.update({rid: collect(s) for rid, s in streams.items()})
         time.sleep(0.3)   # the engine thread idles: the follower is parked until the next wave
-    thread.shutdown()
-    print(json.dumps({"steps": engine.stats["steps"], "pauses": engine.runner.broadcaster.pauses,
+    client.shutdown()
+    print(json.dumps({"steps": client.engine.stats["steps"], "pauses": client.engine.runner.broadcaster.pauses,
                       "results": results}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -219,7 +219,9 @@ def check_param_bytes() -> dict:
 
 
 def check_data_parallel(model_dir: str) -> dict:
-    """Two engine replicas, TP 2 each ({"data": 2, "model": 2}), against one-device greedy."""
+    """The factory's data-parallel client: two engine replicas, TP 2 each ({"data": 2,
+    "model": 2}, on the first 4 devices), against one-device greedy."""
+    from jaxserve import factory
     from jaxserve.config import EngineConfig, SamplingParams
     from jaxserve.data_parallel import DataParallelEngine
 
@@ -230,7 +232,8 @@ def check_data_parallel(model_dir: str) -> dict:
     ecfg = EngineConfig(model=model_dir, mesh={"data": 2, "model": 2}, max_num_seqs=4,
                         max_num_batched_tokens=32, prefill_chunk_size=32, max_model_len=64,
                         num_pages=32, page_size=8, compilation_cache_dir=None)
-    dp = DataParallelEngine(ecfg, devices=jax.devices()[:4])
+    dp = factory.build_client(ecfg)
+    assert isinstance(dp, DataParallelEngine)
     sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     streams = [dp.submit(p, sp) for p in ps]  # all queued before the threads start: few shapes
     dp.start(warmup=False)

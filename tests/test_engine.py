@@ -194,15 +194,3 @@ def test_no_compilation_after_warmup(setup):
     assert engine.scheduler.num_preemptions > 0  # the small pool forced preemption on the way
     assert CompileCounter.count == before
     assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
-
-
-def test_offline_llm_api(setup):
-    from jaxserve.engine import LLM
-
-    d, _, prompts, ref = setup
-    llm = LLM(model=d, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, num_pages=80)
-    outs = llm.generate([prompts[0], prompts[2]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
-                        use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [ref[0][:5], ref[2][:5]]
-    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
-    assert outs[0].outputs[0].text == llm.tokenizer.decode(ref[0][:5])

@@ -1,5 +1,7 @@
 """Multi-host: the step broadcast (in process), and two local processes serving one TP-4 engine
-through jax.distributed on the CPU (gloo) collectives, against transformers' greedy tokens."""
+through jax.distributed on the CPU (gloo) collectives, against transformers' greedy tokens; both
+built by jaxserve.factory (process 0 an EngineThread, process 1 a Follower); and the launcher's
+reading of the JAXSERVE_* variables."""
 import json
 import os
 import socket
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from jaxserve import multihost
+from jaxserve.config import DistributedConfig
 from tests.hf_models import save_engine_model
 from tests.multihost_worker import WAVES
 
@@ -43,10 +46,9 @@ def run_workers(model_dir: str) -> list[dict]:
     procs = []
     for pid in range(2):
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-               "JAXSERVE_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-               "JAXSERVE_NUM_PROCESSES": "2", "JAXSERVE_PROCESS_ID": str(pid)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", model_dir],
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", model_dir,
+                                       f"127.0.0.1:{port}", str(pid)],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outs = []
@@ -89,3 +91,16 @@ def test_engine_on_two_processes_matches_one_process(tmp_path):
             for got_step, want_step in zip(top, want_top, strict=True):
                 assert [t for t, _ in got_step] == [t for t, _ in want_step], rid
                 np.testing.assert_allclose([p for _, p in got_step], [p for _, p in want_step], atol=1e-4)
+
+
+def test_distributed_config_from_flags_then_variables(monkeypatch):
+    for name in multihost.ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JAXSERVE_COORDINATOR_ADDRESS", "node0:1234")
+    monkeypatch.setenv("JAXSERVE_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAXSERVE_PROCESS_ID", "3")
+    assert multihost.distributed_config() == DistributedConfig("node0:1234", 4, 3)
+    assert multihost.distributed_config(process_id=1) == DistributedConfig("node0:1234", 4, 1)   # flags first
+    assert multihost.distributed_config(num_processes=1, process_id=0) is None   # one process
+    with pytest.raises(ValueError, match="process_id must be in"):
+        multihost.distributed_config(process_id=4)

@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import EngineConfig, InvalidRequest, SamplingParams
 from jaxserve.metrics import Metrics
 from jaxserve.server.errors import APIError
 
@@ -22,7 +22,7 @@ class EngineHost:
         self.model_name = model_name
         self.created = int(time.time())
         self.metrics = Metrics()
-        self.engine_thread = None          # an EngineThread (or DataParallelEngine) once warm
+        self.engine_thread = None          # the EngineClient (jaxserve.factory) once warm
         self.load_error: Exception | None = None
         self.draining = False
         self._on_load_error = on_load_error
@@ -30,31 +30,19 @@ class EngineHost:
 
     def _load(self) -> None:
         try:
-            from jaxserve import multihost   # JAX starts here, in the serving process
-            from jaxserve.data_parallel import DataParallelEngine
-            from jaxserve.engine import EngineThread, LLMEngine
+            from jaxserve import factory   # JAX starts here, in the serving process
             from jaxserve.roofline import RooflineMeter, device_peaks
 
             t0 = time.monotonic()
-            if multihost.configured():   # process 0 of several (the others follow: jaxserve.cli)
-                multihost.initialize()
-            if self.engine_cfg.mesh.get("data", 1) > 1:   # one engine thread per replica
-                served = DataParallelEngine(self.engine_cfg)
-                threads = served.threads
-            else:
-                served = EngineThread(LLMEngine(self.engine_cfg))
-                threads = [served]
-            for thread in threads:   # before anything else: multi-host followers warm up at once
-                thread.engine.warmup()
-            engine = threads[0].engine
-            self.metrics.engines = [thread.engine for thread in threads]
-            # MBU / MFU gauges of the first replica (every replica has the same devices' share).
-            self.metrics.roofline = RooflineMeter(engine, device_peaks())
-            threads[0].step_listeners.append(self.metrics.roofline.on_step)
-            served.start(warmup=False)
-            self.engine_thread = served
+            client = factory.build_client(self.engine_cfg)
+            # Warm-up before anything else: multi-host followers warm up at the same time.
+            client.start(warmup=True)
+            self.metrics.engines = client.engines
+            self.metrics.roofline = RooflineMeter(client.engine, device_peaks())
+            client.step_listeners.append(self.metrics.roofline.on_step)
+            self.engine_thread = client
             log.info("ready: %s (max_model_len %d, %d KV pages, %d replica(s)) after %.1fs", self.model_name,
-                     engine.max_model_len, engine.block_manager.num_pages, len(threads),
+                     client.engine.max_model_len, client.engine.block_manager.num_pages, len(client.engines),
                      time.monotonic() - t0)
         except Exception as e:
             log.exception("the engine failed to load")
@@ -63,7 +51,7 @@ class EngineHost:
                 self._on_load_error()
 
     def require_engine(self):
-        """The EngineThread, or 503 while warming up / shutting down."""
+        """The EngineClient, or 503 while warming up / shutting down."""
         if self.draining:
             raise APIError(503, "the server is shutting down")
         if self.engine_thread is None:
@@ -73,22 +61,20 @@ class EngineHost:
         return self.engine_thread
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> list:
-        """Validate every prompt, then submit each as `{request_id}-{i}`; all or nothing."""
-        from jaxserve.engine import EngineStoppedError, QueueFullError
+        """Submit each prompt as `{request_id}-{i}` (the engine checks each one); all or nothing:
+        a refusal aborts the prompts submitted before it."""
+        from jaxserve.engine_thread import EngineStoppedError, QueueFullError
 
-        engine_thread = self.require_engine()
-        try:
-            for ids in prompts:
-                engine_thread.engine.validate(ids, params)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        client = self.require_engine()
         streams = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(engine_thread.submit(ids, params, f"{request_id}-{i}"))
-        except (QueueFullError, EngineStoppedError) as e:
+                streams.append(client.submit(ids, params, f"{request_id}-{i}"))
+        except (InvalidRequest, QueueFullError, EngineStoppedError) as e:
             for s in streams:
                 s.abort()
+            if isinstance(e, InvalidRequest):
+                raise APIError(400, str(e), param=e.param) from None
             raise APIError(429 if isinstance(e, QueueFullError) else 503, str(e)) from None
         return streams
 

@@ -5,13 +5,12 @@ this server does not implement are rejected when set, rather than silently ignor
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
 from flask import request
 
-from jaxserve.config import SamplingParams
+from jaxserve.config import InvalidRequest, SamplingParams
 from jaxserve.server.errors import APIError
 
 MAX_STOP_STRINGS = 16
@@ -20,7 +19,6 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 # Set to anything but these "off" values, these fields get a 400.
 UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
                "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
-SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def json_body() -> dict:
@@ -87,34 +85,29 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None) -> Sampli
     else:
         logprobs = field(body, "logprobs", is_int, "an integer", None)
     stop = field(body, "stop", lambda v: isinstance(v, (str, list)), "a string or a list of strings", [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, f"'stop' must hold at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
-    top_k = field(body, "top_k", is_int, "an integer", 0)
-    params = SamplingParams(
-        n=n,
-        max_tokens=field(body, "max_tokens", is_int, "an integer", max_tokens),
-        temperature=field(body, "temperature", is_number, "a number", 1.0),
-        top_p=field(body, "top_p", is_number, "a number", 1.0),
-        top_k=0 if top_k == -1 else top_k,   # -1 also means off (vLLM)
-        min_p=field(body, "min_p", is_number, "a number", 0.0),
-        presence_penalty=field(body, "presence_penalty", is_number, "a number", 0.0),
-        frequency_penalty=field(body, "frequency_penalty", is_number, "a number", 0.0),
-        repetition_penalty=field(body, "repetition_penalty", is_number, "a number", 1.0),
-        seed=field(body, "seed", lambda v: is_int(v) and -2**63 <= v < 2**64, "a 64-bit integer", None),
-        stop=stop,
-        stop_token_ids=field(body, "stop_token_ids", lambda v: isinstance(v, list) and all(map(is_int, v)),
-                             "a list of token ids", []),
-        ignore_eos=field(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
-        logprobs=logprobs,
-    )
-    try:
-        params.validate()
-    except ValueError as e:
-        name = str(e).split()[0]
-        name = "top_logprobs" if chat and name == "logprobs" else name
-        raise APIError(400, str(e), param=name if name in SAMPLING_FIELDS | {"top_logprobs"} else None) from None
-    return params
+    if len(stop if isinstance(stop, list) else [stop]) > MAX_STOP_STRINGS:
+        raise APIError(400, f"'stop' must hold at most {MAX_STOP_STRINGS} strings", param="stop")
+    try:   # SamplingParams checks its values (ranges, non-empty stop strings) when built
+        return SamplingParams(
+            n=n,
+            max_tokens=field(body, "max_tokens", is_int, "an integer", max_tokens),
+            temperature=field(body, "temperature", is_number, "a number", 1.0),
+            top_p=field(body, "top_p", is_number, "a number", 1.0),
+            top_k=field(body, "top_k", is_int, "an integer", 0),
+            min_p=field(body, "min_p", is_number, "a number", 0.0),
+            presence_penalty=field(body, "presence_penalty", is_number, "a number", 0.0),
+            frequency_penalty=field(body, "frequency_penalty", is_number, "a number", 0.0),
+            repetition_penalty=field(body, "repetition_penalty", is_number, "a number", 1.0),
+            seed=field(body, "seed", lambda v: is_int(v) and -2**63 <= v < 2**64, "a 64-bit integer", None),
+            stop=stop,
+            stop_token_ids=field(body, "stop_token_ids", lambda v: isinstance(v, list) and all(map(is_int, v)),
+                                 "a list of token ids", []),
+            ignore_eos=field(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
+            logprobs=logprobs,
+        )
+    except InvalidRequest as e:
+        param = "top_logprobs" if chat and e.param == "logprobs" else e.param
+        raise APIError(400, str(e), param=param) from None
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:

@@ -1,0 +1,193 @@
+"""The engine on a background thread: thread-safe submit / abort / shutdown, one RequestStream
+per request, and a bounded queue (QueueFullError past it) for the server and other callers that
+do not step the engine themselves."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Iterator
+
+from jaxserve.config import InvalidRequest, SamplingParams
+from jaxserve.engine import LLMEngine, Request, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full (HTTP 429)."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shutting down and accepts no new requests (HTTP 503)."""
+
+
+class RequestStream:
+    """The frontend's handle on one request: iterate it for RequestOutput deltas."""
+
+    def __init__(self, request_id: str, engine: "EngineThread"):
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: queue.Queue = queue.Queue()
+
+    def put(self, item) -> None:
+        self._queue.put(item)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return self.outputs()
+
+    def outputs(self, alive: Callable[[], bool] | None = None,
+                poll_s: float = 0.25) -> Iterator[RequestOutput]:
+        """The deltas until the finished one. With `alive`, ask it every `poll_s` seconds
+        while waiting and stop early when it says no (the caller then aborts)."""
+        next_check = time.monotonic() + poll_s
+        while True:
+            try:
+                item = self._queue.get(timeout=poll_s if alive else None)
+            except queue.Empty:
+                item = None
+            if alive is not None and time.monotonic() >= next_check:
+                if not alive():
+                    return
+                next_check = time.monotonic() + poll_s
+            if item is None:
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    def abort(self) -> None:
+        self._engine.abort(self.request_id)
+
+
+class EngineThread:
+    """Runs LLMEngine.step in a background thread; thread-safe submit / abort / shutdown.
+    An EngineClient (jaxserve.factory): the server's engine when there is one replica."""
+
+    def __init__(self, engine: LLMEngine, max_queue_size: int | None = None):
+        self.engine = engine
+        self.engines = [engine]
+        self.max_queue_size = engine.ecfg.max_queue_size if max_queue_size is None else max_queue_size
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._wake = threading.Event()
+        self._accepting = True
+        self._stop = False
+        self._lock = threading.Lock()
+        self._pending = 0   # submitted, not yet finished
+        self.step_listeners = []   # called with (RequestOutput list, step seconds) after each step
+        self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
+
+    def start(self, warmup: bool = True) -> "EngineThread":
+        if warmup:
+            self.engine.warmup()
+        self.ready.set()
+        self._thread.start()
+        return self
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               request_id: str | None = None) -> RequestStream:
+        """Check (the request's one check) and enqueue. Raises InvalidRequest (a ValueError: bad
+        input), QueueFullError, EngineStoppedError."""
+        req = self.engine.new_request(prompt_token_ids, params, request_id)
+        with self._lock:
+            if not self._accepting:
+                raise EngineStoppedError("the server is shutting down")
+            # Counted from the requests in flight, not the scheduler's waiting list: the engine
+            # thread admits with a lag, and a burst must not see slots it has not reached yet.
+            if self._pending >= self.engine.ecfg.max_num_seqs + self.max_queue_size:
+                raise QueueFullError(f"the waiting queue is full ({self.max_queue_size} requests beyond "
+                                     f"the {self.engine.ecfg.max_num_seqs} running)")
+            if req.request_id in self._streams:
+                raise InvalidRequest(f"duplicate request id {req.request_id!r}")
+            stream = RequestStream(req.request_id, self)
+            self._streams[req.request_id] = stream
+            self._pending += 1
+        self._inbox.put(("add", req))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting; with drain, finish what was accepted first."""
+        with self._lock:
+            self._accepting = False
+        if drain:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self._pending and (deadline is None or time.monotonic() < deadline):
+                time.sleep(0.01)
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    @property
+    def num_pending(self) -> int:
+        return self._pending
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self.engine.runner.pause_followers()   # multi-host: park the other processes
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            t0 = time.monotonic()
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # never leave clients hanging on a dead engine
+                log.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            dt = time.monotonic() - t0
+            for out in outputs:
+                self._deliver(out)
+            for listener in self.step_listeners:
+                listener(outputs, dt)
+        self.engine.runner.stop_followers()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                req: Request = msg[1]
+                if req.request_id in self._streams:   # else aborted before it was added
+                    self.engine.add(req)
+            else:
+                out = self.engine.abort(msg[1])
+                if out is not None:
+                    self._deliver(out)
+                elif msg[1] in self._streams:       # still in the inbox: drop it there
+                    self._finish_stream(msg[1], None)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put(out)
+        if out.finished:
+            self._finish_stream(out.request_id, None, notify=False)
+
+    def _finish_stream(self, request_id: str, error: BaseException | None, notify: bool = True) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                self._pending -= 1
+        if stream is not None and notify:
+            stream.put(error if error is not None else RequestOutput(request_id, [], [], finished=True))
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+            self._finish_stream(request_id, RuntimeError(f"engine failure: {error}"))
+
+

@@ -1,0 +1,152 @@
+"""The offline API, as vLLM users write it:
+
+    from jaxserve import LLM, SamplingParams
+    llm = LLM(model="/path/to/hf-model", max_model_len=2048)
+    for out in llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=32)):
+        print(out.outputs[0].text)
+
+`LLM` steps one engine (jaxserve.factory.build_engine) in the caller's thread until every
+request has finished, and returns each request's final output in input order.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Union
+
+from jaxserve.config import EngineConfig, InvalidRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.runner import SampleResult
+
+# A prompt: text, token ids, {"prompt_token_ids": [...]} or {"prompt": "..."}.
+Prompt = Union[str, list[int], dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None            # 1 = the most likely token; None when not among the top-N
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One choice, complete."""
+    index: int
+    text: str
+    token_ids: list[int]
+    # Per generated token, {token id: Logprob} for the sampled token and the top-N (when the
+    # request asked for logprobs), else None.
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None          # 'stop' | 'length'
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None                 # None when the prompt was given as token ids only
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+class LLM:
+    """`LLM(model=DIR, **EngineConfig fields)`; model None is the embedded tiny model."""
+
+    def __init__(self, model: str | None = None, **engine_config):
+        from jaxserve.factory import build_engine
+
+        cfg = EngineConfig(model=model, **engine_config)
+        if cfg.distributed is not None or cfg.mesh.get("data", 1) > 1:
+            raise ValueError("LLM runs one engine in this process; multi-host and data-parallel "
+                             "engines serve through `jaxserve serve`")
+        self.llm_engine = build_engine(cfg)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One prompt or a list; one SamplingParams for all, or one per prompt. Every request is
+        checked before any runs (InvalidRequest names the prompt at fault)."""
+        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
+                                                      and all(isinstance(t, int) for t in prompts))
+        prompts = [prompts] if single else list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        else:
+            params = [params] * len(prompts)
+        parsed = [self._parse(p, i) for i, p in enumerate(prompts)]
+        return self._run([text for text, _ in parsed], [ids for _, ids in parsed], params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation ([{"role", "content"}, ...]) or a list of them, through the model's
+        chat template, the assistant's turn to come."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        # The template writes any bos itself.
+        return self.generate([{"prompt": t, "prompt_token_ids": tokenizer.encode(t, add_special_tokens=False)}
+                              for t in texts], sampling_params, use_tqdm)
+
+    def _parse(self, prompt: Prompt, i: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.get_tokenizer().encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequest(f"prompt {i}: expected a string, a list of token ids, {{'prompt_token_ids': "
+                             f"[...]}} or {{'prompt': '...'}}, got {type(prompt).__name__}", param="prompt")
+
+    def _run(self, texts: list[str | None], ids: list[list[int]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        engine = self.llm_engine
+        requests = []
+        for i, (p, sp) in enumerate(zip(ids, params)):
+            try:
+                requests.append(engine.new_request(p, sp))
+            except InvalidRequest as e:
+                raise InvalidRequest(f"prompt {i}: {e}", param=e.param) from None
+        results = {req.request_id: RequestOutput(
+            req.request_id, text, req.prompt_token_ids,
+            [CompletionOutput(c, "", [], [] if req.params.logprobs is not None else None, None)
+             for c in range(req.params.n)], False) for req, text in zip(requests, texts)}
+        for req in requests:
+            engine.add(req)
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req") as bar:
+            while engine.has_unfinished():
+                for delta in engine.step():
+                    final = results[delta.request_id]
+                    for c in delta.outputs:
+                        acc = final.outputs[c.index]
+                        acc.text += c.text
+                        acc.token_ids += c.token_ids
+                        if acc.logprobs is not None:
+                            acc.logprobs += [self._logprobs(r) for r in c.logprobs[:len(c.token_ids)]]
+                        acc.finish_reason = c.finish_reason or acc.finish_reason
+                    if delta.finished:
+                        final.finished = True
+                        bar.update(1)
+        return [results[req.request_id] for req in requests]
+
+    def _logprobs(self, r: "SampleResult") -> dict[int, Logprob]:
+        """vLLM's shape: the sampled token first, then the top-N, most likely first."""
+        decode = self.get_tokenizer().decode
+        ranks = {t: i + 1 for i, (t, _) in enumerate(r.top)}
+        out = {r.token: Logprob(r.logprob, ranks.get(r.token), decode([r.token], skip_special_tokens=False))}
+        for t, lp in r.top:
+            out.setdefault(t, Logprob(lp, ranks[t], decode([t], skip_special_tokens=False)))
+        return out

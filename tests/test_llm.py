@@ -1,0 +1,160 @@
+"""The offline API (`from jaxserve import LLM, SamplingParams`) on the embedded tiny model:
+every prompt form, one or per-prompt SamplingParams, logprobs in vLLM's shape, chat, the README
+example; greedy tokens against transformers and against the engine stepped directly."""
+import contextlib
+import io
+import os
+import re
+import tempfile
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import InvalidRequest
+from jaxserve.engine import TINY_MODEL_DIR
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The README example's settings (so its run reuses these tests' compiled steps): few buckets.
+ENGINE = dict(max_model_len=512, kv_cache_mb=64, max_num_seqs=8, max_num_batched_tokens=64,
+              compilation_cache_dir=os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache"))
+PROMPTS = ["The try statement specifies", "Lists are mutable sequences", "def f(x):\n    return"]
+NEW = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model=None, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf, ids: list[int], n: int = NEW) -> list[int]:
+    """n argmax tokens from transformers' forward pass (eos not special)."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+@pytest.fixture(scope="module")
+def reference(llm, hf):
+    """Each prompt's token ids (transformers' tokenizer) and transformers' greedy tokens."""
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    ids = [tok.encode(p) for p in PROMPTS]
+    return ids, [hf_greedy(hf, i) for i in ids]
+
+
+def test_greedy_matches_transformers_and_the_engine(llm, reference):
+    ids, want = reference
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outs] == PROMPTS and [o.prompt_token_ids for o in outs] == ids
+    assert [o.outputs[0].token_ids for o in outs] == want
+    tokenizer = llm.get_tokenizer()
+    for o in outs:
+        (c,) = o.outputs
+        assert o.finished and c.finished() and c.finish_reason == "length" and c.index == 0
+        assert c.text == tokenizer.decode(c.token_ids) and c.logprobs is None
+    # The engine stepped directly gives the same tokens.
+    engine = llm.llm_engine
+    rids = [engine.add_request(i, GREEDY) for i in ids]
+    direct = {r: [] for r in rids}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            direct[delta.request_id] += delta.outputs[0].token_ids
+    assert [direct[r] for r in rids] == want
+
+
+def test_every_prompt_form(llm, reference):
+    ids, want = reference
+    (one,) = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)   # a single string
+    assert one.outputs[0].token_ids == want[0]
+    (one,) = llm.generate(ids[1], GREEDY, use_tqdm=False)       # a single list of token ids
+    assert one.prompt is None and one.prompt_token_ids == ids[1] and one.outputs[0].token_ids == want[1]
+    (one,) = llm.generate({"prompt": PROMPTS[2]}, use_tqdm=False,
+                          sampling_params=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert one.prompt == PROMPTS[2] and one.outputs[0].token_ids == want[2][:3]
+    # A list of every form, with one SamplingParams per prompt.
+    forms = [{"prompt_token_ids": ids[2]}, ids[0], PROMPTS[1], {"prompt": PROMPTS[0]}]
+    lengths = [5, 2, NEW, 7]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = llm.generate(forms, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want[2][:5], want[0][:2], want[1], want[0][:7]]
+    assert [o.prompt for o in outs] == [None, None, PROMPTS[1], PROMPTS[0]]
+    assert len({o.request_id for o in outs}) == 4
+    with pytest.raises(ValueError, match="2 sampling params for 4 prompts"):
+        llm.generate(forms, params[:2], use_tqdm=False)
+
+
+def test_requests_are_checked_before_any_runs(llm):
+    engine = llm.llm_engine
+    steps = engine.stats["steps"]
+    with pytest.raises(InvalidRequest, match="prompt 1: prompt token ids out of range"):
+        llm.generate(["fine", [5, 10**6]], GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidRequest, match="prompt 0: .*maximum context length is 512"):
+        llm.generate([[5] * 505], GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidRequest, match="prompt 0: expected a string"):
+        llm.generate([{"text": "x"}], use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature must be between 0 and 2"):
+        SamplingParams(temperature=2.5)
+    assert engine.stats["steps"] == steps and not engine.has_unfinished()
+
+
+def test_logprobs_in_vllm_shape_match_transformers(llm, hf, reference):
+    ids, want = reference
+    (out,) = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True),
+                          use_tqdm=False)
+    c = out.outputs[0]
+    assert c.token_ids == want[0][:4] and len(c.logprobs) == 4
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids[0] + c.token_ids])).logits[0, len(ids[0]) - 1:-1].double()
+    ref = torch.log_softmax(logits, -1)
+    tokenizer = llm.get_tokenizer()
+    for step, (token, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+        top = torch.topk(ref[step], 3).indices.tolist()
+        assert list(entry) == top and top[0] == token   # greedy: the sampled token is the top one
+        for rank, t in enumerate(top, 1):
+            assert entry[t].rank == rank and abs(entry[t].logprob - ref[step, t].item()) < 1e-4
+            assert entry[t].decoded_token == tokenizer.decode([t], skip_special_tokens=False)
+
+
+def test_chat_applies_the_template(llm, hf):
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    conversations = [[{"role": "user", "content": "Tell me about the while statement."}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"}]]
+    outs = llm.chat(conversations, GREEDY, use_tqdm=False)
+    for conv, out in zip(conversations, outs):
+        ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert out.prompt_token_ids == ids and out.prompt == tok.decode(ids)
+        assert out.outputs[0].token_ids == hf_greedy(hf, ids)
+    (one,) = llm.chat(conversations[0], GREEDY, use_tqdm=False)   # one conversation
+    assert one.outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_readme_offline_example_runs(hf):
+    """The python block of README.md's "Offline batch inference" section, run as written: its
+    first line of output is transformers' greedy continuation of its first prompt."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    section = readme.split("## Offline batch inference", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    lines = stdout.getvalue().splitlines()
+    prompt = re.search(r'prompts = \[\s*"([^"]+)"', code).group(1)
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    ids = tok.encode(prompt)
+    max_tokens = int(re.search(r"max_tokens=(\d+)", code).group(1))
+    want = hf_greedy(hf, ids, max_tokens)
+    if tok.eos_token_id in want:   # generate stops at eos
+        want = want[:want.index(tok.eos_token_id)]
+    from jaxserve.tokenizer import load_tokenizer
+    assert lines[0] == f"{prompt!r} -> {load_tokenizer(TINY_MODEL_DIR).decode(want)!r}"
+    assert len(lines) >= 3
