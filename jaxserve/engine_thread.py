@@ -84,7 +84,6 @@ class EngineThread:
     def start(self, warmup: bool = True) -> "EngineThread":
         if warmup:
             self.engine.warmup()
-        self.ready.set()
         self._thread.start()
         return self
 
