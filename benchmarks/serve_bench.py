@@ -11,7 +11,7 @@ When the server has a Prometheus /metrics, its counters' deltas and utilization 
 reported beside the client's figures.
 
   python -m benchmarks.serve_bench --rates 0.5,1,2,4 --num-prompts 100 --prompt-kind ids --vocab-size 400
-  jaxserve bench serve --base-url http://127.0.0.1:8000 --request-rate 2
+  python -m benchmarks.serve_bench --base-url http://127.0.0.1:8000 --request-rate 2
 
 Writes <out>.json, <out>.md and <out>.png (latency and goodput against rate).
 """

@@ -116,7 +116,7 @@ class LLMEngine:
                                  f"the prompt has {len(prompt_token_ids)} tokens and max_tokens is "
                                  f"{params.max_tokens} ({total} in total)", param="prompt")
         # The last sampled token is never written to the cache.
-        pages = -(-(total - 1) // self.ecfg.page_size)
+        pages = self.block_manager.pages_for(total - 1)
         if pages > self.block_manager.num_pages:
             raise InvalidRequest(f"{len(prompt_token_ids)} prompt tokens + max_tokens={params.max_tokens} need "
                                  f"{pages} KV pages of {self.ecfg.page_size} tokens, but the pool has "
