@@ -63,10 +63,9 @@ def _distributed(args) -> DistributedConfig | None:
     """This process's multi-host settings (flags, else JAXSERVE_* variables, else cluster
     detection); None on one host. JAX is imported only when multi-host is asked for (the
     gunicorn master stays free of it otherwise)."""
-    names = ("coordinator_address", "num_processes", "process_id")
-    given = [getattr(args, name) for name in names]
+    given = [getattr(args, name) for name in DistributedConfig.ENV]
     if not (args.multihost or any(v is not None for v in given)
-            or any(os.environ.get(f"JAXSERVE_{name.upper()}") for name in names)):
+            or any(os.environ.get(env) for env in DistributedConfig.ENV.values())):
         return None
     from jaxserve import multihost
 

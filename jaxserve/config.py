@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -142,6 +142,10 @@ def _sliding_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int |
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
     """One process of a multi-host engine: the jax.distributed.initialize arguments."""
+    # The documented variables a launcher may read them from (jaxserve.multihost.distributed_config).
+    ENV: ClassVar[dict[str, str]] = {"coordinator_address": "JAXSERVE_COORDINATOR_ADDRESS",
+                                     "num_processes": "JAXSERVE_NUM_PROCESSES",
+                                     "process_id": "JAXSERVE_PROCESS_ID"}
     coordinator_address: str               # host:port of process 0
     num_processes: int
     process_id: int

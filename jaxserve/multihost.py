@@ -22,11 +22,6 @@ from jax.experimental import multihost_utils
 
 from jaxserve.config import DistributedConfig
 
-ENV = {   # read only by distributed_config
-    "coordinator_address": "JAXSERVE_COORDINATOR_ADDRESS",  # host:port of process 0
-    "num_processes": "JAXSERVE_NUM_PROCESSES",
-    "process_id": "JAXSERVE_PROCESS_ID",
-}
 HEADER_SIZE = 256     # int32s: array count (-1: idle), then (dtype code, ndim, *dims) per array
 FIRST_SIZE = 4096     # int32s in a message's first broadcast: header + start of the payload
 BLOCK_SIZE = 1 << 16  # int32s in each further broadcast (fixed sizes: two compilations in all)
@@ -44,8 +39,9 @@ def distributed_config(coordinator_address: str | None = None, num_processes: in
     given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
              "process_id": process_id}
     for name, value in given.items():
-        if value is None and os.environ.get(ENV[name]):
-            given[name] = os.environ[ENV[name]]
+        env = DistributedConfig.ENV[name]
+        if value is None and os.environ.get(env):
+            given[name] = os.environ[env]
     if None in given.values():
         from jax._src.clusters import ClusterEnv   # no public API for detection alone
 
@@ -53,7 +49,7 @@ def distributed_config(coordinator_address: str | None = None, num_processes: in
             given["coordinator_address"], given["num_processes"], given["process_id"], None, None, 300)
         if None in (address, n, pid):
             raise SystemExit("multi-host: no cluster detected; give --coordinator-address, --num-processes "
-                             f"and --process-id (or {', '.join(ENV.values())})")
+                             f"and --process-id (or {', '.join(DistributedConfig.ENV.values())})")
         given = {"coordinator_address": address, "num_processes": n, "process_id": pid}
     dist = DistributedConfig(str(given["coordinator_address"]), int(given["num_processes"]),
                              int(given["process_id"]))

@@ -94,7 +94,7 @@ def test_engine_on_two_processes_matches_one_process(tmp_path):
 
 
 def test_distributed_config_from_flags_then_variables(monkeypatch):
-    for name in multihost.ENV.values():
+    for name in DistributedConfig.ENV.values():
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("JAXSERVE_COORDINATOR_ADDRESS", "node0:1234")
     monkeypatch.setenv("JAXSERVE_NUM_PROCESSES", "4")
