@@ -13,15 +13,12 @@ nothing is read from the environment here.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 from typing import Protocol
 
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine import LLMEngine
 from jaxserve.engine_thread import EngineStoppedError, EngineThread, RequestStream
-
-log = logging.getLogger(__name__)
 
 
 class EngineClient(Protocol):
@@ -56,7 +53,7 @@ class Follower:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.engines = [engine]
-        self.step_listeners = []
+        self.step_listeners = []   # never called: the steps are process 0's
         self.steps = 0   # steps replayed, once process 0 stopped
         self._thread = threading.Thread(target=self._follow, name="jaxserve-follower", daemon=True)
 
