@@ -107,16 +107,16 @@ def serve(args) -> int:
                  "multi-host serves one engine over all hosts' devices")
     if dist is not None and dist["process_id"] != 0:
         return _follow(cfg)
-    from jaxserve.server.wsgi import GunicornServer, exit_worker_on_load_error
+    from jaxserve.server.http_server import HTTPServer, exit_on_load_error
 
-    def app_factory():   # runs in the worker process, after gunicorn forked it
+    def app_factory():
         from jaxserve.server.app import create_app
         return create_app(cfg, served_model_name=args.served_model_name, api_key=args.api_key,
-                          on_load_error=exit_worker_on_load_error)
+                          on_load_error=exit_on_load_error)
 
-    # A thread per connection: every running and queued request, plus a few for probes.
+    # A thread per request being served: every running and queued request, plus a few for probes.
     threads = cfg.max_num_seqs + cfg.max_queue_size + 8
-    GunicornServer(app_factory, args.host, args.port, threads).run()
+    HTTPServer(app_factory, args.host, args.port, threads).run()
     return 0
 
 
