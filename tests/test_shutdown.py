@@ -15,9 +15,11 @@ from tests.hf_models import save_engine_model
 from tests.server_harness import ServerProcess
 
 MAX_TOKENS = 600   # long enough (about 2 s here) to be in flight when the signal lands
-ENGINE = dict(max_model_len=640, num_pages=96)   # room for STREAMS + 1 such requests
+# Room for STREAMS + 1 such requests; few step shapes to warm up.
+ENGINE = dict(max_model_len=640, num_pages=96, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16)
 STREAMS = 3
 GROUP_RUNS = 10    # the path that raced (two exit handlers) under gunicorn
+PARALLEL = 4
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +74,8 @@ def _stream_tokens(lines) -> int:
     return json.loads(events[-2][6:])["usage"]["completion_tokens"]
 
 
-def _run_path(model, tmp_path, signals: list[tuple[bool, int]]) -> None:
-    server = ServerProcess(tmp_path, model, **ENGINE)
+def _drain_run(model, workdir, signals: list[tuple[bool, int]]) -> None:
+    server = ServerProcess(workdir, model, **ENGINE)
     try:
         server.wait_ready()
         with concurrent.futures.ThreadPoolExecutor(STREAMS + 1) as pool:
@@ -92,29 +94,12 @@ def _run_path(model, tmp_path, signals: list[tuple[bool, int]]) -> None:
         assert log.count("draining") == 1   # later signals change nothing
         assert log[log.index("draining"):].count("finish=length") == STREAMS + 1   # in flight at the signal
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-        server.stop()
+        _kill(server)
 
 
-@pytest.mark.parametrize("signals", [
-    [(False, signal.SIGTERM)],
-    [(False, signal.SIGINT)],
-    [(False, signal.SIGTERM), (False, signal.SIGTERM)],
-    [(True, signal.SIGINT)],
-    [(True, signal.SIGTERM), (True, signal.SIGTERM)],
-], ids=["term", "int", "term-twice", "int-group", "term-group-twice"])
-def test_drain_and_exit_0(model, tmp_path, signals):
-    _run_path(model, tmp_path, signals)
-
-
-@pytest.mark.parametrize("run", range(GROUP_RUNS))
-def test_term_to_the_group(model, tmp_path, run):
-    _run_path(model, tmp_path, [(True, signal.SIGTERM)])
-
-
-def test_second_sigint_stops_at_once(model, tmp_path):
-    server = ServerProcess(tmp_path, model, **ENGINE)
+def _interrupt_run(model, workdir) -> None:
+    """Ctrl-C twice in a terminal: SIGINT to the group, then again during the drain."""
+    server = ServerProcess(workdir, model, **ENGINE)
     try:
         server.wait_ready()
         with concurrent.futures.ThreadPoolExecutor(STREAMS + 1) as pool:
@@ -132,6 +117,45 @@ def test_second_sigint_stops_at_once(model, tmp_path):
         assert "Traceback" not in log, log
         assert log.count("second SIGINT") == 1
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-        server.stop()
+        _kill(server)
+
+
+def _kill(server: ServerProcess) -> None:
+    if server.proc.poll() is None:
+        server.proc.kill()
+    server.stop()
+
+
+DRAIN_PATHS = {
+    "term": [(False, signal.SIGTERM)],
+    "int": [(False, signal.SIGINT)],
+    "term-twice": [(False, signal.SIGTERM), (False, signal.SIGTERM)],
+    "int-group": [(True, signal.SIGINT)],
+    "term-group-twice": [(True, signal.SIGTERM), (True, signal.SIGTERM)],
+    **{f"term-group-{i}": [(True, signal.SIGTERM)] for i in range(GROUP_RUNS)},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(model, tmp_path_factory):
+    """Every run, each with a fresh server, PARALLEL servers at a time (start-up dominates)."""
+    with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
+        futures = {name: pool.submit(_drain_run, model, tmp_path_factory.mktemp(name), signals)
+                   for name, signals in DRAIN_PATHS.items()}
+        futures["int-twice"] = pool.submit(_interrupt_run, model, tmp_path_factory.mktemp("int-twice"))
+        concurrent.futures.wait(futures.values())
+    return futures
+
+
+@pytest.mark.parametrize("path", [name for name in DRAIN_PATHS if not name.startswith("term-group-")])
+def test_drain_and_exit_0(runs, path):
+    runs[path].result()
+
+
+def test_term_to_the_group_every_time(runs):
+    failed = {i: runs[f"term-group-{i}"].exception() for i in range(GROUP_RUNS)}
+    assert not any(failed.values()), failed
+
+
+def test_second_sigint_stops_at_once(runs):
+    runs["int-twice"].result()
