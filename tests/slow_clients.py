@@ -60,7 +60,8 @@ def probe(url: str, timeout: float = 30) -> float:
     """Seconds for one normal completion on a fresh connection (inf if it failed)."""
     t0 = time.monotonic()
     try:
-        r = requests.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=timeout,
+        r = requests.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True},
+                          timeout=timeout,
                           headers={"Connection": "close"})
         ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     except requests.RequestException:
