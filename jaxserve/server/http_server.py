@@ -19,6 +19,8 @@ import logging
 import os
 import resource
 import signal
+import socket
+import sys
 from typing import Callable
 
 import uvicorn
@@ -30,6 +32,7 @@ DRAIN_TIMEOUT_S = 120
 MAX_HEAD_BYTES = 16 * 1024
 HEAD_TIMEOUT_S = 10
 KEEP_ALIVE_S = 5
+BACKLOG = 2048   # connections the kernel queues before we accept them
 LOAD_ERROR_EXIT = 3
 INTERRUPTED_EXIT = 128 + signal.SIGINT
 
@@ -98,14 +101,21 @@ class HTTPServer:
 
     def run(self) -> None:
         _raise_fd_limit()
+        # Listen before the engine starts loading, so a port in use fails at once and plainly.
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        try:
+            listener = socket.create_server((self.host, self.port), family=family, backlog=BACKLOG)
+        except OSError as e:
+            sys.exit(f"jaxserve serve: cannot listen on {self.host}:{self.port}: {e.strerror}")
+        log.info("listening on http://%s:%d (pid %d)", self.host, self.port, os.getpid())
         app = self.app_factory()
         engine_host = app.extensions["jaxserve"]
         config = uvicorn.Config(
             asgi_app(app, self.threads, app.config["MAX_CONTENT_LENGTH"]), host=self.host, port=self.port,
             http=_BoundedH11Protocol, loop="asyncio", lifespan="off", log_config=None, access_log=False,
             h11_max_incomplete_event_size=MAX_HEAD_BYTES, timeout_keep_alive=KEEP_ALIVE_S,
-            timeout_graceful_shutdown=DRAIN_TIMEOUT_S, backlog=2048)
-        _DrainingServer(config, engine_host).run()
+            timeout_graceful_shutdown=DRAIN_TIMEOUT_S, backlog=BACKLOG)
+        _DrainingServer(config, engine_host).run(sockets=[listener])
         engine_host.shutdown()
         log.info("stopped (pid %d)", os.getpid())
         # Skip interpreter teardown: destroying the XLA client and its compiled steps takes
