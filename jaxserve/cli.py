@@ -63,7 +63,7 @@ def _add_serve(sub) -> None:
 def _multihost_args(args) -> dict | None:
     """jax.distributed arguments for a multi-host run (flags, else JAXSERVE_* variables, else
     cluster detection), exported as JAXSERVE_* for the serving process; None on one host. JAX is
-    imported only when multi-host is asked for (the gunicorn master stays free of it otherwise)."""
+    imported here only when multi-host is asked for."""
     names = ("coordinator_address", "num_processes", "process_id")   # variables: multihost.ENV
     given = [getattr(args, name) for name in names]
     if not (args.multihost or any(v is not None for v in given)

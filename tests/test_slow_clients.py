@@ -2,11 +2,13 @@
 line a second and 1,000 idle ones (one client), a normal completion answers within 1 s and SSE
 still streams; each connection's cost is bounded (head size, head time, idle keep-alive)."""
 import asyncio
+import json
 import socket
 import time
 
 import pytest
 
+from jaxserve.server import asgi
 from jaxserve.server.http_server import HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_BYTES
 from tests.hf_models import save_engine_model
 from tests.server_harness import ServerProcess
@@ -63,3 +65,32 @@ def test_connection_bounds(server):
     with socket.create_connection(addr) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\n")
         assert HEAD_TIMEOUT_S - 0.5 < _closed_after(sock, HEAD_TIMEOUT_S + 5) < HEAD_TIMEOUT_S + 2
+
+
+def test_a_stalled_body_gets_408_without_taking_a_thread(monkeypatch):
+    """In-process: a client that sent its head and then stalls mid-body is answered 408 by the
+    event loop after BODY_TIMEOUT_S; the Flask side (a thread) is never called."""
+    monkeypatch.setattr(asgi, "BODY_TIMEOUT_S", 0.2)
+    called, sent = [], []
+
+    def wsgi_app(environ, start_response):
+        called.append(environ["PATH_INFO"])
+        start_response("200 OK", [])
+        return [b"ok"]
+
+    parts = [{"type": "http.request", "body": b'{"pro', "more_body": True}]
+
+    async def receive():   # part of the body, then nothing
+        if parts:
+            return parts.pop()
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "http_version": "1.1", "method": "POST", "path": "/v1/completions",
+             "query_string": b"", "headers": [(b"content-length", b"20")]}
+    asyncio.run(asgi.asgi_app(wsgi_app, threads=1, max_body_bytes=100)(scope, receive, send))
+    assert sent[0]["status"] == 408
+    assert json.loads(sent[1]["body"])["error"]["message"].startswith("request body not received")
+    assert called == []

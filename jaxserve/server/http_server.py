@@ -2,8 +2,8 @@
 
 A connection costs the event loop a few kB until its request's head and body are in; only then
 does the request take one of the threads that run Flask and wait on the engine, so slow or idle
-clients hold no thread (benchmarks/results/slow_clients.md: 1,000 slow + 1,000 idle connections
-left a normal request at 0.1 s here, where gunicorn's threaded worker timed it out). What one
+clients hold no thread (benchmarks/results/slow_clients.md: with 1,000 slow + 1,000 idle
+connections a normal request took 0.06 s at most, 17 s under gunicorn's threaded worker). What one
 connection may cost is bounded: its request head (line and headers) to MAX_HEAD_BYTES, sent
 within HEAD_TIMEOUT_S of opening or of its previous response; its body to the app's
 MAX_CONTENT_LENGTH (413) within asgi.BODY_TIMEOUT_S (408); idle keep-alive to KEEP_ALIVE_S.
