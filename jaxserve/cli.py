@@ -61,8 +61,7 @@ def _add_serve(sub) -> None:
 
 def _distributed(args) -> DistributedConfig | None:
     """This process's multi-host settings (flags, else JAXSERVE_* variables, else cluster
-    detection); None on one host. JAX is imported only when multi-host is asked for (the
-    gunicorn master stays free of it otherwise)."""
+    detection); None on one host. JAX is imported only when multi-host is asked for."""
     given = [getattr(args, name) for name in DistributedConfig.ENV]
     if not (args.multihost or any(v is not None for v in given)
             or any(os.environ.get(env) for env in DistributedConfig.ENV.values())):
@@ -93,16 +92,16 @@ def serve(args) -> int:
         sys.exit(f"jaxserve serve: {e}")
     if cfg.distributed is not None and not cfg.distributed.is_leader:
         return _follow(cfg)
-    from jaxserve.server.wsgi import GunicornServer, exit_worker_on_load_error
+    from jaxserve.server.http_server import HTTPServer, exit_on_load_error
 
-    def app_factory():   # runs in the worker process, after gunicorn forked it
+    def app_factory():
         from jaxserve.server.app import create_app
         return create_app(cfg, served_model_name=args.served_model_name, api_key=args.api_key,
-                          on_load_error=exit_worker_on_load_error)
+                          on_load_error=exit_on_load_error)
 
-    # A thread per connection: every running and queued request, plus a few for probes.
+    # A thread per request being served: every running and queued request, plus a few for probes.
     threads = cfg.max_num_seqs + cfg.max_queue_size + 8
-    GunicornServer(app_factory, args.host, args.port, threads).run()
+    HTTPServer(app_factory, args.host, args.port, threads).run()
     return 0
 
 

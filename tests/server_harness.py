@@ -1,4 +1,4 @@
-"""The real server (`python -m jaxserve.cli serve`, gunicorn) in a subprocess, for server tests."""
+"""The real server (`python -m jaxserve.cli serve`) in a subprocess, for server tests."""
 from __future__ import annotations
 
 import os
@@ -38,7 +38,8 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model_dir, "--config", self.config,
-             "--port", str(self.port), *args], stdout=self._log, stderr=subprocess.STDOUT)
+             "--port", str(self.port), *args], stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True)   # its own process group, which tests may signal as a whole
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> list[int]:
         """Poll /health until 200; returns the status codes seen (connection refused not counted)."""

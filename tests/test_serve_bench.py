@@ -1,4 +1,4 @@
-"""The serving benchmark client against our real server (gunicorn subprocess on a free loopback
+"""The serving benchmark client against our real server (subprocess on a free loopback
 port): what the client counted and timed agrees with the server's own /metrics."""
 import json
 import os

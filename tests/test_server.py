@@ -1,4 +1,4 @@
-"""The HTTP server, end to end: one real server (gunicorn subprocess) for the module, driven by the
+"""The HTTP server, end to end: one real server (subprocess) for the module, driven by the
 official `openai` client and raw HTTP. Generated text is checked against a greedy loop over the
 same checkpoint in Hugging Face transformers."""
 import concurrent.futures

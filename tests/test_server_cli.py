@@ -94,7 +94,7 @@ def _lifecycle(server):
         assert done == b"data: [DONE]" and b'"finish_reason":"length"' in last
     log = server.log_tail(10**6)
     assert log.count("finish=length") == codes.count(200) + len(streams) + 1   # one line per request
-    after_signal = log[log.index("Handling signal: term"):]
+    after_signal = log[log.index("SIGTERM: draining"):]
     assert after_signal.count("finish=length") >= 1, "no request was in flight at SIGTERM"
 
 

@@ -81,7 +81,7 @@ class EngineHost:
     def follow(self, streams: list, alive: Callable[[], bool] | None = None) -> Iterator[tuple[int, object]]:
         """(prompt index, RequestOutput delta) for each stream in turn (all run concurrently in the
         engine). Closing this generator early aborts the unfinished requests, freeing their pages;
-        so does `alive` answering no while it waits (a non-streaming client that left)."""
+        so does `alive` answering no while it waits (a client that left)."""
         finished = set()
         try:
             for i, stream in enumerate(streams):

@@ -8,8 +8,6 @@ choice per engine step that produced text, the finish_reason on each choice's la
 from __future__ import annotations
 
 import itertools
-import select
-import socket
 import time
 import uuid
 from typing import Callable
@@ -17,6 +15,7 @@ from typing import Callable
 import jinja2
 from flask import Blueprint, current_app, jsonify, request
 
+from jaxserve.server.asgi import client_gone
 from jaxserve.server.errors import APIError
 from jaxserve.server.sse import sse_response
 from jaxserve.server.validation import field, json_body, messages, prompts, sampling_params, stream_flags
@@ -86,7 +85,7 @@ def _respond(host, streams, choices, request_id: str, obj: str, stream: bool, in
              prompt_tokens: int):
     """The SSE stream, or the JSON body, of submitted requests."""
     head = {"id": request_id, "object": obj, "created": int(time.time()), "model": host.model_name}
-    deltas = host.follow(streams, alive=None if stream else _client_connected(request.environ))
+    deltas = host.follow(streams, alive=_client_connected(request.environ))
     if stream:
         return sse_response(_chunks(deltas, choices, head, include_usage, prompt_tokens))
     return jsonify({**head, **_collect(deltas, choices, prompt_tokens)})
@@ -157,21 +156,10 @@ class _Choices:
 
 
 def _client_connected(environ) -> Callable[[], bool]:
-    """Whether a non-streaming request's client still holds its connection (a streaming one
-    finds out when a write fails). A closed socket polls readable with nothing to read; peeking
-    leaves the bytes of any pipelined request in place."""
-    sock = environ.get("gunicorn.socket")
-    if sock is None:
-        return lambda: True
-
-    def alive() -> bool:
-        try:
-            readable, _, _ = select.select([sock], [], [], 0)
-            return not readable or sock.recv(1, socket.MSG_PEEK) != b""
-        except (OSError, ValueError):
-            return False
-
-    return alive
+    """Whether the request's client still holds its connection: the HTTP server says when it
+    leaves (a streaming client that leaves would otherwise only be found when its stream ends)."""
+    gone = client_gone(environ)
+    return (lambda: True) if gone is None else (lambda: not gone.is_set())
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

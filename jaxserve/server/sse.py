@@ -1,9 +1,10 @@
-"""Server-Sent Events: each event is written to the socket as soon as it is produced (the WSGI
+"""Server-Sent Events: each event is written to the socket as soon as it is produced (the HTTP
 server sends every yielded piece as its own HTTP chunk), then `data: [DONE]`.
 
 The first event is produced before the response starts, so a request the engine refuses after
-submission still gets a proper HTTP error. When the client goes away the WSGI server closes the
-body iterator; closing `events` then aborts the engine requests (see EngineHost.follow).
+submission still gets a proper HTTP error. When the client goes away the stream stops at its
+next event (the server drops what it would send, so the body asks the server's `client_gone`);
+closing `events` then aborts the engine requests (see EngineHost.follow).
 """
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import json
 import logging
 from typing import Iterator
 
-from flask import Response
+from flask import Response, request
 
+from jaxserve.server.asgi import client_gone
 from jaxserve.server.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -27,12 +29,15 @@ def sse_response(events: Iterator[dict]) -> Response:
         first = next(events, None)
     except ValueError as e:   # refused by the engine (e.g. KV pool too small for the request)
         raise APIError(400, str(e)) from None
+    gone = client_gone(request.environ)
 
     def body():
         try:
             if first is not None:
                 yield _event(first)
             for event in events:
+                if gone is not None and gone.is_set():
+                    break
                 yield _event(event)
         except Exception as e:   # the status line is sent: report in-band, as OpenAI does
             log.exception("stream failed")

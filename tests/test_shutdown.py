@@ -1,0 +1,161 @@
+"""Every signal path of the real server, with requests in flight: SIGTERM or SIGINT, to the
+process or to its whole process group (systemd's KillMode=control-group, a terminal's Ctrl-C),
+once or twice. Accepted requests finish, new ones are refused (503 or connection refused), the
+process exits 0 with no traceback; a second SIGINT stops at once with 130 and one log line."""
+import concurrent.futures
+import json
+import os
+import signal
+import time
+
+import pytest
+import requests
+
+from tests.hf_models import save_engine_model
+from tests.server_harness import ServerProcess
+
+MAX_TOKENS = 600   # long enough (about 2 s here) to be in flight when the signal lands
+# Room for STREAMS + 1 such requests; few step shapes to warm up.
+ENGINE = dict(max_model_len=640, num_pages=96, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16)
+STREAMS = 3
+GROUP_RUNS = 10    # the path that raced (two exit handlers) under gunicorn
+PARALLEL = 4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("model") / "tiny")
+    save_engine_model(path, vocab_size=258)
+    return path
+
+
+def _send(server: ServerProcess, to_group: bool, sig: int) -> None:
+    if to_group:
+        os.killpg(server.proc.pid, sig)   # the harness starts the server in its own session
+    else:
+        server.proc.send_signal(sig)
+
+
+def _start_requests(server: ServerProcess, pool):
+    """STREAMS streamed and one non-streamed completion, each running in the engine."""
+    body = {"prompt": "hi", "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+    streams = []
+    for i in range(STREAMS):
+        r = requests.post(server.url + "/v1/completions", stream=True, timeout=120, json={
+            **body, "prompt": f"p{i}", "stream": True, "stream_options": {"include_usage": True}})
+        lines = r.iter_lines()
+        assert next(lines).startswith(b"data: ")
+        streams.append(lines)
+    plain = pool.submit(requests.post, server.url + "/v1/completions", json=body, timeout=120)
+    deadline = time.monotonic() + 30
+    while server.metrics()["jaxserve_num_sequences_running"] < STREAMS + 1:
+        assert time.monotonic() < deadline, "the requests did not all start"
+        time.sleep(0.01)
+    return streams, plain
+
+
+def _refused(url: str) -> None:
+    """New requests get 503 until the listening socket closes, which it does at once."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            assert requests.post(url + "/v1/completions", json={"prompt": "late"}, timeout=10).status_code == 503
+        except requests.ConnectionError:
+            return
+        time.sleep(0.02)
+    raise AssertionError("still accepting connections 10 s after the signal")
+
+
+def _stream_tokens(lines) -> int:
+    """The completion tokens of a stream that ended properly: finish_reason, usage, [DONE]."""
+    events = [line for line in lines if line]
+    assert events[-1] == b"data: [DONE]"
+    assert b'"finish_reason":"length"' in events[-3]
+    return json.loads(events[-2][6:])["usage"]["completion_tokens"]
+
+
+def _drain_run(model, workdir, signals: list[tuple[bool, int]]) -> None:
+    server = ServerProcess(workdir, model, **ENGINE)
+    try:
+        server.wait_ready()
+        with concurrent.futures.ThreadPoolExecutor(STREAMS + 1) as pool:
+            streams, plain = _start_requests(server, pool)
+            for to_group, sig in signals:
+                _send(server, to_group, sig)
+                time.sleep(0.05)
+            _refused(server.url)
+            tokens = list(pool.map(_stream_tokens, streams))
+            finished = plain.result()
+        assert tokens == [MAX_TOKENS] * STREAMS
+        assert finished.status_code == 200 and finished.json()["usage"]["completion_tokens"] == MAX_TOKENS
+        assert server.proc.wait(60) == 0, server.log_tail()
+        log = server.log_tail(10**6)
+        assert "Traceback" not in log, log
+        assert log.count("draining") == 1   # later signals change nothing
+        assert log[log.index("draining"):].count("finish=length") == STREAMS + 1   # in flight at the signal
+    finally:
+        _kill(server)
+
+
+def _interrupt_run(model, workdir) -> None:
+    """Ctrl-C twice in a terminal: SIGINT to the group, then again during the drain."""
+    server = ServerProcess(workdir, model, **ENGINE)
+    try:
+        server.wait_ready()
+        with concurrent.futures.ThreadPoolExecutor(STREAMS + 1) as pool:
+            streams, plain = _start_requests(server, pool)
+            t0 = time.monotonic()
+            _send(server, True, signal.SIGINT)
+            time.sleep(0.05)
+            _send(server, True, signal.SIGINT)
+            assert server.proc.wait(10) == 128 + signal.SIGINT
+            stopped_after = time.monotonic() - t0
+            with pytest.raises(requests.RequestException):   # cut off, not finished
+                plain.result()
+        assert stopped_after < 5
+        log = server.log_tail(10**6)
+        assert "Traceback" not in log, log
+        assert log.count("second SIGINT") == 1
+    finally:
+        _kill(server)
+
+
+def _kill(server: ServerProcess) -> None:
+    if server.proc.poll() is None:
+        server.proc.kill()
+    server.stop()
+
+
+DRAIN_PATHS = {
+    "term": [(False, signal.SIGTERM)],
+    "int": [(False, signal.SIGINT)],
+    "term-twice": [(False, signal.SIGTERM), (False, signal.SIGTERM)],
+    "int-group": [(True, signal.SIGINT)],
+    "term-group-twice": [(True, signal.SIGTERM), (True, signal.SIGTERM)],
+    **{f"term-group-{i}": [(True, signal.SIGTERM)] for i in range(GROUP_RUNS)},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(model, tmp_path_factory):
+    """Every run, each with a fresh server, PARALLEL servers at a time (start-up dominates)."""
+    with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
+        futures = {name: pool.submit(_drain_run, model, tmp_path_factory.mktemp(name), signals)
+                   for name, signals in DRAIN_PATHS.items()}
+        futures["int-twice"] = pool.submit(_interrupt_run, model, tmp_path_factory.mktemp("int-twice"))
+        concurrent.futures.wait(futures.values())
+    return futures
+
+
+@pytest.mark.parametrize("path", [name for name in DRAIN_PATHS if not name.startswith("term-group-")])
+def test_drain_and_exit_0(runs, path):
+    runs[path].result()
+
+
+def test_term_to_the_group_every_time(runs):
+    failed = {i: runs[f"term-group-{i}"].exception() for i in range(GROUP_RUNS)}
+    assert not any(failed.values()), failed
+
+
+def test_second_sigint_stops_at_once(runs):
+    runs["int-twice"].result()

@@ -1,0 +1,96 @@
+"""Slow and idle clients cannot stall the real server: with 1,000 connections dripping a header
+line a second and 1,000 idle ones (one client), a normal completion answers within 1 s and SSE
+still streams; each connection's cost is bounded (head size, head time, idle keep-alive)."""
+import asyncio
+import json
+import socket
+import time
+
+import pytest
+
+from jaxserve.server import asgi
+from jaxserve.server.http_server import HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_BYTES
+from tests.hf_models import save_engine_model
+from tests.server_harness import ServerProcess
+from tests.slow_clients import probe, raise_fd_limit, run_load, stream
+
+SLOW = IDLE = 1000
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("model") / "tiny")
+    save_engine_model(path, vocab_size=258)
+    s = ServerProcess(tmp_path_factory.mktemp("server"), path, "--served-model-name", "jaxserve-tiny")
+    s.wait_ready()
+    yield s
+    assert s.stop() == 0, s.log_tail()
+
+
+def test_slow_and_idle_connections_do_not_delay_a_request(server):
+    raise_fd_limit(SLOW + IDLE + 256)
+    assert probe(server.url) < 1.0   # warm
+    # Longer than HEAD_TIMEOUT_S, so the server also shows it closes heads that never end.
+    result = asyncio.run(run_load(server.url, SLOW, IDLE, seconds=HEAD_TIMEOUT_S + 4, probes=8))
+    assert result["held_at_first_probe"] >= SLOW + IDLE, result
+    assert result["refused"] == 0, result
+    assert len(result["latencies"]) >= 5 and max(result["latencies"]) < 1.0, result
+    assert result["stream_tokens"] == 16 and result["stream_chunks"] > 1, result   # streamed, not in one piece
+    assert result["closed_by_server"] >= SLOW, result   # dripped heads cut at HEAD_TIMEOUT_S
+    assert stream(server.url, max_tokens=4)[1] == 4   # and the server is fine afterwards
+
+
+def _closed_after(sock: socket.socket, limit: float) -> float:
+    """Seconds until the server closes `sock` (reading and discarding what it sends)."""
+    t0 = time.monotonic()
+    sock.settimeout(limit)
+    while sock.recv(65536):
+        pass
+    return time.monotonic() - t0
+
+
+def test_connection_bounds(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    addr = (host, int(port))
+    # A head over MAX_HEAD_BYTES: 400 and closed, without waiting for the rest.
+    with socket.create_connection(addr) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (MAX_HEAD_BYTES + 1024))
+        assert sock.recv(64).startswith(b"HTTP/1.1 400")
+    # A kept-alive connection left idle is closed after KEEP_ALIVE_S.
+    with socket.create_connection(addr) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")
+        assert KEEP_ALIVE_S - 0.5 < _closed_after(sock, KEEP_ALIVE_S + 5) < KEEP_ALIVE_S + 2
+    # A head that never ends is closed HEAD_TIMEOUT_S after the connection opened.
+    with socket.create_connection(addr) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\n")
+        assert HEAD_TIMEOUT_S - 0.5 < _closed_after(sock, HEAD_TIMEOUT_S + 5) < HEAD_TIMEOUT_S + 2
+
+
+def test_a_stalled_body_gets_408_without_taking_a_thread(monkeypatch):
+    """In-process: a client that sent its head and then stalls mid-body is answered 408 by the
+    event loop after BODY_TIMEOUT_S; the Flask side (a thread) is never called."""
+    monkeypatch.setattr(asgi, "BODY_TIMEOUT_S", 0.2)
+    called, sent = [], []
+
+    def wsgi_app(environ, start_response):
+        called.append(environ["PATH_INFO"])
+        start_response("200 OK", [])
+        return [b"ok"]
+
+    parts = [{"type": "http.request", "body": b'{"pro', "more_body": True}]
+
+    async def receive():   # part of the body, then nothing
+        if parts:
+            return parts.pop()
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "http_version": "1.1", "method": "POST", "path": "/v1/completions",
+             "query_string": b"", "headers": [(b"content-length", b"20")]}
+    asyncio.run(asgi.asgi_app(wsgi_app, threads=1, max_body_bytes=100)(scope, receive, send))
+    assert sent[0]["status"] == 408
+    assert json.loads(sent[1]["body"])["error"]["message"].startswith("request body not received")
+    assert called == []
