@@ -47,6 +47,7 @@ LOGICAL_RULES = {
     "pages": None,
     "page_slots": None,
 }
+# A parameter's logical axes come from its family's rules (jaxserve.models.registry).
 
 KV_CACHE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
 
