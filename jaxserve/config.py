@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, ClassVar
 
@@ -61,11 +62,12 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        h, d = self.hidden_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        mlp = 3 * h * self.intermediate_size
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * h) + embed + h
+        """Exact, from the family's parameter shapes (traced abstractly: nothing is allocated)."""
+        import jax  # importing jaxserve starts no JAX
+
+        from jaxserve.checkpoint import param_shapes
+
+        return sum(math.prod(s.shape) for s in jax.tree.leaves(param_shapes(self)))
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
