@@ -134,13 +134,12 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, meta):
-        eps = self.cfg.rms_norm_eps
-        h, kv_cache = Attention(self.cfg, self.layer, self.dtype, name="self_attn")(
-            RMSNorm(eps, self.dtype, name="input_layernorm")(x), positions, kv_cache, meta)
+        c = self.cfg
+        h, kv_cache = Attention(c, self.layer, self.dtype, name="self_attn")(
+            RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x), positions, kv_cache, meta)
         x = x + h
-        mlp = GatedMLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.cfg.mlp_bias, dtype=self.dtype,
-                       name="mlp")
-        x = x + mlp(RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x))
+        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, dtype=self.dtype, name="mlp")
+        x = x + mlp(RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x))
         return x, kv_cache
 
 
