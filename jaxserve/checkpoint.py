@@ -1,8 +1,9 @@
 """Checkpoints: Hugging Face safetensors <-> the Flax params pytree, and an orbax copy.
 
 Loading reads tensors with safetensors' lazy slices (no PyTorch), renames them to the Flax
-tree (whose Linear weights keep PyTorch's [out, in]) and places each one on device. With
-`shardings` each device reads only its own slice, so a large model is never whole on one device.
+tree by the family's name map (jaxserve.models.registry; Linear weights keep PyTorch's
+[out, in]) and places each one on device. With `shardings` each device reads only its own
+slice, so a large model is never whole on one device.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from safetensors import safe_open
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import init_params
+from jaxserve.models.registry import architecture
 
 ORBAX_DIR = "orbax"
 
@@ -26,18 +28,6 @@ ORBAX_DIR = "orbax"
 def param_shapes(cfg: ModelConfig, dtype=jnp.float32) -> dict:
     """The params pytree of `cfg` as ShapeDtypeStructs (no memory allocated)."""
     return jax.eval_shape(lambda key: init_params(cfg, key, dtype), jax.random.key(0))
-
-
-def hf_name(path: tuple[str, ...]) -> str:
-    """Flax param path -> Hugging Face tensor name."""
-    parts = []
-    for p in path:
-        if p.startswith("layers_"):
-            parts += ["layers", p.split("_", 1)[1]]
-        else:
-            parts.append(p)
-    parts[-1] = {"embedding": "weight"}.get(parts[-1], parts[-1])
-    return ".".join(parts)
 
 
 def _tensor_index(model_dir: str) -> dict[str, str]:
@@ -67,6 +57,7 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
     if is_orbax_checkpoint(model_dir):
         return _load_orbax(model_dir, shapes, shardings)
     index = _tensor_index(model_dir)
+    hf_name = architecture(cfg.architecture).hf_name
     flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
     sharding_leaves = (jax.tree_util.tree_leaves(shardings) if shardings is not None
                        else [None] * len(flat))
@@ -140,6 +131,7 @@ def save_pretrained(params: dict, hf_config: dict, out_dir: str, dtype=None) -> 
     from safetensors.numpy import save_file
 
     os.makedirs(out_dir, exist_ok=True)
+    hf_name = architecture(ModelConfig.from_hf_dict(hf_config).architecture).hf_name
     tensors = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = hf_name(tuple(k.key for k in path))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, ClassVar
 
@@ -23,7 +24,7 @@ class InvalidRequest(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Rotary embedding frequency scaling. `kind` is 'default', 'linear' or 'llama3'."""
+    """Rotary embedding frequency scaling; `kind` is one of models.layers.ROPE_KINDS."""
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
@@ -61,59 +62,20 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        h, d = self.hidden_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        mlp = 3 * h * self.intermediate_size
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * h) + embed + h
+        """Exact, from the family's parameter shapes (traced abstractly: nothing is allocated)."""
+        import jax  # importing jaxserve starts no JAX
+
+        from jaxserve.checkpoint import param_shapes
+
+        return sum(math.prod(s.shape) for s in jax.tree.leaves(param_shapes(self)))
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or [cfg.get("model_type", "unknown")]
-        arch = archs[0]
-        heads = cfg["num_attention_heads"]
-        layers = cfg["num_hidden_layers"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        # transformers >= 5 keeps theta and scaling in `rope_parameters`; older configs split them.
-        rope = dict(cfg.get("rope_scaling") or {})
-        rope.update(cfg.get("rope_parameters") or {})
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
-        scaling = RopeScaling(
-            kind=kind,
-            factor=float(rope.get("factor", 1.0)),
-            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
-        )
-        windows = _sliding_windows(cfg, arch, layers)
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        is_qwen2 = arch.startswith("Qwen2")
-        return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=True if is_qwen2 else cfg.get("attention_bias", False),
-            o_bias=False if is_qwen2 else cfg.get("attention_bias", False),
-            mlp_bias=cfg.get("mlp_bias", False),
-            sliding_windows=windows,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
-        )
+        """Parse a HF config.json dict with its architecture's parser (jaxserve.models.registry);
+        an architecture without one fails here, listing the supported ones."""
+        from jaxserve.models.registry import config_from_hf  # the families import this module
+
+        return config_from_hf(cfg)
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
@@ -122,21 +84,6 @@ class ModelConfig:
             raise FileNotFoundError(f"no config.json in {model_dir}")
         with open(path) as f:
             return cls.from_hf_dict(json.load(f))
-
-
-def _sliding_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
-    window = cfg.get("sliding_window")
-    if arch.startswith("Qwen2"):
-        if not cfg.get("use_sliding_window", False) or not window:
-            return (None,) * layers
-        # Qwen2 uses full attention in the first `max_window_layers` layers.
-        if "layer_types" in cfg and cfg["layer_types"]:
-            return tuple(window if t == "sliding_attention" else None for t in cfg["layer_types"])
-        first = cfg.get("max_window_layers", layers)
-        return tuple(None if i < first else window for i in range(layers))
-    if arch.startswith("Mistral") and window:
-        return (window,) * layers
-    return (None,) * layers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,11 +10,11 @@ inside one manual over "seq", and jax 0.11 requires nested manual axes in mesh o
   * "seq": sequence-parallel prefill (a long prompt split in chunks across devices).
   * "data": independent replicas (each serves its own batches; nothing shared).
 
-Parameters carry logical axis names (by their path in the params tree); LOGICAL_RULES maps
-them to mesh axes. A dim that does not split evenly is replicated instead: heads are split
-only in whole heads (num_heads or num_kv_heads divisible by the "model" size), so with
-2 kv heads under TP 4 the k/v projections and the KV cache are replicated while q, o and
-the MLP are still split.
+Parameters carry logical axis names, which their family gives by path in the params tree
+(jaxserve.models.registry); LOGICAL_RULES maps them to mesh axes. A dim that does not split
+evenly is replicated instead: heads are split only in whole heads (num_heads or num_kv_heads
+divisible by the "model" size), so with 2 kv heads under TP 4 the k/v projections and the KV
+cache are replicated while q, o and the MLP are still split.
 
 Embedding and lm_head are split over the vocabulary, not the hidden size: the logits then
 come out split over vocab and one all-gather of [batch, vocab / tp] per device assembles
@@ -47,28 +47,7 @@ LOGICAL_RULES = {
     "pages": None,
     "page_slots": None,
 }
-
-# Param path suffix -> logical axes of the leaf (Linear weights are [out, in], as in PyTorch;
-# the first matching suffix wins, so the norms' bare "weight" comes last).
-_PARAM_AXES = {
-    ("embed_tokens", "embedding"): ("vocab", "embed"),
-    ("lm_head", "weight"): ("vocab", "embed"),
-    ("q_proj", "weight"): ("heads", "embed"),
-    ("q_proj", "bias"): ("heads",),
-    ("k_proj", "weight"): ("kv_heads", "embed"),
-    ("k_proj", "bias"): ("kv_heads",),
-    ("v_proj", "weight"): ("kv_heads", "embed"),
-    ("v_proj", "bias"): ("kv_heads",),
-    ("o_proj", "weight"): ("embed", "heads"),
-    ("o_proj", "bias"): ("embed",),
-    ("gate_proj", "weight"): ("mlp", "embed"),
-    ("gate_proj", "bias"): ("mlp",),
-    ("up_proj", "weight"): ("mlp", "embed"),
-    ("up_proj", "bias"): ("mlp",),
-    ("down_proj", "weight"): ("embed", "mlp"),
-    ("down_proj", "bias"): ("embed",),
-    ("weight",): ("embed",),  # RMSNorm scales
-}
+# A parameter's logical axes come from its family's rules (jaxserve.models.registry).
 
 KV_CACHE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
 
@@ -94,17 +73,15 @@ def data_submeshes(mesh: Mesh) -> list[Mesh]:
     return [Mesh(mesh.devices[i:i + 1], MESH_AXES) for i in range(mesh.shape["data"])]
 
 
-def _leaf_axes(path) -> tuple[str, ...]:
-    keys = tuple(getattr(k, "key", str(k)) for k in path)
-    for suffix, axes in _PARAM_AXES.items():
-        if keys[-len(suffix):] == suffix:
-            return axes
-    raise ValueError(f"no sharding rule for parameter {'/'.join(keys)}")
+def _leaf_axes(path, cfg: ModelConfig) -> tuple[str, ...]:
+    from jaxserve.models import registry  # the models import attention, which imports this module
+
+    return registry.param_logical_axes(tuple(getattr(k, "key", str(k)) for k in path), cfg)
 
 
-def param_logical_axes(params_or_shapes):
+def param_logical_axes(params_or_shapes, cfg: ModelConfig):
     """The logical axis names of every parameter, as a pytree of tuples shaped like params."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_axes(path), params_or_shapes)
+    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_axes(path, cfg), params_or_shapes)
 
 
 def _head_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -130,7 +107,7 @@ def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh,
 def param_shardings(params_or_shapes, mesh: Mesh, cfg: ModelConfig):
     """NamedSharding for every parameter (pass to checkpoint.load_params or jax.device_put)."""
     def one(path, leaf):
-        return NamedSharding(mesh, logical_to_spec(_leaf_axes(path), leaf.shape, mesh, cfg))
+        return NamedSharding(mesh, logical_to_spec(_leaf_axes(path, cfg), leaf.shape, mesh, cfg))
     return jax.tree_util.tree_map_with_path(one, params_or_shapes)
 
 

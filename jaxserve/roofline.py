@@ -76,16 +76,18 @@ class StepCost:
 
 
 class CostModel:
-    """Ideal FLOPs and bytes of one step of a Llama-family model: every weight read once, every
-    attended K/V entry read once, new K/V written once; activations left out."""
+    """Ideal FLOPs and bytes of one step: every weight read once, every attended K/V entry read
+    once, new K/V written once; activations left out."""
 
     def __init__(self, cfg: ModelConfig, itemsize: int):
-        h, d = cfg.hidden_size, cfg.head_dim
+        h, d, n = cfg.hidden_size, cfg.head_dim, cfg.num_params
         self.cfg = cfg
-        self.layer_params = h * d * 2 * (cfg.num_heads + cfg.num_kv_heads) + 3 * h * cfg.intermediate_size
         self.head_params = cfg.vocab_size * h
+        # Every weight besides the embedding table(s) multiplies each new token once (norm scales
+        # and biases are counted as if they did: a rounding error).
+        self.token_params = n - self.head_params * (1 if cfg.tie_word_embeddings else 2)
         # An untied embedding table is only gathered from (a few rows); the LM head is read in full.
-        read_params = cfg.num_params - (0 if cfg.tie_word_embeddings else self.head_params)
+        read_params = n - (0 if cfg.tie_word_embeddings else self.head_params)
         self.weight_bytes = read_params * itemsize
         self.kv_bytes_per_token = 2 * cfg.num_kv_heads * d * itemsize    # K and V, one layer
 
@@ -93,7 +95,7 @@ class CostModel:
         """rows: (new tokens, KV length after the step, samples a token) for each sequence."""
         c = self.cfg
         tokens = sum(n for n, _, _ in rows)
-        flops = 2 * tokens * c.num_layers * self.layer_params + 2 * sum(s for *_, s in rows) * self.head_params
+        flops = 2 * tokens * self.token_params + 2 * sum(s for *_, s in rows) * self.head_params
         nbytes = self.weight_bytes
         for window in c.sliding_windows:
             for n, kv, _ in rows:

@@ -92,8 +92,9 @@ def test_heads_split_only_whole():
 
 
 def test_every_param_has_logical_axes_of_its_rank():
-    shapes = param_shapes(small_cfg(qkv_bias=True, tie_word_embeddings=True))
-    axes = parallel.param_logical_axes(shapes)
+    cfg = small_cfg(qkv_bias=True, tie_word_embeddings=True)
+    shapes = param_shapes(cfg)
+    axes = parallel.param_logical_axes(shapes, cfg)
     for a, s in zip(jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)),
                     jax.tree.leaves(shapes)):
         assert len(a) == len(s.shape) and all(n in parallel.LOGICAL_RULES for n in a)

@@ -1,25 +1,15 @@
-"""Model registry: Hugging Face `architectures` name -> Flax module class."""
+"""The model families (one file each) and their registry, keyed by HF architecture name."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.llama import LlamaForCausalLM
-
-MODEL_REGISTRY = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
+from jaxserve.models.registry import architecture
 
 
 def model_class(cfg: ModelConfig):
-    try:
-        return MODEL_REGISTRY[cfg.architecture]
-    except KeyError:
-        raise ValueError(f"unsupported architecture {cfg.architecture!r}; supported: "
-                         f"{', '.join(sorted(MODEL_REGISTRY))}") from None
+    return architecture(cfg.architecture).module
 
 
 def build_model(cfg: ModelConfig, dtype=jnp.float32):

@@ -1,81 +1,105 @@
-"""One Flax implementation of the Llama family: Llama 2/3, Mistral, Qwen2.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, in one Flax implementation.
 
-The families differ only in configuration (see ModelConfig.from_hf_dict): RoPE scaling,
-GQA/MQA head counts, per-layer sliding windows, q/k/v biases, tied embeddings.
+The architectures differ only in configuration, read here from their config.json: RoPE
+scaling, GQA/MQA head counts, per-layer sliding windows, q/k/v biases, tied embeddings.
 Parameter names and shapes follow Hugging Face's (`model.layers_3.self_attn.q_proj.weight` is
-`model.layers.3.self_attn.q_proj.weight`, [out, in]), so loading is a rename.
+`model.layers.3.self_attn.q_proj.weight`, [out, in]), so loading is a rename (`hf_name`).
 """
 from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxserve import attention
 from jaxserve.config import ModelConfig
+from jaxserve.models.layers import GatedMLP, Linear, RMSNorm, apply_rope, rope_from_hf, rope_inv_freq
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    sc = cfg.rope_scaling
-    if sc.kind == "linear":
-        inv_freq = inv_freq / sc.factor
-    elif sc.kind == "llama3":
-        old_len = sc.original_max_position_embeddings
-        low_wavelen = old_len / sc.low_freq_factor
-        high_wavelen = old_len / sc.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > low_wavelen, inv_freq / sc.factor, inv_freq)
-        smooth = (old_len / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / sc.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = np.where(medium, smoothed, scaled)
-    return inv_freq.astype(np.float32)
+def _config(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelConfig:
+    """The keys Llama, Mistral and Qwen2 share; `family` overrides what differs."""
+    heads = hf["num_attention_heads"]
+    theta, scaling = rope_from_hf(hf)
+    fields = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        qkv_bias=hf.get("attention_bias", False),
+        o_bias=hf.get("attention_bias", False),
+        mlp_bias=hf.get("mlp_bias", False),
+    )
+    return ModelConfig(**common, **{**fields, **family})
 
 
-def apply_rope(x, positions, inv_freq):
-    """x [..., T, H, D] with positions [..., T]; HF's rotate-half convention, computed in float32."""
-    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, D/2]
-    cos = jnp.cos(freqs)[..., None, :]
-    sin = jnp.sin(freqs)[..., None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+def llama_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    return _config(hf, common)
 
 
-class Linear(nn.Module):
-    """x @ weight.T (+ bias), weight stored [out, in] as in PyTorch. Besides loading without a
-    transpose, contracting the weight's contiguous last dim makes XLA CPU's decode steps 7-15%
-    faster at 1-16 rows (benchmarks/results/roofline_cpu.md); accelerators take either layout."""
-    features: int
-    use_bias: bool
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        w = self.param("weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2),
-                       (self.features, x.shape[-1]), self.dtype)
-        y = jax.lax.dot_general(x.astype(self.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
-        return y
+def mistral_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    window = hf.get("sliding_window")
+    return _config(hf, common, sliding_windows=(window,) * hf["num_hidden_layers"] if window else ())
 
 
-class RMSNorm(nn.Module):
-    eps: float
-    dtype: jnp.dtype = jnp.float32
+def qwen2_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Qwen2 always has q/k/v biases and never an o bias; its sliding window, when on, spares
+    the first `max_window_layers` layers (or follows `layer_types` where the config lists them)."""
+    layers, window = hf["num_hidden_layers"], hf.get("sliding_window")
+    windows: tuple[int | None, ...] = ()
+    if hf.get("use_sliding_window", False) and window:
+        if hf.get("layer_types"):
+            windows = tuple(window if t == "sliding_attention" else None for t in hf["layer_types"])
+        else:
+            first = hf.get("max_window_layers", layers)
+            windows = tuple(None if i < first else window for i in range(layers))
+    return _config(hf, common, qkv_bias=True, o_bias=False, sliding_windows=windows)
 
-    @nn.compact
-    def __call__(self, x):
-        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return w * xf.astype(self.dtype)
+
+def hf_name(path: tuple[str, ...]) -> str:
+    """Flax param path -> Hugging Face tensor name (Flax names the i-th layer `layers_i`)."""
+    parts = []
+    for p in path:
+        if p.startswith("layers_"):
+            parts += ["layers", p.split("_", 1)[1]]
+        else:
+            parts.append(p)
+    parts[-1] = {"embedding": "weight"}.get(parts[-1], parts[-1])
+    return ".".join(parts)
+
+
+# Param path suffix -> logical axes (parallel.LOGICAL_RULES). Megatron layout: q/k/v, gate and up
+# split over their outputs, o and down over their inputs; Linear weights are [out, in]. The first
+# matching suffix wins, so the norms' bare "weight" comes last.
+PARAM_AXES = {
+    ("embed_tokens", "embedding"): ("vocab", "embed"),
+    ("lm_head", "weight"): ("vocab", "embed"),
+    ("q_proj", "weight"): ("heads", "embed"),
+    ("q_proj", "bias"): ("heads",),
+    ("k_proj", "weight"): ("kv_heads", "embed"),
+    ("k_proj", "bias"): ("kv_heads",),
+    ("v_proj", "weight"): ("kv_heads", "embed"),
+    ("v_proj", "bias"): ("kv_heads",),
+    ("o_proj", "weight"): ("embed", "heads"),
+    ("o_proj", "bias"): ("embed",),
+    ("gate_proj", "weight"): ("mlp", "embed"),
+    ("gate_proj", "bias"): ("mlp",),
+    ("up_proj", "weight"): ("mlp", "embed"),
+    ("up_proj", "bias"): ("mlp",),
+    ("down_proj", "weight"): ("embed", "mlp"),
+    ("down_proj", "bias"): ("embed",),
+    ("weight",): ("embed",),  # RMSNorm scales
+}
 
 
 class Attention(nn.Module):
@@ -103,18 +127,6 @@ class Attention(nn.Module):
         return out, kv_cache
 
 
-class MLP(nn.Module):
-    cfg: ModelConfig
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        c = self.cfg
-        dense = functools.partial(Linear, use_bias=c.mlp_bias, dtype=self.dtype)
-        h = nn.silu(dense(c.intermediate_size, name="gate_proj")(x)) * dense(c.intermediate_size, name="up_proj")(x)
-        return dense(c.hidden_size, name="down_proj")(h)
-
-
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     layer: int
@@ -122,11 +134,12 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, kv_cache, meta):
-        eps = self.cfg.rms_norm_eps
-        h, kv_cache = Attention(self.cfg, self.layer, self.dtype, name="self_attn")(
-            RMSNorm(eps, self.dtype, name="input_layernorm")(x), positions, kv_cache, meta)
+        c = self.cfg
+        h, kv_cache = Attention(c, self.layer, self.dtype, name="self_attn")(
+            RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x), positions, kv_cache, meta)
         x = x + h
-        x = x + MLP(self.cfg, self.dtype, name="mlp")(RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x))
+        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, dtype=self.dtype, name="mlp")
+        x = x + mlp(RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x))
         return x, kv_cache
 
 

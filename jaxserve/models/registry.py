@@ -1,0 +1,67 @@
+"""Hugging Face architecture name -> everything the engine needs to know about its family.
+
+A family lives in one file of `jaxserve/models/` and brings four things, gathered here:
+  * `parse_config`: config.json dict -> ModelConfig (the family's own key names and quirks);
+  * `module`: the Flax module class, built as `module(cfg, dtype)`;
+  * `hf_name`: Flax param path -> HF tensor name (checkpoint loading and save_pretrained);
+  * `param_axes`: param path suffix -> logical axes (parallel.py maps them to mesh axes).
+Adding a family is one file in `models/` and its entries below; nothing outside `models/` changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+
+from jaxserve.config import ModelConfig
+from jaxserve.models import llama
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    # (config.json dict, the fields every HF config spells alike) -> ModelConfig
+    parse_config: Callable[[dict[str, Any], dict[str, Any]], ModelConfig]
+    module: type[nn.Module]
+    hf_name: Callable[[tuple[str, ...]], str]
+    param_axes: dict[tuple[str, ...], tuple[str, ...]]
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(llama.llama_config, llama.LlamaForCausalLM, llama.hf_name,
+                                     llama.PARAM_AXES),
+    "MistralForCausalLM": Architecture(llama.mistral_config, llama.LlamaForCausalLM, llama.hf_name,
+                                       llama.PARAM_AXES),
+    "Qwen2ForCausalLM": Architecture(llama.qwen2_config, llama.LlamaForCausalLM, llama.hf_name,
+                                     llama.PARAM_AXES),
+}
+
+
+def architecture(name: str) -> Architecture:
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {name!r}; supported: "
+                         f"{', '.join(sorted(ARCHITECTURES))}") from None
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """ModelConfig of a HF config.json dict. The fields that every PretrainedConfig spells the
+    same way are read here; the rest by the architecture's own parser."""
+    name = (hf.get("architectures") or [hf.get("model_type", "unknown")])[0]
+    eos = hf.get("eos_token_id")
+    common = dict(
+        architecture=name,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+    )
+    return architecture(name).parse_config(hf, common)
+
+
+def param_logical_axes(path: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ...]:
+    """Logical axes of the parameter at `path` (its keys), by its family's first matching suffix."""
+    for suffix, axes in architecture(cfg.architecture).param_axes.items():
+        if path[-len(suffix):] == suffix:
+            return axes
+    raise ValueError(f"no sharding rule for parameter {'/'.join(path)} of {cfg.architecture}")
