@@ -22,7 +22,7 @@ import numpy as np
 from jaxserve import parallel
 from jaxserve.checkpoint import load_params, param_shapes
 from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingParams
-from jaxserve.kv_cache import BlockManager
+from jaxserve.block_manager import BlockManager
 from jaxserve.runner import ModelRunner, SampleResult
 from jaxserve.scheduler import Scheduler
 from jaxserve.sequence import Sequence
@@ -174,7 +174,7 @@ class LLMEngine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         results = self.runner.execute(out, {s.seq.seq_id: s.seq.seed for s in out.scheduled})
-        self.scheduler.postprocess(out, {k: r.token for k, r in results.items()})
+        self.scheduler.postprocess(out, {k: [r.token] for k, r in results.items()})
         self.stats["steps"] += 1
         now = time.monotonic()
         deltas: dict[str, list[CompletionOutput]] = {}

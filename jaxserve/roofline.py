@@ -91,8 +91,8 @@ class CostModel:
         self.weight_bytes = read_params * itemsize
         self.kv_bytes_per_token = 2 * cfg.num_kv_heads * d * itemsize    # K and V, one layer
 
-    def step(self, rows: list[tuple[int, int, bool]]) -> StepCost:
-        """rows: (new tokens, KV length after the step, samples a token) for each sequence."""
+    def step(self, rows: list[tuple[int, int, int]]) -> StepCost:
+        """rows: (query tokens, KV length after the step, tokens sampled) for each sequence."""
         c = self.cfg
         tokens = sum(n for n, _, _ in rows)
         flops = 2 * tokens * self.token_params + 2 * sum(s for *_, s in rows) * self.head_params
@@ -113,9 +113,9 @@ def _attended(n: int, kv: int, window: int | None) -> int:
     return (first + first + below - 1) * below // 2 + (n - below) * window
 
 
-def schedule_rows(scheduler_output) -> list[tuple[int, int, bool]]:
+def schedule_rows(scheduler_output) -> list[tuple[int, int, int]]:
     """CostModel rows of a SchedulerOutput, read after the step ran (num_computed_tokens advanced)."""
-    return [(s.num_new_tokens, s.seq.num_computed_tokens, s.sample) for s in scheduler_output.scheduled]
+    return [(s.num_query_tokens, s.seq.num_computed_tokens, s.num_sampled) for s in scheduler_output.scheduled]
 
 
 class RooflineMeter:

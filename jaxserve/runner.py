@@ -150,9 +150,11 @@ class ModelRunner:
         `seeds` gives each sampling sequence's seed (the engine draws one when none is set)."""
         if not out.scheduled and not out.page_copies:
             return {}
+        if any(s.num_sampled > 1 for s in out.scheduled):
+            raise NotImplementedError("verify rows (several tokens sampled from one row)")
         split = self.prefills_sequence_parallel
-        ops = [self._sequence_parallel_op(s, seeds) for s in out.scheduled if split and s.num_new_tokens > 1]
-        rest = [s for s in out.scheduled if not (split and s.num_new_tokens > 1)]
+        ops = [self._sequence_parallel_op(s, seeds) for s in out.scheduled if split and s.num_query_tokens > 1]
+        rest = [s for s in out.scheduled if not (split and s.num_query_tokens > 1)]
         if rest:
             batch = self._pack(dataclasses.replace(out, scheduled=rest))
             seqs = batch.sampling_seqs
@@ -186,12 +188,12 @@ class ModelRunner:
     def _sequence_parallel_op(self, s, seeds: dict[int, int]) -> "_Op":
         """One prefill chunk for sequence_parallel_prefill: its tokens padded to a token bucket
         (a multiple of the "seq" size), (new, cached) token counts, the full-width page row."""
-        seq, n, start = s.seq, s.num_new_tokens, s.seq.num_computed_tokens
+        seq, n, start = s.seq, s.num_query_tokens, s.seq.num_computed_tokens
         tokens = np.zeros(_bucket(n, self.token_buckets), np.int32)
-        tokens[:n] = seq.token_ids[start:start + n]
+        tokens[:n] = s.query_token_ids
         row = np.zeros(self.max_pages_per_seq, np.int32)
         row[:len(seq.page_table)] = seq.page_table
-        seqs = [seq] if s.sample else []
+        seqs = [seq] if s.num_sampled else []
         return _Op([_SEQUENCE_PARALLEL], (tokens, np.array([n, start], np.int32), row), seqs,
                    self._sampling(seqs, seeds, 1))
 
@@ -243,8 +245,8 @@ class ModelRunner:
             self.kv_caches = _copy_pages(self.kv_caches, src, dst)
 
     def _pack(self, out: SchedulerOutput) -> "_Batch":
-        prefill = [s for s in out.scheduled if s.num_new_tokens > 1]
-        decode = sorted((s for s in out.scheduled if s.num_new_tokens == 1),
+        prefill = [s for s in out.scheduled if s.num_query_tokens > 1]
+        decode = sorted((s for s in out.scheduled if s.num_query_tokens == 1),
                         key=lambda s: -s.seq.num_computed_tokens)
         num_tokens = out.num_tokens
         if prefill:
@@ -253,7 +255,7 @@ class ModelRunner:
             sp = _bucket(len(prefill), self.prefill_row_buckets)
             t = _bucket(num_tokens, self.token_buckets)
             sd = self.decode_buckets[-1]
-            max_q = _bucket(max(s.num_new_tokens for s in prefill), self._max_q_options(t))
+            max_q = _bucket(max(s.num_query_tokens for s in prefill), self._max_q_options(t))
         else:
             sp = 0
             sd = _bucket(len(decode), self.decode_buckets)
@@ -272,18 +274,18 @@ class ModelRunner:
         cursor = 0
         for r, s in enumerate(rows):
             if s is not None:
-                seq, n = s.seq, s.num_new_tokens
+                seq, n = s.seq, s.num_query_tokens
                 start = seq.num_computed_tokens
                 pos = np.arange(start, start + n)
                 pages = np.asarray(seq.page_table, np.int32)
-                tokens[cursor:cursor + n] = seq.token_ids[start:start + n]
+                tokens[cursor:cursor + n] = s.query_token_ids
                 positions[cursor:cursor + n] = pos
                 slots[cursor:cursor + n] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
                 used = -(-(start + n) // self.page_size)
                 page_table[r, :used] = pages[:used]
                 seq_lens[r] = start + n
                 cursor += n
-                if s.sample:
+                if s.num_sampled:
                     logits_index[len(sampling_seqs)] = cursor - 1
                     sampling_seqs.append(seq)
             qsl[r + 1] = cursor

@@ -26,6 +26,18 @@ prompt_len - 1 tokens (refcounts) and computes the last prompt token itself, whi
 the shared last page through copy-on-write, and samples independently. If choice 0 finished
 before a sibling could be admitted, the sibling is prefilled normally (prefix cache helps).
 Forks are exempt from the admission_eagerness cap: their request is already admitted.
+
+Rows: each scheduled row brings num_query_tokens tokens and has num_sampled tokens sampled from
+its last positions:
+  * a prefill chunk: n known tokens in, 1 sampled if it reaches the last known token, else 0;
+  * a decode: the last known token in, 1 sampled;
+  * a verify row: a running sequence whose tokens are all computed but the last, with proposals
+    (seq.proposed_token_ids): the last known token and k proposals in, k+1 sampled. k is cut to
+    the token budget and to max_tokens (a step yields at most k+1 tokens, so proposals past
+    max_tokens - 1 are useless and would take pages the request was not checked for).
+A verify row is not a prefill: it is not capped by max_prefill_seqs. After the step,
+`postprocess` takes each row's accepted tokens (1..num_sampled) and rolls the K/V of the
+rejected proposals back (BlockManager.rollback).
 """
 from __future__ import annotations
 
@@ -33,15 +45,26 @@ import bisect
 import dataclasses
 
 from jaxserve.config import EngineConfig
-from jaxserve.kv_cache import BlockManager
+from jaxserve.block_manager import BlockManager
 from jaxserve.sequence import Sequence, SequenceStatus
 
 
 @dataclasses.dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int   # seq.token_ids[num_computed : num_computed + num_new_tokens] run this step
-    sample: bool          # this chunk reaches seq.num_tokens: the step yields the next token
+    num_query_tokens: int   # query_token_ids run this step, from position seq.num_computed_tokens
+    num_sampled: int        # tokens sampled, at the row's last num_sampled positions
+
+    @property
+    def is_prefill(self) -> bool:
+        """Computes known tokens it samples nothing from (decode and verify rows sample at every
+        query position)."""
+        return self.num_sampled < self.num_query_tokens
+
+    @property
+    def query_token_ids(self) -> list[int]:
+        start = self.seq.num_computed_tokens
+        return (self.seq.token_ids + self.seq.proposed_token_ids)[start:start + self.num_query_tokens]
 
 
 @dataclasses.dataclass
@@ -55,11 +78,11 @@ class SchedulerOutput:
 
     @property
     def num_prefill_seqs(self) -> int:
-        return sum(s.num_new_tokens > 1 for s in self.scheduled)
+        return sum(s.is_prefill for s in self.scheduled)
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_query_tokens for s in self.scheduled)
 
 
 def _order(seq: Sequence):
@@ -140,13 +163,13 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:    # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, self.cfg.prefill_chunk_size, budget)
-            if n > 1 and out.num_prefill_seqs >= self.cfg.max_prefill_seqs:
+            row = self._row(seq, budget)
+            if row.is_prefill and out.num_prefill_seqs >= self.cfg.max_prefill_seqs:
                 continue                                     # the runner's prefill rows are full
-            if self._reserve_or_preempt(seq, n, scheduled_ids, out):
-                out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            if self._reserve_or_preempt(seq, row.num_query_tokens, scheduled_ids, out):
+                out.scheduled.append(row)
                 scheduled_ids.add(seq.seq_id)
-                budget -= n
+                budget -= row.num_query_tokens
 
         # 2. Waiting sequences; none after a preemption, which would only take its pages back.
         if out.preempted:
@@ -181,23 +204,39 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_order)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            out.scheduled.append(ScheduledSeq(seq, n, int(seq.num_computed_tokens + n == seq.num_tokens)))
             scheduled_ids.add(seq.seq_id)
         return out
 
-    def postprocess(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
-        """After the step ran: advance computed tokens, append sampled tokens (seq_id -> token),
-        register newly full pages in the prefix cache."""
+    def postprocess(self, output: SchedulerOutput, accepted: dict[int, list[int]]) -> None:
+        """After the step ran: advance computed tokens, append each sampling row's accepted tokens
+        (seq_id -> 1..num_sampled tokens), roll back the K/V of rejected proposals, register
+        newly full pages in the prefix cache."""
         for s in output.scheduled:
             seq = s.seq
+            seq.proposed_token_ids = []
             if seq.status is not SequenceStatus.RUNNING:     # aborted while the step ran
                 continue
-            seq.num_computed_tokens += s.num_new_tokens
-            if s.sample:
-                seq.output_token_ids.append(sampled[seq.seq_id])
+            seq.num_computed_tokens += s.num_query_tokens
+            if s.num_sampled:
+                tokens = accepted[seq.seq_id]
+                if not 1 <= len(tokens) <= s.num_sampled:
+                    raise ValueError(f"{len(tokens)} accepted tokens from a row sampling {s.num_sampled}")
+                seq.output_token_ids += tokens
+                self.bm.rollback(seq, s.num_sampled - len(tokens))
             self.bm.cache_full_pages(seq)
 
     # ---- internals ----
+    def _row(self, seq: Sequence, budget: int) -> ScheduledSeq:
+        """The next row of a running sequence within `budget` tokens (see Rows above)."""
+        known = seq.num_tokens - seq.num_computed_tokens
+        if known == 1 and seq.proposed_token_ids:
+            left = seq.sampling.max_tokens - len(seq.output_token_ids)
+            n = min(1 + len(seq.proposed_token_ids), left, budget)
+            return ScheduledSeq(seq, n, n)
+        n = min(known, self.cfg.prefill_chunk_size, budget)
+        return ScheduledSeq(seq, n, int(n == known))
+
     def _first_choice(self, seq: Sequence) -> Sequence | None:
         if seq.index == 0:
             return None

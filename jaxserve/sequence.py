@@ -28,6 +28,9 @@ class Sequence:
     index: int = 0
     seed: int = 0                      # the sampler's seed for this choice (set by the engine)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # Guesses of the tokens after token_ids (speculative decoding), verified by the next step
+    # that schedules this sequence, which then clears them.
+    proposed_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0       # tokens whose K/V are in the cache
     # Owned by the BlockManager: physical pages, and the chained prefix-cache keys of the
     # sequence's first len(page_hashes) full pages.

@@ -7,13 +7,14 @@ table, a missed copy or a lost page changes the output. Outputs are compared wit
 deterministic model run directly on the token lists, one request at a time.
 """
 import dataclasses
+import random
 
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
 from jaxserve.config import EngineConfig, SamplingParams
-from jaxserve.kv_cache import BlockManager
+from jaxserve.block_manager import BlockManager
 from jaxserve.scheduler import Scheduler
 from jaxserve.sequence import Sequence, SequenceStatus
 
@@ -48,26 +49,33 @@ class FakeRunner:
         return seq.page_table[pos // ps] * ps + pos % ps
 
     def execute(self, out):
+        """Writes each row's query tokens, samples at its sampled positions and returns seq_id ->
+        accepted tokens: for a verify row, the proposals matching the samples, then the sample
+        after them (greedy acceptance), cut after a stop token."""
         ps = self.bm.page_size
         data = [self.slots[s * ps:(s + 1) * ps] for s, _ in out.page_copies]
         for (_, dst), page in zip(out.page_copies, data):
             self.slots[dst * ps:(dst + 1) * ps] = page
         for s in out.scheduled:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            tokens = seq.token_ids
-            for pos in range(start, start + s.num_new_tokens):
-                page = seq.page_table[pos // ps]
+            start = s.seq.num_computed_tokens
+            for pos, token in zip(range(start, start + s.num_query_tokens), s.query_token_ids):
+                page = s.seq.page_table[pos // ps]
                 assert self.bm.ref_counts[page] == 1 and page not in self.bm.page_key, "wrote a shared page"
-                self.slots[self.slot(seq, pos)] = tokens[pos]
-        sampled = {}
+                self.slots[self.slot(s.seq, pos)] = token
+        accepted = {}
         for s in out.scheduled:
-            end = s.seq.num_computed_tokens + s.num_new_tokens
-            context = [self.slots[self.slot(s.seq, p)] for p in range(end)]
-            assert context == s.seq.token_ids[:end], "context read through the page table is wrong"
-            if s.sample:
-                sampled[s.seq.seq_id] = next_token(context, s.seq.index)
-        return sampled
-
+            seq, end = s.seq, s.seq.num_computed_tokens + s.num_query_tokens
+            context = [self.slots[self.slot(seq, p)] for p in range(end)]
+            assert context == (seq.token_ids + seq.proposed_token_ids)[:end], \
+                "context read through the page table is wrong"
+            tokens = []
+            for p in range(end - s.num_sampled, end):
+                tokens.append(next_token(context[:p + 1], seq.index))
+                if p + 1 == end or tokens[-1] != context[p + 1] or tokens[-1] in seq.sampling.stop_token_ids:
+                    break
+            if tokens:
+                accepted[seq.seq_id] = tokens
+        return accepted
 
 def make(num_pages=64, page_size=4, **cfg):
     cfg = EngineConfig(page_size=page_size, num_pages=num_pages, **cfg)
@@ -92,9 +100,16 @@ def check_step(sched, out):
     assert len(out.scheduled) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
     assert out.num_tokens <= cfg.max_num_batched_tokens
     assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
+    assert out.num_prefill_seqs <= cfg.max_prefill_seqs
     for s in out.scheduled:
-        assert 1 <= s.num_new_tokens <= cfg.prefill_chunk_size
-        assert s.sample == (s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens)
+        known = s.seq.num_tokens - s.seq.num_computed_tokens
+        if s.num_query_tokens > known:      # a verify row: the last known token and proposals
+            assert known == 1 and s.num_sampled == s.num_query_tokens <= 1 + len(s.seq.proposed_token_ids)
+            assert not s.is_prefill and len(s.seq.output_token_ids) + s.num_sampled <= s.seq.sampling.max_tokens
+        else:
+            assert 1 <= s.num_query_tokens <= cfg.prefill_chunk_size
+            assert s.num_sampled == (s.seq.num_computed_tokens + s.num_query_tokens == s.seq.num_tokens)
+            assert s.is_prefill == (s.num_query_tokens > 1 or not s.num_sampled)
         assert s.seq.status is SequenceStatus.RUNNING
     assert len({d for _, d in out.page_copies}) == len(out.page_copies)
     refs = [0] * sched.bm.num_pages
@@ -105,15 +120,22 @@ def check_step(sched, out):
     assert all(not s.page_table and s.num_computed_tokens == 0 for s in sched.waiting)
 
 
-def step(sched, runner):
+def step(sched, runner, propose=None):
+    """One step; `propose(seq)` (optional) gives proposals to every sequence that can verify."""
+    for seq in sched.running:
+        if propose and seq.num_computed_tokens == seq.num_tokens - 1:
+            seq.proposed_token_ids = propose(seq)
     out = sched.schedule()
     check_step(sched, out)
     sched.postprocess(out, runner.execute(out))
+    for seq in sched.running:   # no page past the computed tokens, rejected proposals included
+        assert len(seq.page_table) == sched.bm.pages_for(seq.num_computed_tokens)
+    assert all(not s.seq.proposed_token_ids for s in out.scheduled)
     for s in out.scheduled:
         seq = s.seq
-        if s.sample and seq.output_token_ids[-1] in seq.sampling.stop_token_ids:
+        if s.num_sampled and seq.output_token_ids[-1] in seq.sampling.stop_token_ids:
             sched.finish(seq, "stop")
-        elif s.sample and len(seq.output_token_ids) == seq.sampling.max_tokens:
+        elif s.num_sampled and len(seq.output_token_ids) == seq.sampling.max_tokens:
             sched.finish(seq, "length")
     return out
 
@@ -141,7 +163,7 @@ def test_chunked_prefill_rides_along_with_decodes():
     while not b.output_token_ids:
         out = step(sched, runner)
         assert [s.seq for s in out.scheduled][0] is a     # a's decode keeps running in every step
-        chunks += [(s.num_new_tokens, s.sample) for s in out.scheduled if s.seq is b]
+        chunks += [(s.num_query_tokens, s.num_sampled) for s in out.scheduled if s.seq is b]
     assert chunks == [(8, False), (8, False), (4, True)]
     run(sched, runner)
     assert a.output_token_ids == reference([5, 6, 7], 8) and b.output_token_ids == reference(range(1, 21), 2)
@@ -181,8 +203,8 @@ def test_preemption_takes_newest_lowest_priority_and_recomputes():
         outs.append(step(sched, runner))
     assert preempted[:2] == [old_batch, online2]              # then the newest online one
     outs += run(sched, runner)
-    recomputed = [s for o in outs for s in o.scheduled if s.seq is old_batch and s.num_new_tokens > 1]
-    assert recomputed and recomputed[-1].sample               # prompt + outputs recomputed in one prefill
+    recomputed = [s for o in outs for s in o.scheduled if s.seq is old_batch and s.num_query_tokens > 1]
+    assert recomputed and recomputed[-1].num_sampled               # prompt + outputs recomputed in one prefill
     for seq in (old_batch, online1, online2):
         assert seq.output_token_ids == reference(seq.prompt_token_ids, 8)
     assert sched.num_preemptions == len(preempted) >= 2
@@ -196,7 +218,7 @@ def test_admission_eagerness(eagerness):
     step(sched, runner)
     (b,) = add(sched, request("b", range(3, 23), max_tokens=2))
     out = step(sched, runner)
-    b_chunks = [s.num_new_tokens for s in out.scheduled if s.seq is b]
+    b_chunks = [s.num_query_tokens for s in out.scheduled if s.seq is b]
     if eagerness == 0.0:
         assert not b_chunks and b.status is SequenceStatus.WAITING
         while not a.is_finished:
@@ -215,11 +237,11 @@ def test_n_choices_fork_from_the_first_with_copy_on_write(prompt_len, copies):
     prompt = list(range(1, prompt_len + 1))
     seqs = add(sched, request("r", prompt, max_tokens=6, n=3))
     out = step(sched, runner)
-    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(seqs[0], prompt_len)]
+    assert [(s.seq, s.num_query_tokens) for s in out.scheduled] == [(seqs[0], prompt_len)]
     out = sched.schedule()
     check_step(sched, out)
     forks = [s for s in out.scheduled if s.seq is not seqs[0]]
-    assert [(s.seq, s.num_new_tokens, s.sample) for s in forks] == [(seqs[1], 1, True), (seqs[2], 1, True)]
+    assert [(s.seq, s.num_query_tokens, s.num_sampled) for s in forks] == [(seqs[1], 1, True), (seqs[2], 1, True)]
     shared = (prompt_len - 1) // 4                            # full pages all three share
     assert seqs[1].page_table[:shared] == seqs[2].page_table[:shared] == seqs[0].page_table[:shared]
     assert all(sched.bm.ref_counts[p] == 3 for p in seqs[0].page_table[:shared])
@@ -265,7 +287,7 @@ def test_prefix_cache_serves_a_repeated_prompt():
     run(sched, runner)
     (b,) = add(sched, request("b", prompt, max_tokens=3))
     out = step(sched, runner)
-    assert out.scheduled[0].num_new_tokens == 14 - 12          # three full pages came from the cache
+    assert out.scheduled[0].num_query_tokens == 14 - 12          # three full pages came from the cache
     assert sched.prefix_hit_rate == 12 / 28
     run(sched, runner)
     assert a.output_token_ids == b.output_token_ids == reference(prompt, 3)
@@ -290,14 +312,30 @@ def workloads(draw):
                max_num_seqs=draw(st.integers(1, 6)), max_num_batched_tokens=draw(st.integers(1, 24)),
                prefill_chunk_size=draw(st.integers(1, 12)), enable_prefix_caching=draw(st.booleans()),
                admission_eagerness=draw(st.sampled_from([0.0, 0.3, 1.0])))
-    return cfg, reqs
+    spec = draw(st.none() | st.tuples(st.integers(1, 4), st.integers(0, 2**16)))   # (k, proposer seed)
+    return cfg, reqs, spec
+
+
+def proposer(k, seed):
+    """Proposes the reference continuation with random tokens swapped in: verify rows then
+    accept anything from none to all of their k proposals."""
+    rng = random.Random(seed)
+
+    def propose(seq):
+        context, out = list(seq.token_ids), []
+        for _ in range(rng.randint(0, k)):
+            out.append(next_token(context, seq.index) if rng.random() < 0.7 else rng.randrange(VOCAB))
+            context.append(out[-1])
+        return out
+    return propose
 
 
 @settings(max_examples=150, deadline=None)
 @given(workloads())
 def test_random_workloads_finish_with_reference_outputs_and_free_pages(workload):
-    cfg, reqs = workload
+    cfg, reqs, spec = workload
     sched, runner = make(**cfg)
+    propose = proposer(*spec) if spec else None
     seqs, t = {}, 0
     while sched.has_work() or any(r["arrive"] >= t for r in reqs):
         for r in reqs:
@@ -306,7 +344,7 @@ def test_random_workloads_finish_with_reference_outputs_and_free_pages(workload)
                                                     stop=r["stop"]))
             if r["abort"] == t and r["rid"] in seqs:
                 sched.abort(r["rid"])
-        step(sched, runner)
+        step(sched, runner, propose)
         t += 1
         assert t < 5_000, "scheduler made no progress"
     for r in reqs:
@@ -318,3 +356,43 @@ def test_random_workloads_finish_with_reference_outputs_and_free_pages(workload)
             else:
                 assert seq.output_token_ids == want
     assert_all_pages_back(sched)
+
+
+def decoding(sched, runner, *seqs):
+    while any(s.num_computed_tokens != s.num_tokens - 1 or not s.output_token_ids for s in seqs):
+        step(sched, runner)
+
+
+def test_verify_rows_bring_k_plus_1_tokens_sample_all_and_are_not_prefills():
+    sched, runner = make(max_num_batched_tokens=32, max_prefill_seqs=1, page_size=4)
+    a, b = add(sched, request("a", [3, 1, 4], max_tokens=9) + request("b", [2, 7], max_tokens=9))
+    decoding(sched, runner, a, b)
+    want_a, want_b = reference([3, 1, 4], 9), reference([2, 7], 9)
+    (c,) = add(sched, request("c", range(1, 11), max_tokens=2))
+    a.proposed_token_ids = want_a[len(a.output_token_ids):][:3]                 # all right
+    b.proposed_token_ids = [want_b[len(b.output_token_ids)], VOCAB - 1 - want_b[len(b.output_token_ids) + 1], 0]
+    a_len, b_len = a.num_tokens, b.num_tokens
+    out = sched.schedule()
+    check_step(sched, out)
+    rows = {s.seq.request_id: (s.num_query_tokens, s.num_sampled, s.is_prefill) for s in out.scheduled}
+    assert rows == {"a": (4, 4, False), "b": (4, 4, False), "c": (10, 1, True)}   # max_prefill_seqs=1 holds
+    assert out.num_prefill_seqs == 1 and out.num_tokens == 18
+    assert len(b.page_table) == sched.bm.pages_for(b_len + 3)                      # pages for the proposals
+    sched.postprocess(out, runner.execute(out))
+    assert a.num_tokens == a_len + 4 and b.num_tokens == b_len + 2                 # 3 + 1 and 1 + 1 tokens
+    assert b.num_computed_tokens == b.num_tokens - 1 and len(b.page_table) == sched.bm.pages_for(b.num_tokens - 1)
+    run(sched, runner)
+    assert (a.output_token_ids, b.output_token_ids) == (want_a, want_b)
+    assert c.output_token_ids == reference(range(1, 11), 2)
+    assert_all_pages_back(sched)
+
+
+def test_verify_rows_are_cut_to_the_token_budget_and_max_tokens():
+    sched, runner = make(max_num_batched_tokens=4, page_size=4)
+    a, b = add(sched, request("a", [5], max_tokens=3) + request("b", [6], max_tokens=8))
+    decoding(sched, runner, a, b)
+    a.proposed_token_ids = b.proposed_token_ids = [1, 2, 3, 4, 5]
+    out = sched.schedule()
+    check_step(sched, out)
+    # a has 2 tokens to go: 1 proposal is all a step can use; b gets what is left of the budget.
+    assert [(s.seq, s.num_query_tokens, s.num_sampled) for s in out.scheduled] == [(a, 2, 2), (b, 2, 2)]

@@ -9,7 +9,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jaxserve.kv_cache import BlockManager
+from jaxserve.block_manager import BlockManager
 from jaxserve.sequence import Sequence
 
 PS = 4

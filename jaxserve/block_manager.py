@@ -15,6 +15,16 @@ full page is never written again, so a cached page can be shared without copying
 Copy-on-write: a sequence about to write into a page it shares (a fork of an n > 1 request, see
 the scheduler), or into a page registered in the prefix cache, gets a fresh page first; `reserve`
 returns the (src, dst) copies for the runner to apply on device before the step's K/V writes.
+
+Speculation (a verify row writes the K/V of k proposed tokens past the known ones): `reserve`
+takes pages for tokens ahead of the known tokens as for any others, and `rollback` forgets the
+K/V of a sequence's last tokens (the rejected proposals) by bookkeeping alone: pages wholly past
+the new end are released, and the sequence drops the prefix-cache keys of pages no longer full.
+The prefix cache itself needs no change: only full pages of computed, known tokens are ever
+registered (so a rolled-back proposal never is, as long as the rollback precedes
+`cache_full_pages`), and a registered page is never written again, since `reserve` gives the
+writer a copy first. A registered page that a rollback ends inside therefore keeps the K/V its
+key names, and one wholly past the end is released to the cache like any other.
 """
 from __future__ import annotations
 
@@ -117,12 +127,12 @@ class BlockManager:
         dst.page_hashes = src.page_hashes[:num_tokens // self.page_size]
         dst.num_computed_tokens = num_tokens
 
-    def reserve(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
-        """Make seq's page table cover num_computed_tokens + num_new_tokens tokens, replacing every
-        page this step writes into that is shared or cached by a private copy. Returns the
-        (src, dst) page copies, or None (nothing changed) when the pool is short of pages."""
+    def reserve(self, seq: Sequence, num_tokens_ahead: int) -> list[tuple[int, int]] | None:
+        """Make seq's page table cover num_computed_tokens + num_tokens_ahead tokens (known or
+        proposed), replacing every page this step writes into that is shared or cached by a private
+        copy. Returns the (src, dst) page copies, or None (nothing changed) when the pool is short."""
         start = seq.num_computed_tokens
-        end_page = self.pages_for(start + num_new_tokens)
+        end_page = self.pages_for(start + num_tokens_ahead)
         written = range(start // self.page_size, min(end_page, len(seq.page_table)))
         shared = [i for i in written if self.ref_counts[seq.page_table[i]] > 1 or seq.page_table[i] in self.page_key]
         new = end_page - len(seq.page_table)
@@ -134,6 +144,17 @@ class BlockManager:
             seq.page_table[i] = dst
             self._decref(src)               # after all takes, so no src is reused in this call
         return copies
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget the K/V of seq's last num_tokens computed tokens (see the module docstring)."""
+        if not 0 <= num_tokens <= seq.num_computed_tokens:
+            raise ValueError(f"cannot roll back {num_tokens} of {seq.num_computed_tokens} computed tokens")
+        seq.num_computed_tokens -= num_tokens
+        keep = self.pages_for(seq.num_computed_tokens)
+        for p in reversed(seq.page_table[keep:]):
+            self._decref(p)
+        del seq.page_table[keep:]
+        del seq.page_hashes[seq.num_computed_tokens // self.page_size:]
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; tail pages first, so they are evicted before the shared
@@ -147,6 +168,7 @@ class BlockManager:
         """Register the sequence's full, computed pages in the prefix cache (call after a step)."""
         if not self.enable_prefix_caching:
             return
+        assert seq.num_computed_tokens <= seq.num_tokens, "roll back proposals before caching pages"
         ps = self.page_size
         num_full = seq.num_computed_tokens // ps
         if num_full <= len(seq.page_hashes):
