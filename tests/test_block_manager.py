@@ -33,16 +33,18 @@ class PagePool:
         for (_, dst), page in zip(copies, data):
             self.slots[dst * ps:(dst + 1) * ps] = page
 
-    def compute(self, seq, n):
-        """Write K/V of seq's next n tokens; copy-on-write must have left no shared page to write."""
+    def compute(self, seq, n, proposed=()):
+        """Write K/V of seq's next n tokens (known, then proposed); copy-on-write must have left no
+        shared page to write."""
         ps = self.bm.page_size
-        tokens = seq.token_ids
+        tokens = seq.token_ids + list(proposed)
         for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
             page = seq.page_table[p // ps]
             assert self.bm.ref_counts[page] == 1, f"writing into shared page {page}"
             self.slots[page * ps + p % ps] = tokens[p]
         seq.num_computed_tokens += n
-        self.bm.cache_full_pages(seq)
+        if not proposed:
+            self.bm.cache_full_pages(seq)
 
     def read(self, page_table, num_tokens):
         ps = self.bm.page_size
@@ -97,6 +99,47 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len(seq.page_table) == self.bm.pages_for(seq.num_computed_tokens + n)
         self.pool.copy(copies)
         self.pool.compute(seq, n)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), proposed=st.lists(st.integers(0, 3), min_size=1, max_size=6), bonus=st.integers(0, 3))
+    def verify(self, data, proposed, bonus):
+        """A verify row: reserve and write the known tokens left and k proposals, accept a prefix
+        of the proposals and a token after it, roll the rest back, then cache full pages."""
+        seq = data.draw(st.sampled_from(self.live))
+        known = seq.num_tokens - seq.num_computed_tokens
+        before = snapshot(self.bm)
+        copies = self.bm.reserve(seq, known + len(proposed))
+        if copies is None:
+            assert snapshot(self.bm) == before
+            return
+        assert len(seq.page_table) == self.bm.pages_for(seq.num_tokens + len(proposed))
+        self.pool.copy(copies)
+        self.pool.compute(seq, known + len(proposed), proposed)
+        accepted = data.draw(st.integers(0, len(proposed)))
+        seq.output_token_ids += proposed[:accepted] + [bonus]
+        self.rollback_and_check(seq, len(proposed) - accepted)
+        self.bm.cache_full_pages(seq)
+
+    @precondition(lambda self: any(s.num_computed_tokens for s in self.live))
+    @rule(data=st.data(), new=st.lists(st.integers(0, 3), max_size=3))
+    def rollback(self, data, new):
+        """Roll back any number of computed tokens; outputs past the new end may then change."""
+        seq = data.draw(st.sampled_from([s for s in self.live if s.num_computed_tokens]))
+        self.rollback_and_check(seq, data.draw(st.integers(1, seq.num_computed_tokens)))
+        keep = max(seq.num_computed_tokens, seq.num_prompt_tokens) - seq.num_prompt_tokens
+        if new:
+            seq.output_token_ids = seq.output_token_ids[:keep] + new
+
+    def rollback_and_check(self, seq, num_tokens):
+        end = seq.num_computed_tokens - num_tokens
+        pages = self.bm.pages_for(end)
+        dropped = seq.page_table[pages:]
+        self.bm.rollback(seq, num_tokens)
+        assert seq.num_computed_tokens == end and len(seq.page_table) == pages
+        assert len(seq.page_hashes) <= end // PS
+        others = [p for s in self.live for p in s.page_table]
+        for p in dropped:   # released unless another sequence holds it
+            assert self.bm.ref_counts[p] == others.count(p)
 
     @precondition(lambda self: any(s.num_computed_tokens for s in self.live))
     @rule(data=st.data(), tail=st.lists(st.integers(0, 3), max_size=3))
@@ -205,6 +248,29 @@ def test_cow_copy_gives_private_page_to_the_writer():
     pool.compute(child, 1)
     assert pool.read(parent.page_table, 6) == list(range(6))
     assert pool.read(child.page_table, 7) == list(range(6)) + [1]
+
+
+def test_rollback_releases_tail_pages_and_keeps_cached_pages_correct():
+    bm = BlockManager(8, PS)
+    pool = PagePool(bm)
+    a = computed(bm, pool, range(10))                 # pages 0, 1 full and cached, page 2 partial
+    child = seq_of(list(range(10)) + [1])
+    bm.fork(a, child, 10)
+    full = list(a.page_table[:2])
+    bm.rollback(a, 7)                                 # back into the first page
+    assert a.num_computed_tokens == 3 and a.page_table == full[:1] and a.page_hashes == []
+    assert [bm.ref_counts[p] for p in child.page_table] == [2, 1, 1]   # the child still holds them all
+    assert bm.match_prefix(list(range(9)))[0] == full  # both pages still name their prefix
+    a.prompt_token_ids = [0, 1, 2, 30, 31, 32, 33, 34, 35]               # new tokens past the new end
+    copies = bm.reserve(a, 6)
+    assert copies == [(full[0], a.page_table[0])]    # the cached page is copied, not rewritten
+    pool.copy(copies)
+    pool.compute(a, 6)
+    assert pool.read(full, 8) == list(range(8)) and pool.read(child.page_table, 10) == list(range(10))
+    assert bm.match_prefix(a.token_ids + [0])[0] == a.page_table[:2] != full
+    bm.free(child)
+    bm.rollback(a, a.num_computed_tokens)
+    assert a.page_table == [] and bm.num_used_pages == 0
 
 
 def test_reserve_fails_without_changes_when_pool_is_short():
