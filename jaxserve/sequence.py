@@ -28,8 +28,8 @@ class Sequence:
     index: int = 0
     seed: int = 0                      # the sampler's seed for this choice (set by the engine)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    # Guesses of the tokens after token_ids (speculative decoding), verified by the next step
-    # that schedules this sequence, which then clears them.
+    # Guesses of the tokens after token_ids (speculative decoding). The next step that schedules
+    # the sequence verifies them if all its tokens but the last are computed, and clears them.
     proposed_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0       # tokens whose K/V are in the cache
     # Owned by the BlockManager: physical pages, and the chained prefix-cache keys of the
