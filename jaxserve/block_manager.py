@@ -168,7 +168,7 @@ class BlockManager:
         """Register the sequence's full, computed pages in the prefix cache (call after a step)."""
         if not self.enable_prefix_caching:
             return
-        assert seq.num_computed_tokens <= seq.num_tokens, "roll back proposals before caching pages"
+        assert seq.num_computed_tokens <= seq.num_tokens, "computed past the known tokens: roll back rejected proposals first"
         ps = self.page_size
         num_full = seq.num_computed_tokens // ps
         if num_full <= len(seq.page_hashes):

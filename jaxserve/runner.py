@@ -151,7 +151,7 @@ class ModelRunner:
         if not out.scheduled and not out.page_copies:
             return {}
         if any(s.num_sampled > 1 for s in out.scheduled):
-            raise NotImplementedError("verify rows (several tokens sampled from one row)")
+            raise NotImplementedError("verify rows: the step samples at most one token per row")
         split = self.prefills_sequence_parallel
         ops = [self._sequence_parallel_op(s, seeds) for s in out.scheduled if split and s.num_query_tokens > 1]
         rest = [s for s in out.scheduled if not (split and s.num_query_tokens > 1)]

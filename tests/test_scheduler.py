@@ -317,8 +317,7 @@ def workloads(draw):
 
 
 def proposer(k, seed):
-    """Proposes the reference continuation with random tokens swapped in: verify rows then
-    accept anything from none to all of their k proposals."""
+    """Up to k tokens of the reference continuation, some swapped: verify rows accept 0..k."""
     rng = random.Random(seed)
 
     def propose(seq):
@@ -372,8 +371,7 @@ def test_verify_rows_bring_k_plus_1_tokens_sample_all_and_are_not_prefills():
     a.proposed_token_ids = want_a[len(a.output_token_ids):][:3]                 # all right
     b.proposed_token_ids = [want_b[len(b.output_token_ids)], VOCAB - 1 - want_b[len(b.output_token_ids) + 1], 0]
     a_len, b_len = a.num_tokens, b.num_tokens
-    out = sched.schedule()
-    check_step(sched, out)
+    check_step(sched, out := sched.schedule())
     rows = {s.seq.request_id: (s.num_query_tokens, s.num_sampled, s.is_prefill) for s in out.scheduled}
     assert rows == {"a": (4, 4, False), "b": (4, 4, False), "c": (10, 1, True)}   # max_prefill_seqs=1 holds
     assert out.num_prefill_seqs == 1 and out.num_tokens == 18
@@ -392,7 +390,10 @@ def test_verify_rows_are_cut_to_the_token_budget_and_max_tokens():
     a, b = add(sched, request("a", [5], max_tokens=3) + request("b", [6], max_tokens=8))
     decoding(sched, runner, a, b)
     a.proposed_token_ids = b.proposed_token_ids = [1, 2, 3, 4, 5]
-    out = sched.schedule()
-    check_step(sched, out)
+    check_step(sched, out := sched.schedule())
     # a has 2 tokens to go: 1 proposal is all a step can use; b gets what is left of the budget.
     assert [(s.seq, s.num_query_tokens, s.num_sampled) for s in out.scheduled] == [(a, 2, 2), (b, 2, 2)]
+    sched.postprocess(out, runner.execute(out))
+    run(sched, runner)
+    assert (a.output_token_ids, b.output_token_ids) == (reference([5], 3), reference([6], 8))
+    assert_all_pages_back(sched)
