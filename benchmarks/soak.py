@@ -9,7 +9,7 @@ Every --fault-every-th engine step raises (JAXSERVE_FAULT_STEPS). Once a second 
   * every accepted request ended with full output or a clear error (none LOST);
   * the free-page count, once the load stops, is back to its value before it;
   * resident memory grows less than 5% after warm-up (the first fifth of the run);
-  * p99 time to first token (streams) in the last fifth is within 1.5x of the first fifth;
+  * p99 time to first token (short-prompt streams) in the last fifth is within 1.5x of the first;
   * the faults were injected, preemption happened, and the server exits 0 on SIGTERM.
 
   python -m benchmarks.soak --duration 300 --out benchmarks/results/soak
@@ -40,20 +40,21 @@ from benchmarks.common import (command_line, load_average, machine_line, markdow
                                report_header, save_figure, write_report)
 from benchmarks.soak_load import KINDS, Client
 
-# A KV pool of 40 pages of 32 tokens: two long prompts (250-450 tokens + up to 150 generated)
-# already fill it, so the scheduler preempts.
-ENGINE = dict(max_model_len=640, page_size=32, num_pages=40, max_num_seqs=4, max_num_batched_tokens=16,
+# A KV pool of 32 pages of 32 tokens: two long prompts (300-450 tokens + 100-180 generated, up
+# to 20 pages each) overfill it, so the scheduler preempts.
+ENGINE = dict(max_model_len=640, page_size=32, num_pages=32, max_num_seqs=4, max_num_batched_tokens=16,
               prefill_chunk_size=16, max_prefill_seqs=1, max_queue_size=64)
 VOCAB_SIZE = 4096   # the embedded model's
 MAX_RSS_GROWTH = 0.05
 MAX_TTFT_RATIO = 1.5
 WINDOW_S = 10       # the plot's p99 TTFT windows
+TTFT_KINDS = ("stream", "chat")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, default=300, help="seconds of load")
-    p.add_argument("--clients", type=int, default=8, help="concurrent closed-loop clients")
+    p.add_argument("--clients", type=int, default=4, help="concurrent closed-loop clients")
     p.add_argument("--fault-every", type=int, default=2000, help="every N-th engine step raises")
     p.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla")
     p.add_argument("--seed", type=int, default=0)
@@ -200,8 +201,10 @@ def checks(result: dict) -> list[dict]:
 
 
 def _ttfts(reqs: list[dict]) -> list[tuple[float, float]]:
-    """(send time, TTFT) of the streams that ran to their end."""
-    return [(r["sent"], r["ttft"]) for r in reqs if r["ttft"] is not None and r["outcome"] == "ok"]
+    """(send time, TTFT) of the short-prompt streams that ran to their end. Long prompts are left
+    out: their TTFT is their own 20-30 prefill steps, recomputed when preempted, by design."""
+    return [(r["sent"], r["ttft"]) for r in reqs
+            if r["ttft"] is not None and r["outcome"] == "ok" and r["kind"] in TTFT_KINDS]
 
 
 def windows(result: dict) -> tuple[list[float], list[float | None]]:
@@ -228,7 +231,7 @@ def markdown(report: dict) -> str:
     lines += markdown_table(["kind", *outcomes], [[k, *(by_kind[k][o] for o in outcomes)] for k in KINDS],
                             right_aligned=tuple(range(1, len(outcomes) + 1)))
     ttft = percentiles([t for _, t in _ttfts(reqs)])
-    lines += ["", "TTFT of the streams that ran to their end (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in ttft.items() if v is not None),
+    lines += ["", "TTFT of the short-prompt streams that ran to their end (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in ttft.items() if v is not None),
               "", f"![p99 TTFT, free pages and resident memory over time]({report['plot']})", ""]
     return "\n".join(lines)
 

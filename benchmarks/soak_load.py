@@ -21,7 +21,7 @@ import time
 import numpy as np
 import requests
 
-KINDS = {"stream": 0.25, "plain": 0.2, "chat": 0.1, "long": 0.15, "leave": 0.1, "deadline": 0.1,
+KINDS = {"stream": 0.25, "plain": 0.15, "chat": 0.1, "long": 0.2, "leave": 0.1, "deadline": 0.1,
          "malformed": 0.1}
 STOPS = [".", "\n", " the"]
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
@@ -74,8 +74,8 @@ class Client:
         return self._send("/v1/chat/completions", body, bool(self.rng.random() < 0.5))
 
     def _long(self):
-        ids = self.rng.integers(3, self.vocab_size, int(self.rng.integers(250, 450))).tolist()
-        body = {"prompt": ids, "max_tokens": int(self.rng.integers(60, 150)), "ignore_eos": True,
+        ids = self.rng.integers(3, self.vocab_size, int(self.rng.integers(300, 450))).tolist()
+        body = {"prompt": ids, "max_tokens": int(self.rng.integers(100, 180)), "ignore_eos": True,
                 "temperature": 0.8, "n": int(self.rng.integers(1, 3))}
         return self._send("/v1/completions", body, bool(self.rng.random() < 0.5))
 

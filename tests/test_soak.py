@@ -11,7 +11,7 @@ DURATION_S = 60
 
 
 def test_soak_loses_nothing(tmp_path):
-    args = argparse.Namespace(duration=DURATION_S, clients=6, fault_every=1000, seed=1,
+    args = argparse.Namespace(duration=DURATION_S, clients=4, fault_every=1000, seed=1,
                               compilation_cache_dir=os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache"),
                               out=str(tmp_path / "soak"))
     report = soak.run(args)
