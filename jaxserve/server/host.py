@@ -113,9 +113,9 @@ class EngineHost:
                     yield i, out
         finally:
             for i, stream in enumerate(streams):
-                if i not in finished:
-                    stream.abort()
+                if i not in finished:   # logged first: once aborted, the engine shows it at once
                     log.info("%s aborted (client gone, error or timeout)", stream.request_id)
+                    stream.abort()
 
     def begin_drain(self) -> None:
         """Refuse new requests (503); requests already accepted run to completion."""
