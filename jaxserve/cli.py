@@ -46,6 +46,8 @@ def _add_serve(sub) -> None:
                    help="require 'Authorization: Bearer KEY' (default: $JAXSERVE_API_KEY; none: open)")
     p.add_argument("--served-model-name", help="the name clients use in 'model' (default: the model "
                                                "directory's name, 'jaxserve-tiny' for the embedded model)")
+    p.add_argument("--request-timeout", type=float, help="seconds a request may wait and run before it ends "
+                                                         "with a 408 error (default: the config's request_timeout_s)")
     multi = p.add_argument_group("multi-host", "one process per host, one mesh over all their devices: "
                                  "run the same command on every host; process 0 serves HTTP, the others "
                                  "follow its steps")
@@ -88,6 +90,8 @@ def serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = dataclasses.replace(engine_config(args), distributed=_distributed(args))
+        if args.request_timeout is not None:
+            cfg = dataclasses.replace(cfg, request_timeout_s=args.request_timeout)
     except ValueError as e:
         sys.exit(f"jaxserve serve: {e}")
     if cfg.distributed is not None and not cfg.distributed.is_leader:

@@ -125,6 +125,8 @@ class EngineConfig:
     admission_eagerness: float = 1.0        # 1.0 admit whenever budget allows; 0.0 only when no decode is running
     attention_backend: str = "auto"         # auto | pallas_tpu | pallas_gpu | xla
     max_queue_size: int = 256               # requests in flight beyond max_num_seqs; more get 429
+    max_failed_steps: int = 3               # consecutive failed steps that mean a lost device: the server exits
+    request_timeout_s: float | None = None  # the server's deadline per request (a request's `timeout` may lower it)
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
     seed: int = 0
     mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"data": 1, "model": 1, "seq": 1})
@@ -136,13 +138,15 @@ class EngineConfig:
         if isinstance(self.distributed, dict):
             self.distributed = DistributedConfig(**self.distributed)
         positive = ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size",
-                    "max_prefill_seqs", "kv_cache_mb")
+                    "max_prefill_seqs", "kv_cache_mb", "max_failed_steps")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"engine config: {name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_model_len", "num_pages"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"engine config: {name} must be at least 1 or null, got {getattr(self, name)}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"engine config: request_timeout_s must be positive or null, got {self.request_timeout_s}")
         if self.max_queue_size < 0:
             raise ValueError(f"engine config: max_queue_size must be 0 or more, got {self.max_queue_size}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:

@@ -49,3 +49,8 @@ class DataParallelEngine:
     @property
     def num_pending(self) -> int:
         return sum(t.num_pending for t in self.threads)
+
+    @property
+    def lost(self):
+        """Why a replica was given up for lost (the process should restart), or None."""
+        return next((t.lost for t in self.threads if t.lost is not None), None)

@@ -7,6 +7,12 @@ when they were built; here the prompt: its ids, its length, whether it fits the 
 then carries its own state: its sequences (with their seeds), detokenizers and text so far.
 Its RequestOutputs are deltas (what each step added); `jaxserve.llm` gathers them into the
 offline API's final outputs, `jaxserve.engine_thread` streams them to the server.
+
+A step that raises (a device error, an out-of-memory, a bug) raises StepError naming the requests
+it ran; the caller aborts them (which frees their pages) and the engine serves the rest. For
+tests, the environment variable JAXSERVE_FAULT_STEPS ("3,4") makes those model steps (counted
+from 1, warm-up excluded) raise InjectedFault inside the step, after scheduling, as a device
+error would.
 """
 from __future__ import annotations
 
@@ -24,11 +30,24 @@ from jaxserve.checkpoint import load_params, param_shapes
 from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingParams
 from jaxserve.block_manager import BlockManager
 from jaxserve.runner import ModelRunner, SampleResult
-from jaxserve.scheduler import Scheduler
+from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 TINY_MODEL_DIR = os.path.join(os.path.dirname(__file__), "assets", "tiny")
+FAULT_STEPS_ENV = "JAXSERVE_FAULT_STEPS"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the steps listed in JAXSERVE_FAULT_STEPS."""
+
+
+class StepError(RuntimeError):
+    """A step raised; the requests it ran (`request_ids`) are lost, the others untouched."""
+
+    def __init__(self, request_ids: list[str], cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
 
 
 @dataclasses.dataclass
@@ -93,7 +112,9 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(self.ecfg.seed)
         self._ids = itertools.count()
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "requests_finished": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "failed_steps": 0,
+                      "requests_finished": 0}
+        self._fault_steps = {int(n) for n in os.environ.get(FAULT_STEPS_ENV, "").split(",") if n.strip()}
         self.last_schedule = None   # the SchedulerOutput of the latest step (roofline accounting)
 
     def warmup(self) -> int:
@@ -165,9 +186,20 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
+        """Run one step; raises StepError if it fails (the caller then aborts its requests)."""
         out = self.last_schedule = self.scheduler.schedule()
         if not out.scheduled and not out.page_copies:
             return []
+        try:
+            return self._run(out)
+        except Exception as e:
+            self.stats["failed_steps"] += 1
+            raise StepError(sorted({s.seq.request_id for s in out.scheduled}), e) from e
+
+    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
+        number = self.stats["steps"] + self.stats["failed_steps"] + 1
+        if number in self._fault_steps:
+            raise InjectedFault(f"step {number} fails ({FAULT_STEPS_ENV})")
         now = time.monotonic()
         for s in out.scheduled:
             req = self._requests[s.seq.request_id]

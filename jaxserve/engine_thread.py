@@ -1,6 +1,11 @@
 """The engine on a background thread: thread-safe submit / abort / shutdown, one RequestStream
 per request, and a bounded queue (QueueFullError past it) for the server and other callers that
-do not step the engine themselves."""
+do not step the engine themselves.
+
+A failed step fails the requests it ran (their streams raise RequestFailed; their pages are
+freed) and the engine goes on. After `max_failed_steps` failed steps in a row the device is
+taken for lost: every request fails, `lost` says why, the loop stops and submit refuses.
+"""
 from __future__ import annotations
 
 import logging
@@ -10,7 +15,7 @@ import time
 from typing import Callable, Iterator
 
 from jaxserve.config import InvalidRequest, SamplingParams
-from jaxserve.engine import LLMEngine, Request, RequestOutput
+from jaxserve.engine import LLMEngine, Request, RequestOutput, StepError
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +26,14 @@ class QueueFullError(RuntimeError):
 
 class EngineStoppedError(RuntimeError):
     """The engine is shutting down and accepts no new requests (HTTP 503)."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request: a step it was in raised (HTTP 500)."""
+
+
+class DeadlineExceeded(TimeoutError):
+    """The request's deadline passed before it finished (HTTP 408)."""
 
 
 class RequestStream:
@@ -37,14 +50,21 @@ class RequestStream:
     def __iter__(self) -> Iterator[RequestOutput]:
         return self.outputs()
 
-    def outputs(self, alive: Callable[[], bool] | None = None,
+    def outputs(self, alive: Callable[[], bool] | None = None, deadline: float | None = None,
                 poll_s: float = 0.25) -> Iterator[RequestOutput]:
         """The deltas until the finished one. With `alive`, ask it every `poll_s` seconds
-        while waiting and stop early when it says no (the caller then aborts)."""
+        while waiting and stop early when it says no; past `deadline` (time.monotonic()), raise
+        DeadlineExceeded. Either way the caller then aborts."""
         next_check = time.monotonic() + poll_s
         while True:
+            wait = poll_s if alive else None
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceeded()
+                wait = left if wait is None else min(wait, left)
             try:
-                item = self._queue.get(timeout=poll_s if alive else None)
+                item = self._queue.get(timeout=wait)
             except queue.Empty:
                 item = None
             if alive is not None and time.monotonic() >= next_check:
@@ -78,6 +98,8 @@ class EngineThread:
         self._stop = False
         self._lock = threading.Lock()
         self._pending = 0   # submitted, not yet finished
+        self._failed_steps = 0   # in a row
+        self.lost: StepError | None = None   # set when the engine is given up for lost
         self.step_listeners = []   # called with (RequestOutput list, step seconds) after each step
         self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
 
@@ -93,6 +115,8 @@ class EngineThread:
         input), QueueFullError, EngineStoppedError."""
         req = self.engine.new_request(prompt_token_ids, params, request_id)
         with self._lock:
+            if self.lost is not None:
+                raise EngineStoppedError(f"the engine is lost: {self.lost}")
             if not self._accepting:
                 raise EngineStoppedError("the server is shutting down")
             # Counted from the requests in flight, not the scheduler's waiting list: the engine
@@ -141,11 +165,16 @@ class EngineThread:
             t0 = time.monotonic()
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # never leave clients hanging on a dead engine
-                log.exception("engine step failed")
-                self._fail_all(e)
+            except StepError as e:
+                self._step_failed(e)
+                continue
+            except Exception as e:   # outside a step (scheduling): whose requests is unknown
+                self._step_failed(StepError(list(self._streams), e))
                 continue
             dt = time.monotonic() - t0
+            if self._failed_steps:
+                log.info("engine step succeeded after %d failed step(s)", self._failed_steps)
+                self._failed_steps = 0
             for out in outputs:
                 self._deliver(out)
             for listener in self.step_listeners:
@@ -184,9 +213,23 @@ class EngineThread:
         if stream is not None and notify:
             stream.put(error if error is not None else RequestOutput(request_id, [], [], finished=True))
 
-    def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self._streams):
+    def _step_failed(self, error: StepError) -> None:
+        """Fail the step's requests (aborting frees their pages); after max_failed_steps in a
+        row, every request, and stop. Logged on the first failure of a run and when lost."""
+        self._failed_steps += 1
+        if self._failed_steps == 1:
+            log.error("engine step failed; failing its %d request(s)", len(error.request_ids),
+                      exc_info=error.__cause__ or error)
+        lost = self._failed_steps >= self.engine.ecfg.max_failed_steps
+        if lost:
+            log.critical("engine lost: %d steps failed in a row (last: %s); failing all %d request(s)",
+                         self._failed_steps, error, len(self._streams))
+            with self._lock:
+                self.lost = error
+        for request_id in list(self._streams) if lost else error.request_ids:
             self.engine.abort(request_id)
-            self._finish_stream(request_id, RuntimeError(f"engine failure: {error}"))
+            self._finish_stream(request_id, RequestFailed(f"the engine failed while running this request ({error})"))
+        if lost:
+            self._stop = True
 
 

@@ -44,6 +44,10 @@ class EngineClient(Protocol):
     def num_pending(self) -> int:
         """Requests submitted and not finished."""
 
+    @property
+    def lost(self) -> Exception | None:
+        """Why the engine was given up for lost (failed steps in a row), or None."""
+
 
 class Follower:
     """A multi-host process other than 0. It serves no requests: once warm it replays process
@@ -79,6 +83,8 @@ class Follower:
     @property
     def num_pending(self) -> int:
         return 0
+
+    lost = None   # process 0 decides; a follower stops with it
 
 
 def build_engine(cfg: EngineConfig) -> LLMEngine:

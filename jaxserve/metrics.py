@@ -72,6 +72,9 @@ class _EngineCollector:
         yield GaugeMetricFamily("jaxserve_kv_cache_usage_ratio",
                                 "Share of KV pages held by sequences (prefix-cached pages count as free).",
                                 value=mean(s.page_usage for s in scheds))
+        yield GaugeMetricFamily("jaxserve_kv_free_pages",
+                                "KV pages free to allocate (prefix-cached ones included), all replicas.",
+                                value=sum(e.block_manager.num_free_pages for e in engines))
         yield GaugeMetricFamily("jaxserve_prefix_cache_hit_rate",
                                 "Share of queried prompt tokens found in the prefix cache (replica mean).",
                                 value=mean(s.prefix_hit_rate for s in scheds))
@@ -79,6 +82,8 @@ class _EngineCollector:
                                   value=sum(e.stats["prompt_tokens"] for e in engines))
         yield CounterMetricFamily("jaxserve_generation_tokens", "Tokens generated.",
                                   value=sum(e.stats["generation_tokens"] for e in engines))
+        yield CounterMetricFamily("jaxserve_failed_steps", "Engine steps that raised (their requests failed).",
+                                  value=sum(e.stats["failed_steps"] for e in engines))
         yield CounterMetricFamily("jaxserve_num_preemptions", "Sequences preempted (recomputed later).",
                                   value=sum(s.num_preemptions for s in scheds))
         if self.metrics.roofline is not None:

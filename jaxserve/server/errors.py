@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
+    408: "timeout_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable_error",

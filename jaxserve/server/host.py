@@ -1,6 +1,7 @@
 """The frontend's handle on the engine: loads and warms it in the background (requests get 503
 until it is ready), submits requests (engine refusals become HTTP errors), follows their deltas
-(metrics, one log line per request, abort when the consumer goes away) and drains on shutdown."""
+(metrics, one log line per request, abort when the consumer goes away or its deadline passes)
+and drains on shutdown."""
 from __future__ import annotations
 
 import logging
@@ -54,11 +55,17 @@ class EngineHost:
         """The EngineClient, or 503 while warming up / shutting down."""
         if self.draining:
             raise APIError(503, "the server is shutting down")
+        if self.engine_lost is not None:
+            raise APIError(503, f"the engine is lost ({self.engine_lost}); the server is restarting")
         if self.engine_thread is None:
             if self.load_error is not None:
                 raise APIError(503, f"the engine failed to load: {self.load_error}")
             raise APIError(503, "the engine is warming up")
         return self.engine_thread
+
+    @property
+    def engine_lost(self) -> Exception | None:
+        return None if self.engine_thread is None else self.engine_thread.lost
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> list:
         """Submit each prompt as `{request_id}-{i}` (the engine checks each one); all or nothing:
@@ -78,15 +85,20 @@ class EngineHost:
             raise APIError(429 if isinstance(e, QueueFullError) else 503, str(e)) from None
         return streams
 
-    def follow(self, streams: list, alive: Callable[[], bool] | None = None) -> Iterator[tuple[int, object]]:
+    def follow(self, streams: list, alive: Callable[[], bool] | None = None,
+               timeout: float | None = None) -> Iterator[tuple[int, object]]:
         """(prompt index, RequestOutput delta) for each stream in turn (all run concurrently in the
         engine). Closing this generator early aborts the unfinished requests, freeing their pages;
-        so does `alive` answering no while it waits (a client that left)."""
+        so does `alive` answering no while it waits (a client that left). Raises APIError 500 when
+        the engine fails a request, 408 past the deadline (the smaller of `timeout` and the
+        server's request_timeout_s, in seconds from now)."""
+        limits = [t for t in (timeout, self.engine_cfg.request_timeout_s) if t is not None]
+        deadline = time.monotonic() + min(limits) if limits else None
         finished = set()
         try:
             for i, stream in enumerate(streams):
                 last = None
-                for out in stream.outputs(alive):
+                for out in _outputs(stream, alive, deadline, min(limits, default=None)):
                     # Token gaps as the frontend sees them, from the first stream only: later
                     # ones have been buffering meanwhile.
                     if i == 0 and any(c.token_ids for c in out.outputs):
@@ -101,9 +113,9 @@ class EngineHost:
                     yield i, out
         finally:
             for i, stream in enumerate(streams):
-                if i not in finished:
+                if i not in finished:   # logged first: once aborted, the engine shows it at once
+                    log.info("%s aborted (client gone, error or timeout)", stream.request_id)
                     stream.abort()
-                    log.info("%s aborted (client gone or error)", stream.request_id)
 
     def begin_drain(self) -> None:
         """Refuse new requests (503); requests already accepted run to completion."""
@@ -112,6 +124,19 @@ class EngineHost:
     def shutdown(self) -> None:
         if self.engine_thread is not None:
             self.engine_thread.shutdown(drain=False)
+
+
+def _outputs(stream, alive, deadline: float | None, timeout: float | None) -> Iterator:
+    """The stream's outputs; the engine failing the request becomes a 500, its deadline a 408."""
+    from jaxserve.engine_thread import DeadlineExceeded, RequestFailed
+
+    try:
+        yield from stream.outputs(alive, deadline)
+    except RequestFailed as e:
+        raise APIError(500, str(e), code="engine_error") from None
+    except DeadlineExceeded:
+        raise APIError(408, f"the request did not finish within its timeout of {timeout:g} s",
+                       code="request_timeout") from None
 
 
 def _log_finished(out) -> None:

@@ -11,6 +11,10 @@ MAX_CONTENT_LENGTH (413) within asgi.BODY_TIMEOUT_S (408); idle keep-alive to KE
 Signals: the first SIGTERM or SIGINT drains: requests that arrive get 503, the listening socket
 closes, accepted requests finish (up to DRAIN_TIMEOUT_S), the engine stops and the process
 exits 0. A second SIGTERM changes nothing; a second SIGINT (Ctrl-C twice) exits at once, 130.
+
+A lost engine (jaxserve.engine_thread: failed steps in a row) fails every request; /health says
+503 for ENGINE_LOST_LINGER_S (load balancers see it, clients get their errors), then the server
+stops as on SIGTERM and exits ENGINE_LOST_EXIT, for a supervisor to restart it.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import resource
 import signal
 import socket
 import sys
+import time
 from typing import Callable
 
 import uvicorn
@@ -34,6 +39,8 @@ HEAD_TIMEOUT_S = 10
 KEEP_ALIVE_S = 5
 BACKLOG = 2048   # connections the kernel queues before we accept them
 LOAD_ERROR_EXIT = 3
+ENGINE_LOST_EXIT = 4
+ENGINE_LOST_LINGER_S = 2.0
 INTERRUPTED_EXIT = 128 + signal.SIGINT
 
 log = logging.getLogger("jaxserve.server")
@@ -73,6 +80,19 @@ class _DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine_host):
         super().__init__(config)
         self.engine_host = engine_host
+        self.exit_code = 0
+        self._lost_at: float | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.engine_host.engine_lost is not None and not self.exit_code:
+            if self._lost_at is None:
+                self._lost_at = time.monotonic()
+            elif time.monotonic() - self._lost_at >= ENGINE_LOST_LINGER_S:
+                log.critical("the engine is lost: stopping, exit %d", ENGINE_LOST_EXIT)
+                self.exit_code = ENGINE_LOST_EXIT
+                self.engine_host.begin_drain()
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -115,13 +135,14 @@ class HTTPServer:
             http=_BoundedH11Protocol, loop="asyncio", lifespan="off", log_config=None, access_log=False,
             h11_max_incomplete_event_size=MAX_HEAD_BYTES, timeout_keep_alive=KEEP_ALIVE_S,
             timeout_graceful_shutdown=DRAIN_TIMEOUT_S, backlog=BACKLOG)
-        _DrainingServer(config, engine_host).run(sockets=[listener])
+        server = _DrainingServer(config, engine_host)
+        server.run(sockets=[listener])
         engine_host.shutdown()
         log.info("stopped (pid %d)", os.getpid())
         # Skip interpreter teardown: destroying the XLA client and its compiled steps takes
         # seconds, and nothing is left to flush but the logs.
         logging.shutdown()
-        os._exit(0)
+        os._exit(server.exit_code)
 
 
 def _raise_fd_limit() -> None:

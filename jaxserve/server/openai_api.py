@@ -4,6 +4,8 @@ A request with several prompts (completions) or n > 1 becomes one engine request
 n choices each; choice index = prompt index * n + choice. Streaming follows OpenAI: one chunk per
 choice per engine step that produced text, the finish_reason on each choice's last chunk, with
 `stream_options.include_usage` a final chunk with empty `choices` and the usage, then [DONE].
+`timeout` (seconds, a vLLM-style extra) bounds a request's time in the server: past it the
+request ends with a 408 error (an error event in a stream) and its pages are freed.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from flask import Blueprint, current_app, jsonify, request
 from jaxserve.server.asgi import client_gone
 from jaxserve.server.errors import APIError
 from jaxserve.server.sse import sse_response
-from jaxserve.server.validation import field, json_body, messages, prompts, sampling_params, stream_flags
+from jaxserve.server.validation import (field, is_number, json_body, messages, prompts, sampling_params,
+                                        stream_flags)
 
 bp = Blueprint("openai", __name__)
 MIN_LOGPROB = -9999.0   # what OpenAI reports for -inf (JSON has no infinity)
@@ -57,11 +60,12 @@ def completions():
     items = prompts(body, engine.tokenizer.encode)
     ids = [i for _, i in items]
     echoes = [t if t is not None else engine.tokenizer.decode(i) for t, i in items] if echo else None
+    timeout = _timeout(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = host.submit(ids, params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes)
     return _respond(host, streams, choices, request_id, "text_completion", stream, include_usage,
-                    sum(map(len, ids)))
+                    sum(map(len, ids)), timeout)
 
 
 @bp.post("/v1/chat/completions")
@@ -74,18 +78,23 @@ def chat_completions():
     # No max_tokens: up to the context length (the length check then reports an over-long prompt).
     params = sampling_params(body, chat=True, max_tokens=max(1, engine.max_model_len - len(ids)))
     stream, include_usage = stream_flags(body)
+    timeout = _timeout(body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = host.submit([ids], params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=True)
-    return _respond(host, streams, choices, request_id,
-                    "chat.completion.chunk" if stream else "chat.completion", stream, include_usage, len(ids))
+    return _respond(host, streams, choices, request_id, "chat.completion.chunk" if stream else "chat.completion",
+                    stream, include_usage, len(ids), timeout)
+
+
+def _timeout(body: dict) -> float | None:
+    return field(body, "timeout", lambda v: is_number(v) and v > 0, "a positive number of seconds", None)
 
 
 def _respond(host, streams, choices, request_id: str, obj: str, stream: bool, include_usage: bool,
-             prompt_tokens: int):
+             prompt_tokens: int, timeout: float | None):
     """The SSE stream, or the JSON body, of submitted requests."""
     head = {"id": request_id, "object": obj, "created": int(time.time()), "model": host.model_name}
-    deltas = host.follow(streams, alive=_client_connected(request.environ))
+    deltas = host.follow(streams, alive=_client_connected(request.environ), timeout=timeout)
     if stream:
         return sse_response(_chunks(deltas, choices, head, include_usage, prompt_tokens))
     return jsonify({**head, **_collect(deltas, choices, prompt_tokens)})

@@ -39,7 +39,9 @@ def sse_response(events: Iterator[dict]) -> Response:
                 if gone is not None and gone.is_set():
                     break
                 yield _event(event)
-        except Exception as e:   # the status line is sent: report in-band, as OpenAI does
+        except APIError as e:   # the status line is sent: report in-band, as OpenAI does
+            yield _event(e.body())
+        except Exception as e:
             log.exception("stream failed")
             yield _event(APIError(500, f"internal error: {e}").body())
         finally:
