@@ -113,9 +113,7 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
     in the pages), which let the Pallas backends run fresh prefill rows through the flash kernel."""
     tables = (meta.page_table, meta.seq_lens, meta.query_start_loc)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
-    platform = meta.platform or jax.default_backend()
     if meta.backend == "xla":
-        kwargs["flat_gather"] = platform == "cpu" and _kv_head_axis(meta.kv_sharding) is None
         p = meta.num_prefill_rows
         if p is None:
             return paged_xla.ragged_paged_attention(q, k_pages, v_pages, *tables, max_q=meta.max_q, **kwargs)
@@ -130,7 +128,7 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
         raise ValueError(f"attention backend {meta.backend!r} is not available")
     # Imported on first use: the Pallas Triton / Mosaic modules cost a fraction of a second.
     kernels = meta.backend.removeprefix("pallas_")
-    interpret = platform == "cpu"
+    interpret = (meta.platform or jax.default_backend()) == "cpu"
     kernel = importlib.import_module(f"pallas_kernels.paged_attention.{kernels}")
     paged = functools.partial(kernel.ragged_paged_attention, **kwargs, interpret=interpret)
     head_axis = _kv_head_axis(meta.kv_sharding)

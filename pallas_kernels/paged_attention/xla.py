@@ -17,16 +17,14 @@ from jax import lax
 MASK_VALUE = -1e30
 
 
-@functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "block_tokens",
-                                             "flat_gather"))
+@functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "block_tokens"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *, max_q,
-                           sm_scale, sliding_window=None, block_tokens=128, flat_gather=True):
+                           sm_scale, sliding_window=None, block_tokens=128):
     """q [T, H, D] flat ragged batch; sequence s owns tokens query_start_loc[s]:[s+1], the last
     of its seq_lens[s] positions. Tokens outside query_start_loc[0]:[-1] come back as 0.
-    flat_gather: gather (page, KV head) slabs as rows of a 2-D view of the pool, which XLA CPU
-    does about 2x faster. CPU only: on TPU the view merges tiled dimensions, so XLA relayouts
-    the whole pool on every read; and not when the pool is sharded over KV heads (the view
-    would merge the sharded axis, and XLA would all-gather the cache)."""
+    Pages are gathered whole from the pool as it is: no 2-D view of it, which on TPU (tiled
+    dimensions merged) or under KV-head sharding (sharded axis merged) would cost a copy or an
+    all-gather of the whole pool per read, and on CPU measured no faster in this layout."""
     t, h, d = q.shape
     s_max, p = page_table.shape
     _, kvh, ps, _ = k_pages.shape
@@ -58,9 +56,6 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
 
     def gather(pool, pages):
         """[S, bp] pages -> their K or V as [S, KVH, bt, D]."""
-        if flat_gather:
-            slabs = pages[:, None, :] * kvh + jnp.arange(kvh)[None, :, None]  # [S, KVH, bp]
-            return pool.reshape(-1, ps * d)[slabs].reshape(s_max, kvh, bt, d)
         return pool[pages].transpose(0, 2, 1, 3, 4).reshape(s_max, kvh, bt, d)
 
     def block(j, carry):
