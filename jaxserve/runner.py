@@ -87,7 +87,7 @@ class ModelRunner:
         CompileCounter.install()
         self.cfg, self.ecfg, self.dtype = cfg, engine_cfg, dtype
         self.mesh = mesh if mesh is not None else parallel.make_mesh(engine_cfg.mesh)
-        self.backend = resolve_backend(engine_cfg.attention_backend)
+        self.backend = resolve_backend(engine_cfg.attention_backend, parallel.platform(self.mesh))
         self.model = build_model(cfg, dtype)
         self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
         self.page_size = engine_cfg.page_size
@@ -106,7 +106,7 @@ class ModelRunner:
                 [np.array([self.num_pages], np.int32)] if multihost.is_leader() else None)[0][0])
             multihost.warmup()
             self.broadcaster = multihost.Broadcaster() if multihost.is_leader() else None
-        shape = (self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (self.num_pages, cfg.num_kv_heads, self.page_size, cfg.head_dim)  # see jaxserve/attention.py
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding)
         self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
@@ -357,7 +357,8 @@ def _step(model, params, kv_caches, tokens, positions, slot_mapping, page_table,
           logits_sharding):
     meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_table=page_table,
                              seq_lens=seq_lens, query_start_loc=query_start_loc, max_q=max_q,
-                             num_prefill_rows=num_prefill_rows, backend=backend, kv_sharding=kv_sharding)
+                             num_prefill_rows=num_prefill_rows, backend=backend, kv_sharding=kv_sharding,
+                             platform=parallel.platform(kv_sharding.mesh))
     hidden, kv_caches = model.apply({"params": params}, tokens, positions, kv_caches, meta)
     logits = model.apply({"params": params}, hidden[logits_index], method=model.logits)
     # Under tensor parallelism: keep the lm_head matmul vocab-split, then gather the logits
