@@ -52,6 +52,9 @@ def _kernel(q_ref, kt_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, o_
     shape = (block_q, block_kv)
 
     def matmul(a_smem, b_smem, n):
+        if interpret:  # the interpreter's wgmma skips its race detector; plain reads go through it
+            return jnp.dot(a_smem[...], b_smem[...], preferred_element_type=jnp.float32)
+
         def run(acc_ref):
             plgpu.wgmma(acc_ref, a_smem, b_smem)
             return acc_ref[...]
@@ -98,15 +101,43 @@ def _kernel(q_ref, kt_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, o_
     plgpu.wait_smem_to_gmem(0)
 
 
+SMEM_BUDGET = 227 * 1024  # bytes of shared memory one CTA may use on H100 / H200 (sm_90)
+SMEM_OVERHEAD = 4 * 1024  # barriers, cross-warp reduction scratch, 1 KB alignment of each buffer
+BLOCK_KV_CHOICES = (128, 64)  # largest first: fewer loop steps; 64 leaves room for head_dim 256
+
+
+def smem_bytes(head_dim, dtype, block_q=64, block_kv=128):
+    """Shared memory one CTA allocates (the scratch_types below, plus SMEM_OVERHEAD)."""
+    tiles = block_q * head_dim + 2 * head_dim * block_kv + 2 * block_kv * head_dim + block_q * block_kv
+    return tiles * jnp.dtype(dtype).itemsize + 4 * (block_q + 2 * block_kv) + SMEM_OVERHEAD
+
+
+def pick_block_kv(head_dim, dtype, block_q=64):
+    """The largest kv block whose tiles fit in shared memory, or None when none does."""
+    return next((bkv for bkv in BLOCK_KV_CHOICES
+                 if smem_bytes(head_dim, dtype, block_q, bkv) <= SMEM_BUDGET), None)
+
+
+def fits(head_dim, dtype, block_q=64) -> bool:
+    """Whether the kernel takes this head_dim and dtype on a GPU: Mosaic GPU and wgmma shapes
+    (head_dim a multiple of 64, 16-bit operands) and the shared-memory budget. When it does not,
+    callers take the XLA path (the kernel would refuse the call)."""
+    return (head_dim % 64 == 0 and jnp.dtype(dtype).itemsize == 2
+            and pick_block_kv(head_dim, dtype, block_q) is not None)
+
+
 @functools.partial(jax.jit, static_argnames=(
     "causal", "sliding_window", "soft_cap", "sm_scale", "block_q", "block_kv", "interpret"))
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
-                    sm_scale=None, block_q=64, block_kv=128, interpret=False):
+                    sm_scale=None, block_q=64, block_kv=None, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None.
     Returns [B, T, H, D] like q. Needs D, block_q and block_kv multiples of 64 and 16-bit inputs
-    (f32 too when interpreting). interpret=True runs in Mosaic GPU interpret mode (CPU)."""
+    (f32 too when interpreting); block_kv defaults to the largest that fits in shared memory
+    (see `fits`; Mosaic GPU refuses a kernel over budget). interpret=True runs in Mosaic GPU interpret mode (CPU), with its race detector."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
+    if block_kv is None:
+        block_kv = pick_block_kv(d, q.dtype, block_q) or BLOCK_KV_CHOICES[-1]
     if h % kvh:
         raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
     if d % 64 or block_q % 64 or block_kv % 64:
@@ -122,13 +153,17 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     swizzle = 128  # bytes; tiles of 8 rows x one 128-byte swizzle span, as wgmma reads them
     tiles = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
     smem = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=tiles)  # noqa: E731
+    interpret_params = None
     if interpret:  # private in jax 0.10 / 0.11; imported here so the GPU path never depends on it
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        # One simulated TMA engine per copy in flight (Q, then two slots of K^T, ids, V): with
+        # fewer, waiting for one copy's barrier would count as having waited for the others.
+        interpret_params = InterpretGPUParams(detect_races=True, num_tma_threads_per_device=8)
     kernel = plgpu.kernel(
         functools.partial(_kernel, mask=mask, sm_scale=sm_scale, soft_cap=soft_cap, group=h // kvh,
                           block_q=block_q, block_kv=block_kv, interpret=interpret),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch_types=[
+        scratch_types=[  # what smem_bytes counts
             smem(block_q, d),               # Q, then the output tile
             smem(2, d, block_kv),           # K^T, double-buffered
             smem(2, block_kv, d),           # V
@@ -141,7 +176,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         ],
         grid=(nq, h, b),
         grid_names=("q", "heads", "batch"),
-        interpret=InterpretGPUParams() if interpret else None,
+        interpret=interpret_params,
     )
     out = kernel(q, k.transpose(0, 2, 3, 1), v, seg, sched.kv_block, sched.kind, sched.count)
     return out[:, :t]

@@ -34,7 +34,7 @@ MASK_VALUE = -1e30
 def _kernel(qsl_ref, seq_lens_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *,
             block_q, group, pages_per_chunk, sm_scale, sliding_window):
     s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    page_size, head_dim = k_ref.shape[1], k_ref.shape[3]
+    page_size, head_dim = k_ref.shape[2], k_ref.shape[3]
     rows, chunk = block_q * group, pages_per_chunk * page_size
     q_start, q_end = qsl_ref[s], qsl_ref[s + 1]
     t0 = q_start + j * block_q
@@ -57,8 +57,8 @@ def _kernel(qsl_ref, seq_lens_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *
             # Pages past the sequence's end read page 0 instead: finite, and masked below.
             pages = plgpu.load(page_table_ref.at[s, pl.ds(first_page, pages_per_chunk)],
                                mask=page_ids < page_end, other=0)
-            k = k_ref[pages, :, h, :].reshape(chunk, head_dim)
-            v = v_ref[pages, :, h, :].reshape(chunk, head_dim)
+            k = k_ref[pages, h, :, :].reshape(chunk, head_dim)
+            v = v_ref[pages, h, :, :].reshape(chunk, head_dim)
             scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32) * sm_scale
             kv_pos = first_page * page_size + jnp.arange(chunk, dtype=jnp.int32)
@@ -92,7 +92,7 @@ def _pow2(n):
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
                            max_q, sm_scale, sliding_window=None, block_rows=64, kv_block=64,
                            num_warps=4, num_stages=2, interpret=False):
-    """q [T, H, D]; k/v pages [N, page_size, KVH, D]; page_table int32[S, P]; seq_lens int32[S];
+    """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len (sets the grid).
     Returns [T, H, D], 0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
 
@@ -100,7 +100,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     kv_block: keys per chunk (a multiple of page_size). head_dim and page_size must be powers
     of two (Triton block shapes)."""
     t, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
+    _, num_kv_heads, page_size, _ = k_pages.shape
     num_seqs, pages_per_seq = page_table.shape
     group = num_heads // num_kv_heads
     if head_dim != _pow2(head_dim) or page_size != _pow2(page_size) or kv_block % page_size:
