@@ -5,8 +5,10 @@ slated for removal; Mosaic GPU is the Pallas GPU backend JAX maintains and targe
 serve on (H100 / H200: TMA copies, wgmma tensor-core instructions). The cost: it needs sm_90+, no
 Ampere, no ROCm, and it has no generic interpreter, so on CPU the kernel runs under Mosaic GPU's
 own interpret mode (`InterpretGPUParams`, private in jax 0.10.2 and 0.11), which simulates SMEM,
-TMA, barriers and wgmma. That interpreter (0.10 / 0.11) knows neither transposed wgmma operands,
-nor wgmma operands in registers, nor `layout_cast`, so the kernel is written without them:
+TMA, barriers (their phases exactly) and wgmma, here with its happens-before race detector on.
+Its wgmma skips the race detector, so when interpreting, the two matmuls read their SMEM operands
+with plain (checked) loads instead. That interpreter (0.10 / 0.11) knows neither transposed wgmma
+operands, nor wgmma operands in registers, nor `layout_cast`, so the kernel is written without them:
 K arrives pre-transposed ([B, KVH, D, T], one XLA transpose), P goes through SMEM before P @ V,
 and layout hints are dropped when interpreting. Operands must be 16-bit on a GPU: wgmma on f32
 (tf32) cannot read the row-major V tile. f32 runs in interpret mode only.
@@ -119,10 +121,10 @@ def pick_block_kv(head_dim, dtype, block_q=64):
 
 
 def fits(head_dim, dtype, block_q=64) -> bool:
-    """Whether the kernel takes this head_dim and dtype on a GPU: Mosaic GPU and wgmma shapes
-    (head_dim a multiple of 64, 16-bit operands) and the shared-memory budget. When it does not,
-    callers take the XLA path (the kernel would refuse the call)."""
-    return (head_dim % 64 == 0 and jnp.dtype(dtype).itemsize == 2
+    """Whether the kernel takes this head_dim and dtype on a GPU: wgmma shapes (head_dim a
+    multiple of 64 and at most 256, P @ V's N), 16-bit operands, and the shared-memory budget.
+    When it does not, callers take the XLA path (Mosaic GPU would refuse the kernel)."""
+    return (head_dim % 64 == 0 and head_dim <= 256 and jnp.dtype(dtype).itemsize == 2
             and pick_block_kv(head_dim, dtype, block_q) is not None)
 
 

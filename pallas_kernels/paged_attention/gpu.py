@@ -1,24 +1,30 @@
 """Ragged paged attention for NVIDIA GPUs (Pallas, Triton lowering).
 
-Backend: Pallas' Triton lowering, selected with `plgpu.CompilerParams` (jax >= 0.10 defaults to
-Mosaic GPU). jax 0.11 deprecates it in favour of Mosaic GPU, which the flash-attention kernel
-(pallas_kernels/flash_attention/gpu.py) uses; this kernel differs on purpose:
-  * K arrives in the one shared page layout [pages, page_size, KVH, D] and cannot be
-    pre-transposed per call (that is the whole cache), while Mosaic GPU's interpreter has no
-    transposed wgmma operand, so a Mosaic GPU version could not be tested on CPU;
-  * decode is a gather of scattered pages with a handful of query rows per KV head: a pointer
-    gather and a 16-row `tl.dot` fit it, 64-row wgmma tiles and per-page TMA copies do not;
-  * Triton lowering still ships in jax 0.10.2 and 0.11.x and runs on Ampere too, and
-    `interpret=True` runs this same kernel on CPU.
-Port to Mosaic GPU when Pallas removes the Triton lowering.
+Backend: Pallas' Triton lowering, selected with `plgpu.CompilerParams`. JAX 0.11 deprecates it
+("The Pallas Triton backend is deprecated and will be removed in a future JAX version", warned at
+every lowering) in favour of Mosaic GPU, which the flash kernel (flash_attention/gpu.py) uses.
+This kernel is not on Mosaic GPU yet because no form of it could be tested on CPU:
+  * scores are Q @ K^T with K tiles read as stored, [page_size, D] rows per (page, KV head); on
+    Mosaic GPU that is a wgmma with a transposed B operand (`plgpu.transpose_ref`), which its
+    interpreter (jax 0.10 / 0.11, the only way to run it without a GPU) does not take: it applies
+    index transforms only. The flash kernel transposes K once in XLA; here K is the whole cache,
+    so a per-call transpose costs a full pass over the pool;
+  * computing K @ Q^T instead moves the transpose to P @ V (V^T as the A operand) or to a
+    softmax over the tile's rows (cross-warp reductions);
+  * decode has a handful of query rows per KV head, far below wgmma's 64-row tiles.
+The port: either a Mosaic GPU interpreter with transposed operands, or decode rows scored on the
+CUDA cores (q row broadcast against the K tile, row sums) with P @ V on wgmma. Triton lowering
+still ships in jax 0.10.2 and 0.11.x, runs on Ampere too, and `interpret=True` runs this same
+kernel on CPU.
 
 Grid (sequence, kv_head, q_chunk). Program (s, h, j) takes up to `block_q` tokens of sequence s
 from its j-th chunk, for all query heads of KV head h (the group padded to a power of two): rows
 are (token, head in group) and one gathered K/V tile serves the whole group (GQA). It walks the
 sequence's pages in chunks of `pages_per_chunk`, from the first page its rows can see (sliding
-window) to the last (causal), with an online softmax in f32 registers. Programs past a sequence's
-q_len exit at once; rows past it are never stored. No split over the KV length: a long decode
-with few sequences fills few SMs.
+window) to the last (causal), with an online softmax in f32 registers. A chunk's pages of KV head
+h are contiguous [page_size, D] blocks in the [pages, KVH, page_size, D] layout. Programs past a
+sequence's q_len exit at once; rows past it are never stored. No split over the KV length: a
+long decode with few sequences fills few SMs.
 """
 import functools
 
