@@ -25,7 +25,11 @@ ELF_MAGIC = b"\x7fELF"
 def h100():
     topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                         target_config=TARGET.read_text())
-    return jax.sharding.SingleDeviceSharding(topo.devices[0])
+    # An engine test may have switched on the persistent cache: a hit would skip ptxas.
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield jax.sharding.SingleDeviceSharding(topo.devices[0])
+    jax.config.update("jax_enable_compilation_cache", cache)
 
 
 def spec(sharding, shape, dtype=jnp.bfloat16):
@@ -87,5 +91,5 @@ def test_paged_kernel_compiles_for_h100(h100, name):
         spec(h100, (seqs + 1,), jnp.int32), max_q=max_q, sm_scale=head_dim ** -0.5,
         sliding_window=window).lower()
     # XLA's Triton pipeline fails the compile when ptxas spills registers.
-    compiled = lowered.compile({"xla_gpu_fail_ptx_compilation_on_register_spilling": True})
+    compiled = lowered.compile(compiler_options={"xla_gpu_fail_ptx_compilation_on_register_spilling": True})
     assert ELF_MAGIC in serialize(compiled)[0]
