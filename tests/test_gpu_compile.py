@@ -1,10 +1,11 @@
 """The GPU kernels through the real CUDA compilers, with no GPU attached.
 
 jax's compile-only CUDA devices (an H100 SXM target description, tests/data/h100_sxm.txtpb) take
-each kernel as `jax.jit` would on an H100: Mosaic GPU (flash) or Triton (paged) to PTX, and
-ptxas to sm_90a machine code inside the executable. What they refuse, an H100 would refuse.
+each kernel as `jax.jit` would on an H100: Mosaic GPU to PTX, and ptxas to sm_90a machine code
+inside the executable. What they refuse, an H100 would refuse.
 Needs the jax-cuda12-plugin and nvidia-cuda-nvcc-cu12 (ptxas) wheels, no CUDA driver; JAX must
 run on CPU (tests/conftest.py), or the plugin would look for a GPU."""
+import functools
 import pathlib
 import re
 
@@ -44,6 +45,15 @@ def ptxas_report(text):
     return int(regs[0]), int(spills[0])
 
 
+def compile_for_h100(fn, args, monkeypatch, capfd):
+    """Compiles fn(*args); returns ptxas' (registers, spill store bytes) for its one kernel."""
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")  # ptxas -v, printed to stdout by the plugin
+    capfd.readouterr()
+    compiled = fn.trace(*args).lower().compile()
+    assert ELF_MAGIC in serialize(compiled)[0]  # sm_90a machine code inside the executable
+    return ptxas_report(capfd.readouterr().out)
+
+
 FLASH = {  # name: (head_dim, segment ids, flash_attention options)
     "causal-d64": (64, False, dict(causal=True)),
     "causal-d128": (128, False, dict(causal=True)),
@@ -61,35 +71,32 @@ def test_flash_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
             spec(h100, (b, t, kvh, head_dim))]
     if segments:
         args.append(spec(h100, (b, t), jnp.int32))
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")  # ptxas -v, printed to stdout by the plugin
-    capfd.readouterr()
     fn = jax.jit(lambda q, k, v, *seg: flash_gpu.flash_attention(
         q, k, v, segment_ids=seg[0] if seg else None, **opts))
-    compiled = fn.lower(*args).compile()
-    assert ELF_MAGIC in serialize(compiled)[0]  # sm_90a machine code inside the executable
-    regs, spills = ptxas_report(capfd.readouterr().out)
+    regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
     print(f"flash {name}: {regs} registers, {spills} bytes spilled")
     assert regs <= 255 and (spills == 0 or head_dim > 128), (regs, spills)
 
 
-PAGED = {  # name: (head_dim, sliding_window, max_q)
-    "decode-d64": (64, None, 1),
-    "decode-d128-window": (128, 1024, 1),
-    "mixed-d64-window": (64, 1024, 64),
-    "mixed-d128": (128, None, 64),
+PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block)
+    "decode-d64": (64, None, 1, 16, 64),
+    "decode-d128-window": (128, 1024, 1, 16, 64),
+    "mixed-d64-window": (64, 1024, 64, 16, 64),
+    "mixed-d128": (128, None, 64, 16, 64),
+    "mixed-d128-page128": (128, None, 64, 128, 128),
 }
 
 
 @pytest.mark.parametrize("name", PAGED)
-def test_paged_kernel_compiles_for_h100(h100, name):
-    head_dim, window, max_q = PAGED[name]
-    tokens, num_heads, num_kv_heads, num_pages, page_size, seqs, pages_per_seq = 128, 32, 8, 512, 16, 64, 64
+def test_paged_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
+    head_dim, window, max_q, page_size, kv_block = PAGED[name]
+    tokens, num_heads, num_kv_heads, num_pages, seqs, pages_per_seq = 128, 32, 8, 512, 64, 64
     pages = spec(h100, (num_pages, num_kv_heads, page_size, head_dim))
-    lowered = paged_gpu.ragged_paged_attention.trace(
-        spec(h100, (tokens, num_heads, head_dim)), pages, pages,
-        spec(h100, (seqs, pages_per_seq), jnp.int32), spec(h100, (seqs,), jnp.int32),
-        spec(h100, (seqs + 1,), jnp.int32), max_q=max_q, sm_scale=head_dim ** -0.5,
-        sliding_window=window).lower()
-    # XLA's Triton pipeline fails the compile when ptxas spills registers.
-    compiled = lowered.compile(compiler_options={"xla_gpu_fail_ptx_compilation_on_register_spilling": True})
-    assert ELF_MAGIC in serialize(compiled)[0]
+    args = [spec(h100, (tokens, num_heads, head_dim)), pages, pages,
+            spec(h100, (seqs, pages_per_seq), jnp.int32), spec(h100, (seqs,), jnp.int32),
+            spec(h100, (seqs + 1,), jnp.int32)]
+    fn = jax.jit(functools.partial(paged_gpu.ragged_paged_attention, max_q=max_q,
+                                   sm_scale=head_dim ** -0.5, sliding_window=window, kv_block=kv_block))
+    regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
+    print(f"paged {name}: {regs} registers, {spills} bytes spilled")
+    assert regs <= 255 and spills == 0, (regs, spills)
