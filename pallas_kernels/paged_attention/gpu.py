@@ -1,8 +1,8 @@
 """Ragged paged attention for NVIDIA GPUs (Pallas / Mosaic GPU, Hopper and newer).
 
-Backend: Mosaic GPU, like the flash kernel (flash_attention/gpu.py; its docstring says why, and
-how its interpreter runs kernels on CPU). Pallas' Triton lowering, which this kernel used before,
-is deprecated from jax 0.11.
+Backend: Mosaic GPU, like the flash kernel (flash_attention/gpu.py says why; pallas_kernels/
+wgmma.py how its interpreter runs both on CPU). Pallas' Triton lowering, which this kernel used
+before, is deprecated from jax 0.11.
 
 Grid (q chunk, kv head, sequence). Program (j, h, s) takes `block_q` = 64 // group tokens of
 sequence s from its j-th chunk, for all query heads of KV head h: its 64 rows are (token, head
@@ -25,6 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import wgmma
+
 MASK_VALUE = -1e30
 ROWS = 64  # (token, head in group) rows per program: wgmma's M
 
@@ -37,7 +39,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
     tile = pages_per_tile * page_size
     q_start, q_end = qsl_ref[s], qsl_ref[s + 1]
     t0 = q_start + j * block_q
-    layout = (lambda x, _: x) if interpret else plgpu.layout_cast  # interpreter has no layout_cast
+    layout = functools.partial(wgmma.layout_cast, interpret=interpret)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     @pl.when(t0 < q_end)
@@ -60,16 +62,6 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
                 plgpu.copy_gmem_to_smem(k_ref.at[page, h], k_smem.at[slot, rows], k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[page, h], v_smem.at[slot, rows], v_bar.at[slot])
 
-        def matmul(a_smem, b_smem, n, transpose_b=False):
-            if interpret:  # the interpreter's wgmma skips its race detector, and has no transposes
-                b = b_smem[...]
-                return jnp.dot(a_smem[...], b.T if transpose_b else b, preferred_element_type=jnp.float32)
-
-            def run(acc_ref):
-                plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)) if transpose_b else b_smem)
-                return acc_ref[...]
-            return pl.run_scoped(run, plgpu.ACC((ROWS, n), jnp.float32))
-
         fetch(0, 0)
         plgpu.barrier_wait(q_bar)
         shape = (ROWS, tile)
@@ -82,7 +74,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
             slot = lax.rem(c, 2)
             pl.when(c + 1 < count)(lambda: fetch(c + 1, 1 - slot))  # the other slot was freed at c - 1
             plgpu.barrier_wait(k_bar.at[slot])
-            scores = matmul(q_smem, k_smem.at[slot], tile, transpose_b=True) * sm_scale
+            scores = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret) * sm_scale
             kv_pos = (tile_lo + c) * tile + iota(1)
             visible = kv_pos <= q_pos
             if sliding_window is not None:
@@ -95,7 +87,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
             p_smem[...] = p.astype(p_smem.dtype)
             plgpu.commit_smem()
             plgpu.barrier_wait(v_bar.at[slot])
-            pv = matmul(p_smem, v_smem.at[slot], head_dim)
+            pv = wgmma.matmul(p_smem, v_smem.at[slot], interpret=interpret)
             return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
 
         init = (layout(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
@@ -140,15 +132,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     qg = jnp.pad(qg.reshape(num_kv_heads, t * group, head_dim), ((0, 0), (0, ROWS), (0, 0)))
     table = jnp.pad(page_table, ((0, 0), (0, pages_per_tile)))
 
-    swizzle = 128  # bytes; tiles of 8 rows x one 128-byte swizzle span, as wgmma reads them
-    tiles = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
-    smem = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=tiles)  # noqa: E731
-    interpret_params = None
-    if interpret:  # private in jax 0.10 / 0.11; imported here so the GPU path never depends on it
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        # One simulated TMA engine per copy in flight (see flash_attention/gpu.py).
-        interpret_params = InterpretGPUParams(detect_races=True,
-                                              num_tma_threads_per_device=1 + 4 * pages_per_tile)
+    smem = functools.partial(wgmma.smem, q.dtype)
+    copies_in_flight = 1 + 2 * 2 * pages_per_tile  # Q, then K and V pages of both slots
     kernel = plgpu.kernel(
         functools.partial(_kernel, group=group, block_q=block_q, pages_per_tile=pages_per_tile,
                           sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret),
@@ -165,7 +150,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         ],
         grid=(pl.cdiv(max_q, block_q), num_kv_heads, num_seqs),
         grid_names=("q", "kv_heads", "seqs"),
-        interpret=interpret_params,
+        interpret=wgmma.interpret_params(copies_in_flight) if interpret else None,
     )
     out = kernel(query_start_loc, seq_lens, table, qg, k_pages, v_pages)
     out = out[:, :t * group].reshape(num_kv_heads, t, group, head_dim).transpose(1, 0, 2, 3)
