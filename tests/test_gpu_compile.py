@@ -90,7 +90,7 @@ PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block)
 @pytest.mark.parametrize("name", PAGED)
 def test_paged_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
     head_dim, window, max_q, page_size, kv_block = PAGED[name]
-    tokens, num_heads, num_kv_heads, num_pages, seqs, pages_per_seq = 128, 32, 8, 512, 64, 64
+    tokens, num_heads, num_kv_heads, num_pages, seqs, pages_per_seq = 125, 32, 8, 512, 64, 64
     pages = spec(h100, (num_pages, num_kv_heads, page_size, head_dim))
     args = [spec(h100, (tokens, num_heads, head_dim)), pages, pages,
             spec(h100, (seqs, pages_per_seq), jnp.int32), spec(h100, (seqs,), jnp.int32),

@@ -127,9 +127,11 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     block_q, pages_per_tile = ROWS // group, tile // page_size
 
     # Q rows (token, head in group) of each KV head back to back, padded so that every program's
-    # 64-row copy is in bounds; page-table columns padded by a tile.
+    # 64-row copy is in bounds and to whole 64-row tiles (TMA copies into tiled SMEM need whole
+    # 8-row tiles in GMEM too); page-table columns padded by a tile.
     qg = q.reshape(t, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    qg = jnp.pad(qg.reshape(num_kv_heads, t * group, head_dim), ((0, 0), (0, ROWS), (0, 0)))
+    pad = ROWS + (-t * group) % ROWS
+    qg = jnp.pad(qg.reshape(num_kv_heads, t * group, head_dim), ((0, 0), (0, pad), (0, 0)))
     table = jnp.pad(page_table, ((0, 0), (0, pages_per_tile)))
 
     smem = functools.partial(wgmma.smem, q.dtype)
