@@ -12,13 +12,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-SWIZZLE = 128  # bytes: tiles of 8 rows x one 128-byte swizzle span, as wgmma reads them
+SWIZZLES = (128, 64, 32)  # bytes that wgmma reads swizzled; the widest is fastest
 
 
-def smem(dtype, *shape):
-    """A tiled, swizzled SMEM buffer: a TMA copy target and a wgmma operand."""
-    tiling = plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize))
-    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(SWIZZLE)))
+def tiled_smem(dtype, head_dim):
+    """A maker of tiled, swizzled SMEM buffers (TMA copy targets, wgmma operands) for a kernel.
+    wgmma needs both operands swizzled alike, so all share the widest swizzle that divides a
+    head_dim row (head_dim a multiple of 16 for 16-bit types); tiles are 8 rows by one span."""
+    row_bytes = head_dim * jnp.dtype(dtype).itemsize
+    swizzle = next(w for w in SWIZZLES if row_bytes % w == 0)
+    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                  plgpu.SwizzleTransform(swizzle))
+    return lambda *shape: plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
 def matmul(a_smem, b_smem, *, transpose_b=False, interpret):

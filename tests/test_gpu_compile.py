@@ -79,7 +79,9 @@ def test_flash_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
 
 
 PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block)
+    "decode-d32": (32, None, 1, 16, 64),  # 64-byte swizzle
     "decode-d64": (64, None, 1, 16, 64),
+    "mixed-d96": (96, None, 64, 16, 64),  # 64-byte swizzle, 3 spans a row
     "decode-d128-window": (128, 1024, 1, 16, 64),
     "mixed-d64-window": (64, 1024, 64, 16, 64),
     "mixed-d128": (128, None, 64, 16, 64),

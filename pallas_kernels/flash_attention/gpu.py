@@ -140,7 +140,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     nq = q.shape[1] // block_q
     sched = block_schedule(mask, seg, block_q, block_kv)
 
-    smem = functools.partial(wgmma.smem, q.dtype)
+    smem = wgmma.tiled_smem(q.dtype, d)
     kernel = plgpu.kernel(
         functools.partial(_kernel, mask=mask, sm_scale=sm_scale, soft_cap=soft_cap, group=h // kvh,
                           block_q=block_q, block_kv=block_kv, interpret=interpret),

@@ -112,16 +112,17 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     Returns [T, H, D], 0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
 
     kv_block: keys per tile, a multiple of 64 and of page_size (or page_size itself when larger).
-    Needs D a multiple of 64 up to 256, H / KVH at most 64, 16-bit inputs on a GPU (f32 too when
+    Needs D a multiple of 16 up to 256, H / KVH at most 64, 16-bit inputs on a GPU (f32 too when
     interpreting). interpret=True runs in Mosaic GPU interpret mode (CPU), race detector on."""
     t, num_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     num_seqs = page_table.shape[0]
     group = num_heads // num_kv_heads
     tile = max(kv_block, page_size)
-    if head_dim % 64 or head_dim > 256 or tile % 64 or tile % page_size or group > ROWS:
-        raise ValueError(f"head_dim {head_dim} (at most 256, wgmma's N), kv tile {tile} (page_size "
-                         f"{page_size}): need multiples of 64 and of page_size; group {group} at most {ROWS}")
+    if head_dim % 16 or head_dim > 256 or tile % 64 or tile % page_size or group > ROWS:
+        raise ValueError(f"head_dim {head_dim}: need a multiple of 16 up to 256 (wgmma's K and N); "
+                         f"kv tile {tile}: a multiple of 64 and of page_size {page_size}; "
+                         f"group {group}: at most {ROWS}")
     if q.dtype.itemsize != 2 and not interpret:
         raise ValueError(f"{q.dtype} inputs: wgmma needs float16 / bfloat16 operands")
     block_q, pages_per_tile = ROWS // group, tile // page_size
@@ -134,7 +135,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     qg = jnp.pad(qg.reshape(num_kv_heads, t * group, head_dim), ((0, 0), (0, pad), (0, 0)))
     table = jnp.pad(page_table, ((0, 0), (0, pages_per_tile)))
 
-    smem = functools.partial(wgmma.smem, q.dtype)
+    smem = wgmma.tiled_smem(q.dtype, head_dim)
     copies_in_flight = 1 + 2 * 2 * pages_per_tile  # Q, then K and V pages of both slots
     kernel = plgpu.kernel(
         functools.partial(_kernel, group=group, block_q=block_q, pages_per_tile=pages_per_tile,
