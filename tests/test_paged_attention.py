@@ -205,7 +205,8 @@ def test_tpu_kernel_random_batches(spec):
 # needed) catches kernels that interpret fine but use what the compilers reject.
 @pytest.mark.parametrize("kernel, platform", [(tpu, "tpu"), (gpu, "cuda")], ids=["tpu", "gpu"])
 def test_kernels_lower_for_their_platform(kernel, platform):
-    for dtype, window in [("bfloat16", None), ("bfloat16" if platform == "cuda" else "float32", 7)]:  # wgmma: 16-bit
+    wide = "bfloat16" if platform == "cuda" else "float32"  # wgmma takes 16-bit operands only
+    for dtype, window in [("bfloat16", None), (wide, 7)]:
         case = make_case(0, seqs=mixed_batch(16), num_kv_heads=2, group=4, head_dim=128,
                          page_size=16, dtype=dtype, sliding_window=window)
         text = kernel.ragged_paged_attention.trace(

@@ -74,7 +74,8 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
             slot = lax.rem(c, 2)
             pl.when(c + 1 < count)(lambda: fetch(c + 1, 1 - slot))  # the other slot was freed at c - 1
             plgpu.barrier_wait(k_bar.at[slot])
-            scores = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret) * sm_scale
+            scores = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret)
+            scores = scores * sm_scale
             kv_pos = (tile_lo + c) * tile + iota(1)
             visible = kv_pos <= q_pos
             if sliding_window is not None:
