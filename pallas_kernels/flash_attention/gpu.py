@@ -3,18 +3,15 @@
 Backend: Mosaic GPU, not Pallas' Triton lowering. Triton lowering is deprecated from jax 0.11 and
 slated for removal; Mosaic GPU is the Pallas GPU backend JAX maintains and targets the machines we
 serve on (H100 / H200: TMA copies, wgmma tensor-core instructions). The cost: it needs sm_90+, no
-Ampere, no ROCm, and it has no generic interpreter, so on CPU the kernel runs under Mosaic GPU's
-own interpret mode (`InterpretGPUParams`, private in jax 0.10.2 and 0.11), which simulates SMEM,
-TMA, barriers and wgmma. That interpreter (0.10 / 0.11) knows neither transposed wgmma operands,
-nor wgmma operands in registers, nor `layout_cast`, so the kernel is written without them:
-K arrives pre-transposed ([B, KVH, D, T], one XLA transpose), P goes through SMEM before P @ V,
-and layout hints are dropped when interpreting. Operands must be 16-bit on a GPU: wgmma on f32
-(tf32) cannot read the row-major V tile. f32 runs in interpret mode only.
+Ampere, no ROCm, and on CPU the kernel runs under Mosaic GPU's own interpreter, race detector on
+(pallas_kernels/wgmma.py). Operands must be 16-bit on a GPU: wgmma on f32 (tf32) cannot read the
+row-major V tile. f32 runs in interpret mode only.
 
 One CTA (one warpgroup) per (q block, q head, batch). It reads its visit list from
 `masks.block_schedule` and loops over exactly `count` kv blocks, double-buffering K/V/segment-id
-TMA copies; EMPTY tiles are never copied, FULL tiles skip masking. GQA: q head h reads kv head
-h // group straight from K/V, which are never repeated.
+TMA copies; EMPTY tiles are never copied, FULL tiles skip masking. S = Q @ K^T reads the K tile
+transposed in SMEM; P goes through SMEM before P @ V. GQA: q head h reads kv head h // group
+straight from K/V, which are never repeated.
 """
 import functools
 
@@ -24,16 +21,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import wgmma
 from pallas_kernels.flash_attention.masks import (
     FULL, MASK_VALUE, Mask, block_schedule, pad_to_blocks)
 
 
-def _kernel(q_ref, kt_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, o_ref,
-            q_smem, kt_smem, v_smem, p_smem, q_seg_smem, kv_seg_smem, q_bar, k_bar, v_bar, *,
+def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, o_ref,
+            q_smem, k_smem, v_smem, p_smem, q_seg_smem, kv_seg_smem, q_bar, k_bar, v_bar, *,
             mask, sm_scale, soft_cap, group, block_q, block_kv, interpret):
     i, h, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     kvh = h // group
-    layout = (lambda x, _: x) if interpret else plgpu.layout_cast  # interpreter has no layout_cast
+    layout = functools.partial(wgmma.layout_cast, interpret=interpret)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(i * block_q, block_q), h], q_smem, q_bar)
@@ -42,7 +40,7 @@ def _kernel(q_ref, kt_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, o_
 
     def fetch(j, slot):
         kv = pl.ds(kv_block_ref[b, i, j] * block_kv, block_kv)
-        plgpu.copy_gmem_to_smem(kt_ref.at[b, kvh, :, kv], kt_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[b, kv, kvh], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(seg_ref.at[b, kv], kv_seg_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_smem.at[slot], v_bar.at[slot])
 
@@ -51,18 +49,12 @@ def _kernel(q_ref, kt_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, o_
     q_seg = layout(q_seg_smem[...], row_layout)
     shape = (block_q, block_kv)
 
-    def matmul(a_smem, b_smem, n):
-        def run(acc_ref):
-            plgpu.wgmma(acc_ref, a_smem, b_smem)
-            return acc_ref[...]
-        return pl.run_scoped(run, plgpu.ACC((block_q, n), jnp.float32))
-
     def step(j, carry):
         acc, m, l = carry
         slot = lax.rem(j, 2)
         pl.when(j + 1 < count)(lambda: fetch(j + 1, 1 - slot))  # the other slot was freed at j - 1
         plgpu.barrier_wait(k_bar.at[slot])
-        s = matmul(q_smem, kt_smem.at[slot], block_kv) * sm_scale
+        s = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
 
@@ -84,7 +76,7 @@ def _kernel(q_ref, kt_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, o_
         p_smem[...] = p.astype(p_smem.dtype)
         plgpu.commit_smem()
         plgpu.barrier_wait(v_bar.at[slot])
-        pv = matmul(p_smem, v_smem.at[slot], acc.shape[1])
+        pv = wgmma.matmul(p_smem, v_smem.at[slot], interpret=interpret)
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
 
     d = q_smem.shape[1]
@@ -98,15 +90,44 @@ def _kernel(q_ref, kt_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, o_
     plgpu.wait_smem_to_gmem(0)
 
 
+SMEM_BUDGET = 227 * 1024  # bytes of shared memory one CTA may use on H100 / H200 (sm_90)
+SMEM_OVERHEAD = 4 * 1024  # barriers, cross-warp reduction scratch, 1 KB alignment of each buffer
+BLOCK_KV_CHOICES = (128, 64)  # largest first: fewer loop steps; 64 leaves room for head_dim 256
+
+
+def smem_bytes(head_dim, dtype, block_q=64, block_kv=128):
+    """Shared memory one CTA allocates (the scratch_types below, plus SMEM_OVERHEAD)."""
+    tiles = block_q * head_dim + 2 * head_dim * block_kv + 2 * block_kv * head_dim + block_q * block_kv
+    return tiles * jnp.dtype(dtype).itemsize + 4 * (block_q + 2 * block_kv) + SMEM_OVERHEAD
+
+
+def pick_block_kv(head_dim, dtype, block_q=64):
+    """The largest kv block whose tiles fit in shared memory, or None when none does."""
+    return next((bkv for bkv in BLOCK_KV_CHOICES
+                 if smem_bytes(head_dim, dtype, block_q, bkv) <= SMEM_BUDGET), None)
+
+
+def fits(head_dim, dtype, block_q=64) -> bool:
+    """Whether the kernel takes this head_dim and dtype on a GPU: wgmma shapes (head_dim a
+    multiple of 64 and at most 256, P @ V's N), 16-bit operands, and the shared-memory budget.
+    When it does not, callers take the XLA path (Mosaic GPU would refuse the kernel)."""
+    return (head_dim % 64 == 0 and head_dim <= 256 and jnp.dtype(dtype).itemsize == 2
+            and pick_block_kv(head_dim, dtype, block_q) is not None)
+
+
 @functools.partial(jax.jit, static_argnames=(
     "causal", "sliding_window", "soft_cap", "sm_scale", "block_q", "block_kv", "interpret"))
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
-                    sm_scale=None, block_q=64, block_kv=128, interpret=False):
+                    sm_scale=None, block_q=64, block_kv=None, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None.
     Returns [B, T, H, D] like q. Needs D, block_q and block_kv multiples of 64 and 16-bit inputs
-    (f32 too when interpreting). interpret=True runs in Mosaic GPU interpret mode (CPU)."""
+    (f32 too when interpreting); block_kv defaults to the largest that fits in shared memory
+    (see `fits`; Mosaic GPU refuses a kernel over budget). interpret=True runs in Mosaic GPU
+    interpret mode (CPU), with its race detector."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
+    if block_kv is None:
+        block_kv = pick_block_kv(d, q.dtype, block_q) or BLOCK_KV_CHOICES[-1]
     if h % kvh:
         raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
     if d % 64 or block_q % 64 or block_kv % 64:
@@ -119,29 +140,25 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     nq = q.shape[1] // block_q
     sched = block_schedule(mask, seg, block_q, block_kv)
 
-    swizzle = 128  # bytes; tiles of 8 rows x one 128-byte swizzle span, as wgmma reads them
-    tiles = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
-    smem = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=tiles)  # noqa: E731
-    if interpret:  # private in jax 0.10 / 0.11; imported here so the GPU path never depends on it
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    smem = wgmma.tiled_smem(q.dtype, d)
     kernel = plgpu.kernel(
         functools.partial(_kernel, mask=mask, sm_scale=sm_scale, soft_cap=soft_cap, group=h // kvh,
                           block_q=block_q, block_kv=block_kv, interpret=interpret),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch_types=[
+        scratch_types=[  # what smem_bytes counts
             smem(block_q, d),               # Q, then the output tile
-            smem(2, d, block_kv),           # K^T, double-buffered
+            smem(2, block_kv, d),           # K, double-buffered
             smem(2, block_kv, d),           # V
             smem(block_q, block_kv),        # P
             plgpu.SMEM((block_q,), jnp.int32),
             plgpu.SMEM((2, block_kv), jnp.int32),
             plgpu.Barrier(num_arrivals=2),  # Q + its segment ids
-            plgpu.Barrier(num_arrivals=2, num_barriers=2),  # K^T + kv segment ids, per slot
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),  # K + kv segment ids, per slot
             plgpu.Barrier(num_barriers=2),  # V, per slot
         ],
         grid=(nq, h, b),
         grid_names=("q", "heads", "batch"),
-        interpret=InterpretGPUParams() if interpret else None,
+        interpret=wgmma.interpret_params(copies_in_flight=8) if interpret else None,  # Q, 2 x 3
     )
-    out = kernel(q, k.transpose(0, 2, 3, 1), v, seg, sched.kv_block, sched.kind, sched.count)
+    out = kernel(q, k, v, seg, sched.kv_block, sched.kind, sched.count)
     return out[:, :t]

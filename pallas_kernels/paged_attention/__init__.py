@@ -3,7 +3,7 @@ mixed) attending through a page table to the paged KV cache.
 
   reference.py  jnp reference (the engine's XLA path on CPU)
   tpu.py        Pallas / Mosaic TPU kernel: page DMAs double-buffered by hand
-  gpu.py        Pallas / Triton kernel (why not Mosaic GPU: see its docstring)
+  gpu.py        Pallas / Mosaic GPU kernel (Hopper+)
 
 One call shape (kernel modules are imported on demand by jaxserve.attention.paged_attention):
 

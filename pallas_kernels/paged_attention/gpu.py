@@ -1,24 +1,21 @@
-"""Ragged paged attention for NVIDIA GPUs (Pallas, Triton lowering).
+"""Ragged paged attention for NVIDIA GPUs (Pallas / Mosaic GPU, Hopper and newer).
 
-Backend: Pallas' Triton lowering, selected with `plgpu.CompilerParams` (jax >= 0.10 defaults to
-Mosaic GPU). jax 0.11 deprecates it in favour of Mosaic GPU, which the flash-attention kernel
-(pallas_kernels/flash_attention/gpu.py) uses; this kernel differs on purpose:
-  * K arrives in the one shared page layout [pages, page_size, KVH, D] and cannot be
-    pre-transposed per call (that is the whole cache), while Mosaic GPU's interpreter has no
-    transposed wgmma operand, so a Mosaic GPU version could not be tested on CPU;
-  * decode is a gather of scattered pages with a handful of query rows per KV head: a pointer
-    gather and a 16-row `tl.dot` fit it, 64-row wgmma tiles and per-page TMA copies do not;
-  * Triton lowering still ships in jax 0.10.2 and 0.11.x and runs on Ampere too, and
-    `interpret=True` runs this same kernel on CPU.
-Port to Mosaic GPU when Pallas removes the Triton lowering.
+Backend: Mosaic GPU, like the flash kernel (flash_attention/gpu.py says why; pallas_kernels/
+wgmma.py how its interpreter runs both on CPU). Pallas' Triton lowering, which this kernel used
+before, is deprecated from jax 0.11.
 
-Grid (sequence, kv_head, q_chunk). Program (s, h, j) takes up to `block_q` tokens of sequence s
-from its j-th chunk, for all query heads of KV head h (the group padded to a power of two): rows
-are (token, head in group) and one gathered K/V tile serves the whole group (GQA). It walks the
-sequence's pages in chunks of `pages_per_chunk`, from the first page its rows can see (sliding
-window) to the last (causal), with an online softmax in f32 registers. Programs past a sequence's
-q_len exit at once; rows past it are never stored. No split over the KV length: a long decode
-with few sequences fills few SMs.
+Grid (q chunk, kv head, sequence). Program (j, h, s) takes `block_q` = 64 // group tokens of
+sequence s from its j-th chunk, for all query heads of KV head h: its 64 rows are (token, head
+in group), the M of one wgmma, so one K/V tile serves the whole group (GQA). Q arrives as
+[KVH, T * group, D] (one XLA transpose of q), so those rows are one TMA copy. It walks the
+sequence's KV in tiles of `kv_block` keys, from the first tile its rows can see (sliding window)
+to the last (causal): each tile is `kv_block / page_size` page copies ([page_size, D] blocks of
+KV head h in the [pages, KVH, page_size, D] layout), double-buffered as in the flash kernel,
+with an online softmax in f32 registers. S = Q @ K^T reads the K tile transposed in SMEM. Each
+token's rows are stored by their own TMA copy, only for tokens of the sequence, so programs of
+neighbouring sequences never write the same rows. Decode wastes most of the 64 rows (its q_len
+is 1); it is bound by reading K/V. No split over the KV length: a long decode with few sequences
+fills few SMs.
 """
 import functools
 
@@ -26,109 +23,142 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import wgmma
 
 MASK_VALUE = -1e30
+ROWS = 64  # (token, head in group) rows per program: wgmma's M
 
 
-def _kernel(qsl_ref, seq_lens_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *,
-            block_q, group, pages_per_chunk, sm_scale, sliding_window):
-    s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    page_size, head_dim = k_ref.shape[1], k_ref.shape[3]
-    rows, chunk = block_q * group, pages_per_chunk * page_size
+def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
+            q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, k_bar, v_bar, *,
+            group, block_q, pages_per_tile, sm_scale, sliding_window, interpret):
+    j, h, s = lax.axis_index("q"), lax.axis_index("kv_heads"), lax.axis_index("seqs")
+    page_size, head_dim = k_ref.shape[2], k_ref.shape[3]
+    tile = pages_per_tile * page_size
     q_start, q_end = qsl_ref[s], qsl_ref[s + 1]
     t0 = q_start + j * block_q
+    layout = functools.partial(wgmma.layout_cast, interpret=interpret)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     @pl.when(t0 < q_end)
     def _():
         offset = seq_lens_ref[s] - q_end  # token t sits at position t + offset
         last = jnp.minimum(q_end, t0 + block_q) - 1
-        page_end = lax.div(last + offset, page_size) + 1
-        page_lo = 0
+        page_end = lax.div(last + offset, page_size) + 1  # pages past it are never needed
+        tile_lo = 0
         if sliding_window is not None:
-            page_lo = lax.div(jnp.maximum(t0 + offset - sliding_window + 1, 0), page_size)
-        q = q_ref[pl.ds(t0, block_q), h, :, :].reshape(rows, head_dim)
-        q_pos = t0 + offset + lax.div(jnp.arange(rows, dtype=jnp.int32), group)
+            tile_lo = lax.div(jnp.maximum(t0 + offset - sliding_window + 1, 0), tile)
+        count = lax.div(last + offset, tile) + 1 - tile_lo
 
-        def body(c, carry):
+        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(t0 * group, ROWS)], q_smem, q_bar)
+
+        def fetch(c, slot):
+            for p in range(pages_per_tile):
+                idx = (tile_lo + c) * pages_per_tile + p
+                page = jnp.where(idx < page_end, table_ref[s, idx], 0)  # masked below anyway
+                rows = pl.ds(p * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[page, h], k_smem.at[slot, rows], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[page, h], v_smem.at[slot, rows], v_bar.at[slot])
+
+        fetch(0, 0)
+        plgpu.barrier_wait(q_bar)
+        shape = (ROWS, tile)
+        iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
+                                 layout=None if interpret else plgpu.Layout.WGMMA)
+        q_pos = t0 + offset + lax.div(iota(0), group)
+
+        def step(c, carry):
             acc, m, l = carry
-            first_page = page_lo + c * pages_per_chunk
-            page_ids = first_page + jnp.arange(pages_per_chunk, dtype=jnp.int32)
-            # Pages past the sequence's end read page 0 instead: finite, and masked below.
-            pages = plgpu.load(page_table_ref.at[s, pl.ds(first_page, pages_per_chunk)],
-                               mask=page_ids < page_end, other=0)
-            k = k_ref[pages, :, h, :].reshape(chunk, head_dim)
-            v = v_ref[pages, :, h, :].reshape(chunk, head_dim)
-            scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32) * sm_scale
-            kv_pos = first_page * page_size + jnp.arange(chunk, dtype=jnp.int32)
-            mask = kv_pos[None, :] <= q_pos[:, None]
+            slot = lax.rem(c, 2)
+            pl.when(c + 1 < count)(lambda: fetch(c + 1, 1 - slot))  # the other slot was freed at c - 1
+            plgpu.barrier_wait(k_bar.at[slot])
+            scores = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret)
+            scores = scores * sm_scale
+            kv_pos = (tile_lo + c) * tile + iota(1)
+            visible = kv_pos <= q_pos
             if sliding_window is not None:
-                mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
-            scores = jnp.where(mask, scores, MASK_VALUE)
-            m_next = jnp.maximum(m, jnp.max(scores, axis=1))
-            alpha = jnp.exp(m - m_next)
-            p = jnp.where(mask, jnp.exp(scores - m_next[:, None]), 0.0)
-            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
-            return acc * alpha[:, None] + pv, m_next, l * alpha + jnp.sum(p, axis=1)
+                visible &= kv_pos > q_pos - sliding_window
+            scores = jnp.where(visible, scores, MASK_VALUE)
+            m_new = jnp.maximum(m, scores.max(axis=1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(scores - lax.broadcast_in_dim(m_new, shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            p_smem[...] = p.astype(p_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_bar.at[slot])
+            pv = wgmma.matmul(p_smem, v_smem.at[slot], interpret=interpret)
+            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
 
-        init = (jnp.zeros((rows, head_dim), jnp.float32),
-                jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32))
-        num_chunks = lax.div(page_end - page_lo + pages_per_chunk - 1, pages_per_chunk)
-        acc, _, l = lax.fori_loop(0, num_chunks, body, init)
-        out = (acc / l[:, None]).reshape(block_q, group, head_dim).astype(o_ref.dtype)
-        valid = (t0 + jnp.arange(block_q, dtype=jnp.int32)) < q_end
-        plgpu.store(o_ref.at[pl.ds(t0, block_q), h, :, :], out, mask=valid[:, None, None])
+        init = (layout(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+                layout(jnp.full((ROWS,), MASK_VALUE, jnp.float32), row_layout),
+                layout(jnp.zeros((ROWS,), jnp.float32), row_layout))
+        acc, _, l = lax.fori_loop(0, count, step, init)
+        o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        for r in range(block_q):  # only this sequence's tokens: the rows after belong to others
+            dst = o_ref.at[h, pl.ds((t0 + r) * group, group)]
+            pl.when(t0 + r < q_end)(
+                lambda r=r, dst=dst: plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r * group, group)], dst))
+        plgpu.wait_smem_to_gmem(0)
 
 
-def _pow2(n):
-    return 1 << max(0, n - 1).bit_length()
-
-
-@functools.partial(jax.jit, static_argnames=(
-    "max_q", "sm_scale", "sliding_window", "block_rows", "kv_block", "num_warps", "num_stages",
-    "interpret"))
+@functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "kv_block",
+                                             "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
-                           max_q, sm_scale, sliding_window=None, block_rows=64, kv_block=64,
-                           num_warps=4, num_stages=2, interpret=False):
-    """q [T, H, D]; k/v pages [N, page_size, KVH, D]; page_table int32[S, P]; seq_lens int32[S];
+                           max_q, sm_scale, sliding_window=None, kv_block=64, interpret=False):
+    """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len (sets the grid).
     Returns [T, H, D], 0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
 
-    block_rows: target (token x head) rows per program (>= 16, Triton's smallest dot);
-    kv_block: keys per chunk (a multiple of page_size). head_dim and page_size must be powers
-    of two (Triton block shapes)."""
+    kv_block: keys per tile, a multiple of 64 and of page_size (or page_size itself when larger).
+    Needs D a multiple of 16 up to 256, H / KVH at most 64, 16-bit inputs on a GPU (f32 too when
+    interpreting). interpret=True runs in Mosaic GPU interpret mode (CPU), race detector on."""
     t, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
-    num_seqs, pages_per_seq = page_table.shape
+    _, num_kv_heads, page_size, _ = k_pages.shape
+    num_seqs = page_table.shape[0]
     group = num_heads // num_kv_heads
-    if head_dim != _pow2(head_dim) or page_size != _pow2(page_size) or kv_block % page_size:
-        raise ValueError(f"head_dim {head_dim} and page_size {page_size} must be powers of two, "
-                         f"kv_block {kv_block} a multiple of page_size")
-    group_p = _pow2(group)
-    block_q = max(min(_pow2(max_q), block_rows // group_p), pl.cdiv(16, group_p), 1)
-    pages_per_chunk = kv_block // page_size
+    tile = max(kv_block, page_size)
+    if head_dim % 16 or head_dim > 256 or tile % 64 or tile % page_size or group > ROWS:
+        raise ValueError(f"head_dim {head_dim}: need a multiple of 16 up to 256 (wgmma's K and N); "
+                         f"kv tile {tile}: a multiple of 64 and of page_size {page_size}; "
+                         f"group {group}: at most {ROWS}")
+    if q.dtype.itemsize != 2 and not interpret:
+        raise ValueError(f"{q.dtype} inputs: wgmma needs float16 / bfloat16 operands")
+    block_q, pages_per_tile = ROWS // group, tile // page_size
 
-    # Pad so that every slice the kernel takes is in bounds: tokens by block_q, the group to a
-    # power of two, page-table columns by a chunk.
-    qp = q.reshape(t, num_kv_heads, group, head_dim)
-    qp = jnp.pad(qp, ((0, block_q), (0, 0), (0, group_p - group), (0, 0)))
-    table = jnp.pad(page_table, ((0, 0), (0, pages_per_chunk)))
+    # Q rows (token, head in group) of each KV head back to back, padded so that every program's
+    # 64-row copy is in bounds and to whole 64-row tiles (TMA copies into tiled SMEM need whole
+    # 8-row tiles in GMEM too); page-table columns padded by a tile.
+    qg = q.reshape(t, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    pad = ROWS + (-t * group) % ROWS
+    qg = jnp.pad(qg.reshape(num_kv_heads, t * group, head_dim), ((0, 0), (0, pad), (0, 0)))
+    table = jnp.pad(page_table, ((0, 0), (0, pages_per_tile)))
 
-    kernel = functools.partial(
-        _kernel, block_q=block_q, group=group_p, pages_per_chunk=pages_per_chunk,
-        sm_scale=sm_scale, sliding_window=sliding_window)
-    out = pl.pallas_call(
-        kernel,
-        grid=(num_seqs, num_kv_heads, pl.cdiv(max_q, block_q)),
-        out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="ragged_paged_attention",
-    )(query_start_loc, seq_lens, table, qp, k_pages, v_pages)
-    out = out[:t, :, :group].reshape(t, num_heads, head_dim)
+    smem = wgmma.tiled_smem(q.dtype, head_dim)
+    copies_in_flight = 1 + 2 * 2 * pages_per_tile  # Q, then K and V pages of both slots
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, group=group, block_q=block_q, pages_per_tile=pages_per_tile,
+                          sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret),
+        out_type=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        scratch_types=[
+            smem(ROWS, head_dim),           # Q
+            smem(2, tile, head_dim),        # K, double-buffered
+            smem(2, tile, head_dim),        # V
+            smem(ROWS, tile),               # P
+            plgpu.SMEM((ROWS, head_dim), q.dtype),  # output, untiled: stored a few rows at a time
+            plgpu.Barrier(num_arrivals=1),  # Q
+            plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2),  # K pages, per slot
+            plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2),  # V pages, per slot
+        ],
+        grid=(pl.cdiv(max_q, block_q), num_kv_heads, num_seqs),
+        grid_names=("q", "kv_heads", "seqs"),
+        interpret=wgmma.interpret_params(copies_in_flight) if interpret else None,
+    )
+    out = kernel(query_start_loc, seq_lens, table, qg, k_pages, v_pages)
+    out = out[:, :t * group].reshape(num_kv_heads, t, group, head_dim).transpose(1, 0, 2, 3)
     # Tokens outside [query_start_loc[0], query_start_loc[-1]) belong to no program: never written.
     tok = jnp.arange(t)
     owned = (tok >= query_start_loc[0]) & (tok < query_start_loc[-1])
-    return jnp.where(owned[:, None, None], out, 0)
+    return jnp.where(owned[:, None, None], out.reshape(t, num_heads, head_dim), 0)

@@ -1,0 +1,51 @@
+"""What the two Mosaic GPU kernels (flash_attention/gpu.py, paged_attention/gpu.py) share: SMEM
+tiles laid out as wgmma reads them, a matmul of two such tiles, and the interpreter settings.
+
+On CPU the kernels run under Mosaic GPU's own interpreter (`InterpretGPUParams`, private in jax
+0.10 and 0.11), which simulates SMEM, TMA copies, barriers (their phases exactly) and wgmma, here
+with its happens-before race detector on. Its wgmma neither goes through the race detector nor
+takes transposed operands, so when interpreting, `matmul` reads both tiles with plain loads (which
+the detector checks) and multiplies them with jnp.dot; on a GPU it is one wgmma. Neither does it
+know `layout_cast` (layout hints only matter to the compiler): `layout_cast` drops them.
+"""
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+SWIZZLES = (128, 64, 32)  # bytes that wgmma reads swizzled; the widest is fastest
+
+
+def tiled_smem(dtype, head_dim):
+    """A maker of tiled, swizzled SMEM buffers (TMA copy targets, wgmma operands) for a kernel.
+    wgmma needs both operands swizzled alike, so all share the widest swizzle that divides a
+    head_dim row (head_dim a multiple of 16 for 16-bit types); tiles are 8 rows by one span."""
+    row_bytes = head_dim * jnp.dtype(dtype).itemsize
+    swizzle = next(w for w in SWIZZLES if row_bytes % w == 0)
+    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                  plgpu.SwizzleTransform(swizzle))
+    return lambda *shape: plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def matmul(a_smem, b_smem, *, transpose_b=False, interpret):
+    """a [M, K] @ b [K, N] in f32 (b stored [N, K] with transpose_b), both SMEM tiles."""
+    if interpret:
+        b = b_smem[...]
+        return jnp.dot(a_smem[...], b.T if transpose_b else b, preferred_element_type=jnp.float32)
+    n = b_smem.shape[0 if transpose_b else 1]
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)) if transpose_b else b_smem)
+        return acc_ref[...]
+    return pl.run_scoped(run, plgpu.ACC((a_smem.shape[0], n), jnp.float32))
+
+
+def layout_cast(x, layout, *, interpret):
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def interpret_params(copies_in_flight):
+    """Interpreter settings, race detector on. One simulated TMA engine per copy in flight: with
+    fewer, waiting on one copy's barrier would count as waiting for copies issued before it."""
+    # Private in jax 0.10 / 0.11; imported here so that the GPU path never depends on it.
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams(detect_races=True, num_tma_threads_per_device=copies_in_flight)

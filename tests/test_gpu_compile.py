@@ -1,0 +1,104 @@
+"""The GPU kernels through the real CUDA compilers, with no GPU attached.
+
+jax's compile-only CUDA devices (an H100 SXM target description, tests/data/h100_sxm.txtpb) take
+each kernel as `jax.jit` would on an H100: Mosaic GPU to PTX, and ptxas to sm_90a machine code
+inside the executable. What they refuse, an H100 would refuse.
+Needs the jax-cuda12-plugin and nvidia-cuda-nvcc-cu12 (ptxas) wheels, no CUDA driver; JAX must
+run on CPU (tests/conftest.py), or the plugin would look for a GPU."""
+import functools
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import topologies
+from jax.experimental.serialize_executable import serialize
+
+from pallas_kernels.flash_attention import gpu as flash_gpu
+from pallas_kernels.paged_attention import gpu as paged_gpu
+
+TARGET = pathlib.Path(__file__).parent / "data" / "h100_sxm.txtpb"
+ELF_MAGIC = b"\x7fELF"
+
+
+@pytest.fixture(scope="module")
+def h100():
+    topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                        target_config=TARGET.read_text())
+    # An engine test may have switched on the persistent cache: a hit would skip ptxas.
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield jax.sharding.SingleDeviceSharding(topo.devices[0])
+    jax.config.update("jax_enable_compilation_cache", cache)
+
+
+def spec(sharding, shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def ptxas_report(text):
+    """(registers, spill store bytes) from ptxas' verbose output for the one kernel compiled."""
+    regs = re.findall(r"Used (\d+) registers", text)
+    spills = re.findall(r"bytes stack frame, (\d+) bytes spill stores", text)
+    assert len(regs) == 1 and len(spills) == 1, text
+    return int(regs[0]), int(spills[0])
+
+
+def compile_for_h100(fn, args, monkeypatch, capfd):
+    """Compiles fn(*args); returns ptxas' (registers, spill store bytes) for its one kernel."""
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")  # ptxas -v, printed to stdout by the plugin
+    capfd.readouterr()
+    compiled = fn.trace(*args).lower().compile()
+    assert ELF_MAGIC in serialize(compiled)[0]  # sm_90a machine code inside the executable
+    return ptxas_report(capfd.readouterr().out)
+
+
+FLASH = {  # name: (head_dim, segment ids, flash_attention options)
+    "causal-d64": (64, False, dict(causal=True)),
+    "causal-d128": (128, False, dict(causal=True)),
+    "all-features-d64": (64, True, dict(causal=True, sliding_window=300, soft_cap=30.0)),
+    "all-features-d128": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0)),
+    "causal-d256": (256, False, dict(causal=True)),  # block_kv 64: the largest that fits
+}
+
+
+@pytest.mark.parametrize("name", FLASH)
+def test_flash_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
+    head_dim, segments, opts = FLASH[name]
+    b, t, h, kvh = 1, 512, 8, 2
+    args = [spec(h100, (b, t, h, head_dim)), spec(h100, (b, t, kvh, head_dim)),
+            spec(h100, (b, t, kvh, head_dim))]
+    if segments:
+        args.append(spec(h100, (b, t), jnp.int32))
+    fn = jax.jit(lambda q, k, v, *seg: flash_gpu.flash_attention(
+        q, k, v, segment_ids=seg[0] if seg else None, **opts))
+    regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
+    print(f"flash {name}: {regs} registers, {spills} bytes spilled")
+    assert regs <= 255 and (spills == 0 or head_dim > 128), (regs, spills)
+
+
+PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block)
+    "decode-d32": (32, None, 1, 16, 64),  # 64-byte swizzle
+    "decode-d64": (64, None, 1, 16, 64),
+    "mixed-d96": (96, None, 64, 16, 64),  # 64-byte swizzle, 3 spans a row
+    "decode-d128-window": (128, 1024, 1, 16, 64),
+    "mixed-d64-window": (64, 1024, 64, 16, 64),
+    "mixed-d128": (128, None, 64, 16, 64),
+    "mixed-d128-page128": (128, None, 64, 128, 128),
+}
+
+
+@pytest.mark.parametrize("name", PAGED)
+def test_paged_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
+    head_dim, window, max_q, page_size, kv_block = PAGED[name]
+    tokens, num_heads, num_kv_heads, num_pages, seqs, pages_per_seq = 125, 32, 8, 512, 64, 64
+    pages = spec(h100, (num_pages, num_kv_heads, page_size, head_dim))
+    args = [spec(h100, (tokens, num_heads, head_dim)), pages, pages,
+            spec(h100, (seqs, pages_per_seq), jnp.int32), spec(h100, (seqs,), jnp.int32),
+            spec(h100, (seqs + 1,), jnp.int32)]
+    fn = jax.jit(functools.partial(paged_gpu.ragged_paged_attention, max_q=max_q,
+                                   sm_scale=head_dim ** -0.5, sliding_window=window, kv_block=kv_block))
+    regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
+    print(f"paged {name}: {regs} registers, {spills} bytes spilled")
+    assert regs <= 255 and spills == 0, (regs, spills)

@@ -1,0 +1,151 @@
+"""The GPU kernels in interpret mode on CPU: the paged kernel over pools in the
+[num_pages, num_kv_heads, page_size, head_dim] layout against a float64 numpy oracle; the flash
+kernel over 3 and more KV blocks (double-buffer slots reused, barrier phases flipped) under the
+Mosaic GPU interpreter's race detector; the flash shared-memory budget against Mosaic GPU's."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
+
+from pallas_kernels.flash_attention import gpu as flash_gpu
+from pallas_kernels.flash_attention.reference import causal_attention
+from pallas_kernels.paged_attention import gpu as paged_gpu
+from tests.test_paged_attention import TOL, cases, mixed_batch
+
+
+def paged_case(seed, *, seqs, num_kv_heads, group, head_dim, page_size, dtype, pad_tokens=0,
+               lead_tokens=0, sliding_window=None):
+    """seqs: (q_len, kv_len) per batch slot. Each sequence's pages are scattered through a pool
+    with spare random pages; unused page-table entries point at random pages. lead_tokens come
+    before query_start_loc[0], pad_tokens after its end: both belong to no sequence (output 0)."""
+    rng = np.random.default_rng(seed)
+    counts = [math.ceil(kv / page_size) for _, kv in seqs]
+    num_pages = sum(counts) + 3
+    table = rng.integers(0, num_pages, (len(seqs), max(1, *counts))).astype(np.int32)
+    perm, used = rng.permutation(num_pages), 0
+    for s, n in enumerate(counts):
+        table[s, :n] = perm[used:used + n]
+        used += n
+    q_lens = np.array([ql for ql, _ in seqs], np.int32)
+    t = lead_tokens + int(q_lens.sum()) + max(pad_tokens, 1)
+    pool = (num_pages, num_kv_heads, page_size, head_dim)
+    return dict(
+        q=rng.standard_normal((t, num_kv_heads * group, head_dim)).astype(dtype),
+        k_pages=rng.standard_normal(pool).astype(dtype), v_pages=rng.standard_normal(pool).astype(dtype),
+        page_table=table, seq_lens=np.array([kv for _, kv in seqs], np.int32),
+        query_start_loc=(lead_tokens + np.concatenate([[0], np.cumsum(q_lens)])).astype(np.int32),
+        max_q=max(1, int(q_lens.max())), sm_scale=head_dim ** -0.5, sliding_window=sliding_window)
+
+
+def paged_oracle(c):
+    """float64, one sequence at a time; token t of sequence s sits at kv_len - q_len + (t - start)."""
+    q, k_pages, v_pages = (np.asarray(c[x], np.float64) for x in ("q", "k_pages", "v_pages"))
+    page_size, group = k_pages.shape[2], q.shape[1] // k_pages.shape[1]
+    out = np.zeros_like(q)
+    for s, kv_len in enumerate(c["seq_lens"]):
+        start, end = c["query_start_loc"][s], c["query_start_loc"][s + 1]
+        if start == end:
+            continue
+        kv_pos = np.arange(kv_len)
+        page, offset = c["page_table"][s][kv_pos // page_size], kv_pos % page_size
+        k = np.repeat(k_pages[page, :, offset], group, axis=1)  # [kv_len, H, D]
+        v = np.repeat(v_pages[page, :, offset], group, axis=1)
+        q_pos = kv_len - (end - start) + np.arange(end - start)
+        seen = kv_pos[None, :] <= q_pos[:, None]
+        if c["sliding_window"] is not None:
+            seen &= kv_pos[None, :] > q_pos[:, None] - c["sliding_window"]
+        scores = np.einsum("thd,jhd->thj", q[start:end], k) * c["sm_scale"]
+        scores = np.where(seen[:, None, :], scores, -np.inf)
+        w = np.exp(scores - scores.max(-1, keepdims=True))
+        out[start:end] = np.einsum("thj,jhd->thd", w / w.sum(-1, keepdims=True), v)
+    return out
+
+
+def run_paged(c, **blocks):
+    args = [jnp.asarray(c[x]) for x in ("q", "k_pages", "v_pages", "page_table", "seq_lens",
+                                        "query_start_loc")]
+    out = paged_gpu.ragged_paged_attention(*args, max_q=c["max_q"], sm_scale=c["sm_scale"],
+                                           sliding_window=c["sliding_window"], interpret=True, **blocks)
+    assert out.shape == c["q"].shape and out.dtype == c["q"].dtype
+    err = np.abs(np.asarray(out.astype(jnp.float32), np.float64) - paged_oracle(c)).max()
+    assert err < TOL[np.dtype(c["q"].dtype).name], f"max abs err {err}"
+
+
+@pytest.mark.parametrize("config", [(1, 2, 32, 16, "float32", None), (8, 2, 128, 16, "bfloat16", 37),
+                                    (3, 1, 64, 32, "float32", 7)],  # 21 tokens in 63 of 64 rows
+                         ids=lambda c: "g{}-kvh{}-d{}-ps{}-{}-w{}".format(*c))
+def test_paged_kernel_mixed_batch(config):
+    group, kvh, head_dim, page_size, dtype, window = config
+    dtype = jnp.bfloat16 if dtype == "bfloat16" else np.float32
+    run_paged(paged_case(0, seqs=mixed_batch(page_size), num_kv_heads=kvh, group=group,
+                         head_dim=head_dim, page_size=page_size, dtype=dtype, pad_tokens=3,
+                         lead_tokens=2, sliding_window=window))
+
+
+# Small blocks so that random batches cross q-block, sequence and KV-chunk boundaries.
+@settings(max_examples=4, deadline=None)
+@given(cases())
+def test_paged_kernel_random_batches(spec):
+    spec = dict(spec, dtype=jnp.bfloat16 if spec["dtype"] == "bfloat16" else np.float32)
+    run_paged(paged_case(**spec))
+
+
+def flash_against_reference(seq_len, *, group, head_dim, dtype, block_kv, **opts):
+    kq, kk, kv = jax.random.split(jax.random.key(seq_len), 3)
+    q = jax.random.normal(kq, (1, seq_len, group, head_dim), dtype)
+    k = jax.random.normal(kk, (1, seq_len, 1, head_dim), dtype)
+    v = jax.random.normal(kv, (1, seq_len, 1, head_dim), dtype)
+    gpu_interpret.reset_gpu_interpret_mode_state()
+    out = flash_gpu.flash_attention(q, k, v, block_q=64, block_kv=block_kv, interpret=True, **opts)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    ref = causal_attention(f32(q), f32(k), f32(v), sm_scale=head_dim ** -0.5, **opts)
+    err = float(jnp.abs(f32(out) - ref).max())
+    assert err < {jnp.float32: 2e-3, jnp.bfloat16: 2e-2}[dtype], f"max abs error {err}"
+    # Races need a missing barrier wait: with 2 or fewer kv blocks the barrier phases alone do
+    # not show one (the slot is never reused). Shown to fire on kernels without their waits.
+    assert not gpu_interpret.get_races().races_found
+
+
+# A 320-token causal prompt in blocks of 64: the last q block visits 5 kv blocks, so each K/V
+# slot is refilled and its barriers complete 2-3 phases; the window and soft cap keep 3 visits.
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(causal=False),
+                                  dict(causal=True, sliding_window=150, soft_cap=20.0)],
+                         ids=["causal", "bidirectional", "window-softcap"])
+def test_flash_kernel_over_many_kv_blocks(opts):
+    flash_against_reference(320, group=2, head_dim=64, dtype=jnp.bfloat16, block_kv=64, **opts)
+
+
+def test_flash_kernel_head_dim_256():
+    assert flash_gpu.pick_block_kv(256, jnp.bfloat16) == 64  # 128 would overflow shared memory
+    flash_against_reference(192, group=1, head_dim=256, dtype=jnp.bfloat16, block_kv=None)
+
+
+# Mosaic GPU checks a kernel's shared memory against the H100's 227 KB when lowering (no device
+# needed); `fits`, which attention.py asks before taking the flash path, must agree with it.
+@pytest.mark.parametrize("head_dim, block_kv", [(128, 128), (192, 64), (192, 128), (256, 64),
+                                                (256, 128)])
+def test_flash_smem_budget_matches_mosaic_gpu(head_dim, block_kv):
+    q = jax.ShapeDtypeStruct((1, 256, 1, head_dim), jnp.bfloat16)
+    fn = jax.jit(lambda q, k, v: flash_gpu.flash_attention(q, k, v, block_kv=block_kv))
+    expected = flash_gpu.smem_bytes(head_dim, jnp.bfloat16, 64, block_kv) <= flash_gpu.SMEM_BUDGET
+    try:
+        fn.trace(q, q, q).lower(lowering_platforms=("cuda",))
+        lowered = True
+    except ValueError as e:
+        assert "exceeds available shared memory" in str(e)
+        lowered = False
+    assert lowered == expected
+    assert flash_gpu.fits(head_dim, jnp.bfloat16)  # with block_kv 64
+    assert not flash_gpu.fits(head_dim, jnp.float32) and not flash_gpu.fits(head_dim + 32, jnp.bfloat16)
+
+
+def test_flash_fits_refuses_head_dims_past_wgmma():
+    q = jax.ShapeDtypeStruct((1, 256, 1, 320), jnp.bfloat16)  # fits shared memory at block_kv 64
+    with pytest.raises(ValueError, match="N must be a multiple of 8 and <= 256"):
+        jax.jit(lambda q: flash_gpu.flash_attention(q, q, q, block_kv=64)).trace(q).lower(
+            lowering_platforms=("cuda",))
+    assert not flash_gpu.fits(320, jnp.bfloat16)
