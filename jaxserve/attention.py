@@ -74,7 +74,19 @@ def resolve_backend(name: str = "auto", platform: str | None = None) -> str:
     if name != "auto":
         return name
     platform = platform or jax.default_backend()
+    if platform in ("gpu", "cuda") and not _hopper_or_newer():
+        return "xla"   # the GPU kernels are Mosaic GPU, which needs sm_90 (Hopper) or newer
     return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
+
+
+def _hopper_or_newer() -> bool:
+    """Whether the local GPU has compute capability 9.0 or more (True when no GPU can be asked,
+    as for compile-only devices, which Mosaic GPU targets as sm_90)."""
+    try:
+        capability = jax.devices("gpu")[0].compute_capability
+    except (RuntimeError, AttributeError):
+        return True
+    return float(capability) >= 9.0
 
 
 def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window: int | None,
@@ -176,11 +188,16 @@ def _decode_rows_in_groups(q, k_pages, v_pages, page_table, seq_lens, query_star
 
 def _flash_fits(meta: AttentionMetadata, q, k, interpret: bool) -> bool:
     """Whether a step's prefill rows may take the flash kernel (see its docstrings): the step
-    has prefill rows and their new K/V came along; Mosaic GPU needs head_dim a multiple of 64
-    and 16-bit operands on a real GPU. The TPU kernel takes any shape."""
+    has prefill rows and their new K/V came along; on a real GPU the Mosaic GPU kernel says
+    which shapes it takes (`fits`: wgmma shapes, 16-bit operands, shared memory), and the
+    interpreter only needs head_dim a multiple of 64. The TPU kernel takes any shape."""
     if not meta.num_prefill_rows or k is None:
         return False
-    return meta.backend == "pallas_tpu" or (q.shape[-1] % 64 == 0 and (q.dtype.itemsize == 2 or interpret))
+    if meta.backend == "pallas_tpu":
+        return True
+    if interpret:
+        return q.shape[-1] % 64 == 0
+    return importlib.import_module("pallas_kernels.flash_attention.gpu").fits(q.shape[-1], q.dtype)
 
 
 def _fresh_prefill_or_paged(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k, v, *,
