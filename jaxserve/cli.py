@@ -1,4 +1,4 @@
-"""The `jaxserve` command: serve | generate | convert | bench.
+"""The `jaxserve` command: serve | generate | convert | check | bench.
 
 Each subcommand is an `_add_<name>(subparsers)` function that declares its arguments and sets
 `func`; a new subcommand is one more such function listed in SUBCOMMANDS.
@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from jaxserve import check_cli
 from jaxserve.config import EngineConfig
 
 # configs/tiny-cpu.yaml of a source checkout (`pip install -e .`): the default for the embedded model.
@@ -176,7 +177,7 @@ def _add_bench(sub) -> None:
     serve.set_defaults(func=serve_bench.cli)
 
 
-SUBCOMMANDS = [_add_serve, _add_generate, _add_convert, _add_bench]
+SUBCOMMANDS = [_add_serve, _add_generate, _add_convert, check_cli.add_parser, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
