@@ -142,7 +142,7 @@ def paged_case(q_lens, ctx_lens, page_size, heads, dtype, seed=0):
     num_pages = len(ctx_lens) * pages_per_seq
     table = rng.permutation(num_pages).reshape(len(ctx_lens), pages_per_seq).astype(np.int32)
     kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    shape = (num_pages, num_kv_heads, page_size, head_dim)  # the engine's KV layout
     return dict(
         q=jax.random.normal(kq, (sum(q_lens), num_heads, head_dim), dtype),
         k_pages=jax.random.normal(kk, shape, dtype), v_pages=jax.random.normal(kv, shape, dtype),
@@ -162,7 +162,7 @@ def paged_impls(platform, case, decode_only):
         impls[name] = (functools.partial(module.ragged_paged_attention, **kw), a)
     q, k_pages, v_pages, table, lens, qsl = a
     scaled_q = q * case["sm_scale"]  # JAX's paged kernels do not scale
-    heads_major = lambda x: x.transpose(2, 0, 1, 3)  # noqa: E731  [KVH, N, page_size, D]
+    heads_major = lambda x: x.transpose(1, 0, 2, 3)  # noqa: E731  [KVH, N, page_size, D]
     if platform == "gpu" and decode_only:
         from jax.experimental.pallas.ops.gpu import paged_attention
         splits = min(16, table.shape[1])
@@ -172,8 +172,9 @@ def paged_impls(platform, case, decode_only):
             (scaled_q, heads_major(k_pages), heads_major(v_pages), table, lens))
     if platform == "tpu":
         from jax.experimental.pallas.ops.tpu import paged_attention, ragged_paged_attention
-        kv = jnp.stack([k_pages, v_pages], axis=3).reshape(  # K and V heads interleaved
-            *k_pages.shape[:2], 2 * k_pages.shape[2], k_pages.shape[3])
+        n, kvh, ps, d = k_pages.shape
+        kv = jnp.stack([k_pages, v_pages], axis=2).transpose(0, 3, 1, 2, 4).reshape(  # [N, ps, (KVH, K|V), D]
+            n, ps, 2 * kvh, d)
         impls["jax ragged_paged_attention"] = (functools.partial(
             ragged_paged_attention.ragged_paged_attention, sm_scale=case["sm_scale"]),
             (q, kv, lens, table, qsl, jnp.array([len(lens)], jnp.int32)))
@@ -216,7 +217,7 @@ def bench_write_kv(tokens, pool_pages, page_size, heads, dtype, iters, peak_gbs)
     write = jax.jit(write_kv, donate_argnums=(0, 1))
     rows = []
     for t in tokens:
-        shape = (pool_pages, page_size, num_kv_heads, head_dim)
+        shape = (pool_pages, num_kv_heads, page_size, head_dim)
         pools = [jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)]
         k = v = jnp.ones((t, num_kv_heads, head_dim), dtype)
         slots = jnp.asarray(np.random.default_rng(t).permutation(pool_pages * page_size)[:t], jnp.int32)

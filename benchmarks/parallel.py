@@ -53,7 +53,7 @@ def inputs(cfg: ModelConfig, mesh):
     params = jax.tree.map(lambda s, sh: abstract(s.shape, s.dtype, sh), shapes,
                           parallel.param_shardings(shapes, mesh, cfg))
     kv_sharding = parallel.kv_cache_sharding(cfg, mesh)
-    page = (NUM_PAGES, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    page = (NUM_PAGES, cfg.num_kv_heads, PAGE_SIZE, cfg.head_dim)
     kv = [(abstract(page, DTYPE, kv_sharding), abstract(page, DTYPE, kv_sharding))
           for _ in range(cfg.num_layers)]
     return params, kv

@@ -14,8 +14,12 @@ head_dim a multiple of 64), chosen at run time: when no prefill row has a cached
 prefill tokens attend with flash over the packed flat batch (one segment per row) and only the
 decode rows go through the paged kernel; otherwise the paged kernel takes the whole batch.
 
-KV layout (shared by every kernel): pages [num_pages, page_size, num_kv_heads, head_dim] for K
-and for V, one pair per layer; page_table int32[S, pages_per_seq]; seq_lens int32[S].
+KV layout (shared by every kernel, described here only): pages [num_pages, num_kv_heads,
+page_size, head_dim] for K and for V, one pair per layer; page_table int32[S, pages_per_seq];
+seq_lens int32[S]. Heads before page slots so that one KV head of one page is a contiguous
+[page_size, head_dim] slab: whole (8, 128) tiles on TPU, which its page DMAs require (a head
+picked out of [page_size, num_kv_heads, head_dim] slices a tiled dimension, and Mosaic refuses).
+Sharded over KV heads (parallel.kv_cache_sharding), axis 1.
 """
 from __future__ import annotations
 
@@ -50,6 +54,10 @@ class AttentionMetadata:
     # one, so decode rows are padded to [S, 1] rather than [S, max_q]. None: one group.
     num_prefill_rows: int | None = struct.field(pytree_node=False, default=None)
     backend: str = struct.field(pytree_node=False, default="xla")
+    # Platform of the devices the arrays live on ("cpu", "tpu", "gpu"); None: the default
+    # device's. Not jax.default_backend() at trace time: a CPU host compiling for TPU
+    # devices must reach Mosaic, not the interpreter.
+    platform: str | None = struct.field(pytree_node=False, default=None)
     # Under a mesh (parallel.py): the page pools' sharding, re-asserted after the K/V write so
     # XLA does not reshard the cache to suit the attention math (that costs a cache all-gather).
     kv_sharding: object = struct.field(pytree_node=False, default=None)
@@ -58,13 +66,14 @@ class AttentionMetadata:
     seq_axis: str | None = struct.field(pytree_node=False, default=None)
 
 
-def resolve_backend(name: str = "auto") -> str:
-    """`auto` picks the Pallas kernel of the platform, and the XLA reference on CPU."""
+def resolve_backend(name: str = "auto", platform: str | None = None) -> str:
+    """`auto` picks the Pallas kernel of the platform (of the mesh's devices; None: the default
+    device's), and the XLA path on CPU."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; choose one of {BACKENDS}")
     if name != "auto":
         return name
-    platform = jax.default_backend()
+    platform = platform or jax.default_backend()
     return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
 
 
@@ -86,13 +95,13 @@ def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window:
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
     """Scatter new K/V [T, KVH, D] into their page slots; out-of-range slots (padding) are dropped."""
-    ps = k_pages.shape[1]
+    ps = k_pages.shape[2]
     # Indexed as (page, offset), not through a flat reshape: for T = 1 XLA CPU turns the flat
     # form into a dynamic-update-slice that copies the whole pool several times per step.
     page, offset = slot_mapping // ps, slot_mapping % ps
 
     def put(pages, x):
-        return pages.at[page, offset].set(x.astype(pages.dtype), mode="drop")
+        return pages.at[page, :, offset].set(x.astype(pages.dtype), mode="drop")
 
     return put(k_pages, k), put(v_pages, v)
 
@@ -100,12 +109,13 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
 def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_window, sm_scale,
                     k=None, v=None):
     """Ragged paged attention of q [T, H, D] through the page table. The Pallas backends run in
-    interpret mode when JAX runs on CPU (tests). k, v [T, KVH, D]: this step's new K/V (already
+    interpret mode when the arrays live on CPU (tests). k, v [T, KVH, D]: this step's new K/V (already
     in the pages), which let the Pallas backends run fresh prefill rows through the flash kernel."""
     tables = (meta.page_table, meta.seq_lens, meta.query_start_loc)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+    platform = meta.platform or jax.default_backend()
     if meta.backend == "xla":
-        kwargs["flat_gather"] = _kv_head_axis(meta.kv_sharding) is None
+        kwargs["flat_gather"] = platform == "cpu" and _kv_head_axis(meta.kv_sharding) is None
         p = meta.num_prefill_rows
         if p is None:
             return paged_xla.ragged_paged_attention(q, k_pages, v_pages, *tables, max_q=meta.max_q, **kwargs)
@@ -119,15 +129,15 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
     if meta.backend not in ("pallas_gpu", "pallas_tpu"):
         raise ValueError(f"attention backend {meta.backend!r} is not available")
     # Imported on first use: the Pallas Triton / Mosaic modules cost a fraction of a second.
-    platform = meta.backend.removeprefix("pallas_")
-    interpret = jax.default_backend() == "cpu"
-    kernel = importlib.import_module(f"pallas_kernels.paged_attention.{platform}")
+    kernels = meta.backend.removeprefix("pallas_")
+    interpret = platform == "cpu"
+    kernel = importlib.import_module(f"pallas_kernels.paged_attention.{kernels}")
     paged = functools.partial(kernel.ragged_paged_attention, **kwargs, interpret=interpret)
     head_axis = _kv_head_axis(meta.kv_sharding)
-    heads, pages = P(None, head_axis, None), P(None, None, head_axis, None)
+    heads, pages = P(None, head_axis, None), P(None, head_axis, None, None)
     args, specs = (q, k_pages, v_pages, *tables), (heads, pages, pages, P(), P(), P())
     if _flash_fits(meta, q, k, interpret):
-        flash = importlib.import_module(f"pallas_kernels.flash_attention.{platform}").flash_attention
+        flash = importlib.import_module(f"pallas_kernels.flash_attention.{kernels}").flash_attention
         call = functools.partial(_fresh_prefill_or_paged, paged=paged, num_prefill_rows=meta.num_prefill_rows,
                                  max_q=meta.max_q, flash=functools.partial(flash, interpret=interpret, **kwargs))
         args, specs = args + (k.astype(k_pages.dtype), v.astype(v_pages.dtype)), specs + (heads, heads)
@@ -210,4 +220,4 @@ def _kv_head_axis(kv_sharding):
     spec = getattr(kv_sharding, "spec", kv_sharding)
     if spec is None or getattr(kv_sharding, "is_fully_replicated", False):
         return None
-    return spec[2] if len(spec) > 2 else None
+    return spec[1] if len(spec) > 1 else None

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import parallel, sizing
+from jaxserve.attention import resolve_backend
 from jaxserve.buckets import Buckets, StepShape
 from jaxserve.checkpoint import param_shapes
 from jaxserve.config import EngineConfig, ModelConfig
@@ -132,7 +133,7 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
     pool = kv_pool(cfg, mesh, num_pages, ecfg.page_size, dtype)
     kv = [(pool, pool) for _ in range(cfg.num_layers)]
     model = build_model(cfg, dtype)
-    backend = backend or ("pallas_tpu" if ecfg.attention_backend == "auto" else ecfg.attention_backend)
+    backend = resolve_backend(backend or ecfg.attention_backend, parallel.platform(mesh))
     step = make_step(model, cfg, mesh, backend)
     max_pages = sizing.pages_per_seq(cfg, ecfg)
     buckets = Buckets(ecfg, mesh.shape["seq"])

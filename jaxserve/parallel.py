@@ -70,7 +70,7 @@ _PARAM_AXES = {
     ("weight",): ("embed",),  # RMSNorm scales
 }
 
-KV_CACHE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
+KV_CACHE_AXES = ("pages", "kv_heads", "page_slots", "head_dim")  # the KV layout: jaxserve/attention.py
 
 
 def make_mesh(mesh_shape: dict[str, int] | None = None, devices=None) -> Mesh:
@@ -135,9 +135,9 @@ def param_shardings(params_or_shapes, mesh: Mesh, cfg: ModelConfig):
 
 
 def kv_cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
-    """Sharding of one K or V page pool [num_pages, page_size, num_kv_heads, head_dim]:
-    kv heads over "model", replicated when they do not divide the "model" axis size."""
-    shape = (0, 0, cfg.num_kv_heads, cfg.head_dim)
+    """Sharding of one K or V page pool (KV_CACHE_AXES): kv heads over "model", replicated
+    when they do not divide the "model" axis size."""
+    shape = (0, cfg.num_kv_heads, 0, cfg.head_dim)
     return NamedSharding(mesh, logical_to_spec(KV_CACHE_AXES, shape, mesh, cfg))
 
 
@@ -149,6 +149,12 @@ def logits_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(None, *vocab))
 
 
+def platform(mesh: Mesh) -> str:
+    """"cpu", "tpu" or "gpu": where the mesh's arrays live (compile-only TPU devices on a CPU
+    host included, unlike jax.default_backend())."""
+    return mesh.devices.flat[0].platform
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
@@ -156,13 +162,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def gather_tokens(x, seq_axis: str, kv_spec: P | None):
     """All-gather new K or V [tokens, kv_heads, head_dim] over `seq_axis`, inside a shard_map
     manual over it (sequence-parallel prefill). When kv heads are split over an automatic axis
-    (kv_spec[2], "model"), the gather runs in a nested shard_map manual over that axis too:
+    (kv_spec[1], "model"), the gather runs in a nested shard_map manual over that axis too:
     a collective over a manual axis otherwise first replicates its operand over the automatic
     ones, i.e. XLA would all-gather every layer's K/V heads across "model" as well."""
     def gather(a):
         return jax.lax.all_gather(a, seq_axis, axis=0, tiled=True)
 
-    head_axis = kv_spec[2] if kv_spec is not None else None
+    head_axis = kv_spec[1] if kv_spec is not None else None
     if head_axis is None:
         return gather(x)
     spec = P(None, head_axis, None)

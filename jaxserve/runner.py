@@ -63,7 +63,7 @@ class ModelRunner:
         CompileCounter.install()
         self.cfg, self.ecfg, self.dtype = cfg, engine_cfg, dtype
         self.mesh = mesh if mesh is not None else parallel.make_mesh(engine_cfg.mesh)
-        self.backend = resolve_backend(engine_cfg.attention_backend)
+        self.backend = resolve_backend(engine_cfg.attention_backend, parallel.platform(self.mesh))
         self.model = build_model(cfg, dtype)
         self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
         self.page_size = engine_cfg.page_size
@@ -293,8 +293,8 @@ def make_step(model, cfg: ModelConfig, mesh, backend: str):
 
 
 def kv_pool(cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype) -> jax.ShapeDtypeStruct:
-    """One layer's K (or V) page pool."""
-    return jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), dtype,
+    """One layer's K (or V) page pool (the layout: see jaxserve/attention.py)."""
+    return jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size, cfg.head_dim), dtype,
                                 sharding=parallel.kv_cache_sharding(cfg, mesh))
 
 
@@ -338,7 +338,8 @@ def _step(model, params, kv_caches, tokens, positions, slot_mapping, page_table,
           logits_sharding):
     meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_table=page_table,
                              seq_lens=seq_lens, query_start_loc=query_start_loc, max_q=max_q,
-                             num_prefill_rows=num_prefill_rows, backend=backend, kv_sharding=kv_sharding)
+                             num_prefill_rows=num_prefill_rows, backend=backend, kv_sharding=kv_sharding,
+                             platform=parallel.platform(kv_sharding.mesh))
     hidden, kv_caches = model.apply({"params": params}, tokens, positions, kv_caches, meta)
     logits = model.apply({"params": params}, hidden[logits_index], method=model.logits)
     # Under tensor parallelism: keep the lm_head matmul vocab-split, then gather the logits

@@ -44,7 +44,7 @@ def sequence_parallel_prefill(model, mesh, params, kv_caches, tokens, num_tokens
     if t % n:
         raise ValueError(f"prefill length {t} is not a multiple of the seq axis size {n}")
     chunk = t // n
-    num_pages, page_size = kv_caches[0][0].shape[:2]
+    num_pages, _, page_size, _ = kv_caches[0][0].shape
     kv_spec = parallel.kv_cache_sharding(cfg, mesh).spec
 
     def shard(params, kv_caches, tokens, num_tokens, num_cached, page_table_row):
@@ -62,7 +62,8 @@ def sequence_parallel_prefill(model, mesh, params, kv_caches, tokens, num_tokens
             positions=positions, slot_mapping=slots, page_table=page_table_row[None],
             seq_lens=(num_cached + (s + 1) * chunk)[None],
             query_start_loc=jnp.array([0, chunk], jnp.int32),
-            max_q=chunk, backend=backend, seq_axis="seq", kv_sharding=kv_spec)
+            max_q=chunk, backend=backend, seq_axis="seq", kv_sharding=kv_spec,
+            platform=parallel.platform(mesh))
         hidden, kv_caches = model.apply({"params": params}, tokens, positions, kv_caches, meta)
         last = num_tokens - 1
         h = jnp.where(last // chunk == s, hidden[last % chunk], 0)

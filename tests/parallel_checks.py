@@ -77,7 +77,7 @@ def make_step(model, mesh, cfg, backend="xla", num_prefill_rows=None):
 
 def empty_cache(cfg, mesh):
     sharding = parallel.kv_cache_sharding(cfg, mesh)
-    shape = (NUM_PAGES, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    shape = (NUM_PAGES, cfg.num_kv_heads, PAGE_SIZE, cfg.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)
     return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 

@@ -21,14 +21,14 @@ def naive_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, 
     """float64, per sequence, per token, per head. Tokens outside
     [query_start_loc[0], query_start_loc[-1]) stay 0."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
-    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    num_kv_heads, page_size = k_pages.shape[1], k_pages.shape[2]
     group = q.shape[1] // num_kv_heads
     out = np.zeros_like(q)
     for s in range(len(seq_lens)):
         start, end, kv_len = query_start_loc[s], query_start_loc[s + 1], seq_lens[s]
         kv_pos = np.arange(kv_len)
         pages = page_table[s][kv_pos // page_size]
-        k, v = k_pages[pages, kv_pos % page_size], v_pages[pages, kv_pos % page_size]  # [kv_len, KVH, D]
+        k, v = k_pages[pages, :, kv_pos % page_size], v_pages[pages, :, kv_pos % page_size]  # [kv_len, KVH, D]
         for t in range(start, end):
             pos = kv_len - (end - start) + (t - start)
             seen = kv_pos <= pos
@@ -61,7 +61,7 @@ def make_case(seed, *, seqs, num_kv_heads, group, head_dim, page_size, dtype, pa
     q_lens = np.array([ql for ql, _ in seqs], np.int32)
     total = int(q_lens.sum())
     pad_tokens = max(pad_tokens, int(lead_tokens + total == 0))  # a batch has at least one token
-    shape_kv = (num_pages, page_size, num_kv_heads, head_dim)
+    shape_kv = (num_pages, num_kv_heads, page_size, head_dim)
     return dict(
         q=jnp.asarray(rng.standard_normal((lead_tokens + total + pad_tokens, num_kv_heads * group,
                                            head_dim)), dtype),

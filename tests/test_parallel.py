@@ -77,7 +77,7 @@ def test_kv_heads_that_do_not_divide_are_replicated():
     mesh = tp_mesh(4)
     assert parallel.kv_cache_sharding(cfg, mesh).spec == P(None, None, None, None)
     assert parallel.kv_cache_sharding(small_cfg(num_kv_heads=4), mesh).spec == \
-        P(None, None, "model", None)
+        P(None, "model", None, None)
 
 
 def test_heads_split_only_whole():

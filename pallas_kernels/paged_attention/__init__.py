@@ -10,7 +10,8 @@ One call shape (kernel modules are imported on demand by jaxserve.attention.page
   out = tpu.ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc,
                                    *, max_q, sm_scale, sliding_window=None, interpret=False)
 
-q [T, H, D]; k/v pages [num_pages, page_size, KVH, D] (H a multiple of KVH); page_table
+q [T, H, D]; k/v pages [num_pages, KVH, page_size, D] (H a multiple of KVH; why heads come
+before page slots: the KV layout in jaxserve/attention.py); page_table
 int32[S, pages_per_seq]; seq_lens int32[S], the KV length after this step; query_start_loc
 int32[S + 1]: sequence s owns tokens [query_start_loc[s], query_start_loc[s + 1]), which sit at
 positions seq_lens[s] - q_len .. seq_lens[s] - 1 and whose K/V are already in the pages. max_q:

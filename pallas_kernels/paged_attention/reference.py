@@ -14,7 +14,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, page_table, seq_lens, query_
     densely against each sequence's gathered pages, gather the rows back to [T]."""
     t, h, d = q.shape
     s_max, p = page_table.shape
-    _, ps, kvh, _ = k_pages.shape
+    _, kvh, ps, _ = k_pages.shape
     g = h // kvh
     tok = jnp.arange(t)
     seq_id = jnp.clip(jnp.searchsorted(query_start_loc[1:], tok, side="right"), 0, s_max - 1)
@@ -23,8 +23,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, page_table, seq_lens, query_
     row = jnp.where(valid, seq_id, s_max)  # padding tokens scatter out of range and are dropped
     qp = jnp.zeros((s_max, max_q, h, d), q.dtype).at[row, q_off].set(q, mode="drop")
     qp = qp.reshape(s_max, max_q, kvh, g, d)
-    k = k_pages[page_table].reshape(s_max, p * ps, kvh, d)
-    v = v_pages[page_table].reshape(s_max, p * ps, kvh, d)
+    k, v = (x[page_table].transpose(0, 1, 3, 2, 4).reshape(s_max, p * ps, kvh, d) for x in (k_pages, v_pages))
     scores = jnp.einsum("sqkgd,sjkd->skgqj", qp, k, preferred_element_type=jnp.float32) * sm_scale
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     q_pos = (seq_lens - q_len)[:, None] + jnp.arange(max_q)[None, :]  # [S, max_q]

@@ -25,6 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 MASK_VALUE = -1e30
 LANES = 128
+MIN_BLOCK_TOKENS = 8
 
 
 def _lanes(x, n):
@@ -35,12 +36,12 @@ def _lanes(x, n):
 
 
 def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  # SMEM
-            q_ref, k_hbm, v_hbm,  # q block [g * block_q, D]; pages [N, ps, KVH, D] in HBM
+            q_ref, k_hbm, v_hbm,  # q block [g * block_q, D]; pages [N, KVH, ps, D] in HBM
             o_ref,
             k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
             *, block_q, pages_per_chunk, pages_per_seq, sm_scale, sliding_window):
     h, i = pl.program_id(0), pl.program_id(1)
-    page_size = k_hbm.shape[1]
+    page_size = k_hbm.shape[2]
     rows, chunk = acc_ref.shape[0], k_buf.shape[1]
     tok0 = i * block_q
     s_end = blk_end_ref[i]
@@ -69,7 +70,8 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
             phys = page_table_ref[s * pages_per_seq + jnp.minimum(page, pages_per_seq - 1)]
             rows_j = pl.ds(pl.multiple_of(j * page_size, page_size), page_size)
             for kind, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
-                dma = pltpu.make_async_copy(hbm.at[phys, :, h, :], buf.at[slot, rows_j],
+                # Page phys of KV head h: one contiguous [page_size, D] slab, whole tiles.
+                dma = pltpu.make_async_copy(hbm.at[phys, h], buf.at[slot, rows_j],
                                             sems.at[kind, slot])
                 pl.when(page < page_end)(getattr(dma, action))
 
@@ -131,29 +133,39 @@ def _pow2_at_most(n):
     return 1 << (max(n, 1).bit_length() - 1)
 
 
+def _pow2_at_least(n):
+    return 1 << max(n - 1, 0).bit_length()
+
+
 @functools.partial(jax.jit, static_argnames=(
     "max_q", "sm_scale", "sliding_window", "block_rows", "kv_block", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
                            max_q, sm_scale, sliding_window=None, block_rows=256, kv_block=256,
                            interpret=False):
-    """q [T, H, D]; k/v pages [N, page_size, KVH, D]; page_table int32[S, P]; seq_lens int32[S];
+    """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len. Returns [T, H, D],
     0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
 
     block_rows: most (head, token) rows per program. block_q, the tokens per q block, is max_q
-    rounded up to a power of two within that cap: a decode batch gets small blocks, since rows
-    of a block that belong to other sequences are wasted MXU work, and prefill large ones, since
-    each q block re-reads its sequences' pages. kv_block: keys per chunk, a multiple of 128 and of
-    page_size. interpret: run in TPU interpret mode (CPU tests)."""
+    rounded up to a power of two within that cap, and at least MIN_BLOCK_TOKENS and one tile of
+    rows. Every sequence of a block is computed over all the block's rows, so in a decode batch
+    (one token per sequence) a block of block_q tokens does block_q times the useful MXU work:
+    decode blocks are kept small, but not below MIN_BLOCK_TOKENS, since each program waits for
+    its first pages unhidden and that wait is shared by the block's sequences. Prefill gets large
+    blocks, since each q block re-reads its sequences' pages. kv_block: keys per chunk, a
+    multiple of 128; a page larger than kv_block makes a chunk of one page. interpret: run in
+    TPU interpret mode (CPU tests)."""
     t, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
+    _, num_kv_heads, page_size, _ = k_pages.shape
     num_seqs, pages_per_seq = page_table.shape
     group = num_heads // num_kv_heads
-    if kv_block % LANES or kv_block % page_size:
-        raise ValueError(f"kv_block {kv_block} must be a multiple of 128 and of page_size {page_size}")
-    min_block = 32 // q.dtype.itemsize  # a full (8, 128) f32 / (16, 128) bf16 tile of rows
-    block_q = max(min_block, min(1 << max(max_q - 1, 0).bit_length(),
-                                 _pow2_at_most(block_rows // group)))
+    pages_per_chunk = max(1, kv_block // page_size)
+    if (pages_per_chunk * page_size) % LANES:
+        raise ValueError(f"kv_block {kv_block} and page_size {page_size}: a chunk of "
+                         f"{pages_per_chunk} pages is not a multiple of 128 keys")
+    tile_rows = 32 // q.dtype.itemsize  # rows of a full (8, 128) f32 / (16, 128) bf16 tile
+    block_q = max(_pow2_at_least(-(-tile_rows // group)),
+                  min(_pow2_at_least(max(max_q, MIN_BLOCK_TOKENS)), _pow2_at_most(block_rows // group)))
     num_blocks = pl.cdiv(t, block_q)
     rows = group * block_q
 
@@ -169,7 +181,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
 
     block = pl.BlockSpec((None, None, rows, head_dim), lambda h, i, *_: (h, i, 0, 0))
     kernel = functools.partial(
-        _kernel, block_q=block_q, pages_per_chunk=kv_block // page_size,
+        _kernel, block_q=block_q, pages_per_chunk=pages_per_chunk,
         pages_per_seq=pages_per_seq, sm_scale=sm_scale, sliding_window=sliding_window)
     out = pl.pallas_call(
         kernel,
@@ -179,8 +191,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
             in_specs=[block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=block,
             scratch_shapes=[
-                pltpu.VMEM((2, kv_block, head_dim), k_pages.dtype),
-                pltpu.VMEM((2, kv_block, head_dim), v_pages.dtype),
+                pltpu.VMEM((2, pages_per_chunk * page_size, head_dim), k_pages.dtype),
+                pltpu.VMEM((2, pages_per_chunk * page_size, head_dim), v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.VMEM((rows, LANES), jnp.float32),
                 pltpu.VMEM((rows, LANES), jnp.float32),

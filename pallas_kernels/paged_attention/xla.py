@@ -23,12 +23,13 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
                            sm_scale, sliding_window=None, block_tokens=128, flat_gather=True):
     """q [T, H, D] flat ragged batch; sequence s owns tokens query_start_loc[s]:[s+1], the last
     of its seq_lens[s] positions. Tokens outside query_start_loc[0]:[-1] come back as 0.
-    flat_gather: gather whole pages as rows of a 2-D view of the pool, which XLA CPU does about
-    2x faster; pass False when the pool is sharded over KV heads (the view would merge the
-    sharded axis, and XLA would all-gather the cache)."""
+    flat_gather: gather (page, KV head) slabs as rows of a 2-D view of the pool, which XLA CPU
+    does about 2x faster. CPU only: on TPU the view merges tiled dimensions, so XLA relayouts
+    the whole pool on every read; and not when the pool is sharded over KV heads (the view
+    would merge the sharded axis, and XLA would all-gather the cache)."""
     t, h, d = q.shape
     s_max, p = page_table.shape
-    _, ps, kvh, _ = k_pages.shape
+    _, kvh, ps, _ = k_pages.shape
     g = h // kvh
     bp = max(1, min(p, block_tokens // ps))  # pages per block
     bt = bp * ps
@@ -56,13 +57,17 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         start_block = jnp.minimum(jnp.maximum(lowest, 0) // bt, end_block)
 
     def gather(pool, pages):
-        return pool.reshape(pool.shape[0], -1)[pages] if flat_gather else pool[pages]
+        """[S, bp] pages -> their K or V as [S, KVH, bt, D]."""
+        if flat_gather:
+            slabs = pages[:, None, :] * kvh + jnp.arange(kvh)[None, :, None]  # [S, KVH, bp]
+            return pool.reshape(-1, ps * d)[slabs].reshape(s_max, kvh, bt, d)
+        return pool[pages].transpose(0, 2, 1, 3, 4).reshape(s_max, kvh, bt, d)
 
     def block(j, carry):
         m, l, acc = carry
         pages = lax.dynamic_slice_in_dim(page_table, j * bp, bp, axis=1)  # [S, bp]
-        k, v = (gather(x, pages).reshape(s_max, bt, kvh, d) for x in (k_pages, v_pages))
-        s = jnp.einsum("skrd,sjkd->skrj", qp, k, preferred_element_type=jnp.float32) * sm_scale
+        k, v = (gather(x, pages) for x in (k_pages, v_pages))
+        s = jnp.einsum("skrd,skjd->skrj", qp, k, preferred_element_type=jnp.float32) * sm_scale
         kv_pos = j * bt + jnp.arange(bt)
         mask = kv_pos[None, None, :] <= q_pos[:, :, None]
         if sliding_window is not None:
@@ -72,7 +77,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         probs = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         scale = jnp.exp(m - m_new)
         l = l * scale + probs.sum(-1)
-        acc = acc * scale[..., None] + jnp.einsum("skrj,sjkd->skrd", probs.astype(v.dtype), v,
+        acc = acc * scale[..., None] + jnp.einsum("skrj,skjd->skrd", probs.astype(v.dtype), v,
                                                   preferred_element_type=jnp.float32)
         return m_new, l, acc
 
