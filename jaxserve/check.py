@@ -12,6 +12,7 @@ Exit status 1 when it does not fit or does not compile.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import re
 import time
@@ -33,6 +34,7 @@ from jaxserve.sampling import sample
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step_cost import step_cost
 
+log = logging.getLogger(__name__)
 GiB, MiB = 2**30, 2**20
 # libtpu topology names by chip count: v5e/v6e slices are 2D, v4/v5p 3D. A slice smaller than
 # one host's 2x2 chips takes the first chips of a 2x2.
@@ -100,17 +102,19 @@ def _compile(name: str, lowered, pool_bytes: int) -> Compiled:
     try:
         compiled = lowered().compile()
     except Exception as e:  # a compiler's refusal is this check's answer, reported per computation
+        log.info("%s does not compile", name)
         return Compiled(name, time.perf_counter() - t0, 0, 0, 0, str(e).strip().splitlines()[0][:300])
     seconds = time.perf_counter() - t0
+    log.info("compiled %s in %.1f s", name, seconds)
     cost = step_cost(compiled.as_text(), pool_bytes)
     return Compiled(name, seconds, compiled.memory_analysis().temp_size_in_bytes, cost.whole_pool_copies,
                     cost.heaviest_loop_cycles, None)
 
 
 def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, dtype=jnp.bfloat16,
-          backend: str | None = None, shapes: list[StepShape] | None = None) -> Report:
-    """Size the KV pool as the runner would on `tpu` and compile what warm-up compiles (or only
-    `shapes` of the step, for a quicker look)."""
+          backend: str | None = None, shapes: list[StepShape] | None = None, samplers: bool = True) -> Report:
+    """Size the KV pool as the runner would on `tpu` and compile what warm-up compiles (or, for
+    a quicker look, only `shapes` of the step, and no sampler: it compiles slowest of all)."""
     sizes = {"data": 1, "seq": 1, "model": 1, **ecfg.mesh}
     if np.prod(list(sizes.values())) > tpu.chips:
         raise ValueError(f"mesh {sizes} needs more than the {tpu.chips} chips of {tpu.name}")
@@ -121,11 +125,13 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
     try:
         num_pages = ecfg.num_pages or sizing.kv_pool_pages(cfg, ecfg, dtype, model_axis=model_axis,
                                                            hbm_bytes=tpu.hbm_bytes, used_bytes=weight_bytes,
-                                                           chip=tpu.generation, name=model_name)
+                                                           tpu=True, chip=tpu.generation, name=model_name)
     except sizing.PoolDoesNotFit as e:
         return Report(weight_bytes, 0, 0, tpu.hbm_bytes, [], str(e))
-    page_bytes = sizing.page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis)
-    pool_bytes = page_bytes * num_pages // (2 * cfg.num_layers)   # one layer's K (or V) on one chip
+    page_bytes = sizing.page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=True)
+    # one layer's K (or V) on one chip, as HLO shapes count it (without the tiles' padding)
+    pool_bytes = sizing.page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=False) * num_pages // (
+        2 * cfg.num_layers)
 
     shapes_ = param_shapes(cfg, dtype)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -141,7 +147,7 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
 
     work = [(s.name, lambda s=s: lower_step(step, params, kv, s, max_pages, num_pages * ecfg.page_size))
             for s in shapes]
-    for rows in sorted({s.decode_rows for s in shapes}):
+    for rows in sorted({s.decode_rows for s in shapes} if samplers else ()):
         logits = jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.float32, sharding=parallel.replicated(mesh))
         work += [(f"sampler-{rows}{'-penalties' if md.use_penalties else ''}",
                   lambda md=md, logits=logits: sample.lower(logits, md, num_logprobs=MAX_LOGPROBS))
@@ -189,6 +195,7 @@ def format_report(report: Report, header: str) -> str:
 
 def run(config: str, topology: str, model: str | None = None, backend: str | None = None) -> int:
     """`jaxserve check` (check_cli.py): print the report; 0 when it compiles and fits, else 1."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     ecfg = EngineConfig.from_yaml(config, model=model)
     if ecfg.model is None:
         raise SystemExit("jaxserve check: the config names no model directory (give --model)")

@@ -98,12 +98,13 @@ class ModelRunner:
         device = self.mesh.local_devices[0]
         stats = device.memory_stats() or {}
         if "bytes_limit" not in stats:   # CPU: kv_cache_mb, and at least one full-length sequence
-            page_bytes = sizing.page_bytes_per_chip(self.cfg, self.dtype, self.page_size, 1)
+            page_bytes = sizing.page_bytes_per_chip(self.cfg, self.dtype, self.page_size, 1, tpu=False)
             return max(self.ecfg.kv_cache_mb * 2**20 // page_bytes, self.max_pages_per_seq)
         # an accelerator: a share of what the (placed) weights leave free, or a clear refusal
         return sizing.kv_pool_pages(
             self.cfg, self.ecfg, self.dtype, model_axis=self.mesh.shape["model"], hbm_bytes=stats["bytes_limit"],
-            used_bytes=stats.get("bytes_in_use", 0), chip=sizing.TPU_DEVICE_KINDS.get(device.device_kind, device.device_kind),
+            used_bytes=stats.get("bytes_in_use", 0), tpu=device.platform == "tpu",
+            chip=sizing.TPU_DEVICE_KINDS.get(device.device_kind, device.device_kind),
             name=f"{self.cfg.architecture} ({self.cfg.num_params / 1e9:.1f}B parameters)")
 
     # ---- one step ----

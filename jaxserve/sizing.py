@@ -53,10 +53,16 @@ def weight_bytes_per_chip(cfg: ModelConfig, dtype, model_axis: int) -> int:
     return sum(jax.tree.leaves(sizes))
 
 
-def page_bytes_per_chip(cfg: ModelConfig, dtype, page_size: int, model_axis: int) -> int:
-    """K and V of one page in every layer, on one chip (KV heads split over "model" when they divide)."""
+def page_bytes_per_chip(cfg: ModelConfig, dtype, page_size: int, model_axis: int, tpu: bool) -> int:
+    """K and V of one page in every layer, on one chip (KV heads split over "model" when they
+    divide). On TPU the pool's two minor dims (page slots, head_dim: see jaxserve/attention.py)
+    are stored in whole (sublanes, 128 lanes) tiles, so a head_dim of 32 takes 128 lanes."""
+    itemsize = jnp.dtype(dtype).itemsize
+    slots, dim = page_size, cfg.head_dim
+    if tpu:
+        slots, dim = -(-slots // (32 // itemsize)) * (32 // itemsize), -(-dim // 128) * 128
     split = model_axis if "model" in parallel.kv_cache_sharding(cfg, _mesh(model_axis)).spec else 1
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize // split
+    return 2 * cfg.num_layers * slots * cfg.num_kv_heads * dim * itemsize // split
 
 
 def pages_per_seq(cfg: ModelConfig, ecfg: EngineConfig) -> int:
@@ -65,13 +71,13 @@ def pages_per_seq(cfg: ModelConfig, ecfg: EngineConfig) -> int:
 
 
 def kv_pool_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, *, model_axis: int, hbm_bytes: int,
-                  used_bytes: int, chip: str, name: str) -> int:
+                  used_bytes: int, tpu: bool, chip: str, name: str) -> int:
     """KV pages per pool: kv_memory_fraction of the HBM that `used_bytes` (the placed weights)
     leave free on each chip. Raises PoolDoesNotFit, naming the smallest "model" mesh size that
     would fit, when that is fewer pages than one max_model_len sequence needs."""
     def pages(model_axis: int, used: int) -> int:
         free = max(hbm_bytes - used, 0)
-        return int(free * ecfg.kv_memory_fraction) // page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis)
+        return int(free * ecfg.kv_memory_fraction) // page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu)
 
     need, got = pages_per_seq(cfg, ecfg), pages(model_axis, used_bytes)
     if got >= need:
