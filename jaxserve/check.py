@@ -111,6 +111,12 @@ def _compile(name: str, lowered, pool_bytes: int) -> Compiled:
                     cost.heaviest_loop_cycles, None)
 
 
+def quick_shapes(shapes: list[StepShape]) -> list[StepShape]:
+    """The largest and smallest decode steps and the largest step with prefill (`--quick`)."""
+    decode = [s for s in shapes if not s.prefill_rows]
+    return [decode[-1], decode[0]] + [s for s in shapes if s.prefill_rows][-1:]
+
+
 def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, dtype=jnp.bfloat16,
           backend: str | None = None, shapes: list[StepShape] | None = None, samplers: bool = True) -> Report:
     """Size the KV pool as the runner would on `tpu` and compile what warm-up compiles (or, for
@@ -133,9 +139,9 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
     pool_bytes = sizing.page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=False) * num_pages // (
         2 * cfg.num_layers)
 
-    shapes_ = param_shapes(cfg, dtype)
+    unsharded = param_shapes(cfg, dtype)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          shapes_, parallel.param_shardings(shapes_, mesh, cfg))
+                          unsharded, parallel.param_shardings(unsharded, mesh, cfg))
     pool = kv_pool(cfg, mesh, num_pages, ecfg.page_size, dtype)
     kv = [(pool, pool) for _ in range(cfg.num_layers)]
     model = build_model(cfg, dtype)
@@ -158,8 +164,8 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
             for t in buckets.tokens]
     src, dst = next(page_copy_batches([(0, 0)], ecfg.max_num_seqs, num_pages))
     work.append(("page-copy", lambda: copy_kv_pages.lower(kv, src, dst)))
-    with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool_:
-        results = list(pool_.map(lambda w: _compile(*w, pool_bytes), work))
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as executor:   # XLA compiles without the GIL
+        results = list(executor.map(lambda w: _compile(*w, pool_bytes), work))
     return Report(weight_bytes, num_pages, num_pages * page_bytes, tpu.hbm_bytes, results, None)
 
 
@@ -193,7 +199,8 @@ def format_report(report: Report, header: str) -> str:
     return "\n".join(lines)
 
 
-def run(config: str, topology: str, model: str | None = None, backend: str | None = None) -> int:
+def run(config: str, topology: str, model: str | None = None, backend: str | None = None,
+        quick: bool = False) -> int:
     """`jaxserve check` (check_cli.py): print the report; 0 when it compiles and fits, else 1."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     ecfg = EngineConfig.from_yaml(config, model=model)
@@ -203,8 +210,11 @@ def run(config: str, topology: str, model: str | None = None, backend: str | Non
     dtype = jnp.float32 if ecfg.dtype == "float32" else jnp.bfloat16   # auto: bf16 on TPU
     tpu = tpu_slice(topology)
     name = os.path.basename(os.path.normpath(ecfg.model))
-    report = check(ecfg, cfg, tpu, model_name=name, dtype=dtype, backend=backend)
+    shapes = quick_shapes(Buckets(ecfg, ecfg.mesh.get("seq", 1)).warmup_shapes(ecfg.mesh.get("seq", 1) > 1))
+    report = check(ecfg, cfg, tpu, model_name=name, dtype=dtype, backend=backend,
+                   shapes=shapes if quick else None, samplers=not quick)
     header = (f"jaxserve check: {name} ({cfg.num_params / 1e9:.2f}B parameters, {jnp.dtype(dtype).name}) "
-              f"with {config} on {tpu.name} ({tpu.chips} chip(s)), mesh {ecfg.mesh}, per chip:")
+              f"with {config} on {tpu.name} ({tpu.chips} chip(s)), mesh {ecfg.mesh}"
+              f"{', quick: 3 step shapes, no sampler' if quick else ''}, per chip:")
     print(format_report(report, header))
     return 0 if report.fits and report.compiles else 1

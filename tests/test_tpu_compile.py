@@ -132,6 +132,10 @@ def assert_serves(report: check.Report, what: str):
     assert not copies, f"{what}: whole-pool copies {copies}\n{text}"
 
 
+# Known defect (issue 22, the KV layout for small head dims): with head_dim 32 every step of the
+# embedded model copies whole pools (24-48 copies, 4.5-13.6 GiB of temporaries) and the pool the
+# runner sizes does not fit. Strict: this fails as soon as the layout is fixed, to drop the mark.
+@pytest.mark.xfail(strict=True, reason="head_dim 32 KV pools: whole-pool copies on TPU (issue 22)")
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
 def test_embedded_model_default_config_compiles(generation):
     """Every warm-up step shape of configs/tiny-cpu.yaml and the page copy (bf16 and the Pallas
@@ -160,8 +164,8 @@ def test_llama3_8b_steps_compile_without_whole_pool_copies(topology, tp):
                                           used_bytes=sizing.weight_bytes_per_chip(full, jnp.bfloat16, tp),
                                           tpu=True, chip=tpu.generation, name="llama3-8b")
     cfg = dataclasses.replace(full, num_layers=CI_LAYERS, sliding_windows=())
-    shapes = Buckets(ecfg).warmup_shapes(False)
-    shapes = [s for s in shapes if s.name in ("decode-64", "decode-1")] + [shapes[-1]]
+    shapes = check.quick_shapes(Buckets(ecfg).warmup_shapes(False))
+    assert [s.name for s in shapes] == ["decode-64", "decode-1", "prefill-512x2q512"]
     report = check.check(ecfg, cfg, tpu, model_name="llama3-8b", dtype=jnp.bfloat16, shapes=shapes, samplers=False)
     assert_serves(report, f"llama3-8b ({CI_LAYERS} layers) on {topology}")
     # The weights per chip as jax shards them: every leaf's shard, summed.
