@@ -1,7 +1,7 @@
 """Reference generation: one static batch, prefill then greedy decode, contiguous KV cache.
 
-Each sequence owns one contiguous [max_len, kv_heads, head_dim] cache row (a single page of
-size max_len), so nothing is shared, chunked or scheduled. It is the baseline the parity tests
+Each sequence owns one contiguous cache row: a single page of size max_len (the KV layout of
+jaxserve/attention.py), so nothing is shared, chunked or scheduled. It is the baseline the parity tests
 use and the engine must beat.
 """
 from __future__ import annotations
@@ -18,13 +18,13 @@ from jaxserve.models import build_model
 
 
 def contiguous_kv_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32):
-    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_q"), donate_argnames=("kv",))
 def _step(model, params, kv, tokens, positions, seq_lens, query_start_loc, last_index, *, max_q):
-    batch, max_len = kv[0][0].shape[:2]
+    batch, _, max_len, _ = kv[0][0].shape
     seq_of_token = jnp.searchsorted(query_start_loc[1:], jnp.arange(tokens.shape[0]), side="right")
     meta = AttentionMetadata(
         positions=positions,

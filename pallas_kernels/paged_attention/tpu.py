@@ -9,7 +9,9 @@ Inside a program the work is a list of (sequence, KV chunk) items: every sequenc
 the block, and for each the chunks of `pages_per_chunk` pages its rows can see (causal bound
 above, sliding window below, so pages wholly outside the window are never read). Pages are
 copied HBM -> VMEM by hand with async DMAs through the scalar-prefetched page table, two chunk
-buffers deep: the next item's copy is in flight while the current one is computed. Softmax is
+buffers deep: the next item's copy is in flight while the current one is computed. One DMA per
+(page, KV head) moves a contiguous [page_size, head_dim] slab: page_size a multiple of the
+sublane tile (8 rows f32, 16 bf16), so the chunk buffer is filled in whole tiles. Softmax is
 online, in f32 VMEM scratch; rows of other sequences are masked.
 
 m and l are kept lane-replicated ([rows, 128]) and chunks are a multiple of 128 keys, the layout
@@ -159,6 +161,9 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     _, num_kv_heads, page_size, _ = k_pages.shape
     num_seqs, pages_per_seq = page_table.shape
     group = num_heads // num_kv_heads
+    if not interpret and page_size % (32 // k_pages.dtype.itemsize):  # the interpreter has no tiles
+        raise ValueError(f"page_size {page_size} is not a multiple of the {k_pages.dtype} sublane tile "
+                         f"({32 // k_pages.dtype.itemsize} rows): its page DMAs would split tiles")
     pages_per_chunk = max(1, kv_block // page_size)
     if (pages_per_chunk * page_size) % LANES:
         raise ValueError(f"kv_block {kv_block} and page_size {page_size}: a chunk of "
