@@ -1,4 +1,4 @@
-"""The `jaxserve` command: serve | generate | convert.
+"""The `jaxserve` command: serve | generate | convert | check.
 
 Each subcommand is an `_add_<name>(subparsers)` function that declares its arguments and sets
 `func`; a new subcommand is one more such function listed in SUBCOMMANDS.
@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from jaxserve import check_cli
 from jaxserve.config import DistributedConfig, EngineConfig
 
 # configs/tiny-cpu.yaml of a source checkout (`pip install -e .`): the default for the embedded model.
@@ -151,7 +152,7 @@ def convert(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [_add_serve, _add_generate, _add_convert]
+SUBCOMMANDS = [_add_serve, _add_generate, _add_convert, check_cli.add_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

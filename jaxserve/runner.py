@@ -2,11 +2,8 @@
 jit-compiled step (KV write + paged attention + logits), then samples on device.
 
 Rows of a step: prefill rows first (sequences bringing more than one new token), then decode
-rows (one new token each, longest context first). Static shapes come in two families, all
-compiled at warm-up:
-  * decode-only steps:  decode rows S
-  * steps with prefill: (tokens T, prefill rows S_p, bound on a row's new tokens: 32 or the
-    chunk size), the decode rows at their maximum.
+rows (one new token each, longest context first), padded to the static shapes of buckets.py,
+all compiled at warm-up (`warmup_lowerings`, which `jaxserve check` compiles for TPU too).
 Page tables are always full width: every attention path reads K/V only up to the real context
 lengths (the XLA path in a loop bounded by them, see pallas_kernels/paged_attention/xla.py),
 so padded rows and unused page-table columns cost next to nothing.
@@ -25,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import multihost, parallel
+from jaxserve import multihost, parallel, sizing
 from jaxserve.attention import AttentionMetadata, resolve_backend
+from jaxserve.buckets import Buckets, StepShape, bucket
 from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
 from jaxserve.models import build_model
 from jaxserve.sampling import SamplingMetadata, SampleOutput, sample, uses_penalties
@@ -36,34 +34,12 @@ from jaxserve.sequence_parallel import sequence_parallel_prefill
 log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
-# Steps whose prefill chunks are all this short pad each to it rather than to the chunk size:
-# the XLA path attends over [prefill rows, max_q] queries, and chat-length prompts are short.
-SHORT_PREFILL_Q = 32
 
 
 class SampleResult(NamedTuple):
     token: int
     logprob: float
     top: list[tuple[int, float]]  # requested top-N (token id, logprob), most likely first
-
-
-def _buckets(lo: int, hi: int, halfway_from: int | None = None) -> list[int]:
-    """Powers of two from lo up to hi (hi itself last). From `halfway_from` on, also 1.5x each
-    power of two: padding stays under a third where a step's cost follows its size."""
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        if halfway_from is not None and b >= halfway_from and b * 3 // 2 < hi:
-            out.append(b * 3 // 2)
-        b *= 2
-    return out + [hi]
-
-
-def _bucket(n: int, buckets: list[int]) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 class CompileCounter:
@@ -91,10 +67,9 @@ class ModelRunner:
         self.model = build_model(cfg, dtype)
         self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
         self.page_size = engine_cfg.page_size
-        self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
+        self.max_pages_per_seq = sizing.pages_per_seq(cfg, engine_cfg)
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh, cfg))
-        kv_sharding = parallel.kv_cache_sharding(cfg, self.mesh)
-        self.num_pages = engine_cfg.num_pages or self._pages_that_fit(kv_sharding)
+        self.num_pages = engine_cfg.num_pages or self._pages_that_fit()
         # Multi-host: process 0 broadcasts every step (see jaxserve/multihost.py); the others
         # build the same runner and `follow`. The pool size must agree (free memory may not).
         self.broadcaster = None
@@ -106,21 +81,12 @@ class ModelRunner:
                 [np.array([self.num_pages], np.int32)] if multihost.is_leader() else None)[0][0])
             multihost.warmup()
             self.broadcaster = multihost.Broadcaster() if multihost.is_leader() else None
-        shape = (self.num_pages, cfg.num_kv_heads, self.page_size, cfg.head_dim)  # see jaxserve/attention.py
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding)
+        pool = kv_pool(cfg, self.mesh, self.num_pages, self.page_size, dtype)
+        zeros = jax.jit(lambda: jnp.zeros(pool.shape, dtype), out_shardings=pool.sharding)
         self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
-
-        max_seqs = engine_cfg.max_num_seqs
-        self.decode_buckets = _buckets(1, max_seqs, halfway_from=32)
-        self.token_buckets = _buckets(min(16, engine_cfg.max_num_batched_tokens),
-                                      engine_cfg.max_num_batched_tokens, halfway_from=128)
-        self.prefill_row_buckets = _buckets(1, engine_cfg.max_prefill_seqs)
-        if any(t % self.mesh.shape["seq"] for t in self.token_buckets):
-            raise ValueError(f"token buckets {self.token_buckets} must be multiples of the mesh's seq size "
-                             f"{self.mesh.shape['seq']} (set max_num_batched_tokens to one)")
-        self.max_copies = max_seqs
-        self._step = functools.partial(_step, self.model, backend=self.backend, kv_sharding=kv_sharding,
-                                       logits_sharding=parallel.logits_sharding(cfg, self.mesh))
+        self.buckets = Buckets(engine_cfg, self.mesh.shape["seq"])
+        self.max_copies = engine_cfg.max_num_seqs
+        self._step = make_step(self.model, cfg, self.mesh, self.backend)
 
     @property
     def prefills_sequence_parallel(self) -> bool:
@@ -128,21 +94,18 @@ class ModelRunner:
         (sequence_parallel_prefill) and the batched step takes only the decode rows."""
         return self.mesh.shape["seq"] > 1
 
-    # ---- sizing ----
-    @property
-    def page_bytes(self) -> int:
-        c = self.cfg
-        return 2 * c.num_layers * self.page_size * c.num_kv_heads * c.head_dim * jnp.dtype(self.dtype).itemsize
-
-    def _pages_that_fit(self, kv_sharding) -> int:
-        stats = self.mesh.local_devices[0].memory_stats() or {}
-        if "bytes_limit" in stats:  # accelerator: a share of what the (placed) weights leave free
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            shards = self.mesh.shape["model"] if "model" in kv_sharding.spec else 1
-            budget = int(free * self.ecfg.kv_memory_fraction) * shards
-        else:
-            budget = self.ecfg.kv_cache_mb * 2**20
-        return max(budget // self.page_bytes, self.max_pages_per_seq)
+    def _pages_that_fit(self) -> int:
+        device = self.mesh.local_devices[0]
+        stats = device.memory_stats() or {}
+        if "bytes_limit" not in stats:   # CPU: kv_cache_mb, and at least one full-length sequence
+            page_bytes = sizing.page_bytes_per_chip(self.cfg, self.dtype, self.page_size, 1, tpu=False)
+            return max(self.ecfg.kv_cache_mb * 2**20 // page_bytes, self.max_pages_per_seq)
+        # an accelerator: a share of what the (placed) weights leave free, or a clear refusal
+        return sizing.kv_pool_pages(
+            self.cfg, self.ecfg, self.dtype, model_axis=self.mesh.shape["model"], hbm_bytes=stats["bytes_limit"],
+            used_bytes=stats.get("bytes_in_use", 0), tpu=device.platform == "tpu",
+            chip=sizing.TPU_DEVICE_KINDS.get(device.device_kind, device.device_kind),
+            name=f"{self.cfg.architecture} ({self.cfg.num_params / 1e9:.1f}B parameters)")
 
     # ---- one step ----
     def execute(self, out: SchedulerOutput, seeds: dict[int, int]) -> dict[int, SampleResult]:
@@ -189,7 +152,7 @@ class ModelRunner:
         """One prefill chunk for sequence_parallel_prefill: its tokens padded to a token bucket
         (a multiple of the "seq" size), (new, cached) token counts, the full-width page row."""
         seq, n, start = s.seq, s.num_query_tokens, s.seq.num_computed_tokens
-        tokens = np.zeros(_bucket(n, self.token_buckets), np.int32)
+        tokens = np.zeros(bucket(n, self.buckets.tokens), np.int32)
         tokens[:n] = s.query_token_ids
         row = np.zeros(self.max_pages_per_seq, np.int32)
         row[:len(seq.page_table)] = seq.page_table
@@ -236,13 +199,8 @@ class ModelRunner:
 
     def copy_pages(self, copies) -> None:
         """copies: (src, dst) page pairs, a list or an int32 [n, 2] array."""
-        copies = np.asarray(copies, np.int32).reshape(-1, 2)
-        for start in range(0, len(copies), self.max_copies):
-            chunk = copies[start:start + self.max_copies]
-            src = np.zeros(self.max_copies, np.int32)
-            dst = np.full(self.max_copies, self.num_pages, np.int32)  # out of range: dropped
-            src[:len(chunk)], dst[:len(chunk)] = chunk[:, 0], chunk[:, 1]
-            self.kv_caches = _copy_pages(self.kv_caches, src, dst)
+        for src, dst in page_copy_batches(copies, self.max_copies, self.num_pages):
+            self.kv_caches = copy_kv_pages(self.kv_caches, src, dst)
 
     def _pack(self, out: SchedulerOutput) -> "_Batch":
         prefill = [s for s in out.scheduled if s.num_query_tokens > 1]
@@ -250,15 +208,15 @@ class ModelRunner:
                         key=lambda s: -s.seq.num_computed_tokens)
         num_tokens = out.num_tokens
         if prefill:
-            if len(prefill) > self.prefill_row_buckets[-1]:
+            if len(prefill) > self.buckets.prefill_rows[-1]:
                 raise ValueError(f"{len(prefill)} prefill rows > max_prefill_seqs")
-            sp = _bucket(len(prefill), self.prefill_row_buckets)
-            t = _bucket(num_tokens, self.token_buckets)
-            sd = self.decode_buckets[-1]
-            max_q = _bucket(max(s.num_query_tokens for s in prefill), self._max_q_options(t))
+            sp = bucket(len(prefill), self.buckets.prefill_rows)
+            t = bucket(num_tokens, self.buckets.tokens)
+            sd = self.buckets.decode[-1]
+            max_q = bucket(max(s.num_query_tokens for s in prefill), self.buckets.max_q_options(t))
         else:
             sp = 0
-            sd = _bucket(len(decode), self.decode_buckets)
+            sd = bucket(len(decode), self.buckets.decode)
             t = sd
             max_q = 1
         p = self.max_pages_per_seq
@@ -292,59 +250,85 @@ class ModelRunner:
         arrays = (tokens, positions, slots, page_table, seq_lens, qsl, logits_index)
         return _Batch(arrays, sampling_seqs, sp, max_q)
 
-    def _max_q_options(self, t: int) -> list[int]:
-        """The static bounds on one sequence's new tokens in a prefill step of t tokens."""
-        return sorted({min(t, SHORT_PREFILL_Q), min(t, self.ecfg.prefill_chunk_size)})
-
     # ---- warm-up ----
     def warmup(self) -> int:
         """Compile every bucket (and the sampler for each row count) before serving.
         Returns the number of compilations it took."""
         before, t0 = CompileCounter.count, time.perf_counter()
-        shapes = [(sd, sd, 0, 1) for sd in self.decode_buckets]
-        if not self.prefills_sequence_parallel:
-            shapes += [(t, self.decode_buckets[-1], sp, max_q) for t in self.token_buckets
-                       for sp in self.prefill_row_buckets for max_q in self._max_q_options(t)]
-
-        def arrays(t, sd, sp):   # an empty batch: nothing written, nothing attended
-            n = sp + sd
-            return (np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, self.num_pages * self.page_size, np.int32),
-                    np.zeros((n, self.max_pages_per_seq), np.int32), np.zeros(n, np.int32),
-                    np.zeros(n + 1, np.int32), np.zeros(sd, np.int32))
-
+        shapes = self.buckets.warmup_shapes(self.prefills_sequence_parallel)
         # XLA compiles with the GIL released: the step shapes compile side by side (abstract KV
         # caches, so nothing is donated), and the calls below find them compiled.
         kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_caches)
-        step = self._step   # a partial of the module-level jit
-
-        def compile_shape(shape):
-            t, sd, sp, max_q = shape
-            step.func.lower(*step.args, self.params, kv, *arrays(t, sd, sp), num_prefill_rows=sp, max_q=max_q,
-                            **step.keywords).compile()
-
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
-            list(pool.map(compile_shape, shapes))
+            list(pool.map(lambda shape: self._lower_step(kv, shape).compile(), shapes))
         logits_by_rows = {}
-        for t, sd, sp, max_q in shapes:
-            logits, self.kv_caches = self._step(self.params, self.kv_caches, *arrays(t, sd, sp),
-                                                num_prefill_rows=sp, max_q=max_q)
-            logits_by_rows[sd] = logits  # the sampler sees the step's own output layout
-        for n, logits in logits_by_rows.items():
-            for penalties in (False, True):
-                params = SamplingParams(repetition_penalty=1.1 if penalties else 1.0)
-                md = SamplingMetadata.build([params], [[0]], [[]], [0], pad_to=n,
-                                            history_len=self.max_model_len if penalties else None)
+        for shape in shapes:
+            logits, self.kv_caches = self._step(
+                self.params, self.kv_caches, *shape.empty_batch(self.max_pages_per_seq, self.num_pages * self.page_size),
+                num_prefill_rows=shape.prefill_rows, max_q=shape.max_q)
+            logits_by_rows[shape.decode_rows] = logits  # the sampler sees the step's own output layout
+        for logits in logits_by_rows.values():
+            for md in sampler_variants(len(logits), self.max_model_len):
                 jax.block_until_ready(sample(logits, md, num_logprobs=MAX_LOGPROBS))
         if self.prefills_sequence_parallel:   # the sequence-parallel prefill of each token bucket
-            for t in self.token_buckets:   # no token: nothing written
+            for t in self.buckets.tokens:
                 _, self.kv_caches = sequence_parallel_prefill(
-                    self.model, self.mesh, self.params, self.kv_caches, np.zeros(t, np.int32), np.int32(0),
-                    np.int32(0), np.zeros(self.max_pages_per_seq, np.int32), backend=self.backend)
+                    self.model, self.mesh, self.params, self.kv_caches,
+                    *empty_sequence_parallel_prefill(t, self.max_pages_per_seq), backend=self.backend)
         self.copy_pages([(0, 0)])
         jax.block_until_ready(self.kv_caches)
         n = CompileCounter.count - before
         log.info("warm-up: %d compilations (%d step shapes) in %.1fs", n, len(shapes), time.perf_counter() - t0)
         return n
+
+    def _lower_step(self, kv_caches, shape: StepShape):
+        return lower_step(self._step, self.params, kv_caches, shape, self.max_pages_per_seq,
+                          self.num_pages * self.page_size)
+
+
+# ---- What warm-up compiles, from pieces that `jaxserve check` (check.py) lowers the same way for
+# compile-only TPU devices, with ShapeDtypeStructs for the weights and the KV pools.
+def make_step(model, cfg: ModelConfig, mesh, backend: str):
+    """The step with its static arguments for `mesh`: call it as (params, kv_caches, *arrays,
+    num_prefill_rows=, max_q=)."""
+    return functools.partial(_step, model, backend=backend, kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
+                             logits_sharding=parallel.logits_sharding(cfg, mesh))
+
+
+def kv_pool(cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype) -> jax.ShapeDtypeStruct:
+    """One layer's K (or V) page pool (the layout: see jaxserve/attention.py)."""
+    return jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size, cfg.head_dim), dtype,
+                                sharding=parallel.kv_cache_sharding(cfg, mesh))
+
+
+def lower_step(step, params, kv_caches, shape: StepShape, max_pages_per_seq: int, padding_slot: int):
+    """`step` (from make_step) lowered for `shape` over an empty batch."""
+    return step.func.lower(*step.args, params, kv_caches, *shape.empty_batch(max_pages_per_seq, padding_slot),
+                           num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, **step.keywords)
+
+
+def sampler_variants(rows: int, max_model_len: int) -> list[SamplingMetadata]:
+    """The sampler's compiled variants for `rows` logit rows: without and with penalties."""
+    return [SamplingMetadata.build([SamplingParams(repetition_penalty=penalty)], [[0]], [[]], [0], pad_to=rows,
+                                   history_len=max_model_len if penalty != 1.0 else None)
+            for penalty in (1.0, 1.1)]
+
+
+def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int) -> tuple:
+    """sequence_parallel_prefill's arrays for no token (nothing written)."""
+    return np.zeros(tokens, np.int32), np.int32(0), np.int32(0), np.zeros(max_pages_per_seq, np.int32)
+
+
+def page_copy_batches(copies, max_copies: int, num_pages: int):
+    """(src, dst) page pairs as copy_kv_pages' fixed-size (src, dst) arrays, padded with
+    copies to page num_pages (out of range: dropped)."""
+    copies = np.asarray(copies, np.int32).reshape(-1, 2)
+    for start in range(0, len(copies), max_copies):
+        chunk = copies[start:start + max_copies]
+        src = np.zeros(max_copies, np.int32)
+        dst = np.full(max_copies, num_pages, np.int32)
+        src[:len(chunk)], dst[:len(chunk)] = chunk[:, 0], chunk[:, 1]
+        yield src, dst
 
 
 # Module-level jits with the model as a static argument: engines with the same model and shapes
@@ -369,7 +353,7 @@ def _step(model, params, kv_caches, tokens, positions, slot_mapping, page_table,
 
 
 @functools.partial(jax.jit, donate_argnames=("kv_caches",))
-def _copy_pages(kv_caches, src, dst):
+def copy_kv_pages(kv_caches, src, dst):
     # Copy-on-write: page dst takes page src's K/V in every layer; dst out of range = no-op.
     return [(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop")) for k, v in kv_caches]
 

@@ -1,0 +1,84 @@
+"""The bucket policy: the static shapes a step is padded to, and the list warm-up compiles.
+
+Static shapes come in two families:
+  * decode-only steps:  decode rows S
+  * steps with prefill: (tokens T, prefill rows S_p, bound on a row's new tokens: 32 or the
+    chunk size), the decode rows at their maximum.
+The runner packs each step into one of them; warm-up and `jaxserve check` compile all of them.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxserve.config import EngineConfig
+
+# Steps whose prefill chunks are all this short pad each to it rather than to the chunk size:
+# the XLA path attends over [prefill rows, max_q] queries, and chat-length prompts are short.
+SHORT_PREFILL_Q = 32
+
+
+def powers_of_two(lo: int, hi: int, halfway_from: int | None = None) -> list[int]:
+    """Powers of two from lo up to hi (hi itself last). From `halfway_from` on, also 1.5x each
+    power of two: padding stays under a third where a step's cost follows its size."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        if halfway_from is not None and b >= halfway_from and b * 3 // 2 < hi:
+            out.append(b * 3 // 2)
+        b *= 2
+    return out + [hi]
+
+
+def bucket(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+class StepShape(NamedTuple):
+    tokens: int
+    decode_rows: int
+    prefill_rows: int
+    max_q: int
+
+    @property
+    def name(self) -> str:
+        if not self.prefill_rows:
+            return f"decode-{self.decode_rows}"
+        return f"prefill-{self.tokens}x{self.prefill_rows}q{self.max_q}"
+
+    def empty_batch(self, max_pages_per_seq: int, padding_slot: int) -> tuple[np.ndarray, ...]:
+        """The step's arrays for a batch with nothing in it (nothing written, nothing attended):
+        tokens, positions, slot_mapping, page_table, seq_lens, query_start_loc, logits_index."""
+        t, rows = self.tokens, self.prefill_rows + self.decode_rows
+        return (np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, padding_slot, np.int32),
+                np.zeros((rows, max_pages_per_seq), np.int32), np.zeros(rows, np.int32),
+                np.zeros(rows + 1, np.int32), np.zeros(self.decode_rows, np.int32))
+
+
+class Buckets:
+    def __init__(self, ecfg: EngineConfig, seq_size: int = 1):
+        self.ecfg = ecfg
+        self.decode = powers_of_two(1, ecfg.max_num_seqs, halfway_from=32)
+        self.tokens = powers_of_two(min(16, ecfg.max_num_batched_tokens), ecfg.max_num_batched_tokens,
+                                    halfway_from=128)
+        self.prefill_rows = powers_of_two(1, ecfg.max_prefill_seqs)
+        if any(t % seq_size for t in self.tokens):
+            raise ValueError(f"token buckets {self.tokens} must be multiples of the mesh's seq size "
+                             f"{seq_size} (set max_num_batched_tokens to one)")
+
+    def max_q_options(self, t: int) -> list[int]:
+        """The static bounds on one sequence's new tokens in a prefill step of t tokens."""
+        return sorted({min(t, SHORT_PREFILL_Q), min(t, self.ecfg.prefill_chunk_size)})
+
+    def warmup_shapes(self, prefills_sequence_parallel: bool) -> list[StepShape]:
+        """Every shape the batched step runs in (without prefill rows when prefills run
+        sequence-parallel on their own)."""
+        shapes = [StepShape(sd, sd, 0, 1) for sd in self.decode]
+        if not prefills_sequence_parallel:
+            shapes += [StepShape(t, self.decode[-1], sp, max_q) for t in self.tokens
+                       for sp in self.prefill_rows for max_q in self.max_q_options(t)]
+        return shapes

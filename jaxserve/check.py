@@ -1,0 +1,220 @@
+"""`jaxserve check`: will this engine config serve on that TPU slice? Answered on any machine
+with libtpu installed (`pip install jaxserve[tpu]`), no TPU and no weights needed.
+
+The model is built from its config.json alone (ShapeDtypeStructs for the weights and KV pools,
+sharded as parallel.py shards them) on compile-only devices of the slice
+(`jax.experimental.topologies`). Every computation warm-up would compile (the step for every
+bucket, the sampler, the page copy, sequence-parallel prefills) goes through XLA:TPU and
+Mosaic. Per chip it reports the weights, the KV pool the runner would size, the step
+temporaries, whether that fits in HBM, and what each step costs (step_cost.py).
+Exit status 1 when it does not fit or does not compile.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import re
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve import parallel, sizing
+from jaxserve.attention import resolve_backend
+from jaxserve.buckets import Buckets, StepShape
+from jaxserve.checkpoint import param_shapes
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.models import build_model
+from jaxserve.runner import (MAX_LOGPROBS, copy_kv_pages, empty_sequence_parallel_prefill, kv_pool, lower_step,
+                             make_step, page_copy_batches, sampler_variants)
+from jaxserve.sampling import sample
+from jaxserve.sequence_parallel import sequence_parallel_prefill
+from jaxserve.step_cost import step_cost
+
+log = logging.getLogger(__name__)
+GiB, MiB = 2**30, 2**20
+# libtpu topology names by chip count: v5e/v6e slices are 2D, v4/v5p 3D. A slice smaller than
+# one host's 2x2 chips takes the first chips of a 2x2.
+_TOPOLOGY_2D = {1: "2x2", 2: "2x2", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_TOPOLOGY_3D = {1: "2x2x1", 2: "2x2x1", 4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}
+# Cloud TPU names count TensorCores for v5p (two per chip: v5p-8 is 4 chips), chips for v5e and v6e.
+_CORES_PER_CHIP = {"v5p": 2, "v5e": 1, "v6e": 1}
+
+
+class Slice(NamedTuple):
+    name: str          # as Cloud TPU names it, e.g. v5e-8
+    generation: str
+    chips: int
+    devices: list      # compile-only devices, one per chip
+    hbm_bytes: int     # per chip
+
+
+def tpu_slice(name: str) -> Slice:
+    m = re.fullmatch(r"(v5e|v5p|v6e)-(\d+)", name)
+    if m is None:   # (libtpu's compile-only v4 devices are TensorCores, not megacore chips)
+        raise ValueError(f"unknown TPU slice {name!r}: expected e.g. v5e-8, v6e-4, v6e-1, v5p-8")
+    generation = m.group(1)
+    chips = max(int(m.group(2)) // _CORES_PER_CHIP[generation], 1)
+    shapes = _TOPOLOGY_3D if generation == "v5p" else _TOPOLOGY_2D
+    if chips not in shapes:
+        raise ValueError(f"{name}: {chips} chips is not a slice size this check knows ({sorted(shapes)})")
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=f"{generation}:{shapes[chips]}")
+    return Slice(name, generation, chips, list(topology.devices[:chips]), int(sizing.TPU_HBM_GIB[generation] * GiB))
+
+
+class Compiled(NamedTuple):
+    name: str
+    seconds: float
+    temp_bytes: int
+    whole_pool_copies: int
+    heaviest_loop_cycles: int
+    error: str | None
+
+
+class Report(NamedTuple):
+    weight_bytes: int
+    num_pages: int
+    kv_bytes: int
+    hbm_bytes: int
+    results: list[Compiled]
+    refusal: str | None    # why the KV pool could not be sized (nothing compiled then)
+
+    @property
+    def peak_temp_bytes(self) -> int:
+        return max((r.temp_bytes for r in self.results), default=0)
+
+    @property
+    def fits(self) -> bool:
+        return self.refusal is None and self.weight_bytes + self.kv_bytes + self.peak_temp_bytes <= self.hbm_bytes
+
+    @property
+    def compiles(self) -> bool:
+        return self.refusal is None and all(r.error is None for r in self.results)
+
+
+def _compile(name: str, lowered, pool_bytes: int) -> Compiled:
+    t0 = time.perf_counter()
+    try:
+        compiled = lowered().compile()
+    except Exception as e:  # a compiler's refusal is this check's answer, reported per computation
+        log.info("%s does not compile", name)
+        return Compiled(name, time.perf_counter() - t0, 0, 0, 0, str(e).strip().splitlines()[0][:300])
+    seconds = time.perf_counter() - t0
+    log.info("compiled %s in %.1f s", name, seconds)
+    cost = step_cost(compiled.as_text(), pool_bytes)
+    return Compiled(name, seconds, compiled.memory_analysis().temp_size_in_bytes, cost.whole_pool_copies,
+                    cost.heaviest_loop_cycles, None)
+
+
+def quick_shapes(shapes: list[StepShape]) -> list[StepShape]:
+    """The largest and smallest decode steps and the largest step with prefill (`--quick`)."""
+    decode = [s for s in shapes if not s.prefill_rows]
+    return [decode[-1], decode[0]] + [s for s in shapes if s.prefill_rows][-1:]
+
+
+def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, dtype=jnp.bfloat16,
+          backend: str | None = None, shapes: list[StepShape] | None = None, samplers: bool = True) -> Report:
+    """Size the KV pool as the runner would on `tpu` and compile what warm-up compiles (or, for
+    a quicker look, only `shapes` of the step, and no sampler: it compiles slowest of all)."""
+    sizes = {"data": 1, "seq": 1, "model": 1, **ecfg.mesh}
+    if np.prod(list(sizes.values())) > tpu.chips:
+        raise ValueError(f"mesh {sizes} needs more than the {tpu.chips} chips of {tpu.name}")
+    # Data-parallel replicas are independent engines: one replica's mesh is the one to check.
+    mesh = parallel.make_mesh({**sizes, "data": 1}, tpu.devices[:sizes["seq"] * sizes["model"]])
+    model_axis = mesh.shape["model"]
+    weight_bytes = sizing.weight_bytes_per_chip(cfg, dtype, model_axis)
+    try:
+        num_pages = ecfg.num_pages or sizing.kv_pool_pages(cfg, ecfg, dtype, model_axis=model_axis,
+                                                           hbm_bytes=tpu.hbm_bytes, used_bytes=weight_bytes,
+                                                           tpu=True, chip=tpu.generation, name=model_name)
+    except sizing.PoolDoesNotFit as e:
+        return Report(weight_bytes, 0, 0, tpu.hbm_bytes, [], str(e))
+    page_bytes = sizing.page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=True)
+    # one layer's K (or V) on one chip, as HLO shapes count it (without the tiles' padding)
+    pool_bytes = sizing.page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=False) * num_pages // (
+        2 * cfg.num_layers)
+
+    unsharded = param_shapes(cfg, dtype)
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          unsharded, parallel.param_shardings(unsharded, mesh, cfg))
+    pool = kv_pool(cfg, mesh, num_pages, ecfg.page_size, dtype)
+    kv = [(pool, pool) for _ in range(cfg.num_layers)]
+    model = build_model(cfg, dtype)
+    backend = resolve_backend(backend or ecfg.attention_backend, parallel.platform(mesh))
+    step = make_step(model, cfg, mesh, backend)
+    max_pages = sizing.pages_per_seq(cfg, ecfg)
+    buckets = Buckets(ecfg, mesh.shape["seq"])
+    shapes = shapes or buckets.warmup_shapes(mesh.shape["seq"] > 1)
+
+    work = [(s.name, lambda s=s: lower_step(step, params, kv, s, max_pages, num_pages * ecfg.page_size))
+            for s in shapes]
+    for rows in sorted({s.decode_rows for s in shapes} if samplers else ()):
+        logits = jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.float32, sharding=parallel.replicated(mesh))
+        work += [(f"sampler-{rows}{'-penalties' if md.use_penalties else ''}",
+                  lambda md=md, logits=logits: sample.lower(logits, md, num_logprobs=MAX_LOGPROBS))
+                 for md in sampler_variants(rows, ecfg.max_model_len or cfg.max_position_embeddings)]
+    if mesh.shape["seq"] > 1:
+        work += [(f"sequence-parallel-prefill-{t}", lambda t=t: sequence_parallel_prefill.lower(
+            model, mesh, params, kv, *empty_sequence_parallel_prefill(t, max_pages), backend=backend))
+            for t in buckets.tokens]
+    src, dst = next(page_copy_batches([(0, 0)], ecfg.max_num_seqs, num_pages))
+    work.append(("page-copy", lambda: copy_kv_pages.lower(kv, src, dst)))
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as executor:   # XLA compiles without the GIL
+        results = list(executor.map(lambda w: _compile(*w, pool_bytes), work))
+    return Report(weight_bytes, num_pages, num_pages * page_bytes, tpu.hbm_bytes, results, None)
+
+
+def format_report(report: Report, header: str) -> str:
+    lines = [header]
+    if report.refusal:
+        return "\n".join(lines + [f"  weights            {report.weight_bytes / GiB:8.2f} GiB",
+                                  f"DOES NOT FIT: {report.refusal}"])
+    peak = max(report.results, key=lambda r: r.temp_bytes)
+    total = report.weight_bytes + report.kv_bytes + report.peak_temp_bytes
+    lines += [
+        f"  weights            {report.weight_bytes / GiB:8.2f} GiB",
+        f"  KV pool            {report.kv_bytes / GiB:8.2f} GiB  ({report.num_pages} pages)",
+        f"  peak temporaries   {report.peak_temp_bytes / GiB:8.2f} GiB  ({peak.name})",
+        f"  total              {total / GiB:8.2f} GiB of {report.hbm_bytes / GiB:.2f} GiB HBM: "
+        f"{'fits' if report.fits else 'DOES NOT FIT'}",
+        f"  compiled           {len(report.results)} computations in "
+        f"{sum(r.seconds for r in report.results):.1f} s of compiler time",
+        f"  {'computation':30} {'temporaries':>12} {'whole-pool copies':>18} {'heaviest loop body':>19} {'compile':>8}",
+    ]
+    for r in report.results:
+        if r.error:
+            lines.append(f"  {r.name:30} DOES NOT COMPILE: {r.error}")
+        else:
+            lines.append(f"  {r.name:30} {r.temp_bytes / MiB:8.1f} MiB {r.whole_pool_copies:18d} "
+                         f"{r.heaviest_loop_cycles:12,d} cycles {r.seconds:7.1f}s")
+    ok = report.fits and report.compiles
+    lines.append("OK: compiles and fits" if ok else
+                 "FAILED: " + ", ".join(w for w, bad in (("does not compile", not report.compiles),
+                                                         ("does not fit", not report.fits)) if bad))
+    return "\n".join(lines)
+
+
+def run(config: str, topology: str, model: str | None = None, backend: str | None = None,
+        quick: bool = False) -> int:
+    """`jaxserve check` (check_cli.py): print the report; 0 when it compiles and fits, else 1."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    ecfg = EngineConfig.from_yaml(config, model=model)
+    if ecfg.model is None:
+        raise SystemExit("jaxserve check: the config names no model directory (give --model)")
+    cfg = ModelConfig.from_pretrained(ecfg.model)
+    dtype = jnp.float32 if ecfg.dtype == "float32" else jnp.bfloat16   # auto: bf16 on TPU
+    tpu = tpu_slice(topology)
+    name = os.path.basename(os.path.normpath(ecfg.model))
+    shapes = quick_shapes(Buckets(ecfg, ecfg.mesh.get("seq", 1)).warmup_shapes(ecfg.mesh.get("seq", 1) > 1))
+    report = check(ecfg, cfg, tpu, model_name=name, dtype=dtype, backend=backend,
+                   shapes=shapes if quick else None, samplers=not quick)
+    header = (f"jaxserve check: {name} ({cfg.num_params / 1e9:.2f}B parameters, {jnp.dtype(dtype).name}) "
+              f"with {config} on {tpu.name} ({tpu.chips} chip(s)), mesh {ecfg.mesh}"
+              f"{', quick: 3 step shapes, no sampler' if quick else ''}, per chip:")
+    print(format_report(report, header))
+    return 0 if report.fits and report.compiles else 1

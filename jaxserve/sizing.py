@@ -1,0 +1,94 @@
+"""Memory per chip: what the weights take, how many KV pages the rest holds, and a refusal that
+says what would fit when not even one full-length sequence does.
+
+The runner sizes its pool from the chip's own memory figures (after placing the weights);
+`jaxserve check` from the generation's HBM and the weights' computed size. Both go through
+`kv_pool_pages`.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh
+
+from jaxserve import parallel
+from jaxserve.checkpoint import param_shapes
+from jaxserve.config import EngineConfig, ModelConfig
+
+GiB = 2**30
+# HBM per chip that XLA:TPU lets a program use (16, 95 and 32 GiB chips, as libtpu 0.0.42's
+# compiler states it when a program does not fit), and the device_kind jax reports per generation.
+TPU_HBM_GIB = {"v5e": 15.75, "v5p": 95.74, "v6e": 31.25}
+TPU_DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v6 lite": "v6e"}
+MAX_CHIPS = 256
+
+
+class PoolDoesNotFit(ValueError):
+    """Not even one max_model_len sequence's KV pages fit beside the weights."""
+
+
+def _mesh(model_axis: int) -> AbstractMesh:
+    return AbstractMesh((1, 1, model_axis), parallel.MESH_AXES)
+
+
+@functools.cache
+def _param_shapes(cfg: ModelConfig, dtype) -> dict:
+    return param_shapes(cfg, dtype)   # traces the model's init: once per model
+
+
+def weight_bytes_per_chip(cfg: ModelConfig, dtype, model_axis: int) -> int:
+    """The bytes of one chip's share of the weights under tensor parallelism `model_axis`."""
+    mesh, shapes = _mesh(model_axis), _param_shapes(cfg, jnp.dtype(dtype))
+
+    def shard_bytes(leaf, axes):
+        spec = parallel.logical_to_spec(axes, leaf.shape, mesh, cfg)
+        split = math.prod(mesh.shape[a] for a in spec if a is not None)
+        return math.prod(leaf.shape) * leaf.dtype.itemsize // split
+
+    sizes = jax.tree.map(shard_bytes, shapes, parallel.param_logical_axes(shapes),
+                         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return sum(jax.tree.leaves(sizes))
+
+
+def page_bytes_per_chip(cfg: ModelConfig, dtype, page_size: int, model_axis: int, tpu: bool) -> int:
+    """K and V of one page in every layer, on one chip (KV heads split over "model" when they
+    divide). On TPU the pool's two minor dims (page slots, head_dim: see jaxserve/attention.py)
+    are stored in whole (sublanes, 128 lanes) tiles, so a head_dim of 32 takes 128 lanes."""
+    itemsize = jnp.dtype(dtype).itemsize
+    slots, dim = page_size, cfg.head_dim
+    if tpu:
+        slots, dim = -(-slots // (32 // itemsize)) * (32 // itemsize), -(-dim // 128) * 128
+    split = model_axis if "model" in parallel.kv_cache_sharding(cfg, _mesh(model_axis)).spec else 1
+    return 2 * cfg.num_layers * slots * cfg.num_kv_heads * dim * itemsize // split
+
+
+def pages_per_seq(cfg: ModelConfig, ecfg: EngineConfig) -> int:
+    """Pages of one sequence at the longest context the engine serves."""
+    return -(-(ecfg.max_model_len or cfg.max_position_embeddings) // ecfg.page_size)
+
+
+def kv_pool_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, *, model_axis: int, hbm_bytes: int,
+                  used_bytes: int, tpu: bool, chip: str, name: str) -> int:
+    """KV pages per pool: kv_memory_fraction of the HBM that `used_bytes` (the placed weights)
+    leave free on each chip. Raises PoolDoesNotFit, naming the smallest "model" mesh size that
+    would fit, when that is fewer pages than one max_model_len sequence needs."""
+    def pages(model_axis: int, used: int) -> int:
+        free = max(hbm_bytes - used, 0)
+        return int(free * ecfg.kv_memory_fraction) // page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu)
+
+    need, got = pages_per_seq(cfg, ecfg), pages(model_axis, used_bytes)
+    if got >= need:
+        return got
+    what = f"{name} {jnp.dtype(dtype).name}"
+    why = (f"on {model_axis} {chip} chip(s) the weights take {used_bytes / GiB:.2f} GiB of "
+           f"{hbm_bytes / GiB:.2f} GiB per chip, leaving room for {got} KV pages of the {need} "
+           f"that one {need * ecfg.page_size}-token sequence needs")
+    wider = (m for m in (2 ** i for i in range(int(math.log2(MAX_CHIPS)) + 1)) if m > model_axis)
+    fits = next((m for m in wider if pages(m, weight_bytes_per_chip(cfg, dtype, m)) >= need), None)
+    if fits is None:
+        raise PoolDoesNotFit(f"{what} does not fit on up to {MAX_CHIPS} {chip} chips ({why})")
+    raise PoolDoesNotFit(f"{what} needs at least {fits} {chip} chips: set mesh model: {fits} "
+                         f"(or a smaller max_model_len; {why})")

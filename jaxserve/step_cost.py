@@ -1,0 +1,98 @@
+"""What a compiled TPU step costs, read from its HLO text (`compiled.as_text()`).
+
+`compiled.cost_analysis()` is no step-time proxy for the looped steps here (its optimal_seconds
+came out negative, and "bytes accessed" counts the whole aliased pool). What does work:
+  * whole-pool copies: ops outside fusions that produce a buffer the size of one layer's K or
+    V pool (or up to a quarter more: padded), other than the in-place KV update (a scatter or
+    dynamic-update-slice, bare or fused). Layouts the tiles refuse and flat views of the pool show up as such copies, each a
+    pass over the pool's HBM per step (or per loop iteration);
+  * the heaviest loop body: the sum of the TPU compiler's per-op `estimated_cycles` over one
+    while loop's body, the most expensive such body of the step.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import NamedTuple
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
+_ARRAY = re.compile(r"\b(pred|[a-z]+)(\d*)\[([\d,]*)\]")
+_OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+
+# Ops that name or pass on a buffer without writing one.
+_NO_NEW_BUFFER = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
+                  "call", "copy-done", "opt-barrier", "constant", "after-all", "add-dependency"}
+_IN_PLACE_UPDATES = {"scatter", "dynamic-update-slice"}
+
+
+class Instruction(NamedTuple):
+    name: str
+    opcode: str
+    result_bytes: tuple[int, ...]   # each array of the result (one, or a tuple's elements)
+    line: str
+
+
+class StepCost(NamedTuple):
+    whole_pool_copies: int
+    heaviest_loop_cycles: int       # 0 when the step has no loop
+    copies: tuple[str, ...]         # the copying instructions, "opcode name"
+
+
+def _split_result(rest: str) -> tuple[str, str]:
+    """'(a, b) op(...)' or 'a op(...)' -> (result type text, 'op(...)')."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                return rest[:i + 1], rest[i + 1:].lstrip()
+    head, _, tail = rest.partition(" ")
+    return head, tail
+
+
+def _array_bytes(type_text: str) -> tuple[int, ...]:
+    return tuple((1 if kind == "pred" else int(bits or 0) // 8) * math.prod(int(d) for d in dims.split(",") if d)
+                 for kind, bits, dims in _ARRAY.findall(type_text))
+
+
+def parse_hlo(text: str) -> dict[str, list[Instruction]]:
+    """Computation name -> its instructions."""
+    computations: dict[str, list[Instruction]] = {}
+    current = None
+    for line in text.splitlines():
+        if m := _COMPUTATION.match(line):
+            current = computations.setdefault(m.group(1), [])
+        elif current is not None and (m := _INSTRUCTION.match(line)):
+            result, rest = _split_result(m.group(2))
+            if op := _OPCODE.match(rest):
+                current.append(Instruction(m.group(1), op.group(1), _array_bytes(result), line))
+    return computations
+
+
+def step_cost(hlo_text: str, pool_bytes: int) -> StepCost:
+    """Whole-pool copies and the heaviest loop body of a compiled step; `pool_bytes`: one
+    layer's K (or V) pool on one chip."""
+    computations = parse_hlo(hlo_text)
+    fused = {m.group(1) for ops in computations.values() for i in ops if i.opcode == "fusion"
+             for m in [_CALLS.search(i.line)] if m}
+
+    def updates_in_place(i: Instruction) -> bool:
+        if i.opcode in _IN_PLACE_UPDATES:
+            return True
+        called = _CALLS.search(i.line) if i.opcode == "fusion" else None
+        return called is not None and any(f.opcode in _IN_PLACE_UPDATES for f in computations.get(called.group(1), []))
+
+    def pool_sized(i: Instruction) -> bool:
+        # up to a quarter more: a relayout first pads the page dim to a multiple of its tile
+        return any(pool_bytes <= b <= pool_bytes * 5 // 4 for b in i.result_bytes)
+
+    copies = tuple(f"{i.opcode} {i.name}" for name, ops in computations.items() if name not in fused
+                   for i in ops if pool_sized(i) and i.opcode not in _NO_NEW_BUFFER and not updates_in_place(i))
+    bodies = {m.group(1) for ops in computations.values() for i in ops if i.opcode == "while"
+              for m in [_BODY.search(i.line)] if m}
+    cycles = [sum(int(c) for i in computations.get(body, []) for c in _CYCLES.findall(i.line)) for body in bodies]
+    return StepCost(len(copies), max(cycles, default=0), copies)
