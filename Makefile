@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-LIBTPU_STAMP := $(VENV)/.libtpu
+COMPILERS_STAMP := $(VENV)/.compilers
 
 .PHONY: install serve test clean
 
@@ -12,18 +12,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e ".[test]"
 	touch $(STAMP)
 
-# libtpu for the TPU compile check (tests/test_tpu_compile.py, `jaxserve check`): the version
-# the installed jax asks for, whichever jax that is.
-$(LIBTPU_STAMP): $(STAMP)
-	$(BIN)/pip install "jax[tpu]==$$($(BIN)/python -c 'import jax; print(jax.__version__)')"
-	touch $(LIBTPU_STAMP)
+# The real accelerator compilers, for the compile checks (tests/test_tpu_compile.py,
+# tests/test_gpu_compile.py, `jaxserve check`), at the versions the installed jax asks for:
+# libtpu, and the CUDA plugin with ptxas (no CUDA driver or runtime libraries: compile only).
+$(COMPILERS_STAMP): $(STAMP)
+	v=$$($(BIN)/python -c 'import jax; print(jax.__version__)') && \
+	$(BIN)/pip install "jax[tpu]==$$v" "jax-cuda12-plugin==$$v" nvidia-cuda-nvcc-cu12 absl-py
+	touch $(COMPILERS_STAMP)
 
 install: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/jaxserve serve
 
-test: $(LIBTPU_STAMP)
+test: $(COMPILERS_STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q tests
 
 clean:
