@@ -94,6 +94,11 @@ def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window:
     """q [.., H, D], k/v [.., KVH, D]. Returns (output like q, updated (k_pages, v_pages) or None)."""
     if kv_cache is None:
         return causal_attention(q, k, v, sliding_window=sliding_window, sm_scale=sm_scale), None
+    head_dim = q.shape[-1]
+    if kv_cache[0].shape[-1] > head_dim:   # a TPU pool's padded lanes (pool_head_dim): zeros in q,
+        # k and v leave every score unchanged and give zero output lanes, sliced off below.
+        q, k, v = (jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, kv_cache[0].shape[-1] - head_dim),))
+                   for x in (q, k, v))
     if meta.seq_axis is not None:
         k, v = (gather_tokens(x, meta.seq_axis, meta.kv_sharding) for x in (k, v))
     k_pages, v_pages = write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
@@ -102,7 +107,15 @@ def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window:
                             for x in (k_pages, v_pages))
     out = paged_attention(q, k_pages, v_pages, meta, sliding_window=sliding_window, sm_scale=sm_scale,
                           k=k, v=v)
-    return out, (k_pages, v_pages)
+    return out[..., :head_dim], (k_pages, v_pages)
+
+
+def pool_head_dim(head_dim: int, platform: str) -> int:
+    """The head_dim a page pool stores. On TPU, whole 128-lane tiles: for a smaller head_dim XLA
+    lays the pool out with the page index innermost, and every page read then relayouts the
+    whole pool (measured: 24-48 whole-pool copies per step of the embedded model, head_dim 32).
+    The padding costs memory (4x at head_dim 32, 2x at 64), which the pool sizing counts."""
+    return -(-head_dim // 128) * 128 if platform == "tpu" else head_dim
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):

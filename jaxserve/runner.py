@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import multihost, parallel, sizing
-from jaxserve.attention import AttentionMetadata, resolve_backend
+from jaxserve.attention import AttentionMetadata, pool_head_dim, resolve_backend
 from jaxserve.buckets import Buckets, StepShape, bucket
 from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
 from jaxserve.models import build_model
@@ -297,7 +297,8 @@ def make_step(model, cfg: ModelConfig, mesh, backend: str):
 
 def kv_pool(cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype) -> jax.ShapeDtypeStruct:
     """One layer's K (or V) page pool (the layout: see jaxserve/attention.py)."""
-    return jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size, cfg.head_dim), dtype,
+    head_dim = pool_head_dim(cfg.head_dim, parallel.platform(mesh))
+    return jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size, head_dim), dtype,
                                 sharding=parallel.kv_cache_sharding(cfg, mesh))
 
 

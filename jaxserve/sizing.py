@@ -48,7 +48,7 @@ def weight_bytes_per_chip(cfg: ModelConfig, dtype, model_axis: int) -> int:
         split = math.prod(mesh.shape[a] for a in spec if a is not None)
         return math.prod(leaf.shape) * leaf.dtype.itemsize // split
 
-    sizes = jax.tree.map(shard_bytes, shapes, parallel.param_logical_axes(shapes),
+    sizes = jax.tree.map(shard_bytes, shapes, parallel.param_logical_axes(shapes, cfg),
                          is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
     return sum(jax.tree.leaves(sizes))
 

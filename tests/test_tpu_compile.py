@@ -132,10 +132,6 @@ def assert_serves(report: check.Report, what: str):
     assert not copies, f"{what}: whole-pool copies {copies}\n{text}"
 
 
-# Known defect (issue 22, the KV layout for small head dims): with head_dim 32 every step of the
-# embedded model copies whole pools (24-48 copies, 4.5-13.6 GiB of temporaries) and the pool the
-# runner sizes does not fit. Strict: this fails as soon as the layout is fixed, to drop the mark.
-@pytest.mark.xfail(strict=True, reason="head_dim 32 KV pools: whole-pool copies on TPU (issue 22)")
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
 def test_embedded_model_default_config_compiles(generation):
     """configs/tiny-cpu.yaml's largest and smallest decode steps, largest prefill step and page
