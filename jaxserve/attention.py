@@ -19,7 +19,8 @@ page_size, head_dim] for K and for V, one pair per layer; page_table int32[S, pa
 seq_lens int32[S]. Heads before page slots so that one KV head of one page is a contiguous
 [page_size, head_dim] slab: whole (8, 128) tiles on TPU, which its page DMAs require (a head
 picked out of [page_size, num_kv_heads, head_dim] slices a tiled dimension, and Mosaic refuses).
-Sharded over KV heads (parallel.kv_cache_sharding), axis 1.
+Sharded over KV heads (parallel.kv_cache_sharding), axis 1. On TPU head_dim is stored padded
+to whole 128 lanes (pool_head_dim; `attend` pads q/k/v and cuts the output back).
 """
 from __future__ import annotations
 

@@ -221,9 +221,10 @@ FRESH = [(20, 20), (5, 5), (0, 0), (1, 40), (1, 1), (0, 0)]   # 3 prefill rows (
 CACHED = [(20, 20), (5, 37), (0, 0), (1, 40), (1, 1), (0, 0)]  # row 1: 32 tokens already cached
 
 
-def attend_case(seqs, backend, sliding_window=None):
+def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64):
     """attend() on a runner-style step (prefill rows first): returns (output, case with the
-    written pages), for the naive oracle."""
+    written pages), for the naive oracle. pool_head_dim > 64: pools with zero lanes past head_dim
+    64, as TPU pools store them (attention.pool_head_dim); the returned pages are cut back to 64."""
     case = make_case(2, seqs=seqs, num_kv_heads=2, group=2, head_dim=64, page_size=16,
                      dtype="float32", pad_tokens=5, sliding_window=sliding_window)
     rng = np.random.default_rng(3)
@@ -238,15 +239,32 @@ def attend_case(seqs, backend, sliding_window=None):
         positions=None, slot_mapping=jnp.asarray(slots), page_table=case["page_table"],
         seq_lens=case["seq_lens"], query_start_loc=case["query_start_loc"], max_q=32,
         num_prefill_rows=3, backend=backend)
-    out, (k_pages, v_pages) = attention.attend(case["q"], k, v, (case["k_pages"], case["v_pages"]), meta,
+    lanes = ((0, 0),) * 3 + ((0, pool_head_dim - 64),)
+    pools = tuple(jnp.pad(case[name], lanes) for name in ("k_pages", "v_pages"))
+    out, (k_pages, v_pages) = attention.attend(case["q"], k, v, pools, meta,
                                                sliding_window=sliding_window, sm_scale=case["sm_scale"])
-    return out, dict(case, k_pages=k_pages, v_pages=v_pages)
+    assert k_pages.shape[-1] == pool_head_dim and not np.asarray(k_pages[..., 64:]).any()
+    return out, dict(case, k_pages=k_pages[..., :64], v_pages=v_pages[..., :64])
 
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
 def test_attend_fresh_prefill_rows_match_oracle(backend):
     out, case = attend_case(FRESH, backend, sliding_window=7)
     assert_close(out, case)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+def test_attend_through_lane_padded_pools_matches_oracle(backend):
+    """Pools padded to 128 lanes (TPU) give the unpadded attention, for fresh and cached rows."""
+    for seqs in (FRESH, CACHED):
+        out, case = attend_case(seqs, backend, pool_head_dim=128)
+        assert out.shape[-1] == 64
+        assert_close(out, case)
+
+
+def test_pool_head_dim_pads_only_on_tpu():
+    assert [attention.pool_head_dim(d, "tpu") for d in (32, 64, 96, 128, 256)] == [128, 128, 128, 128, 256]
+    assert [attention.pool_head_dim(d, p) for d in (32, 96) for p in ("cpu", "gpu")] == [32, 32, 96, 96]
 
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])

@@ -136,8 +136,9 @@ def assert_serves(report: check.Report, what: str):
 def test_embedded_model_default_config_compiles(generation):
     """configs/tiny-cpu.yaml's largest and smallest decode steps, largest prefill step and page
     copy (bf16 and the Pallas kernels, as on a TPU), with the pool the runner would size from one
-    chip's HBM. All 17 step shapes and the sampler: `jaxserve check` (each of the 17 compiled on
-    2026-11-23 with 24-48 whole-pool copies; the sampler compiles ~30x slower than a step)."""
+    chip's HBM, head_dim 32 stored in 128 lanes. All 17 step shapes and the sampler: `jaxserve
+    check` (before the lane padding each step had 24-48 whole-pool copies and did not fit; the
+    sampler compiles ~30x slower than a step)."""
     ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "tiny-cpu.yaml"))
     shapes = check.quick_shapes(Buckets(ecfg).warmup_shapes(False))
     report = check.check(ecfg, ModelConfig.from_pretrained(TINY), check.tpu_slice(f"{generation}-1"),
