@@ -36,6 +36,28 @@ class Request:
     max_tokens: int
 
 
+@dataclasses.dataclass
+class Run:
+    """One timed pass of a system over a workload's requests."""
+    system: str
+    requests: int
+    output_tokens: int
+    seconds: float
+    outputs: list[list[int]]
+    profile: object = None   # offline_throughput.StepProfile of an engine run
+    rounds: list[float] = dataclasses.field(default_factory=list)   # tokens/s of each repeat
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def check_lengths(outputs: list[list[int]], requests: list[Request]) -> None:
+    bad = [i for i, (o, r) in enumerate(zip(outputs, requests)) if len(o) != r.max_tokens]
+    if bad:
+        raise RuntimeError(f"requests {bad[:5]} did not get their max_tokens output tokens")
+
+
 def make_workload(num_prompts: int, input_range: tuple[int, int], output_range: tuple[int, int],
                   vocab_size: int, seed: int = 0) -> list[Request]:
     """Prompts of seeded random token ids (ids 0-2 left out: unk/bos/eos in both models) with
