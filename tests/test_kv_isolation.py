@@ -9,25 +9,27 @@ import pytest
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine import LLMEngine
 
+MAX_TOKENS = 6
+
+
 # Arrival step -> (prompt, n). Prompts are longer than prefill_chunk_size (chunked prefill); the
-# later ones share the first's 40-token prefix (prefix-cache hits); 9 pages of 16 tokens cannot
+# later ones share the first's 40-token prefix (prefix-cache hits); 6 pages of 16 tokens cannot
 # hold them all at once (preemption).
 def _arrivals():
     rng = np.random.RandomState(0)
     shared = rng.randint(0, 256, 40).tolist()
-    return {0: [(shared + rng.randint(0, 256, 8).tolist(), 2)],
-            3: [(shared + rng.randint(0, 256, 12).tolist(), 1), (rng.randint(0, 256, 30).tolist(), 1)],
-            5: [(shared + rng.randint(0, 256, 5).tolist(), 2)]}
+    return {0: [(shared + rng.randint(0, 256, 4).tolist(), 2)],
+            3: [(shared + rng.randint(0, 256, 6).tolist(), 1), (rng.randint(0, 256, 20).tolist(), 1)]}
 
 
 def _run(backend, poison):
     engine = LLMEngine(EngineConfig(attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=32,
-                                    prefill_chunk_size=16, max_prefill_seqs=2, max_model_len=128, num_pages=9,
+                                    prefill_chunk_size=16, max_prefill_seqs=2, max_model_len=128, num_pages=6,
                                     poison_freed_pages=poison))
     arrivals, ids, out, step = _arrivals(), [], {}, 0
     while engine.has_unfinished() or arrivals:
         for prompt, n in arrivals.pop(step, []):
-            params = SamplingParams(temperature=0.0, n=n, max_tokens=12, ignore_eos=True, logprobs=1)
+            params = SamplingParams(temperature=0.0, n=n, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
             ids.append(engine.add_request(prompt, params))
         for o in engine.step():
             for c in o.outputs:
@@ -48,7 +50,7 @@ def test_poisoned_free_pages_leave_outputs_bit_identical(backend):
     (tokens, logprobs), clean_nan_pages = _run(backend, poison=False)
     (poisoned_tokens, poisoned_logprobs), nan_pages = _run(backend, poison=True)
     assert clean_nan_pages == 0 and nan_pages > 0      # the poison was there to be read
-    assert [len(t) for t in tokens] == [12] * 6
+    assert [len(t) for t in tokens] == [MAX_TOKENS] * 4
     assert poisoned_tokens == tokens
     assert np.isfinite(logprobs).all()
     assert np.array_equal(poisoned_logprobs, logprobs)
