@@ -25,6 +25,10 @@ registered (so a rolled-back proposal never is, as long as the rollback precedes
 `cache_full_pages`), and a registered page is never written again, since `reserve` gives the
 writer a copy first. A registered page that a rollback ends inside therefore keeps the K/V its
 key names, and one wholly past the end is released to the cache like any other.
+
+Stale pages (`track_stale_pages`, for a test build): every page released to the free list or
+taken for a new owner (from the free list or evicted from the prefix cache) is recorded until
+`drain_stale_pages`; its K/V means nothing to anyone, so the engine may overwrite it with garbage.
 """
 from __future__ import annotations
 
@@ -40,7 +44,8 @@ def page_key(parent: bytes, tokens: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 track_stale_pages: bool = False):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
         self.num_pages = num_pages
@@ -53,6 +58,7 @@ class BlockManager:
         self.evictable = collections.OrderedDict()              # unreferenced cached pages, LRU first
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.stale_pages: list[int] | None = [] if track_stale_pages else None
 
     # ---- stats ----
     @property
@@ -183,6 +189,12 @@ class BlockManager:
                 self.cached_page[key] = page
                 self.page_key[page] = key
 
+    def drain_stale_pages(self) -> list[int]:
+        """The stale pages recorded since the last call (see the module docstring), each once."""
+        pages = sorted(set(self.stale_pages))
+        self.stale_pages.clear()
+        return pages
+
     # ---- internals ----
     def _incref(self, page: int) -> None:
         if self.ref_counts[page] == 0:
@@ -196,6 +208,7 @@ class BlockManager:
                 self.evictable[page] = None
             else:
                 self.free_pages.append(page)
+                self._stale(page)
 
     def _take_page(self) -> int:
         if self.free_pages:
@@ -204,4 +217,9 @@ class BlockManager:
             page, _ = self.evictable.popitem(last=False)    # least recently released
             del self.cached_page[self.page_key.pop(page)]
         self.ref_counts[page] = 1
+        self._stale(page)
         return page
+
+    def _stale(self, page: int) -> None:
+        if self.stale_pages is not None:
+            self.stale_pages.append(page)

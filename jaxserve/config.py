@@ -129,6 +129,7 @@ class EngineConfig:
     request_timeout_s: float | None = None  # the server's deadline per request (a request's `timeout` may lower it)
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
     seed: int = 0
+    poison_freed_pages: bool = False        # tests: NaN into every freed or newly taken page (tests/test_kv_isolation.py)
     mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"data": 1, "model": 1, "seq": 1})
     # This process's place in a multi-host engine (None: one process). A dict (from YAML or
     # dataclasses.asdict) becomes a DistributedConfig.

@@ -106,7 +106,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_cfg, params, self.ecfg, mesh=mesh, dtype=self.dtype)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_pages, self.ecfg.page_size,
-                                          self.ecfg.enable_prefix_caching)
+                                          self.ecfg.enable_prefix_caching, self.ecfg.poison_freed_pages)
         self.scheduler = Scheduler(self.ecfg, self.block_manager)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_cfg.eos_token_ids)
         self._requests: dict[str, Request] = {}
@@ -205,6 +205,8 @@ class LLMEngine:
             req = self._requests[s.seq.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+        if self.ecfg.poison_freed_pages:
+            out = self._poison_stale_pages(out)
         results = self.runner.execute(out, {s.seq.seq_id: s.seq.seed for s in out.scheduled})
         self.scheduler.postprocess(out, {k: [r.token] for k, r in results.items()})
         self.stats["steps"] += 1
@@ -229,6 +231,16 @@ class LLMEngine:
                 del self._requests[request_id]
                 self.stats["requests_finished"] += 1
         return outputs
+
+    def _poison_stale_pages(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Test build: NaN into every page freed or newly taken since the last step, so a step
+        that reads K/V its sequence did not write (or copy) turns its output NaN. The page copies
+        run first (a copy's source may be a cached page evicted for a new owner in this very
+        schedule) and their destinations are spared; the step then runs without them."""
+        self.runner.copy_pages(out.page_copies)
+        copied = {dst for _, dst in out.page_copies}
+        self.runner.poison_pages([p for p in self.block_manager.drain_stale_pages() if p not in copied])
+        return dataclasses.replace(out, page_copies=[])
 
     def _advance(self, req: Request, seq: Sequence, res: SampleResult) -> CompletionOutput:
         """Detokenize the new token, apply stop conditions, return the choice's delta."""

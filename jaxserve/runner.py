@@ -202,6 +202,13 @@ class ModelRunner:
         for src, dst in page_copy_batches(copies, self.max_copies, self.num_pages):
             self.kv_caches = copy_kv_pages(self.kv_caches, src, dst)
 
+    def poison_pages(self, pages: list[int]) -> None:
+        """Overwrite these pages' K/V with NaN in every layer (a test build: see
+        EngineConfig.poison_freed_pages), in one fixed-size batch padded with page num_pages (dropped)."""
+        batch = np.full(self.num_pages, self.num_pages, np.int32)
+        batch[:len(pages)] = pages
+        self.kv_caches = fill_kv_pages(self.kv_caches, batch, np.float32("nan"))
+
     def _pack(self, out: SchedulerOutput) -> "_Batch":
         prefill = [s for s in out.scheduled if s.num_query_tokens > 1]
         decode = sorted((s for s in out.scheduled if s.num_query_tokens == 1),
@@ -357,6 +364,13 @@ def _step(model, params, kv_caches, tokens, positions, slot_mapping, page_table,
 def copy_kv_pages(kv_caches, src, dst):
     # Copy-on-write: page dst takes page src's K/V in every layer; dst out of range = no-op.
     return [(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop")) for k, v in kv_caches]
+
+
+@functools.partial(jax.jit, donate_argnames=("kv_caches",))
+def fill_kv_pages(kv_caches, pages, value):
+    # Every listed page takes `value` in K and V of every layer; pages out of range = no-op.
+    return [(k.at[pages].set(value.astype(k.dtype), mode="drop"), v.at[pages].set(value.astype(v.dtype), mode="drop"))
+            for k, v in kv_caches]
 
 
 _STEP, _SEQUENCE_PARALLEL = 0, 1

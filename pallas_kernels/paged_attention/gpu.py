@@ -62,6 +62,12 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
                 plgpu.copy_gmem_to_smem(k_ref.at[page, h], k_smem.at[slot, rows], k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[page, h], v_smem.at[slot, rows], v_bar.at[slot])
 
+        def zero_rows_from(tile_ref, n):
+            x = tile_ref[...] if interpret else plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA)
+            rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=None if interpret else plgpu.Layout.WGMMA)
+            tile_ref[...] = jnp.where(rows < n, x, jnp.zeros_like(x))
+            plgpu.commit_smem()
+
         fetch(0, 0)
         plgpu.barrier_wait(q_bar)
         shape = (ROWS, tile)
@@ -88,6 +94,10 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
             p_smem[...] = p.astype(p_smem.dtype)
             plgpu.commit_smem()
             plgpu.barrier_wait(v_bar.at[slot])
+            # The last tile's slots past the sequence's length hold stale (maybe inf or NaN)
+            # data, which a zero weight does not cancel: zero them in V.
+            kv0 = (tile_lo + c) * tile
+            pl.when(kv0 + tile > seq_lens_ref[s])(lambda: zero_rows_from(v_smem.at[slot], seq_lens_ref[s] - kv0))
             pv = wgmma.matmul(p_smem, v_smem.at[slot], interpret=interpret)
             return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
 

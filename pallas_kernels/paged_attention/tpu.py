@@ -88,9 +88,10 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
         offset, page_lo, page_end, _ = span(s)
         kv0 = (page_lo + c * pages_per_chunk) * page_size
         k, v = k_buf[slot], v_buf[slot]
-        # Buffer rows past the sequence's last page hold stale (maybe NaN) data: zero them in v.
+        # Buffer rows past the sequence's last page, and its last page's slots past its length,
+        # hold stale (maybe inf or NaN) data, which a zero weight does not cancel: zero them in v.
         kv_row = kv0 + lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        v = jnp.where(kv_row < page_end * page_size, v, jnp.zeros_like(v))
+        v = jnp.where(kv_row < jnp.minimum(page_end * page_size, seq_lens_ref[s]), v, jnp.zeros_like(v))
         scores = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32) * sm_scale
         tok = tok0 + (lax.broadcasted_iota(jnp.int32, scores.shape, 0) & (block_q - 1))

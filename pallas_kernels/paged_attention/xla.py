@@ -64,6 +64,9 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         k, v = (gather(x, pages) for x in (k_pages, v_pages))
         s = jnp.einsum("skrd,skjd->skrj", qp, k, preferred_element_type=jnp.float32) * sm_scale
         kv_pos = j * bt + jnp.arange(bt)
+        # Slots past a row's length hold another request's K/V or nothing (a free page, a page
+        # table's padding): a zero weight does not cancel an inf or NaN there, a zeroed V does.
+        v = jnp.where((kv_pos[None, :] < seq_lens[:, None])[:, None, :, None], v, 0)
         mask = kv_pos[None, None, :] <= q_pos[:, :, None]
         if sliding_window is not None:
             mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window

@@ -1,0 +1,56 @@
+"""No request reads K/V it did not write: with EngineConfig.poison_freed_pages, every page freed
+or newly taken is filled with NaN before the next step, so any read of another request's (or a
+stale) page would turn outputs NaN or change them. Greedy tokens and logprobs must stay
+bit-identical to the same run without poisoning, on every attention path (Pallas kernels in
+interpret mode), through chunked prefill, prefix-cache hits, n > 1 forks and preemption."""
+import numpy as np
+import pytest
+
+from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.engine import LLMEngine
+
+MAX_TOKENS = 6
+
+
+# Arrival step -> (prompt, n). Prompts are longer than prefill_chunk_size (chunked prefill); the
+# later ones share the first's 40-token prefix (prefix-cache hits); 6 pages of 16 tokens cannot
+# hold them all at once (preemption).
+def _arrivals():
+    rng = np.random.RandomState(0)
+    shared = rng.randint(0, 256, 40).tolist()
+    return {0: [(shared + rng.randint(0, 256, 4).tolist(), 2)],
+            3: [(shared + rng.randint(0, 256, 6).tolist(), 1), (rng.randint(0, 256, 20).tolist(), 1)]}
+
+
+def _run(backend, poison):
+    engine = LLMEngine(EngineConfig(attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=32,
+                                    prefill_chunk_size=16, max_prefill_seqs=2, max_model_len=128, num_pages=6,
+                                    poison_freed_pages=poison))
+    arrivals, ids, out, step = _arrivals(), [], {}, 0
+    while engine.has_unfinished() or arrivals:
+        for prompt, n in arrivals.pop(step, []):
+            params = SamplingParams(temperature=0.0, n=n, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+            ids.append(engine.add_request(prompt, params))
+        for o in engine.step():
+            for c in o.outputs:
+                got = out.setdefault((o.request_id, c.index), ([], []))
+                got[0].extend(c.token_ids)
+                got[1].extend(r.logprob for r in c.logprobs)
+        step += 1
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.prefix_hit_rate > 0
+    k, v = (np.asarray(x) for x in engine.runner.kv_caches[0])
+    nan_pages = int(np.isnan(k).all(axis=(1, 2, 3)).sum() + np.isnan(v).all(axis=(1, 2, 3)).sum())
+    keys = sorted(out)
+    return ([out[key][0] for key in keys], np.array([out[key][1] for key in keys], np.float32)), nan_pages
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
+def test_poisoned_free_pages_leave_outputs_bit_identical(backend):
+    (tokens, logprobs), clean_nan_pages = _run(backend, poison=False)
+    (poisoned_tokens, poisoned_logprobs), nan_pages = _run(backend, poison=True)
+    assert clean_nan_pages == 0 and nan_pages > 0      # the poison was there to be read
+    assert [len(t) for t in tokens] == [MAX_TOKENS] * 4
+    assert poisoned_tokens == tokens
+    assert np.isfinite(logprobs).all()
+    assert np.array_equal(poisoned_logprobs, logprobs)
