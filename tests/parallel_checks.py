@@ -30,11 +30,12 @@ STEP_MAX_Q = 16
 
 
 def hf_config(num_kv_heads: int, qkv_bias: bool, tied: bool) -> dict:
-    """A small random Llama (Qwen2 when qkv_bias): 8 heads of 8, 2 layers, vocab 256."""
+    """A small random Llama (Qwen2 when qkv_bias): 8 heads of 16 (the Mosaic GPU paged kernel
+    takes head_dim in multiples of 16), 2 layers, vocab 256."""
     return {
         "architectures": ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"],
         "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 8, "num_key_value_heads": num_kv_heads, "head_dim": 8,
+        "num_attention_heads": 8, "num_key_value_heads": num_kv_heads, "head_dim": 16,
         "max_position_embeddings": 256, "rope_theta": 10000.0, "tie_word_embeddings": tied,
     }
 

@@ -298,7 +298,12 @@ def test_non_streaming_clients_that_leave_are_aborted(server):
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         socks.append(sock)
-    time.sleep(0.2)
+    t0 = time.monotonic()   # all 24 in the engine (running or queued) before they hang up
+    while time.monotonic() - t0 < 30:
+        m = server.metrics()
+        if m["jaxserve_num_sequences_running"] + m["jaxserve_num_sequences_waiting"] == 24:
+            break
+        time.sleep(0.02)
     for sock in socks:
         sock.close()
     t0 = time.monotonic()
