@@ -46,5 +46,7 @@ def workload_flops(c: ModelConfig, requests) -> int:
     attends to itself and every earlier one (no sliding windows in this model)."""
     passes = [len(q.prompt_token_ids) + q.max_tokens - 1 for q in requests]
     layer = c.hidden_size * c.head_dim * 2 * (c.num_heads + c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
-    return (2 * sum(passes) * c.num_layers * layer + 2 * sum(q.max_tokens for q in requests) * c.vocab_size * c.hidden_size
+    norms = c.num_layers * 2 * c.hidden_size + c.hidden_size   # 2 FLOPs per weight, as the cost model counts them
+    return (2 * sum(passes) * (c.num_layers * layer + norms)
+            + 2 * sum(q.max_tokens for q in requests) * c.vocab_size * c.hidden_size
             + 4 * c.num_heads * c.head_dim * c.num_layers * sum(t * (t + 1) // 2 for t in passes))
