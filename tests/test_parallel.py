@@ -104,7 +104,7 @@ def run_check(name: str, *args: str) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     proc = subprocess.run([sys.executable, "-m", "tests.parallel_checks", name, *args], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=1200)
+                          capture_output=True, text=True, env=env, timeout=2400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
