@@ -285,9 +285,10 @@ CHECKS = {
                                   ("even", {"model": 8}, False), ("gqa2", {"model": 4}, False)]),
     "sp": lambda: check_generate([("even", {"seq": 2}, True), ("even", {"seq": 4}, True),
                                   ("even", {"model": 2, "seq": 2}, True)]),
-    # One subprocess per kernel: interpret-mode Mosaic GPU under TP takes minutes on 2 cores.
-    "pallas_tp_gpu": lambda: check_generate([("even", {"model": 2}, False, "pallas_gpu")]),
-    "pallas_tp_tpu": lambda: check_generate([("even", {"model": 2}, False, "pallas_tpu")]),
+    # The KV-head shard_map around the Pallas kernels is one piece for both platforms; it runs
+    # here with the TPU kernels. Interpret-mode Mosaic GPU under TP ran past 40 minutes on the
+    # 2-core CI box; the GPU kernels' numerics are checked on their own (test_gpu_kernels.py).
+    "pallas_tp": lambda: check_generate([("even", {"model": 2}, False, "pallas_tpu")]),
     "hlo": check_hlo,
     "param_bytes": check_param_bytes,
     "dp": check_data_parallel,

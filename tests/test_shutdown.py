@@ -14,18 +14,20 @@ import requests
 from tests.hf_models import save_engine_model
 from tests.server_harness import ServerProcess
 
-MAX_TOKENS = 600   # long enough (about 2 s here) to be in flight when the signal lands
+# Long enough (about 5 s on a quiet 2-core box) that all requests are still in flight when the
+# signal lands, however unevenly they started on a loaded machine (600 tokens once finished early).
+MAX_TOKENS = 1500
 # Room for STREAMS + 1 such requests; few step shapes to warm up.
-ENGINE = dict(max_model_len=640, num_pages=96, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16)
+ENGINE = dict(max_model_len=1536, num_pages=200, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16)
 STREAMS = 3
-GROUP_RUNS = 10    # the path that raced (two exit handlers) under gunicorn
+GROUP_RUNS = 4    # the path that raced (two exit handlers) under the former gunicorn server
 PARALLEL = 4
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("model") / "tiny")
-    save_engine_model(path, vocab_size=258)
+    save_engine_model(path, vocab_size=258, max_position_embeddings=ENGINE["max_model_len"])
     return path
 
 
