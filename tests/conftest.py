@@ -3,3 +3,15 @@ import os
 # Keep each xdist worker to its share of the 2 cores and never pick up an accelerator.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+
+# The heaviest files first (1.5 to 4 minutes each on the 2-core box): `-n 2 --dist
+# loadfile` hands out whole files in collection order, and one of these collected last would run
+# alone at the end while the other worker idles.
+HEAVY_FIRST = ["test_tpu_compile.py", "test_kv_isolation.py", "test_parallel.py", "test_shutdown.py"]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return HEAVY_FIRST.index(name) if name in HEAVY_FIRST else len(HEAVY_FIRST)
+    items.sort(key=rank)   # stable: the order within each file and among the rest is kept

@@ -27,8 +27,8 @@ def _arrivals():
 
 
 def _run(backend, poison):
-    engine = LLMEngine(EngineConfig(attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=32,
-                                    prefill_chunk_size=16, max_prefill_seqs=2, max_model_len=128, num_pages=6,
+    engine = LLMEngine(EngineConfig(attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=16,
+                                    prefill_chunk_size=16, max_prefill_seqs=1, max_model_len=128, num_pages=6,
                                     poison_freed_pages=poison))
     arrivals, ids, out, step = _arrivals(), [], {}, 0
     while engine.has_unfinished() or arrivals:
