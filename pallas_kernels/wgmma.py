@@ -1,5 +1,6 @@
 """What the two Mosaic GPU kernels (flash_attention/gpu.py, paged_attention/gpu.py) share: SMEM
-tiles laid out as wgmma reads them, a matmul of two such tiles, and the interpreter settings.
+tiles laid out as wgmma reads them, a matmul of two such tiles, the online softmax over KV tiles,
+and the interpreter settings.
 
 On CPU the kernels run under Mosaic GPU's own interpreter (`InterpretGPUParams`, private in jax
 0.10 and 0.11), which simulates SMEM, TMA copies, barriers (their phases exactly) and wgmma, here
@@ -9,10 +10,12 @@ the detector checks) and multiplies them with jnp.dot; on a GPU it is one wgmma.
 know `layout_cast` (layout hints only matter to the compiler): `layout_cast` drops them.
 """
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SWIZZLES = (128, 64, 32)  # bytes that wgmma reads swizzled; the widest is fastest
+MASK_VALUE = -1e30  # finite: a row masked in one tile is wiped out by the next tile's rescale
 
 
 def tiled_smem(dtype, head_dim):
@@ -41,6 +44,35 @@ def matmul(a_smem, b_smem, *, transpose_b=False, interpret):
 
 def layout_cast(x, layout, *, interpret):
     return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def softmax_start(rows, head_dim, *, interpret):
+    """The online softmax's (output accumulator, running max, running sum) before any KV tile."""
+    row = plgpu.Layout.WGMMA.reduce(1)
+    return (layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret),
+            layout_cast(jnp.full((rows,), MASK_VALUE, jnp.float32), row, interpret=interpret),
+            layout_cast(jnp.zeros((rows,), jnp.float32), row, interpret=interpret))
+
+
+def softmax_weights(scores, m, l, p_smem):
+    """One KV tile of the online softmax: writes the tile's weights to p_smem (the P @ V operand)
+    and returns the new running max, the factor that rescales what was accumulated, the new sum."""
+    m_new = jnp.maximum(m, scores.max(axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(scores - lax.broadcast_in_dim(m_new, scores.shape, [0]))
+    p_smem[...] = p.astype(p_smem.dtype)
+    plgpu.commit_smem()
+    return m_new, alpha, l * alpha + p.sum(axis=1)
+
+
+def softmax_accumulate(acc, alpha, pv):
+    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+
+
+def softmax_finish(acc, l, out_smem):
+    """The normalized output into out_smem, ready for its copy to GMEM."""
+    out_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(out_smem.dtype)
+    plgpu.commit_smem()
 
 
 def interpret_params(copies_in_flight):

@@ -6,7 +6,6 @@ It writes each step's tokens through the page table (after the copy-on-write cop
 table, a missed copy or a lost page changes the output. Outputs are compared with the same
 deterministic model run directly on the token lists, one request at a time.
 """
-import dataclasses
 import random
 
 import hypothesis.strategies as st

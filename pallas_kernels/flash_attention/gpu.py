@@ -69,23 +69,14 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, o_r
             return jnp.where(ok, s, MASK_VALUE)
 
         s = lax.cond(kind_ref[b, i, j] == FULL, lambda s: s, apply_mask, s)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - lax.broadcast_in_dim(m_new, shape, [0]))
-        l = l * alpha + p.sum(axis=1)
-        p_smem[...] = p.astype(p_smem.dtype)
-        plgpu.commit_smem()
+        m, alpha, l = wgmma.softmax_weights(s, m, l, p_smem)
         plgpu.barrier_wait(v_bar.at[slot])
         pv = wgmma.matmul(p_smem, v_smem.at[slot], interpret=interpret)
-        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
+        return wgmma.softmax_accumulate(acc, alpha, pv), m, l
 
-    d = q_smem.shape[1]
-    init = (layout(jnp.zeros((block_q, d), jnp.float32), plgpu.Layout.WGMMA),
-            layout(jnp.full((block_q,), MASK_VALUE, jnp.float32), row_layout),
-            layout(jnp.zeros((block_q,), jnp.float32), row_layout))
-    acc, _, l = lax.fori_loop(0, count, step, init)
-    q_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(q_smem.dtype)
-    plgpu.commit_smem()
+    start = wgmma.softmax_start(block_q, q_smem.shape[1], interpret=interpret)
+    acc, _, l = lax.fori_loop(0, count, step, start)
+    wgmma.softmax_finish(acc, l, q_smem)
     plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(i * block_q, block_q), h])
     plgpu.wait_smem_to_gmem(0)
 

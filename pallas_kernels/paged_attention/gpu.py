@@ -27,7 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import wgmma
 
-MASK_VALUE = -1e30
+MASK_VALUE = wgmma.MASK_VALUE
 ROWS = 64  # (token, head in group) rows per program: wgmma's M
 
 
@@ -39,8 +39,6 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
     tile = pages_per_tile * page_size
     q_start, q_end = qsl_ref[s], qsl_ref[s + 1]
     t0 = q_start + j * block_q
-    layout = functools.partial(wgmma.layout_cast, interpret=interpret)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     @pl.when(t0 < q_end)
     def _():
@@ -86,27 +84,17 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
             visible = kv_pos <= q_pos
             if sliding_window is not None:
                 visible &= kv_pos > q_pos - sliding_window
-            scores = jnp.where(visible, scores, MASK_VALUE)
-            m_new = jnp.maximum(m, scores.max(axis=1))
-            alpha = jnp.exp(m - m_new)
-            p = jnp.exp(scores - lax.broadcast_in_dim(m_new, shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            p_smem[...] = p.astype(p_smem.dtype)
-            plgpu.commit_smem()
+            m, alpha, l = wgmma.softmax_weights(jnp.where(visible, scores, MASK_VALUE), m, l, p_smem)
             plgpu.barrier_wait(v_bar.at[slot])
             # The last tile's slots past the sequence's length hold stale (maybe inf or NaN)
             # data, which a zero weight does not cancel: zero them in V.
             kv0 = (tile_lo + c) * tile
             pl.when(kv0 + tile > seq_lens_ref[s])(lambda: zero_rows_from(v_smem.at[slot], seq_lens_ref[s] - kv0))
             pv = wgmma.matmul(p_smem, v_smem.at[slot], interpret=interpret)
-            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
+            return wgmma.softmax_accumulate(acc, alpha, pv), m, l
 
-        init = (layout(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-                layout(jnp.full((ROWS,), MASK_VALUE, jnp.float32), row_layout),
-                layout(jnp.zeros((ROWS,), jnp.float32), row_layout))
-        acc, _, l = lax.fori_loop(0, count, step, init)
-        o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(o_smem.dtype)
-        plgpu.commit_smem()
+        acc, _, l = lax.fori_loop(0, count, step, wgmma.softmax_start(ROWS, head_dim, interpret=interpret))
+        wgmma.softmax_finish(acc, l, o_smem)
         for r in range(block_q):  # only this sequence's tokens: the rows after belong to others
             dst = o_ref.at[h, pl.ds((t0 + r) * group, group)]
             pl.when(t0 + r < q_end)(

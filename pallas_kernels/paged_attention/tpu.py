@@ -44,7 +44,7 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
             *, block_q, pages_per_chunk, pages_per_seq, sm_scale, sliding_window):
     h, i = pl.program_id(0), pl.program_id(1)
     page_size = k_hbm.shape[2]
-    rows, chunk = acc_ref.shape[0], k_buf.shape[1]
+    chunk = k_buf.shape[1]
     tok0 = i * block_q
     s_end = blk_end_ref[i]
 
