@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, markdown_table, write_text  # noqa: E402
+from benchmarks.hlo_collectives import hlo_collectives  # noqa: E402
 from jaxserve import parallel, runner  # noqa: E402
 from jaxserve.checkpoint import param_shapes  # noqa: E402
 from jaxserve.config import ModelConfig  # noqa: E402
@@ -92,7 +93,7 @@ def moved_per_device(c: dict) -> float:
 
 
 def summarize(hlo: str) -> tuple[str, float, float]:
-    ops = parallel.hlo_collectives(hlo)
+    ops = hlo_collectives(hlo)
     counts = collections.Counter(f"{c['op']}/{c['group']}" for c in ops)
     text = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none"
     return text, sum(c["bytes"] for c in ops) / 2**20, sum(map(moved_per_device, ops)) / 2**20
@@ -131,7 +132,7 @@ def write(cfg: ModelConfig, rows, seconds: float) -> None:
         f"Prefill: one prompt of {PREFILL_TOKENS} tokens (the runner's step for SP 1, "
         "`sequence_parallel_prefill` for SP > 1).",
         "",
-        "Read from the compiled HLO (`jaxserve.parallel.hlo_collectives`) of the engine's own "
+        "Read from the compiled HLO (`benchmarks/hlo_collectives.py`) of the engine's own "
         "step functions, lowered from shapes on 8 fake CPU devices (`benchmarks/parallel.py`, "
         f"{seconds:.0f} s of compiling). `op/n` = a collective over n devices. *Result MiB* sums "
         "the collectives' result buffers; *sent MiB/device* is what each device sends in a ring "

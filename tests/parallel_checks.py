@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.hlo_collectives import hlo_collectives
 from jaxserve import checkpoint, parallel, runner
 from jaxserve.config import ModelConfig
 from jaxserve.generate import greedy_generate
@@ -191,7 +192,7 @@ def check_hlo() -> dict:
     a sequence-parallel prefill under TP 2 x SP 2."""
     def summary(hlo):
         out = collections.defaultdict(collections.Counter)
-        for c in parallel.hlo_collectives(hlo):
+        for c in hlo_collectives(hlo):
             out[c["op"]][str(c["group"])] += 1
         return out
 
