@@ -31,7 +31,7 @@ from benchmarks.transformers_peers import ContinuousPeer, run_generate
 from jaxserve import roofline
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine import LLMEngine
-from jaxserve.runner import CompileCounter
+from jaxserve.compilations import CompileCounter
 
 RESULTS = os.path.join(RESULTS_DIR, "offline_throughput.md")
 

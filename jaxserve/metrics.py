@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jaxserve.compilations import CompileCounter
+
 if TYPE_CHECKING:
     from jaxserve.engine import LLMEngine, RequestOutput
 
@@ -86,5 +88,8 @@ class _EngineCollector:
                                   value=sum(e.stats["failed_steps"] for e in engines))
         yield CounterMetricFamily("jaxserve_num_preemptions", "Sequences preempted (recomputed later).",
                                   value=sum(s.num_preemptions for s in scheds))
+        yield CounterMetricFamily("jaxserve_xla_compilations",
+                                  "XLA compilations in this process (flat after warm-up: none while serving).",
+                                  value=CompileCounter.count)
         if self.metrics.roofline is not None:
             yield from self.metrics.roofline.metric_families()

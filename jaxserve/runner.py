@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import multihost, parallel, sizing
+from jaxserve.compilations import CompileCounter
 from jaxserve.attention import AttentionMetadata, pool_head_dim, resolve_backend
 from jaxserve.buckets import Buckets, StepShape, bucket
 from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
@@ -40,21 +41,6 @@ class SampleResult(NamedTuple):
     token: int
     logprob: float
     top: list[tuple[int, float]]  # requested top-N (token id, logprob), most likely first
-
-
-class CompileCounter:
-    """Counts XLA backend compilations in this process (warm-up must leave serving at zero)."""
-    count = 0
-    _registered = False
-
-    @classmethod
-    def install(cls):
-        if not cls._registered:
-            def listener(event, *args, **kwargs):
-                if event == "/jax/core/compile/backend_compile_duration":
-                    cls.count += 1
-            jax.monitoring.register_event_duration_secs_listener(listener)
-            cls._registered = True
 
 
 class ModelRunner:

@@ -18,6 +18,7 @@ import numpy as np
 
 from benchmarks.hlo_collectives import hlo_collectives
 from jaxserve import checkpoint, parallel, runner
+from jaxserve.compilations import CompileCounter
 from jaxserve.config import ModelConfig
 from jaxserve.generate import greedy_generate
 from jaxserve.models import build_model
@@ -270,7 +271,7 @@ def check_engine_sequence_parallel(model_dir: str, mesh: str) -> dict:
     calls = []
     prefill = runner.sequence_parallel_prefill
     runner.sequence_parallel_prefill = lambda *a, **k: calls.append(int(a[5])) or prefill(*a, **k)
-    compiles = runner.CompileCounter.count
+    compiles = CompileCounter.count
     sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     ids = [engine.add_request(p, sp) for p in ps]
     tokens = {i: [] for i in ids}
@@ -278,7 +279,7 @@ def check_engine_sequence_parallel(model_dir: str, mesh: str) -> dict:
         for out in engine.step():
             tokens[out.request_id] += [t for c in out.outputs for t in c.token_ids]
     return {"tokens_equal": [tokens[i] for i in ids] == ref, "prefill_tokens": sorted(calls),
-            "compiles_after_warmup": runner.CompileCounter.count - compiles}
+            "compiles_after_warmup": CompileCounter.count - compiles}
 
 
 CHECKS = {

@@ -174,7 +174,7 @@ def test_abort_frees_pages(setup, engine):
 
 
 def test_no_compilation_after_warmup(setup):
-    from jaxserve.runner import CompileCounter
+    from jaxserve.compilations import CompileCounter
 
     d, _, _, _ = setup
     engine = _engine(d, max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=16, max_model_len=128,

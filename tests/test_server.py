@@ -346,6 +346,7 @@ def test_metrics_follow_requests(server):
     for h in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
         assert delta(f"jaxserve_{h}_seconds_count") == 1
     assert delta("jaxserve_inter_token_latency_seconds_count") == 4
+    assert after["jaxserve_xla_compilations_total"] > 0 and delta("jaxserve_xla_compilations_total") == 0
     assert after["jaxserve_e2e_request_latency_seconds_sum"] > before.get("jaxserve_e2e_request_latency_seconds_sum", 0)
     assert {"jaxserve_prefix_cache_hit_rate", "jaxserve_num_preemptions_total"} <= set(after)
 
