@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import logging
 import os
 import sys
@@ -163,8 +164,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Device nodes of the accelerators JAX serves on: TPU (v4/v5e accel, v5p/v6e vfio), NVIDIA, AMD.
+ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+
+
+def use_cpu_without_accelerator() -> None:
+    """On a machine with no accelerator, JAX would still start every installed plugin (the TPU
+    and CUDA compilers `make test` installs for the compile checks) and print pages of errors
+    and a traceback before falling back to the CPU: go to the CPU directly, unless JAX_PLATFORMS
+    says otherwise (what remains: the CUDA plugin's one-line notes as jax is imported). Compile-only devices (`jaxserve check`) need no backend and still work."""
+    if "JAX_PLATFORMS" not in os.environ and not any(glob.glob(p) for p in ACCELERATOR_NODES):
+        import jax
+        jax.config.update("jax_platforms", "cpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    use_cpu_without_accelerator()
     return args.func(args)
 
 
