@@ -48,7 +48,9 @@ def create_app(engine_cfg: EngineConfig, served_model_name: str | None = None, a
     register_error_handlers(app)
     app.register_blueprint(openai_bp)
 
-    tenants = {**({api_key: None} if api_key else {}), **(api_keys or {})}   # key -> tenant (None: no salt)
+    # key -> tenant. A lone --api-key has none (no salt); beside tenants' keys it is tenant "", so
+    # no request goes unsalted, whose client could then pick another tenant's salt itself.
+    tenants = {**({api_key: "" if api_keys else None} if api_key else {}), **(api_keys or {})}
     if tenants:
         @app.before_request
         def _authenticate():
