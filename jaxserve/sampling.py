@@ -5,10 +5,9 @@ The host packs each row's settings into fixed-shape arrays (`SamplingMetadata.bu
 runs inside the jit-compiled step and only token ids and logprobs go back to the host.
 
 Order per row: logit bias (and min_tokens' ban of the ending tokens, a -inf bias) -> penalties
--> temperature -> top-k -> top-p -> min-p -> sample. Rows with
-temperature 0 or top_k 1 take the argmax of the penalised logits. Returned logprobs are of the
-model's raw distribution (log_softmax of the logits before penalties and temperature), as vLLM
-does by default.
+-> temperature -> top-k -> top-p -> min-p -> sample. Rows with temperature 0 or top_k 1 take the
+argmax of the biased and penalised logits. Returned logprobs are of the model's raw distribution
+(log_softmax of the logits before bias, penalties and temperature), as vLLM does by default.
 
 Randomness: row i draws Gumbel noise from fold_in(key(seed_i), step_i) over the whole vocabulary
 in token order, so a seeded request samples the same tokens whatever else is in the batch, where
