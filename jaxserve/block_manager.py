@@ -9,7 +9,10 @@ Allocation takes a free page first, then evicts the least recently released cach
 `num_free_pages` (free + cached) is what an allocation can count on.
 
 Prefix-cache key of page i: sha256(key of page i-1 + the page's token ids), so a key names the
-whole prefix up to the end of its page. Only full pages whose K/V are computed get keys, and a
+whole prefix up to the end of its page. Page 0's parent is the sequence's cache salt (its
+SamplingParams.cache_salt, hashed; empty without one), so sequences with different salts (tenants)
+never share a page, even for equal prompts: no cross-tenant hit, and no time-to-first-token
+difference that would tell one tenant what another has sent. Only full pages whose K/V are computed get keys, and a
 full page is never written again, so a cached page can be shared without copying.
 
 Copy-on-write: a sequence about to write into a page it shares (a fork of an n > 1 request, see
@@ -41,6 +44,11 @@ from jaxserve.sequence import Sequence
 
 def page_key(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+def root_key(cache_salt: str | None) -> bytes:
+    """The parent key of a sequence's first page."""
+    return b"" if cache_salt is None else hashlib.sha256(b"salt\0" + cache_salt.encode()).digest()
 
 
 class BlockManager:
@@ -86,10 +94,11 @@ class BlockManager:
         return -(-num_tokens // self.page_size)
 
     # ---- allocation ----
-    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
-        """Cached pages (and their keys) holding the longest cached prefix of `token_ids`, leaving
-        at least the last token uncovered so a prompt always has a token to compute."""
-        pages, keys, parent = [], [], b""
+    def match_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> tuple[list[int], list[bytes]]:
+        """Cached pages (and their keys) holding the longest cached prefix of `token_ids` under
+        `cache_salt`, leaving at least the last token uncovered so a prompt always has a token to
+        compute."""
+        pages, keys, parent = [], [], root_key(cache_salt)
         if not self.enable_prefix_caching:
             return pages, keys
         ps = self.page_size
@@ -119,6 +128,8 @@ class BlockManager:
         seq.page_table = list(pages) + [self._take_page() for _ in range(new)]
         seq.page_hashes = list(keys)
         seq.num_computed_tokens = computed
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = computed
         if self.enable_prefix_caching:
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += computed
@@ -181,7 +192,8 @@ class BlockManager:
             return
         tokens = seq.token_ids
         for i in range(len(seq.page_hashes), num_full):
-            key = page_key(seq.page_hashes[-1] if seq.page_hashes else b"", tokens[i * ps:(i + 1) * ps])
+            parent = seq.page_hashes[-1] if seq.page_hashes else root_key(seq.sampling.cache_salt)
+            key = page_key(parent, tokens[i * ps:(i + 1) * ps])
             seq.page_hashes.append(key)
             page = seq.page_table[i]
             # The same prefix may already be cached in another page (computed concurrently): keep that one.

@@ -29,8 +29,8 @@ from jaxserve.checkpoint import param_shapes
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models import build_model
 from jaxserve.runner import (MAX_LOGPROBS, copy_kv_pages, empty_sequence_parallel_prefill, kv_pool, lower_step,
-                             make_step, page_copy_batches, sampler_variants)
-from jaxserve.sampling import sample
+                             make_step, page_copy_batches)
+from jaxserve.sampling import sample, sampler_variants
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step_cost import step_cost
 

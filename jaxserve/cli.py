@@ -12,6 +12,8 @@ import logging
 import os
 import sys
 
+import yaml
+
 from jaxserve import check_cli
 from jaxserve.config import DistributedConfig, EngineConfig
 
@@ -46,6 +48,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $JAXSERVE_API_KEY; none: open)")
+    p.add_argument("--api-keys-file", help="YAML or JSON mapping API key -> tenant: each key is accepted, and "
+                                           "tenants never share prefix-cache pages")
     p.add_argument("--served-model-name", help="the name clients use in 'model' (default: the model "
                                                "directory's name, 'jaxserve-tiny' for the embedded model)")
     p.add_argument("--request-timeout", type=float, help="seconds a request may wait and run before it ends "
@@ -89,12 +93,15 @@ def _follow(cfg: EngineConfig) -> int:
 
 
 def serve(args) -> int:
+    from jaxserve.server.app import read_api_keys
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = dataclasses.replace(engine_config(args), distributed=_distributed(args))
         if args.request_timeout is not None:
             cfg = dataclasses.replace(cfg, request_timeout_s=args.request_timeout)
-    except ValueError as e:
+        api_keys = None if args.api_keys_file is None else read_api_keys(args.api_keys_file)
+    except (ValueError, OSError, yaml.YAMLError) as e:
         sys.exit(f"jaxserve serve: {e}")
     if cfg.distributed is not None and not cfg.distributed.is_leader:
         return _follow(cfg)
@@ -103,7 +110,7 @@ def serve(args) -> int:
     def app_factory():
         from jaxserve.server.app import create_app
         return create_app(cfg, served_model_name=args.served_model_name, api_key=args.api_key,
-                          on_load_error=exit_on_load_error)
+                          on_load_error=exit_on_load_error, api_keys=api_keys)
 
     # A thread per request being served: every running and queued request, plus a few for probes.
     threads = cfg.max_num_seqs + cfg.max_queue_size + 8

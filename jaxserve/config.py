@@ -11,6 +11,8 @@ import yaml
 
 MAX_N = 16                             # choices per request
 MAX_LOGPROBS = 20                      # top-N logprobs per sampled token (the runner's sampler returns 20)
+MAX_LOGIT_BIAS = 300                   # logit_bias entries per request
+MAX_STOP_TOKEN_IDS = 64
 
 
 class InvalidRequest(ValueError):
@@ -190,6 +192,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None           # top-N logprobs per sampled token (0 = only the sampled one)
     priority: int = 0                     # 0 online, 1 batch (lower runs first)
+    min_tokens: int = 0                   # tokens before eos, stop_token_ids or a stop string may end it
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)   # token id -> added to its logit
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True      # in the output text
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last N tokens
+    cache_salt: str | None = None         # mixed into the prefix-cache keys: only equal salts share pages
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -210,6 +218,14 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"must be between 0 and {MAX_LOGPROBS}"),
             ("priority", self.priority in (0, 1), "must be 0 (online) or 1 (batch)"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be between 0 and max_tokens"),
+            ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
+                isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
+             f"must map at most {MAX_LOGIT_BIAS} token ids to biases between -100 and 100"),
+            ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+             f"must hold at most {MAX_STOP_TOKEN_IDS} token ids"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+             "must be at least 1"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -218,3 +234,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def prompt(self, token_ids: list[int]) -> list[int]:
+        """The prompt the engine runs: `token_ids` cut to their last truncate_prompt_tokens."""
+        k = self.truncate_prompt_tokens
+        return list(token_ids) if k is None else list(token_ids)[-k:]

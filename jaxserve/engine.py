@@ -72,6 +72,7 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     first_scheduled_time: float | None = None
+    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache
 
 
 @dataclasses.dataclass
@@ -124,13 +125,19 @@ class LLMEngine:
     def new_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
         """The one check of a request, at the edge (LLM.generate, EngineThread.submit): raises
-        InvalidRequest on a prompt the engine cannot serve. Safe to call from any thread."""
+        InvalidRequest on a prompt the engine cannot serve. Safe to call from any thread.
+        The prompt is first cut to params.truncate_prompt_tokens."""
+        prompt_token_ids = params.prompt(prompt_token_ids)
         if not prompt_token_ids:
             raise InvalidRequest("prompt is empty", param="prompt")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.model_cfg.vocab_size]
         if bad:
             raise InvalidRequest(f"prompt token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}",
                                  param="prompt")
+        bad = [t for t in params.logit_bias if t >= self.model_cfg.vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}",
+                                 param="logit_bias")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequest(f"this model's maximum context length is {self.max_model_len} tokens; "
@@ -145,8 +152,9 @@ class LLMEngine:
                                  param="prompt")
         request_id = request_id or f"req-{next(self._ids)}"
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        ends = tuple(dict.fromkeys(params.stop_token_ids + ([] if params.ignore_eos else sorted(self.eos_token_ids))))
         seqs = [Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=params,
-                         arrival_time=arrival, index=i) for i in range(params.n)]
+                         arrival_time=arrival, index=i, end_token_ids=ends) for i in range(params.n)]
         return Request(request_id, list(prompt_token_ids), params, arrival, seqs)
 
     def add(self, req: Request) -> str:
@@ -158,7 +166,8 @@ class LLMEngine:
             seq.seed = (req.params.seed + seq.index if req.params.seed is not None
                         else int(self._rng.integers(2**31)))
             self.scheduler.add(seq)
-        req.detoks = [IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids) for _ in req.seqs]
+        req.detoks = [IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens)
+                      for _ in req.seqs]
         req.texts, req.emitted = [""] * len(req.seqs), [0] * len(req.seqs)
         self._requests[req.request_id] = req
         self.stats["prompt_tokens"] += len(req.prompt_token_ids)
@@ -243,21 +252,23 @@ class LLMEngine:
         return dataclasses.replace(out, page_copies=[])
 
     def _advance(self, req: Request, seq: Sequence, res: SampleResult) -> CompletionOutput:
-        """Detokenize the new token, apply stop conditions, return the choice's delta."""
+        """Detokenize the new token, apply stop conditions, return the choice's delta. The sampler
+        bans the ending tokens before min_tokens outputs; stop strings are not looked for then."""
         p, i, token = req.params, seq.index, res.token
         reason = None
-        is_stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        is_stop_token = token in seq.end_token_ids
         if is_stop_token:
             reason = "stop"
-        else:
+        if not is_stop_token or p.include_stop_str_in_output:
             req.texts[i] += req.detoks[i].step([token])
-        if reason is None and p.stop:
+        if reason is None and p.stop and len(seq.output_token_ids) >= p.min_tokens:
             # Search only where a new match can start.
             start = max(0, req.emitted[i] - max(map(len, p.stop)))
             hits = [(req.texts[i].find(s, start), s) for s in p.stop]
             hits = [(pos, s) for pos, s in hits if pos >= 0]
             if hits:
-                req.texts[i] = req.texts[i][:min(hits)[0]]
+                pos, s = min(hits)
+                req.texts[i] = req.texts[i][:pos + len(s) if p.include_stop_str_in_output else pos]
                 reason = "stop"
         if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
@@ -271,14 +282,14 @@ class LLMEngine:
         end = max(req.emitted[i], len(req.texts[i]) - hold)
         text = req.texts[i][req.emitted[i]:end]
         req.emitted[i] = end
-        token_ids = [] if is_stop_token else [token]
+        token_ids = [] if is_stop_token and not p.include_stop_str_in_output else [token]
         return CompletionOutput(i, text, token_ids, [res] if p.logprobs is not None else None, reason)
 
     def _output(self, req: Request, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
         return RequestOutput(
             req.request_id, req.prompt_token_ids, outputs, finished, req.num_generated,
             req.arrival_time, req.first_token_time, time.monotonic() if finished else None,
-            req.first_scheduled_time)
+            req.first_scheduled_time, req.seqs[0].num_cached_tokens or 0)
 
 
 def _resolve_dtype(name: str):

@@ -26,9 +26,9 @@ from jaxserve import multihost, parallel, sizing
 from jaxserve.compilations import CompileCounter
 from jaxserve.attention import AttentionMetadata, pool_head_dim, resolve_backend
 from jaxserve.buckets import Buckets, StepShape, bucket
-from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models import build_model
-from jaxserve.sampling import SamplingMetadata, SampleOutput, sample, uses_penalties
+from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for, sample, sampler_variants
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 
@@ -108,7 +108,7 @@ class ModelRunner:
             batch = self._pack(dataclasses.replace(out, scheduled=rest))
             seqs = batch.sampling_seqs
             ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q], batch.arrays, seqs,
-                           self._sampling(seqs, seeds, len(batch.arrays[-1]))))  # logits_index: the logits' rows
+                           metadata_for(seqs, seeds, len(batch.arrays[-1]), self.max_model_len)))  # logits_index: the logits' rows
         message = [np.asarray(out.page_copies, np.int32).reshape(-1, 2)]
         for op in ops:
             message += op.message()
@@ -125,15 +125,6 @@ class ModelRunner:
                 results[seq.seq_id] = SampleResult(int(res.tokens[i]), float(res.logprobs[i]), top)
         return results
 
-    def _sampling(self, seqs: list, seeds: dict[int, int], rows: int) -> SamplingMetadata | None:
-        if not seqs:
-            return None
-        params = [s.sampling for s in seqs]
-        return SamplingMetadata.build(
-            params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-            [seeds[s.seq_id] for s in seqs], pad_to=rows,
-            history_len=self.max_model_len if any(map(uses_penalties, params)) else None)
-
     def _sequence_parallel_op(self, s, seeds: dict[int, int]) -> "_Op":
         """One prefill chunk for sequence_parallel_prefill: its tokens padded to a token bucket
         (a multiple of the "seq" size), (new, cached) token counts, the full-width page row."""
@@ -144,7 +135,7 @@ class ModelRunner:
         row[:len(seq.page_table)] = seq.page_table
         seqs = [seq] if s.num_sampled else []
         return _Op([_SEQUENCE_PARALLEL], (tokens, np.array([n, start], np.int32), row), seqs,
-                   self._sampling(seqs, seeds, 1))
+                   metadata_for(seqs, seeds, 1, self.max_model_len))
 
     def replay(self, message: list[np.ndarray]) -> list[SampleOutput | None]:
         """Launch one step's computations from its host arrays (see `_Op.message`): the page
@@ -299,13 +290,6 @@ def lower_step(step, params, kv_caches, shape: StepShape, max_pages_per_seq: int
     """`step` (from make_step) lowered for `shape` over an empty batch."""
     return step.func.lower(*step.args, params, kv_caches, *shape.empty_batch(max_pages_per_seq, padding_slot),
                            num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, **step.keywords)
-
-
-def sampler_variants(rows: int, max_model_len: int) -> list[SamplingMetadata]:
-    """The sampler's compiled variants for `rows` logit rows: without and with penalties."""
-    return [SamplingMetadata.build([SamplingParams(repetition_penalty=penalty)], [[0]], [[]], [0], pad_to=rows,
-                                   history_len=max_model_len if penalty != 1.0 else None)
-            for penalty in (1.0, 1.1)]
 
 
 def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int) -> tuple:

@@ -1,12 +1,13 @@
-"""On-device sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""On-device sampling: logit bias, min_tokens, penalties, temperature, top-k, top-p, min-p,
+per-request seeds, logprobs.
 
 The host packs each row's settings into fixed-shape arrays (`SamplingMetadata.build`); `sample`
 runs inside the jit-compiled step and only token ids and logprobs go back to the host.
 
-Order per row: penalties -> temperature -> top-k -> top-p -> min-p -> sample. Rows with
-temperature 0 or top_k 1 take the argmax of the penalised logits. Returned logprobs are of the
-model's raw distribution (log_softmax of the logits before penalties and temperature), as vLLM
-does by default.
+Order per row: logit bias (and min_tokens' ban of the ending tokens, a -inf bias) -> penalties
+-> temperature -> top-k -> top-p -> min-p -> sample. Rows with temperature 0 or top_k 1 take the
+argmax of the biased and penalised logits. Returned logprobs are of the model's raw distribution
+(log_softmax of the logits before bias, penalties and temperature), as vLLM does by default.
 
 Randomness: row i draws Gumbel noise from fold_in(key(seed_i), step_i) over the whole vocabulary
 in token order, so a seeded request samples the same tokens whatever else is in the batch, where
@@ -25,6 +26,9 @@ from flax import struct
 from jaxserve.config import SamplingParams
 
 MIN_HISTORY_LEN = 16
+# Bias entries per row when a row of the batch has any: logit_bias plus the tokens min_tokens
+# bans (the request's stop_token_ids and the model's eos ids).
+BIAS_WIDTH = 512
 
 
 def uses_penalties(p: SamplingParams) -> bool:
@@ -47,20 +51,31 @@ class SamplingMetadata:
     history: jax.Array             # int32[S, H]
     prompt_len: jax.Array          # int32[S] leading entries of `history` that are prompt
     logprobs: jax.Array            # bool[S] the row's request asked for logprobs
+    # Added to the logits: bias[i, j] to token bias_ids[i, j] (-1: padding). Shape [S, 0] when no
+    # row has a bias, which turns the bias code off (as `history` does the penalties).
+    bias_ids: jax.Array            # int32[S, B]
+    bias: jax.Array                # f32[S, B]
 
     @property
     def use_penalties(self) -> bool:
         return self.history.shape[1] > 0
 
+    @property
+    def use_bias(self) -> bool:
+        return self.bias_ids.shape[1] > 0
+
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_ids: list[list[int]],
               output_ids: list[list[int]], seeds: list[int], pad_to: int,
-              history_len: int | None = None) -> "SamplingMetadata":
+              history_len: int | None = None, end_token_ids: list[tuple[int, ...]] | None = None
+              ) -> "SamplingMetadata":
         """Numpy arrays for `len(params)` rows padded to `pad_to` greedy rows.
 
         `seeds` must be set for every row (the caller draws one for unseeded requests and gives
         each of a request's n sequences its own). `history_len` fixes the penalty history width
         (else the next power of two >= MIN_HISTORY_LEN); it is ignored when no row uses penalties.
+        `end_token_ids` are the tokens that end each row's sequence: banned while it has fewer
+        than min_tokens outputs.
         """
         n = len(params)
         if not (len(prompt_ids) == len(output_ids) == len(seeds) == n) or n > pad_to:
@@ -89,6 +104,19 @@ class SamplingMetadata:
             history[i, :len(ids)] = ids
             prompt_len[i] = len(prompt_ids[i])
 
+        biases = [dict(p.logit_bias) for p in params]
+        for i, ends in enumerate(end_token_ids or []):
+            if len(output_ids[i]) < params[i].min_tokens:
+                biases[i].update(dict.fromkeys(ends, -np.inf))
+        width = BIAS_WIDTH if any(biases) else 0
+        bias_ids = np.full((pad_to, width), -1, np.int32)
+        bias = np.zeros((pad_to, width), np.float32)
+        for i, b in enumerate(biases):
+            if len(b) > width:
+                raise ValueError(f"{len(b)} biased tokens in a row; the sampler takes {BIAS_WIDTH}")
+            bias_ids[i, :len(b)] = list(b)
+            bias[i, :len(b)] = list(b.values())
+
         return cls(
             temperature=column([p.temperature for p in params], 0.0, np.float32),
             top_k=column([p.top_k for p in params], 0, np.int32),
@@ -102,7 +130,30 @@ class SamplingMetadata:
             history=history,
             prompt_len=prompt_len,
             logprobs=column([p.logprobs is not None for p in params], False, np.bool_),
+            bias_ids=bias_ids,
+            bias=bias,
         )
+
+
+def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: int) -> SamplingMetadata | None:
+    """The sampler's arrays for the sequences that sample in a step, in row order (None: none).
+    A batch with penalties gets the full-context history width: one compiled variant."""
+    if not seqs:
+        return None
+    params = [s.sampling for s in seqs]
+    return SamplingMetadata.build(
+        params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+        [seeds[s.seq_id] for s in seqs], pad_to=rows,
+        history_len=max_model_len if any(map(uses_penalties, params)) else None,
+        end_token_ids=[s.end_token_ids for s in seqs])
+
+
+def sampler_variants(rows: int, max_model_len: int) -> list[SamplingMetadata]:
+    """The sampler's compiled variants for `rows` logit rows: with and without penalties, with
+    and without a bias."""
+    return [SamplingMetadata.build([SamplingParams(repetition_penalty=penalty, logit_bias=bias)], [[0]], [[]], [0],
+                                   pad_to=rows, history_len=max_model_len if penalty != 1.0 else None)
+            for penalty in (1.0, 1.1) for bias in ({}, {0: 1.0})]
 
 
 class SampleOutput(NamedTuple):
@@ -111,6 +162,12 @@ class SampleOutput(NamedTuple):
     logprobs: jax.Array      # f32[S] raw logprob of the sampled token
     top_ids: jax.Array       # int32[S, N] the N most likely tokens under the raw distribution
     top_logprobs: jax.Array  # f32[S, N]
+
+
+def apply_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    rows, vocab = logits.shape
+    ids = jnp.where(md.bias_ids < 0, vocab, md.bias_ids)  # padding -> out of range, dropped
+    return logits.at[jnp.arange(rows)[:, None], ids].add(md.bias, mode="drop")
 
 
 def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -169,8 +226,11 @@ def _random_sample(logits: jax.Array, md: SamplingMetadata, greedy: jax.Array) -
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def sample(logits: jax.Array, md: SamplingMetadata, *, num_logprobs: int = 0) -> SampleOutput:
     """Sample one token per row of `logits` [S, V]. `num_logprobs` (static) is the N of top_ids /
-    top_logprobs; penalties run only when `md.history` is non-empty (static shape)."""
+    top_logprobs; the bias and the penalties run only when their arrays are non-empty (static
+    shapes)."""
     raw = logits = logits.astype(jnp.float32)
+    if md.use_bias:
+        logits = apply_bias(logits, md)
     if md.use_penalties:
         logits = apply_penalties(logits, md)
     greedy = (md.temperature <= 0.0) | (md.top_k == 1)

@@ -194,7 +194,7 @@ class Scheduler:
             else:
                 if admit_budget == 0 or out.num_prefill_seqs >= self.cfg.max_prefill_seqs:
                     continue                                 # forks behind may still join
-                hit = self.bm.match_prefix(seq.token_ids)
+                hit = self.bm.match_prefix(seq.token_ids, seq.sampling.cache_salt)
                 n = min(seq.num_tokens - len(hit[0]) * self.bm.page_size, self.cfg.prefill_chunk_size, admit_budget)
                 if not self.bm.admit(seq, hit, n):
                     break

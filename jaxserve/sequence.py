@@ -27,11 +27,15 @@ class Sequence:
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     index: int = 0
     seed: int = 0                      # the sampler's seed for this choice (set by the engine)
+    # Tokens that end it (its stop_token_ids, and eos unless ignore_eos; set by the engine): the
+    # sampler bans them until it has min_tokens outputs.
+    end_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     # Guesses of the tokens after token_ids (speculative decoding). The next step that schedules
     # the sequence verifies them if all its tokens but the last are computed, and clears them.
     proposed_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0       # tokens whose K/V are in the cache
+    num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache when first admitted
     # Owned by the BlockManager: physical pages, and the chained prefix-cache keys of the
     # sequence's first len(page_hashes) full pages.
     page_table: list[int] = dataclasses.field(default_factory=list)

@@ -19,7 +19,7 @@ from jaxserve import factory
 from jaxserve.config import DistributedConfig, EngineConfig, SamplingParams
 from jaxserve.engine_thread import EngineThread
 
-# Small buckets: warm-up compiles 8 shapes (3 steps, 4 samplers, the page copy), kept between runs
+# Small buckets: warm-up compiles 12 shapes (3 steps, 8 samplers, the page copy), kept between runs
 # in the persistent cache the server tests use.
 ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=16, max_prefill_seqs=1,
               max_model_len=96, page_size=8, num_pages=48,

@@ -10,6 +10,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxserve.block_manager import BlockManager
+from jaxserve.config import SamplingParams
 from jaxserve.sequence import Sequence
 
 PS = 4
@@ -279,3 +280,29 @@ def test_reserve_fails_without_changes_when_pool_is_short():
     a = computed(bm, pool, range(8))
     before = snapshot(bm)
     assert bm.reserve(a, 1) is None and snapshot(bm) == before
+
+
+def test_cache_salts_never_share_pages():
+    """Equal prompts under different salts (tenants) neither hit each other's pages nor share one;
+    under the same salt they do."""
+    bm = BlockManager(16, PS)
+    pool = PagePool(bm)
+    tokens = list(range(13))                          # 3 full pages + 1
+
+    def computed_salted(salt, rid):
+        seq = Sequence(request_id=rid, prompt_token_ids=tokens, sampling=SamplingParams(cache_salt=salt))
+        hit = bm.match_prefix(seq.token_ids, salt)
+        assert bm.admit(seq, hit, seq.num_tokens - len(hit[0]) * PS)
+        pool.compute(seq, seq.num_tokens - seq.num_computed_tokens)
+        assert pool.read(seq.page_table, seq.num_tokens) == tokens
+        return seq
+
+    seqs = {salt: computed_salted(salt, salt or "none") for salt in ("tenant-a", "tenant-b", None)}
+    assert [s.num_cached_tokens for s in seqs.values()] == [0, 0, 0]
+    for a in seqs.values():
+        for b in seqs.values():
+            assert a is b or not set(a.page_table) & set(b.page_table)
+    again = computed_salted("tenant-a", "a2")
+    assert again.num_cached_tokens == 12 and again.page_table[:3] == seqs["tenant-a"].page_table[:3]
+    for salt in ("tenant-c", "", None):
+        assert bm.match_prefix(tokens, salt)[0] != seqs["tenant-a"].page_table[:3]

@@ -1,5 +1,7 @@
 """Engine: continuous batching, chunked prefill, preemption and prefix caching leave greedy
 outputs unchanged (vs the reference path and transformers), and every page comes back."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -189,6 +191,9 @@ def test_no_compilation_after_warmup(setup):
                     (3, 5, 0.0, 1, None, 1.0), (100, 20, 0.7, 1, 2, 1.0), (40, 30, 0.0, 2, None, 1.2),
                     (17, 60, 1.0, 1, None, 1.0), (64, 10, 0.0, 1, 5, 1.0), (9, 40, 0.5, 3, None, 1.1),
                     (1, 12, 0.0, 1, None, 1.0), (80, 25, 0.0, 1, None, 1.0)])]
+    # A logit bias, and min_tokens (which bans the stop token by a bias while it holds).
+    requests[3] = (requests[3][0], dataclasses.replace(requests[3][1], logit_bias={5: 2.0, 9: -1.0}))
+    requests[6] = (requests[6][0], dataclasses.replace(requests[6][1], min_tokens=6, stop_token_ids=[7]))
     for i in range(0, len(requests), 3):  # arrivals in waves: batch sizes and lengths vary
         _collect(engine, requests[i:i + 3] + requests[:i % 2])
     assert engine.scheduler.num_preemptions > 0  # the small pool forced preemption on the way

@@ -193,3 +193,30 @@ def test_seeded_rows_do_not_depend_on_the_batch():
         assert run(target, 1234, 1, others[:2], 4) == alone
         assert run(target, 1234, 0, [P(temperature=0.0)], 2) == alone
         assert run(target, 4321, 0, [], 1) != alone
+
+
+def test_logit_bias_and_min_tokens_ban_match_reference():
+    """Greedy rows pick the argmax of logits + bias (numpy); min_tokens bans a row's ending tokens
+    (-inf) until it has that many outputs; logprobs stay those of the raw logits; a batch with no
+    bias sends none (width 0)."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(5, 64)).astype(np.float32)
+    logits[:, 9] = 50.0                              # token 9 (an "eos") would win every row
+    params = [P(temperature=0.0, logit_bias={5: 100.0}),
+              P(temperature=0.0, logit_bias={9: -100.0, 3: 2.5, 17: -1.0}),
+              P(temperature=0.0, min_tokens=2, logprobs=1),
+              P(temperature=0.0, min_tokens=2),
+              P(temperature=0.0)]
+    outputs = [[], [], [1], [1, 2], []]
+    ends = [(9,), (9,), (9, 11), (9,), (9,)]
+    md = SamplingMetadata.build(params, [[0]] * 5, outputs, list(range(5)), 8, end_token_ids=ends)
+    out = sample(np.pad(logits, ((0, 3), (0, 0))), md, num_logprobs=1)
+    ref = logits.astype(np.float64)
+    ref[0, 5] += 100.0
+    ref[1, [9, 3, 17]] += [-100.0, 2.5, -1.0]
+    ref[2, [9, 11]] = -np.inf                         # 1 output < min_tokens 2: banned
+    np.testing.assert_array_equal(np.asarray(out.tokens)[:5], ref.argmax(-1))
+    assert out.tokens[0] == 5 and out.tokens[2] != 9 and out.tokens[3] == 9 and out.tokens[4] == 9
+    np.testing.assert_allclose(out.logprobs[2], log_softmax(logits[2])[out.tokens[2]], atol=1e-5)
+    assert build([P(min_tokens=1)], outputs=[[4]]).bias_ids.shape == (1, 0)   # no end ids given
+    assert build([P()]).bias_ids.shape == (1, 0)

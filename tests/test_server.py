@@ -127,7 +127,8 @@ def test_several_prompts_and_choices(server):
     body = dict(model=NAME, prompt=["ab", "cd"], n=2, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
     full = post(server, "/v1/completions", body).json()
     assert [c["index"] for c in full["choices"]] == [0, 1, 2, 3]
-    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 24, "total_tokens": 28}
+    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 24, "total_tokens": 28,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     texts = {c["index"]: "" for c in full["choices"]}
     for event in sse_events(post(server, "/v1/completions", {**body, "stream": True}, stream=True)):
         for c in event["choices"]:
@@ -201,7 +202,12 @@ HOSTILE = [  # (id, method, path, body: dict or raw bytes, extra headers, expect
     ("echo-with-logprobs", "POST", C, {**OK, "echo": True, "logprobs": 1}, {}, 400),
     ("best-of", "POST", C, {**OK, "best_of": 3}, {}, 400),
     ("logit-bias-wrong-type", "POST", C, {**OK, "logit_bias": "x"}, {}, 400),
-    ("logit-bias-unsupported", "POST", C, {**OK, "logit_bias": {"1": 100}}, {}, 400),
+    ("logit-bias-too-big", "POST", C, {**OK, "logit_bias": {"1": 101}}, {}, 400),
+    ("logit-bias-key-not-id", "POST", C, {**OK, "logit_bias": {"x": 1}}, {}, 400),
+    ("logit-bias-id-past-vocab", "POST", C, {**OK, "logit_bias": {"258": 1}}, {}, 400),
+    ("min-tokens-past-max-tokens", "POST", C, {**OK, "min_tokens": 3}, {}, 400),
+    ("truncate-prompt-tokens-zero", "POST", C, {**OK, "truncate_prompt_tokens": 0}, {}, 400),
+    ("cache-salt-empty", "POST", C, {**OK, "cache_salt": ""}, {}, 400),
     ("chat-no-messages", "POST", CHAT, {"model": NAME}, {}, 400),
     ("chat-empty-messages", "POST", CHAT, {**MSG, "messages": []}, {}, 400),
     ("chat-message-not-object", "POST", CHAT, {**MSG, "messages": ["hi"]}, {}, 400),

@@ -1,15 +1,17 @@
-"""Flask app factory: the OpenAI routes plus /health, /metrics, /tokenize, /detokenize, optional
-Bearer-token auth, and JSON errors for everything."""
+"""Flask app factory: the OpenAI routes plus /health, /metrics, /tokenize, /detokenize, /version,
+optional Bearer-token auth (one key, or per-tenant keys whose tenant salts the prefix cache of
+every request), and JSON errors for everything."""
 from __future__ import annotations
 
 import hmac
 import os
 
-from flask import Flask, Response, current_app, jsonify, request
+import yaml
+from flask import Flask, Response, current_app, g, jsonify, request
 
 from jaxserve.config import EngineConfig
 from jaxserve.server.errors import APIError, register_error_handlers
-from jaxserve.server.host import EngineHost
+from jaxserve.server.host import EngineHost, version
 from jaxserve.server.openai_api import bp as openai_bp, chat_prompt_ids
 from jaxserve.server.validation import field, is_int, json_body, messages
 
@@ -22,9 +24,22 @@ def model_name(model_dir: str | None) -> str:
     return TINY_MODEL_NAME if model_dir is None else os.path.basename(os.path.normpath(model_dir))
 
 
+def read_api_keys(path: str) -> dict[str, str]:
+    """An --api-keys-file: a YAML (or JSON) mapping of API key -> tenant name."""
+    with open(path) as f:
+        keys = yaml.safe_load(f)
+    if not (isinstance(keys, dict) and keys and all(isinstance(k, str) and k and isinstance(t, str) and t
+                                                    for k, t in keys.items())):
+        raise ValueError(f"{path} must map API keys to tenant names (non-empty strings)")
+    return keys
+
+
 def create_app(engine_cfg: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, on_load_error=None) -> Flask:
-    """Starts loading the engine in a background thread; /health says 503 until it is warm."""
+               max_body_bytes: int = MAX_BODY_BYTES, on_load_error=None,
+               api_keys: dict[str, str] | None = None) -> Flask:
+    """Starts loading the engine in a background thread; /health says 503 until it is warm.
+    `api_key` admits one key; `api_keys` (key -> tenant) several, each request's tenant (flask.g)
+    then salting its prefix cache."""
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.json.sort_keys = False
@@ -33,20 +48,30 @@ def create_app(engine_cfg: EngineConfig, served_model_name: str | None = None, a
     register_error_handlers(app)
     app.register_blueprint(openai_bp)
 
-    if api_key:
+    # key -> tenant. A lone --api-key has none (no salt); beside tenants' keys it is tenant "", so
+    # no request goes unsalted, whose client could then pick another tenant's salt itself.
+    tenants = {**({api_key: "" if api_keys else None} if api_key else {}), **(api_keys or {})}
+    if tenants:
         @app.before_request
         def _authenticate():
             if request.path in OPEN_ROUTES:
                 return
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            # Every key compared, so the time taken does not tell which key a guess came close to.
+            found = [t for key, t in tenants.items() if hmac.compare_digest(token.strip().encode(), key.encode())]
+            if scheme.lower() != "bearer" or not found:
                 raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                                code="invalid_api_key")
+            g.tenant = found[0]
 
     @app.get("/health")
     def health():
         _host().require_engine()
         return jsonify({"status": "ok"})
+
+    @app.get("/version")
+    def version_route():
+        return jsonify({"version": version()})
 
     @app.get("/metrics")
     def metrics():

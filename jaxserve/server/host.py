@@ -4,6 +4,10 @@ until it is ready), submits requests (engine refusals become HTTP errors), follo
 and drains on shutdown."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
 import logging
 import threading
 import time
@@ -22,6 +26,10 @@ class EngineHost:
         self.engine_cfg = engine_cfg
         self.model_name = model_name
         self.created = int(time.time())
+        # OpenAI's `system_fingerprint`: names the software version and engine settings that
+        # produced a response (a change of either may change outputs for equal seeds).
+        setup = json.dumps([version(), model_name, dataclasses.asdict(engine_cfg)], sort_keys=True, default=str)
+        self.system_fingerprint = "fp_" + hashlib.sha256(setup.encode()).hexdigest()[:12]
         self.metrics = Metrics()
         self.engine_thread = None          # the EngineClient (jaxserve.factory) once warm
         self.load_error: Exception | None = None
@@ -124,6 +132,10 @@ class EngineHost:
     def shutdown(self) -> None:
         if self.engine_thread is not None:
             self.engine_thread.shutdown(drain=False)
+
+
+def version() -> str:
+    return importlib.metadata.version("jaxserve")
 
 
 def _outputs(stream, alive, deadline: float | None, timeout: float | None) -> Iterator:

@@ -3,7 +3,9 @@
 A request with several prompts (completions) or n > 1 becomes one engine request per prompt with
 n choices each; choice index = prompt index * n + choice. Streaming follows OpenAI: one chunk per
 choice per engine step that produced text, the finish_reason on each choice's last chunk, with
-`stream_options.include_usage` a final chunk with empty `choices` and the usage, then [DONE].
+`stream_options.include_usage` a final chunk with empty `choices` and the usage, then [DONE]
+(with `continuous_usage_stats`, every chunk carries the usage so far). The usage's
+`prompt_tokens_details.cached_tokens` counts the prompt tokens found in the prefix cache.
 `timeout` (seconds, a vLLM-style extra) bounds a request's time in the server: past it the
 request ends with a 408 error (an error event in a stream) and its pages are freed.
 """
@@ -15,7 +17,7 @@ import uuid
 from typing import Callable
 
 import jinja2
-from flask import Blueprint, current_app, jsonify, request
+from flask import Blueprint, current_app, g, jsonify, request
 
 from jaxserve.server.asgi import client_gone
 from jaxserve.server.errors import APIError
@@ -38,11 +40,20 @@ def _check_model(body: dict, host) -> None:
                        param="model", code="model_not_found")
 
 
+def _model_card(host) -> dict:
+    return {"id": host.model_name, "object": "model", "created": host.created, "owned_by": "jaxserve"}
+
+
 @bp.get("/v1/models")
 def list_models():
+    return jsonify({"object": "list", "data": [_model_card(_host())]})
+
+
+@bp.get("/v1/models/<path:model>")
+def retrieve_model(model: str):
     host = _host()
-    return jsonify({"object": "list", "data": [
-        {"id": host.model_name, "object": "model", "created": host.created, "owned_by": "jaxserve"}]})
+    _check_model({"model": model}, host)
+    return jsonify(_model_card(host))
 
 
 @bp.post("/v1/completions")
@@ -51,8 +62,8 @@ def completions():
     body = json_body()
     _check_model(body, host)
     engine = host.require_engine().engine
-    params = sampling_params(body, chat=False, max_tokens=16)
-    stream, include_usage = stream_flags(body)
+    params = sampling_params(body, chat=False, max_tokens=16, tenant=g.get("tenant"))
+    stream, *usage_flags = stream_flags(body)
     echo = field(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
     if echo and params.logprobs is not None:
         raise APIError(400, "'echo' together with 'logprobs' is not supported (no prompt logprobs)",
@@ -64,8 +75,8 @@ def completions():
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = host.submit(ids, params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes)
-    return _respond(host, streams, choices, request_id, "text_completion", stream, include_usage,
-                    sum(map(len, ids)), timeout)
+    return _respond(host, streams, choices, request_id, "text_completion", stream, usage_flags,
+                    sum(len(params.prompt(i)) for i in ids), timeout)
 
 
 @bp.post("/v1/chat/completions")
@@ -76,27 +87,30 @@ def chat_completions():
     engine = host.require_engine().engine
     ids = chat_prompt_ids(engine.tokenizer, messages(body))
     # No max_tokens: up to the context length (the length check then reports an over-long prompt).
-    params = sampling_params(body, chat=True, max_tokens=max(1, engine.max_model_len - len(ids)))
-    stream, include_usage = stream_flags(body)
+    params = sampling_params(body, chat=True, max_tokens=max(1, engine.max_model_len - len(ids)),
+                             tenant=g.get("tenant"))
+    stream, *usage_flags = stream_flags(body)
     timeout = _timeout(body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = host.submit([ids], params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=True)
     return _respond(host, streams, choices, request_id, "chat.completion.chunk" if stream else "chat.completion",
-                    stream, include_usage, len(ids), timeout)
+                    stream, usage_flags, len(params.prompt(ids)), timeout)
 
 
 def _timeout(body: dict) -> float | None:
     return field(body, "timeout", lambda v: is_number(v) and v > 0, "a positive number of seconds", None)
 
 
-def _respond(host, streams, choices, request_id: str, obj: str, stream: bool, include_usage: bool,
+def _respond(host, streams, choices, request_id: str, obj: str, stream: bool, usage_flags: list[bool],
              prompt_tokens: int, timeout: float | None):
-    """The SSE stream, or the JSON body, of submitted requests."""
-    head = {"id": request_id, "object": obj, "created": int(time.time()), "model": host.model_name}
+    """The SSE stream, or the JSON body, of submitted requests. `usage_flags`: stream_options'
+    include_usage and continuous_usage_stats."""
+    head = {"id": request_id, "object": obj, "created": int(time.time()), "model": host.model_name,
+            "system_fingerprint": host.system_fingerprint}
     deltas = host.follow(streams, alive=_client_connected(request.environ), timeout=timeout)
     if stream:
-        return sse_response(_chunks(deltas, choices, head, include_usage, prompt_tokens))
+        return sse_response(_chunks(deltas, choices, head, *usage_flags, prompt_tokens))
     return jsonify({**head, **_collect(deltas, choices, prompt_tokens)})
 
 
@@ -171,24 +185,27 @@ def _client_connected(environ) -> Callable[[], bool]:
     return (lambda: True) if gone is None else (lambda: not gone.is_set())
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
 class _ChoiceDeltas:
-    """Iterates the choice deltas of a request's outputs, counting the completion tokens of
-    its finished prompts. The end of the iteration, early or not, closes `deltas`, which aborts
-    whatever has not finished (a client that left)."""
+    """Iterates the choice deltas of a request's outputs, keeping each prompt's completion and
+    cached token counts so far. The end of the iteration, early or not, closes `deltas`, which
+    aborts whatever has not finished (a client that left)."""
 
-    def __init__(self, deltas, choices: _Choices):
-        self.deltas, self.choices, self.completion_tokens = deltas, choices, 0
+    def __init__(self, deltas, choices: _Choices, prompt_tokens: int):
+        self.deltas, self.choices, self.prompt_tokens = deltas, choices, prompt_tokens
+        self.generated: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+
+    def usage(self) -> dict:
+        completion = sum(self.generated.values())
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
 
     def __iter__(self):
         try:
             for prompt_index, out in self.deltas:
-                if out.finished:
-                    self.completion_tokens += out.num_generated_tokens
+                self.generated[prompt_index] = out.num_generated_tokens
+                self.cached[prompt_index] = out.num_cached_tokens
                 for c in out.outputs:
                     d = self.choices.delta(prompt_index, c)
                     if d is not None:
@@ -197,18 +214,19 @@ class _ChoiceDeltas:
             self.deltas.close()
 
 
-def _chunks(deltas, choices: _Choices, head: dict, include_usage: bool, prompt_tokens: int):
-    followed = _ChoiceDeltas(deltas, choices)
+def _chunks(deltas, choices: _Choices, head: dict, include_usage: bool, continuous_usage: bool,
+            prompt_tokens: int):
+    followed = _ChoiceDeltas(deltas, choices, prompt_tokens)
     for choice in followed:
-        yield {**head, "choices": [choice]}
+        yield {**head, "choices": [choice], **({"usage": followed.usage()} if continuous_usage else {})}
     if include_usage:
-        yield {**head, "choices": [], "usage": _usage(prompt_tokens, followed.completion_tokens)}
+        yield {**head, "choices": [], "usage": followed.usage()}
 
 
 def _collect(deltas, choices: _Choices, prompt_tokens: int) -> dict:
     """The non-streaming body: every choice's deltas merged."""
     merged: dict[int, dict] = {}
-    followed = _ChoiceDeltas(deltas, choices)
+    followed = _ChoiceDeltas(deltas, choices, prompt_tokens)
     try:
         for d in followed:
             _merge(merged.setdefault(d["index"], {"index": d["index"]}), d)
@@ -223,7 +241,7 @@ def _collect(deltas, choices: _Choices, prompt_tokens: int) -> dict:
         else:
             out.append({"index": index, "text": d.get("text", ""), "logprobs": d.get("logprobs"),
                         "finish_reason": d.get("finish_reason")})
-    return {"choices": out, "usage": _usage(prompt_tokens, followed.completion_tokens)}
+    return {"choices": out, "usage": followed.usage()}
 
 
 def _merge(acc: dict, d: dict) -> None:

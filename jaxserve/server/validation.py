@@ -17,7 +17,7 @@ MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 # Set to anything but these "off" values, these fields get a 400.
-UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+UNSUPPORTED = {"suffix": (None, ""), "tools": (None, []), "functions": (None, []),
                "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
 
 
@@ -67,16 +67,18 @@ def reject_unsupported(body: dict) -> None:
             raise APIError(400, f"'{name}' is not supported by this server", param=name)
 
 
-def sampling_params(body: dict, *, chat: bool, max_tokens: int | None) -> SamplingParams:
+def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: str | None = None) -> SamplingParams:
     """The sampling fields shared by completions and chat. `max_tokens` is the default when the
-    body has none."""
+    body has neither max_completion_tokens nor max_tokens. A `tenant` (from the API key) salts the
+    prefix cache, with the body's cache_salt if any."""
     reject_unsupported(body)
     n = field(body, "n", is_int, "an integer", 1)
     best_of = field(body, "best_of", is_int, "an integer", n)
     if best_of != n:
         raise APIError(400, "'best_of' other than n is not supported", param="best_of")
+    max_tokens = field(body, "max_completion_tokens", is_int, "an integer",
+                       field(body, "max_tokens", is_int, "an integer", max_tokens))
     if chat:
-        max_tokens = field(body, "max_completion_tokens", is_int, "an integer", max_tokens)
         want = field(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
         top = field(body, "top_logprobs", is_int, "an integer", None)
         if top is not None and not want:
@@ -90,7 +92,7 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None) -> Sampli
     try:   # SamplingParams checks its values (ranges, non-empty stop strings) when built
         return SamplingParams(
             n=n,
-            max_tokens=field(body, "max_tokens", is_int, "an integer", max_tokens),
+            max_tokens=max_tokens,
             temperature=field(body, "temperature", is_number, "a number", 1.0),
             top_p=field(body, "top_p", is_number, "a number", 1.0),
             top_k=field(body, "top_k", is_int, "an integer", 0),
@@ -104,20 +106,45 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None) -> Sampli
                                  "a list of token ids", []),
             ignore_eos=field(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
             logprobs=logprobs,
+            min_tokens=field(body, "min_tokens", is_int, "an integer", 0),
+            logit_bias=_logit_bias(body),
+            include_stop_str_in_output=field(body, "include_stop_str_in_output", lambda v: isinstance(v, bool),
+                                             "a boolean", False),
+            skip_special_tokens=field(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean", True),
+            truncate_prompt_tokens=field(body, "truncate_prompt_tokens", is_int, "an integer", None),
+            cache_salt=cache_salt(body, tenant),
         )
     except InvalidRequest as e:
         param = "top_logprobs" if chat and e.param == "logprobs" else e.param
         raise APIError(400, str(e), param=param) from None
 
 
-def stream_flags(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage) from `stream` and `stream_options`."""
+def _logit_bias(body: dict) -> dict[int, float]:
+    """`logit_bias`: {"token id": bias} (JSON keys are strings); SamplingParams checks the ranges."""
+    bias = field(body, "logit_bias", lambda v: isinstance(v, dict) and all(map(is_number, v.values())),
+                 "an object mapping token ids to numbers", {})
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except ValueError:
+        raise APIError(400, "'logit_bias' keys must be token ids", param="logit_bias") from None
+
+
+def cache_salt(body: dict, tenant: str | None) -> str | None:
+    """The prefix-cache salt: the body's `cache_salt`, under the tenant's own when there is one, so
+    no body can reach another tenant's pages."""
+    salt = field(body, "cache_salt", lambda v: isinstance(v, str) and v, "a non-empty string", None)
+    return salt if tenant is None else json.dumps([tenant, salt])
+
+
+def stream_flags(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats) from `stream` and `stream_options`."""
     stream = field(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     options = field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     include_usage = field(options, "include_usage", lambda v: isinstance(v, bool), "a boolean", False)
+    continuous = field(options, "continuous_usage_stats", lambda v: isinstance(v, bool), "a boolean", False)
     if options and not stream:
         raise APIError(400, "'stream_options' needs 'stream': true", param="stream_options")
-    return stream, include_usage
+    return stream, include_usage, continuous
 
 
 def prompts(body: dict, encode) -> list[tuple[str | None, list[int]]]:

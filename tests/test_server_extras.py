@@ -1,0 +1,184 @@
+"""vLLM's request extras and tenant-salted prefix caching, through one real server (subprocess)
+started with per-tenant API keys. Generated text is checked against greedy loops over the same
+checkpoint in transformers, with the bias or ban applied to its logits."""
+import importlib.metadata
+import json
+import statistics
+
+import numpy as np
+import openai
+import pytest
+import requests
+import torch
+from transformers import AutoTokenizer
+
+from tests.hf_models import save_engine_model
+from tests.server_harness import TEST_ENGINE, ServerProcess
+
+NAME = "tiny-extras"
+MAX_LEN = 2048   # the engine settings of tests/test_server.py's server: its compilations are cached
+KEYS = {"key-a1": "tenant-a", "key-a2": "tenant-a", "key-b": "tenant-b"}
+EOS = 257
+PREFIX = 512     # shared prompt tokens: 16 pages of TEST_ENGINE's 32
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("model"))
+    hf = save_engine_model(path, vocab_size=258, max_position_embeddings=MAX_LEN)   # ids: bytes, <s>, </s>
+    return path, hf, AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("server")
+    keys_file = workdir / "keys.json"
+    keys_file.write_text(json.dumps(KEYS))
+    s = ServerProcess(workdir, model[0], "--served-model-name", NAME, "--api-keys-file", str(keys_file),
+                      max_queue_size=64, max_model_len=MAX_LEN,
+                      num_pages=TEST_ENGINE["max_num_seqs"] * MAX_LEN // TEST_ENGINE["page_size"])
+    s.wait_ready()
+    yield s
+    assert s.stop() == 0, s.log_tail()
+
+
+def client_for(server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return client_for(server, "key-a1")
+
+
+def hf_greedy(hf, ids: list[int], n: int, adjust=lambda step, logits: logits) -> tuple[list[int], list[float]]:
+    """n greedy tokens after `ids` in transformers, `adjust(step, logits)` editing each step's
+    logits, and the tokens' logprobs under the unedited logits."""
+    ids, out, logprobs = list(ids), [], []
+    with torch.no_grad():
+        for step in range(n):
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+            out.append(int(adjust(step, logits.clone()).argmax()))
+            logprobs.append(float(torch.log_softmax(logits, -1)[out[-1]]))
+            ids.append(out[-1])
+    return out, logprobs
+
+
+def biased(bias: dict[int, float]):
+    def adjust(step, logits):
+        for t, b in bias.items():
+            logits[t] += b
+        return logits
+    return adjust
+
+
+def complete(client, prompt, **extra):
+    return client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=extra.pop("max_tokens", 8),
+                                     extra_body=extra)
+
+
+def test_logit_bias_and_min_tokens_match_transformers(client, model):
+    _, hf, tok = model
+    prompt = tok.encode("The quick brown fox", add_special_tokens=False)
+    z, e = tok.encode("ze", add_special_tokens=False)
+    out = complete(client, prompt, logit_bias={str(z): 100}, ignore_eos=True)
+    assert out.choices[0].text == "z" * 8
+    bias = {z: 2.0, e: 3.5, 32: -4.0}
+    out = complete(client, prompt, logit_bias={str(t): b for t, b in bias.items()}, ignore_eos=True)
+    assert out.choices[0].text == tok.decode(hf_greedy(hf, prompt, 8, biased(bias))[0])
+
+    # A +100 eos bias ends every sequence at once, unless min_tokens bans eos for 4 tokens.
+    out = complete(client, prompt, logit_bias={str(EOS): 100})
+    assert (out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens) == ("", "stop", 1)
+    out = complete(client, prompt, logit_bias={str(EOS): 100}, min_tokens=4, logprobs=0)
+
+    def ban_eos_first_4(step, logits):
+        logits[EOS] = -np.inf if step < 4 else logits[EOS] + 100
+        return logits
+    ref, ref_logprobs = hf_greedy(hf, prompt, 5, ban_eos_first_4)
+    assert ref[4] == EOS and EOS not in ref[:4]
+    assert (out.choices[0].finish_reason, out.usage.completion_tokens) == ("stop", 5)
+    # The tokens, by their (raw) logprobs; the text holds back an incomplete last character.
+    assert out.choices[0].logprobs.token_logprobs == pytest.approx(ref_logprobs[:4], abs=1e-3)
+    assert out.choices[0].text == tok.decode(ref[:4]).rstrip("\ufffd")
+
+
+def test_stop_string_and_special_token_options(client, model):
+    _, hf, tok = model
+    prompt = tok.encode("Once upon a time", add_special_tokens=False)
+    letters = {t: 50.0 for t in tok.encode("abcdefghijklmnopqrstuvwxyz", add_special_tokens=False)}
+    text = tok.decode(hf_greedy(hf, prompt, 12, biased(letters))[0])   # the random model's text, in letters
+    stop = text[5:7]
+    pos = text.find(stop)
+    kw = dict(max_tokens=12, ignore_eos=True, stop=stop, logit_bias={str(t): b for t, b in letters.items()})
+    assert complete(client, prompt, **kw).choices[0].text == text[:pos]
+    out = complete(client, prompt, include_stop_str_in_output=True, **kw)
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (text[:pos + len(stop)], "stop")
+
+    eos_only = dict(max_tokens=3, ignore_eos=True, logit_bias={str(EOS): 100})
+    assert complete(client, prompt, **eos_only).choices[0].text == ""
+    assert complete(client, prompt, skip_special_tokens=False, **eos_only).choices[0].text == "</s>" * 3
+    out = complete(client, prompt, skip_special_tokens=False, include_stop_str_in_output=True,
+                   logit_bias={str(EOS): 100})
+    assert (out.choices[0].text, out.choices[0].finish_reason) == ("</s>", "stop")
+
+
+def test_limits_usage_and_info_routes(server, client, model):
+    _, hf, tok = model
+    prompt = tok.encode("A long prompt of twenty tokens.", add_special_tokens=False)[:20]
+    assert complete(client, prompt, max_tokens=None, max_completion_tokens=5, ignore_eos=True).usage.completion_tokens == 5
+    out = complete(client, prompt, truncate_prompt_tokens=6, ignore_eos=True)
+    assert out.usage.prompt_tokens == 6 and out.choices[0].text == tok.decode(hf_greedy(hf, prompt[-6:], 8)[0])
+
+    r = requests.post(server.url + "/v1/completions", headers={"Authorization": "Bearer key-b"}, stream=True,
+                      timeout=120, json={"model": NAME, "prompt": prompt, "max_tokens": 6, "ignore_eos": True,
+                                         "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    events = [json.loads(line[6:]) for line in r.iter_lines() if line and line != b"data: [DONE]"]
+    counts = [ev["usage"]["completion_tokens"] for ev in events]
+    assert counts == sorted(counts) and counts[-1] == 6 and len(set(counts)) > 1
+    assert all(ev["usage"]["prompt_tokens"] == 20 for ev in events)
+
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+    version = requests.get(server.url + "/version", headers={"Authorization": "Bearer key-a1"}, timeout=30).json()
+    assert version == {"version": importlib.metadata.version("jaxserve")}
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    fingerprints = {chat.system_fingerprint, out.system_fingerprint, *(ev["system_fingerprint"] for ev in events)}
+    assert len(fingerprints) == 1 and chat.system_fingerprint.startswith("fp_")
+
+
+def test_tenants_never_share_prefix_cache(server):
+    """A shared 512-token prefix: a second request of the same tenant (another key) finds it in
+    the prefix cache and answers sooner; the other tenant finds nothing, whatever cache_salt it
+    sends, and waits as long as a miss."""
+    clients = {key: client_for(server, key) for key in KEYS}
+
+    def first_token(key, prefix, suffix, **extra):
+        """(time to first token, cached tokens): the server's own TTFT (arrival to first token, from
+        /metrics), free of the HTTP round trip's noise."""
+        before = server.metrics()["jaxserve_time_to_first_token_seconds_sum"]
+        out = complete(clients[key], prefix + suffix, max_tokens=1, **extra)
+        seconds = server.metrics()["jaxserve_time_to_first_token_seconds_sum"] - before
+        return seconds, out.usage.prompt_tokens_details.cached_tokens
+
+    rng = np.random.default_rng(0)
+    ttft = {"miss": [], "hit": [], "other tenant": []}
+    for _ in range(5):
+        prefix = rng.integers(0, 256, PREFIX).tolist()
+        seconds, cached = first_token("key-a1", prefix, [1, 2, 3])
+        assert cached == 0
+        ttft["miss"].append(seconds)
+        seconds, cached = first_token("key-a2", prefix, [4, 5, 6])
+        assert cached == PREFIX
+        ttft["hit"].append(seconds)
+        seconds, cached = first_token("key-b", prefix, [7, 8, 9])
+        assert cached == 0
+        ttft["other tenant"].append(seconds)
+        # No salt a client sends reaches another tenant's pages (nor its own unsalted ones).
+        for key, salt in (("key-b", "tenant-a"), ("key-b", '["tenant-a", null]'), ("key-a1", "tenant-a")):
+            assert first_token(key, prefix, [10, 11, 12], cache_salt=salt)[1] == 0
+        assert first_token("key-a1", prefix, [13, 14, 15], cache_salt="tenant-a")[1] == PREFIX
+    medians = {k: statistics.median(v) for k, v in ttft.items()}
+    print("time to first token (median of 5, s):", medians)
+    assert medians["hit"] < medians["other tenant"], medians
