@@ -20,7 +20,7 @@ MAX_TOKENS = 1500
 # Room for STREAMS + 1 such requests; few step shapes to warm up.
 ENGINE = dict(max_model_len=1536, num_pages=200, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16)
 STREAMS = 3
-GROUP_RUNS = 4    # the path that raced (two exit handlers) under the former gunicorn server
+GROUP_RUNS = 2    # the path that raced (two exit handlers) under the former gunicorn server
 PARALLEL = 4
 
 
