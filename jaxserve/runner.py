@@ -267,9 +267,10 @@ class ModelRunner:
                 self.params, self.kv_caches, *shape.empty_batch(self.max_pages_per_seq, self.num_pages * self.page_size),
                 num_prefill_rows=shape.prefill_rows, max_q=shape.max_q)
             logits_by_rows[shape.decode_rows] = logits  # the sampler sees the step's own output layout
-            if shape.prefill_rows:   # prompt logprobs come from prefill steps, one variant per token bucket
-                empty = np.zeros(shape.tokens, np.int32)
-                jax.block_until_ready(self._prompt_logprobs(hidden, empty, empty))
+            # Prompt logprobs: one variant per step token count (a 1-token prompt chunk, cut by the
+            # token budget, rides in a decode-shaped step).
+            empty = np.zeros(shape.tokens, np.int32)
+            jax.block_until_ready(self._prompt_logprobs(hidden, empty, empty))
         for logits in logits_by_rows.values():
             for md in sampler_variants(len(logits), self.max_model_len):
                 jax.block_until_ready(sample(logits, md, num_logprobs=MAX_LOGPROBS))
