@@ -184,6 +184,8 @@ def test_limits_usage_and_info_routes(server, client, model):
         client.models.retrieve("gpt-17")
     version = requests.get(server.url + "/version", headers={"Authorization": "Bearer key-a1"}, timeout=30).json()
     assert version == {"version": importlib.metadata.version("jaxserve")}
+    info = requests.get(server.url + "/tokenizer_info", headers={"Authorization": "Bearer key-a1"}, timeout=30).json()
+    assert (info["eos_token"], info["eos_token_ids"], info["chat_template"]) == (tok.eos_token, [EOS], tok.chat_template)
     chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     fingerprints = {chat.system_fingerprint, out.system_fingerprint, *(ev["system_fingerprint"] for ev in events)}
     assert len(fingerprints) == 1 and chat.system_fingerprint.startswith("fp_")
