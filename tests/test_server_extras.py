@@ -107,6 +107,10 @@ def test_echo_logprobs_match_transformers(server, client, model):
     assert again.usage.prompt_tokens_details.cached_tokens == 0 and again.usage.completion_tokens == 0
     assert again.choices[0].text == tok.decode(prompts[0]) and again.choices[0].finish_reason == "length"
     assert again.choices[0].logprobs.token_logprobs[1:] == pytest.approx(out.choices[0].logprobs.token_logprobs[1:-1], abs=1e-5)
+    chunks = client.completions.create(model=NAME, prompt=prompts[1], echo=True, logprobs=1, max_tokens=1,
+                                       temperature=0, stream=True)
+    streamed = sum((ch.choices[0].logprobs.token_logprobs for ch in chunks if ch.choices[0].logprobs), [])
+    assert streamed[0] is None and streamed[1:] == pytest.approx(out.choices[1].logprobs.token_logprobs[1:], abs=1e-5)
     # vLLM's prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}}, the token and the top-N.
     body = requests.post(server.url + "/v1/completions", headers={"Authorization": "Bearer key-a1"}, timeout=120,
                          json={"model": NAME, "prompt": prompts[1], "max_tokens": 1, "prompt_logprobs": 2}).json()
