@@ -198,6 +198,7 @@ class SamplingParams:
     skip_special_tokens: bool = True      # in the output text
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last N tokens
     cache_salt: str | None = None         # mixed into the prefix-cache keys: only equal salts share pages
+    prompt_logprobs: int | None = None    # top-N logprobs per prompt token (0 = only the token's own)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -206,7 +207,8 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         checks = [
             ("n", 1 <= self.n <= MAX_N, f"must be between 1 and {MAX_N}"),
-            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+            ("max_tokens", self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+             "must be at least 1 (0, scoring the prompt only, needs prompt_logprobs)"),
             ("temperature", 0.0 <= self.temperature <= 2.0, "must be between 0 and 2"),
             ("top_k", self.top_k >= 0, "must be 0 or -1 (off) or positive"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
@@ -216,6 +218,8 @@ class SamplingParams:
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be between -2 and 2"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must hold non-empty strings"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"must be between 0 and {MAX_LOGPROBS}"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"must be between 0 and {MAX_LOGPROBS}"),
             ("priority", self.priority in (0, 1), "must be 0 (online) or 1 (batch)"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be between 0 and max_tokens"),

@@ -73,6 +73,8 @@ class RequestOutput:
     finish_time: float | None = None
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0         # prompt tokens found in the prefix cache
+    # With params.prompt_logprobs, on the request's first output: per prompt token but the first.
+    prompt_logprobs: list[SampleResult] | None = None
 
 
 @dataclasses.dataclass
@@ -89,6 +91,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_generated: int = 0
+    prompt_logprobs_sent: bool = False
 
 
 class LLMEngine:
@@ -134,6 +137,9 @@ class LLMEngine:
         if bad:
             raise InvalidRequest(f"prompt token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}",
                                  param="prompt")
+        if params.prompt_logprobs is not None and self.runner.prefills_sequence_parallel:
+            raise InvalidRequest("prompt_logprobs is not supported with sequence-parallel prefill",
+                                 param="prompt_logprobs")
         bad = [t for t in params.logit_bias if t >= self.model_cfg.vocab_size]
         if bad:
             raise InvalidRequest(f"logit_bias token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}",
@@ -143,8 +149,8 @@ class LLMEngine:
             raise InvalidRequest(f"this model's maximum context length is {self.max_model_len} tokens; "
                                  f"the prompt has {len(prompt_token_ids)} tokens and max_tokens is "
                                  f"{params.max_tokens} ({total} in total)", param="prompt")
-        # The last sampled token is never written to the cache.
-        pages = self.block_manager.pages_for(total - 1)
+        # The last sampled token is never written to the cache (max_tokens 0 samples one, dropped).
+        pages = self.block_manager.pages_for(len(prompt_token_ids) + max(params.max_tokens, 1) - 1)
         if pages > self.block_manager.num_pages:
             raise InvalidRequest(f"{len(prompt_token_ids)} prompt tokens + max_tokens={params.max_tokens} need "
                                  f"{pages} KV pages of {self.ecfg.page_size} tokens, but the pool has "
@@ -226,6 +232,10 @@ class LLMEngine:
                 continue
             seq, res = s.seq, results[s.seq.seq_id]
             req = self._requests[seq.request_id]
+            if req.params.max_tokens == 0:   # the prompt is scored: its sampled token is dropped
+                self.scheduler.finish(seq, "length")
+                deltas.setdefault(seq.request_id, []).append(CompletionOutput(seq.index, "", [], None, "length"))
+                continue
             req.num_generated += 1
             self.stats["generation_tokens"] += 1
             if req.first_token_time is None:
@@ -236,6 +246,9 @@ class LLMEngine:
             req = self._requests[request_id]
             finished = all(seq.is_finished for seq in req.seqs)
             outputs.append(self._output(req, choice_outputs, finished))
+            if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                # choice 0 scored the whole prompt before any choice sampled
+                outputs[-1].prompt_logprobs, req.prompt_logprobs_sent = req.seqs[0].prompt_logprobs, True
             if finished:
                 del self._requests[request_id]
                 self.stats["requests_finished"] += 1

@@ -51,6 +51,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
+    # {token id: Logprob} for that token and the top-N (vLLM's shape).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class LLM:
@@ -114,6 +117,7 @@ class LLM:
         from tqdm import tqdm
 
         engine = self.llm_engine
+        decode = self.get_tokenizer().decode
         requests = []
         for i, (p, sp) in enumerate(zip(ids, params)):
             try:
@@ -130,23 +134,27 @@ class LLM:
             while engine.has_unfinished():
                 for delta in engine.step():
                     final = results[delta.request_id]
+                    if delta.prompt_logprobs is not None:
+                        final.prompt_logprobs = [None] + [logprob_dict(r, decode) for r in delta.prompt_logprobs]
                     for c in delta.outputs:
                         acc = final.outputs[c.index]
                         acc.text += c.text
                         acc.token_ids += c.token_ids
                         if acc.logprobs is not None:
-                            acc.logprobs += [self._logprobs(r) for r in c.logprobs[:len(c.token_ids)]]
+                            acc.logprobs += [logprob_dict(r, decode) for r in c.logprobs[:len(c.token_ids)]]
                         acc.finish_reason = c.finish_reason or acc.finish_reason
                     if delta.finished:
                         final.finished = True
                         bar.update(1)
         return [results[req.request_id] for req in requests]
 
-    def _logprobs(self, r: "SampleResult") -> dict[int, Logprob]:
-        """vLLM's shape: the sampled token first, then the top-N, most likely first."""
-        decode = self.get_tokenizer().decode
-        ranks = {t: i + 1 for i, (t, _) in enumerate(r.top)}
-        out = {r.token: Logprob(r.logprob, ranks.get(r.token), decode([r.token], skip_special_tokens=False))}
-        for t, lp in r.top:
-            out.setdefault(t, Logprob(lp, ranks[t], decode([t], skip_special_tokens=False)))
-        return out
+
+def logprob_dict(r: "SampleResult", decode) -> dict[int, Logprob]:
+    """vLLM's shape: the (sampled or prompt) token first, then the top-N, most likely first.
+    `decode`: the tokenizer's."""
+    ranks = {t: i + 1 for i, (t, _) in enumerate(r.top)}
+    rank = r.rank if r.rank is not None else ranks.get(r.token)
+    out = {r.token: Logprob(r.logprob, rank, decode([r.token], skip_special_tokens=False))}
+    for t, lp in r.top:
+        out.setdefault(t, Logprob(lp, ranks[t], decode([t], skip_special_tokens=False)))
+    return out

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import multihost, parallel, sizing
+from jaxserve import multihost, parallel, prompt_logprobs, sizing
 from jaxserve.compilations import CompileCounter
 from jaxserve.attention import AttentionMetadata, pool_head_dim, resolve_backend
 from jaxserve.buckets import Buckets, StepShape, bucket
@@ -41,6 +41,7 @@ class SampleResult(NamedTuple):
     token: int
     logprob: float
     top: list[tuple[int, float]]  # requested top-N (token id, logprob), most likely first
+    rank: int | None = None       # the token's rank (1 = most likely); prompt logprobs only
 
 
 class ModelRunner:
@@ -109,6 +110,9 @@ class ModelRunner:
             seqs = batch.sampling_seqs
             ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q], batch.arrays, seqs,
                            metadata_for(seqs, seeds, len(batch.arrays[-1]), self.max_model_len)))  # logits_index: the logits' rows
+            if batch.prompt_logprobs is not None:   # scored from that step's hidden states
+                plp_seqs, plp_counts, plp_arrays = batch.prompt_logprobs
+                ops.append(_Op([_PROMPT_LOGPROBS], plp_arrays, plp_seqs, None))
         message = [np.asarray(out.page_copies, np.int32).reshape(-1, 2)]
         for op in ops:
             message += op.message()
@@ -117,6 +121,10 @@ class ModelRunner:
         results = {}
         for op, sampled in zip(ops, self.replay(message)):
             if not op.seqs:
+                continue
+            if op.static[0] == _PROMPT_LOGPROBS:
+                prompt_logprobs.accumulate(op.seqs, plp_counts, op.arrays[1], multihost.local_value(sampled),
+                                           SampleResult)
                 continue
             res: SampleOutput = multihost.local_value(sampled)
             for i, seq in enumerate(op.seqs):
@@ -149,9 +157,12 @@ class ModelRunner:
         while rest:
             (num_arrays, num_md, kind, *static), *rest = rest
             arrays, md, rest = rest[:num_arrays], rest[num_arrays:num_arrays + num_md], rest[num_arrays + num_md:]
+            if kind == _PROMPT_LOGPROBS:   # over the hidden states of the step just before
+                sampled.append(self._prompt_logprobs(hidden, *arrays))
+                continue
             if kind == _STEP:
-                logits, self.kv_caches = self._step(self.params, self.kv_caches, *arrays,
-                                                    num_prefill_rows=int(static[0]), max_q=int(static[1]))
+                logits, self.kv_caches, hidden = self._step(self.params, self.kv_caches, *arrays,
+                                                            num_prefill_rows=int(static[0]), max_q=int(static[1]))
             else:
                 tokens, (num_tokens, num_cached), row = arrays
                 logits, self.kv_caches = sequence_parallel_prefill(
@@ -159,6 +170,10 @@ class ModelRunner:
                     row, backend=self.backend)
             sampled.append(sample(logits, SamplingMetadata(*md), num_logprobs=MAX_LOGPROBS) if md else None)
         return sampled
+
+    def _prompt_logprobs(self, hidden, index, targets):
+        return prompt_logprobs.compute(self.model, self.params, hidden, index, targets, num_top=MAX_LOGPROBS,
+                                       logits_sharding=self._step.keywords["logits_sharding"])
 
     def follow(self) -> int:
         """The loop of processes other than 0 (multi-host): replay process 0's steps until it
@@ -212,7 +227,7 @@ class ModelRunner:
         seq_lens = np.zeros(sp + sd, np.int32)
         qsl = np.zeros(sp + sd + 1, np.int32)
         logits_index = np.zeros(sd, np.int32)  # sampling sequences first; sd >= their number
-        sampling_seqs = []
+        sampling_seqs, starts = [], []
         cursor = 0
         for r, s in enumerate(rows):
             if s is not None:
@@ -226,13 +241,14 @@ class ModelRunner:
                 used = -(-(start + n) // self.page_size)
                 page_table[r, :used] = pages[:used]
                 seq_lens[r] = start + n
+                starts.append((s, cursor))
                 cursor += n
                 if s.num_sampled:
                     logits_index[len(sampling_seqs)] = cursor - 1
                     sampling_seqs.append(seq)
             qsl[r + 1] = cursor
         arrays = (tokens, positions, slots, page_table, seq_lens, qsl, logits_index)
-        return _Batch(arrays, sampling_seqs, sp, max_q)
+        return _Batch(arrays, sampling_seqs, sp, max_q, prompt_logprobs.pack(starts, t))
 
     # ---- warm-up ----
     def warmup(self) -> int:
@@ -247,10 +263,14 @@ class ModelRunner:
             list(pool.map(lambda shape: self._lower_step(kv, shape).compile(), shapes))
         logits_by_rows = {}
         for shape in shapes:
-            logits, self.kv_caches = self._step(
+            logits, self.kv_caches, hidden = self._step(
                 self.params, self.kv_caches, *shape.empty_batch(self.max_pages_per_seq, self.num_pages * self.page_size),
                 num_prefill_rows=shape.prefill_rows, max_q=shape.max_q)
             logits_by_rows[shape.decode_rows] = logits  # the sampler sees the step's own output layout
+            # Prompt logprobs: one variant per step token count (a 1-token prompt chunk, cut by the
+            # token budget, rides in a decode-shaped step).
+            empty = np.zeros(shape.tokens, np.int32)
+            jax.block_until_ready(self._prompt_logprobs(hidden, empty, empty))
         for logits in logits_by_rows.values():
             for md in sampler_variants(len(logits), self.max_model_len):
                 jax.block_until_ready(sample(logits, md, num_logprobs=MAX_LOGPROBS))
@@ -327,7 +347,7 @@ def _step(model, params, kv_caches, tokens, positions, slot_mapping, page_table,
     # once for the sampler (see parallel.logits_sharding). No-ops on one device.
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
     logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(logits_sharding.mesh))
-    return logits, kv_caches
+    return logits, kv_caches, hidden   # hidden [T, H]: prompt logprobs read it, nothing else
 
 
 @functools.partial(jax.jit, donate_argnames=("kv_caches",))
@@ -343,11 +363,12 @@ def fill_kv_pages(kv_caches, pages, value):
             for k, v in kv_caches]
 
 
-_STEP, _SEQUENCE_PARALLEL = 0, 1
+_STEP, _SEQUENCE_PARALLEL, _PROMPT_LOGPROBS = 0, 1, 2
 
 
 class _Op(NamedTuple):
-    """One computation of a step (the batched step or a sequence-parallel prefill) and its sampler."""
+    """One computation of a step (the batched step, a sequence-parallel prefill, or the prompt
+    logprobs of the batched step just before) and its sampler."""
     static: list            # kind, then the static args (step: num_prefill_rows, max_q)
     arrays: tuple           # the computation's host arrays
     seqs: list              # the sequences it samples for, in row order
@@ -365,3 +386,4 @@ class _Batch(NamedTuple):
     sampling_seqs: list
     num_prefill_rows: int
     max_q: int
+    prompt_logprobs: tuple | None   # prompt_logprobs.pack's (seqs, counts, arrays), None: no row asks

@@ -125,7 +125,7 @@ class Scheduler:
         if not seq.prompt_token_ids:
             raise ValueError(f"request {seq.request_id}: empty prompt")
         # The last sampled token is never written to the cache.
-        need = self.bm.pages_for(seq.num_prompt_tokens + seq.sampling.max_tokens - 1)
+        need = self.bm.pages_for(seq.num_prompt_tokens + max(seq.sampling.max_tokens, 1) - 1)
         if need > self.bm.num_pages:
             raise ValueError(
                 f"request {seq.request_id}: {seq.num_prompt_tokens} prompt tokens + max_tokens="
@@ -194,7 +194,10 @@ class Scheduler:
             else:
                 if admit_budget == 0 or out.num_prefill_seqs >= self.cfg.max_prefill_seqs:
                     continue                                 # forks behind may still join
-                hit = self.bm.match_prefix(seq.token_ids, seq.sampling.cache_salt)
+                # Cached pages have no hidden states to score the prompt with (its pages are
+                # still cached for others).
+                hit = (self.bm.match_prefix(seq.token_ids, seq.sampling.cache_salt)
+                       if seq.sampling.prompt_logprobs is None else ([], []))
                 n = min(seq.num_tokens - len(hit[0]) * self.bm.page_size, self.cfg.prefill_chunk_size, admit_budget)
                 if not self.bm.admit(seq, hit, n):
                     break

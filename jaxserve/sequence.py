@@ -36,6 +36,9 @@ class Sequence:
     proposed_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0       # tokens whose K/V are in the cache
     num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache when first admitted
+    # With sampling.prompt_logprobs: entry k for prompt token k + 1 (filled by the runner, see
+    # jaxserve/prompt_logprobs.py).
+    prompt_logprobs: list = dataclasses.field(default_factory=list)
     # Owned by the BlockManager: physical pages, and the chained prefix-cache keys of the
     # sequence's first len(page_hashes) full pages.
     page_table: list[int] = dataclasses.field(default_factory=list)

@@ -119,7 +119,7 @@ def sharded_generate(cfg, params, mesh, sequence_parallel: bool, backend: str = 
     lens = np.array([len(p) for p in ps], np.int32)
     if sequence_parallel:
         prefix = 5
-        _, kv = step(params, kv, *step_args([ps[0][:prefix]], [0], rows[:1]))
+        _, kv, _ = step(params, kv, *step_args([ps[0][:prefix]], [0], rows[:1]))
         out = []
         for i, start in enumerate([prefix, 0]):
             new = ps[i][start:]
@@ -130,7 +130,7 @@ def sharded_generate(cfg, params, mesh, sequence_parallel: bool, backend: str = 
             out.append(np.asarray(logits)[0])
         logits = np.stack(out)
     else:
-        logits, kv = step(params, kv, *step_args(ps, [0, 0], rows))
+        logits, kv, _ = step(params, kv, *step_args(ps, [0, 0], rows))
     all_logits, out = [], []
     for i in range(NEW_TOKENS):
         logits = np.asarray(logits)
@@ -139,7 +139,7 @@ def sharded_generate(cfg, params, mesh, sequence_parallel: bool, backend: str = 
         if i == NEW_TOKENS - 1:
             break
         lens = lens + 1
-        logits, kv = step(params, kv, *decode_args(out[-1], lens))
+        logits, kv, _ = step(params, kv, *decode_args(out[-1], lens))
     return np.stack(out, 1), np.stack(all_logits, 1)
 
 

@@ -194,6 +194,9 @@ def test_no_compilation_after_warmup(setup):
     # A logit bias, and min_tokens (which bans the stop token by a bias while it holds).
     requests[3] = (requests[3][0], dataclasses.replace(requests[3][1], logit_bias={5: 2.0, 9: -1.0}))
     requests[6] = (requests[6][0], dataclasses.replace(requests[6][1], min_tokens=6, stop_token_ids=[7]))
+    # Prompt logprobs (chunked prefills of 64 and 80 tokens), one scoring the prompt only.
+    requests[4] = (requests[4][0], dataclasses.replace(requests[4][1], prompt_logprobs=3))
+    requests[7] = (requests[7][0], dataclasses.replace(requests[7][1], prompt_logprobs=0, max_tokens=0))
     for i in range(0, len(requests), 3):  # arrivals in waves: batch sizes and lengths vary
         _collect(engine, requests[i:i + 3] + requests[:i % 2])
     assert engine.scheduler.num_preemptions > 0  # the small pool forced preemption on the way

@@ -106,6 +106,24 @@ def test_requests_are_checked_before_any_runs(llm):
     assert engine.stats["steps"] == steps and not engine.has_unfinished()
 
 
+def test_prompt_logprobs_in_vllm_shape_match_transformers(llm, hf, reference):
+    """SamplingParams(prompt_logprobs=N): None for the first prompt token, then each prompt token's
+    logprob, rank and the top-N, from transformers' log-softmax in f32; max_tokens 0 scores only."""
+    ids = reference[0][1]
+    outs = llm.generate([ids, ids], [SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2),
+                                     SamplingParams(max_tokens=0, prompt_logprobs=0)], use_tqdm=False)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    assert outs[1].outputs[0].token_ids == [] and outs[1].outputs[0].finish_reason == "length"
+    for out, n in zip(outs, (2, 0)):
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for row, token, entry in zip(ref, ids[1:], out.prompt_logprobs[1:]):
+            top = torch.topk(row, n).indices.tolist()
+            assert list(entry) == [token] + [t for t in top if t != token]
+            assert entry[token].rank == 1 + int((row > row[token]).sum())
+            assert all(abs(lp.logprob - row[t].item()) < 1e-4 for t, lp in entry.items())
+
+
 def test_logprobs_in_vllm_shape_match_transformers(llm, hf, reference):
     ids, want = reference
     (out,) = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True),

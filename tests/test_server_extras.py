@@ -77,6 +77,51 @@ def complete(client, prompt, **extra):
                                      extra_body=extra)
 
 
+def hf_prompt_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' log-softmax in f32 at each prompt position but the last."""
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), -1)
+
+
+def test_echo_logprobs_match_transformers(server, client, model):
+    """An eval harness's loglikelihood requests: token-id prompts in a batch (one longer than the
+    prefill chunk), echo with logprobs 1 and max_tokens 1 or 0. Prompt logprobs skip the prefix
+    cache (cached pages have no hidden states) but their pages are cached for later requests."""
+    _, hf, tok = model
+    rng = np.random.default_rng(19)
+    prompts = [rng.integers(0, 256, 3 * TEST_ENGINE["prefill_chunk_size"] + 5).tolist(), rng.integers(0, 256, 9).tolist()]
+    refs = [hf_prompt_logprobs(hf, p) for p in prompts]
+    out = complete(client, prompts, echo=True, logprobs=1, max_tokens=1)
+    for c, p, ref in zip(out.choices, prompts, refs):
+        lp = c.logprobs
+        assert c.text.startswith(tok.decode(p)) and len(lp.tokens) == len(p) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        got = np.array(lp.token_logprobs[1:len(p)])
+        assert np.abs(got - ref[np.arange(len(p) - 1), p[1:]].numpy()).max() < 1e-4
+        assert [list(t) for t in lp.top_logprobs[1:len(p)]] == [[tok.decode([int(i)])] for i in ref.argmax(-1)]
+        assert lp.text_offset[len(p)] == len(tok.decode(p))   # the completion token follows the echo
+    # The same long prompt again: a prefix-cache hit is skipped, nothing else changes; max_tokens 0.
+    warm = complete(client, prompts[0] + [7], max_tokens=1)
+    assert warm.usage.prompt_tokens_details.cached_tokens >= 3 * TEST_ENGINE["page_size"]
+    again = complete(client, prompts[0], echo=True, logprobs=1, max_tokens=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0 and again.usage.completion_tokens == 0
+    assert again.choices[0].text == tok.decode(prompts[0]) and again.choices[0].finish_reason == "length"
+    assert again.choices[0].logprobs.token_logprobs[1:] == pytest.approx(out.choices[0].logprobs.token_logprobs[1:-1], abs=1e-5)
+    chunks = client.completions.create(model=NAME, prompt=prompts[1], echo=True, logprobs=1, max_tokens=1,
+                                       temperature=0, stream=True)
+    streamed = sum((ch.choices[0].logprobs.token_logprobs for ch in chunks if ch.choices[0].logprobs), [])
+    assert streamed[0] is None and streamed[1:] == pytest.approx(out.choices[1].logprobs.token_logprobs[1:], abs=1e-5)
+    # vLLM's prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}}, the token and the top-N.
+    body = requests.post(server.url + "/v1/completions", headers={"Authorization": "Bearer key-a1"}, timeout=120,
+                         json={"model": NAME, "prompt": prompts[1], "max_tokens": 1, "prompt_logprobs": 2}).json()
+    entries = body["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompts[1])
+    for row, token, entry in zip(refs[1], prompts[1][1:], entries[1:]):
+        assert entry[str(token)]["rank"] == 1 + int((row > row[token]).sum())
+        assert set(entry) == {str(token)} | {str(t) for t in torch.topk(row, 2).indices.tolist()}
+        assert all(abs(v["logprob"] - row[int(t)].item()) < 1e-4 for t, v in entry.items())
+
+
 def test_logit_bias_and_min_tokens_match_transformers(client, model):
     _, hf, tok = model
     prompt = tok.encode("The quick brown fox", add_special_tokens=False)
@@ -143,6 +188,8 @@ def test_limits_usage_and_info_routes(server, client, model):
         client.models.retrieve("gpt-17")
     version = requests.get(server.url + "/version", headers={"Authorization": "Bearer key-a1"}, timeout=30).json()
     assert version == {"version": importlib.metadata.version("jaxserve")}
+    info = requests.get(server.url + "/tokenizer_info", headers={"Authorization": "Bearer key-a1"}, timeout=30).json()
+    assert (info["eos_token"], info["eos_token_ids"], info["chat_template"]) == (tok.eos_token, [EOS], tok.chat_template)
     chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     fingerprints = {chat.system_fingerprint, out.system_fingerprint, *(ev["system_fingerprint"] for ev in events)}
     assert len(fingerprints) == 1 and chat.system_fingerprint.startswith("fp_")

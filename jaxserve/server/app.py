@@ -1,4 +1,5 @@
-"""Flask app factory: the OpenAI routes plus /health, /metrics, /tokenize, /detokenize, /version,
+"""Flask app factory: the OpenAI routes plus /health, /metrics, /tokenize, /detokenize,
+/tokenizer_info, /version,
 optional Bearer-token auth (one key, or per-tenant keys whose tenant salts the prefix cache of
 every request), and JSON errors for everything."""
 from __future__ import annotations
@@ -90,6 +91,15 @@ def create_app(engine_cfg: EngineConfig, served_model_name: str | None = None, a
             add_special = field(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean", True)
             tokens = engine.tokenizer.encode(text, add_special_tokens=add_special)
         return jsonify({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})
+
+    @app.get("/tokenizer_info")
+    def tokenizer_info():
+        """What a client needs to build prompts itself (as vLLM's route): the special tokens, the
+        ids that end generation, the chat template."""
+        engine = _host().require_engine().engine
+        tok = engine.tokenizer
+        return jsonify({**tok.special_tokens, "eos_token_ids": sorted(engine.eos_token_ids),
+                        "chat_template": tok.chat_template, "max_model_len": engine.max_model_len})
 
     @app.post("/detokenize")
     def detokenize():

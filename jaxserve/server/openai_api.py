@@ -11,6 +11,7 @@ request ends with a 408 error (an error event in a stream) and its pages are fre
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import uuid
@@ -19,6 +20,7 @@ from typing import Callable
 import jinja2
 from flask import Blueprint, current_app, g, jsonify, request
 
+from jaxserve.llm import logprob_dict
 from jaxserve.server.asgi import client_gone
 from jaxserve.server.errors import APIError
 from jaxserve.server.sse import sse_response
@@ -65,9 +67,6 @@ def completions():
     params = sampling_params(body, chat=False, max_tokens=16, tenant=g.get("tenant"))
     stream, *usage_flags = stream_flags(body)
     echo = field(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
-    if echo and params.logprobs is not None:
-        raise APIError(400, "'echo' together with 'logprobs' is not supported (no prompt logprobs)",
-                       param="echo")
     items = prompts(body, engine.tokenizer.encode)
     ids = [i for _, i in items]
     echoes = [t if t is not None else engine.tokenizer.decode(i) for t, i in items] if echo else None
@@ -129,24 +128,39 @@ class _Choices:
         self.tokenizer, self.n, self.chat, self.echoes = tokenizer, n, chat, echoes
         self.started: set[int] = set()
         self.offsets: dict[int, int] = {}    # completion logprobs' text_offset so far, per choice
+        self.prompts: dict[int, tuple] = {}  # prompt index -> (prompt ids, prompt logprobs), once scored
 
     def delta(self, prompt_index: int, c) -> dict | None:
         """The streamed choice for one delta, or None when it carries nothing."""
         index = prompt_index * self.n + c.index
         first = index not in self.started
         self.started.add(index)
-        text = c.text
-        if first and self.echoes is not None:
-            text = self.echoes[prompt_index] + text
+        text, start = c.text, self.offsets.get(index, 0)
         results = c.logprobs if c.logprobs is not None and c.token_ids else None
-        if not (text or results or c.finish_reason or (first and self.chat)):
+        scored = self.prompts.get(prompt_index) if first else None
+        if not (text or results or c.finish_reason or (first and self.chat) or scored):
             return None
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             return {"index": index, "delta": delta, "logprobs": self._chat_logprobs(results),
                     "finish_reason": c.finish_reason}
-        return {"index": index, "text": text, "logprobs": self._completion_logprobs(index, text, results),
-                "finish_reason": c.finish_reason}
+        parts = []   # legacy logprobs: with echo, the prompt's tokens first (the first has none)
+        if first and self.echoes is not None:
+            if scored is not None:
+                ids, plps = scored
+                parts.append(self._completion_logprobs(0, [(ids[0], None, None)] + [r[:3] for r in plps]))
+            start = len(self.echoes[prompt_index])
+            text = self.echoes[prompt_index] + text
+        if results is not None:
+            parts.append(self._completion_logprobs(start, [r[:3] for r in results]))
+        self.offsets[index] = start + len(c.text)
+        logprobs = {k: sum((p[k] for p in parts), []) for k in parts[0]} if parts else None
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        if scored is not None:   # vLLM's prompt_logprobs
+            decode = self.tokenizer.decode
+            choice["prompt_logprobs"] = [None] + [
+                {str(t): dataclasses.asdict(lp) for t, lp in logprob_dict(r, decode).items()} for r in scored[1]]
+        return choice
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -161,19 +175,17 @@ class _Choices:
         return {"content": [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
                             for r in results]}
 
-    def _completion_logprobs(self, index: int, text: str, results) -> dict | None:
-        start = self.offsets.get(index, 0)
-        self.offsets[index] = start + len(text)
-        if results is None:
-            return None
-        tokens = [self._token(r.token) for r in results]
+    def _completion_logprobs(self, start: int, entries: list[tuple]) -> dict:
+        """The legacy format for (token id, logprob, top) entries whose text begins at character
+        `start`; logprob and top are None for a prompt's first token."""
+        tokens = [self._token(token) for token, _, _ in entries]
         tops = []
-        for r in results:
-            top = {}
-            for t, lp in r.top:   # most likely first; tokens that decode alike keep the best
+        for _, _, pairs in entries:
+            top = None if pairs is None else {}
+            for t, lp in pairs or ():   # most likely first; tokens that decode alike keep the best
                 top.setdefault(self._token(t), max(lp, MIN_LOGPROB))
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [max(r.logprob, MIN_LOGPROB) for r in results],
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else max(lp, MIN_LOGPROB) for _, lp, _ in entries],
                 "top_logprobs": tops,
                 "text_offset": list(itertools.accumulate([start] + [len(t) for t in tokens[:-1]]))}
 
@@ -206,6 +218,8 @@ class _ChoiceDeltas:
             for prompt_index, out in self.deltas:
                 self.generated[prompt_index] = out.num_generated_tokens
                 self.cached[prompt_index] = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    self.choices.prompts[prompt_index] = (out.prompt_token_ids, out.prompt_logprobs)
                 for c in out.outputs:
                     d = self.choices.delta(prompt_index, c)
                     if d is not None:
@@ -240,7 +254,8 @@ def _collect(deltas, choices: _Choices, prompt_tokens: int) -> dict:
                         "logprobs": d.get("logprobs"), "finish_reason": d.get("finish_reason")})
         else:
             out.append({"index": index, "text": d.get("text", ""), "logprobs": d.get("logprobs"),
-                        "finish_reason": d.get("finish_reason")})
+                        "finish_reason": d.get("finish_reason"),
+                        **({"prompt_logprobs": d["prompt_logprobs"]} if "prompt_logprobs" in d else {})})
     return {"choices": out, "usage": followed.usage()}
 
 
@@ -249,6 +264,8 @@ def _merge(acc: dict, d: dict) -> None:
     text = d["delta"].get("content", "") if "delta" in d else d["text"]
     key = "content" if "delta" in d else "text"
     acc[key] = acc.get(key, "") + text
+    if "prompt_logprobs" in d:
+        acc["prompt_logprobs"] = d["prompt_logprobs"]
     if d["logprobs"] is not None:
         lp = acc.setdefault("logprobs", {})
         for k, v in d["logprobs"].items():

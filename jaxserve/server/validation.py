@@ -84,8 +84,14 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: s
         if top is not None and not want:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         logprobs = (top or 0) if want else None
+        if "prompt_logprobs" in body:
+            raise APIError(400, "'prompt_logprobs' is supported on /v1/completions only", param="prompt_logprobs")
+        prompt_logprobs = None
     else:
         logprobs = field(body, "logprobs", is_int, "an integer", None)
+        # vLLM's field, or the legacy API's echo with logprobs (the prompt's logprobs come first)
+        prompt_logprobs = field(body, "prompt_logprobs", is_int, "an integer",
+                                logprobs if body.get("echo") is True else None)
     stop = field(body, "stop", lambda v: isinstance(v, (str, list)), "a string or a list of strings", [])
     if len(stop if isinstance(stop, list) else [stop]) > MAX_STOP_STRINGS:
         raise APIError(400, f"'stop' must hold at most {MAX_STOP_STRINGS} strings", param="stop")
@@ -106,6 +112,7 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: s
                                  "a list of token ids", []),
             ignore_eos=field(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             min_tokens=field(body, "min_tokens", is_int, "an integer", 0),
             logit_bias=_logit_bias(body),
             include_stop_str_in_output=field(body, "include_stop_str_in_output", lambda v: isinstance(v, bool),
