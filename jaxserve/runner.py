@@ -153,7 +153,7 @@ class ModelRunner:
         copies, *rest = message
         if len(copies):
             self.copy_pages(copies)
-        sampled = []
+        sampled, hidden = [], None
         while rest:
             (num_arrays, num_md, kind, *static), *rest = rest
             arrays, md, rest = rest[:num_arrays], rest[num_arrays:num_arrays + num_md], rest[num_arrays + num_md:]
