@@ -263,11 +263,18 @@ class ModelRunner:
         Returns the number of compilations it took."""
         before, t0 = CompileCounter.count, time.perf_counter()
         shapes = self.buckets.warmup_shapes(self.prefills_sequence_parallel)
-        # XLA compiles with the GIL released: the step shapes compile side by side (abstract KV
-        # caches, so nothing is donated), and the calls below find them compiled.
+        # XLA compiles with the GIL released: the step shapes and the sampler variants of each
+        # row count compile side by side (abstract KV caches, so nothing is donated; the step's
+        # logits come out replicated), and the calls below find them compiled.
         kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_caches)
+        lowerings = [functools.partial(self._lower_step, kv, shape) for shape in shapes]
+        for rows in sorted({shape.decode_rows for shape in shapes}):
+            logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32,
+                                          sharding=parallel.replicated(self.mesh))
+            lowerings += [functools.partial(sample.lower, logits, md, num_logprobs=MAX_LOGPROBS)
+                          for md in sampler_variants(rows, self.max_model_len)]
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
-            list(pool.map(lambda shape: self._lower_step(kv, shape).compile(), shapes))
+            list(pool.map(lambda lower: lower().compile(), lowerings))
         logits_by_rows = {}
         for shape in shapes:
             logits, self.kv_caches = self._step(
