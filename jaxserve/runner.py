@@ -3,7 +3,7 @@ jit-compiled step (KV write + paged attention + logits), then samples on device.
 
 Rows of a step: prefill rows first (sequences bringing more than one new token), then decode
 rows (one new token each, longest context first), padded to the static shapes of buckets.py,
-all compiled at warm-up (`warmup_lowerings`, which `jaxserve check` compiles for TPU too).
+all compiled at warm-up (the pieces at the end of this file, which `jaxserve check` compiles for TPU too).
 Page tables are always full width: every attention path reads K/V only up to the real context
 lengths (the XLA path in a loop bounded by them, see pallas_kernels/paged_attention/xla.py),
 so padded rows and unused page-table columns cost next to nothing.
@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -259,31 +259,20 @@ class ModelRunner:
 
     # ---- warm-up ----
     def warmup(self) -> int:
-        """Compile every bucket (and the sampler for each row count) before serving.
-        Returns the number of compilations it took."""
+        """Compile every bucket and sampler variant before serving; returns the compilations it took."""
         before, t0 = CompileCounter.count, time.perf_counter()
         shapes = self.buckets.warmup_shapes(self.prefills_sequence_parallel)
-        # XLA compiles with the GIL released: the step shapes and the sampler variants of each
-        # row count compile side by side (abstract KV caches, so nothing is donated; the step's
-        # logits come out replicated), and the calls below find them compiled.
+        # XLA compiles with the GIL released: the step shapes and sampler variants compile side by
+        # side (abstract KV caches, so nothing is donated); the step calls and serving find them compiled.
         kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_caches)
-        lowerings = [functools.partial(self._lower_step, kv, shape) for shape in shapes]
-        for rows in sorted({shape.decode_rows for shape in shapes}):
-            logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32,
-                                          sharding=parallel.replicated(self.mesh))
-            lowerings += [functools.partial(sample.lower, logits, md, num_logprobs=MAX_LOGPROBS)
-                          for md in sampler_variants(rows, self.max_model_len)]
+        lowerings = [functools.partial(self._lower_step, kv, shape) for shape in shapes] + [
+            lower for _, lower in sampler_lowerings(shapes, self.cfg.vocab_size, self.mesh, self.max_model_len)]
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
             list(pool.map(lambda lower: lower().compile(), lowerings))
-        logits_by_rows = {}
         for shape in shapes:
-            logits, self.kv_caches = self._step(
+            _, self.kv_caches = self._step(
                 self.params, self.kv_caches, *shape.empty_batch(self.max_pages_per_seq, self.num_pages * self.page_size),
                 num_prefill_rows=shape.prefill_rows, max_q=shape.max_q)
-            logits_by_rows[shape.decode_rows] = logits  # the sampler sees the step's own output layout
-        for logits in logits_by_rows.values():
-            for md in sampler_variants(len(logits), self.max_model_len):
-                jax.block_until_ready(sample(logits, md, num_logprobs=MAX_LOGPROBS))
         if self.prefills_sequence_parallel:   # the sequence-parallel prefill of each token bucket
             for t in self.buckets.tokens:
                 _, self.kv_caches = sequence_parallel_prefill(
@@ -327,6 +316,14 @@ def sampler_variants(rows: int, max_model_len: int) -> list[SamplingMetadata]:
     return [SamplingMetadata.build([SamplingParams(repetition_penalty=penalty)], [[0]], [[]], [0], pad_to=rows,
                                    history_len=max_model_len if penalty != 1.0 else None)
             for penalty in (1.0, 1.1)]
+
+
+def sampler_lowerings(shapes: list[StepShape], vocab_size: int, mesh, max_model_len: int) -> list[tuple[str, Any]]:
+    """(name, lower) of the sampler variants the steps of `shapes` feed (their logits: replicated)."""
+    return [(f"sampler-{rows}{'-penalties' if md.use_penalties else ''}", functools.partial(
+        sample.lower, jax.ShapeDtypeStruct((rows, vocab_size), jnp.float32, sharding=parallel.replicated(mesh)),
+        md, num_logprobs=MAX_LOGPROBS)) for rows in sorted({s.decode_rows for s in shapes})
+        for md in sampler_variants(rows, max_model_len)]
 
 
 def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int) -> tuple:
