@@ -275,8 +275,7 @@ class ModelRunner:
                 num_prefill_rows=shape.prefill_rows, max_q=shape.max_q)
         if self.prefills_sequence_parallel:   # the sequence-parallel prefill of each token bucket
             for t in self.buckets.tokens:
-                _, self.kv_caches = sequence_parallel_prefill(
-                    self.model, self.mesh, self.params, self.kv_caches,
+                _, self.kv_caches = sequence_parallel_prefill(self.model, self.mesh, self.params, self.kv_caches,
                     *empty_sequence_parallel_prefill(t, self.max_pages_per_seq), backend=self.backend)
         self.copy_pages([(0, 0)])
         jax.block_until_ready(self.kv_caches)
@@ -320,10 +319,10 @@ def sampler_variants(rows: int, max_model_len: int) -> list[SamplingMetadata]:
 
 def sampler_lowerings(shapes: list[StepShape], vocab_size: int, mesh, max_model_len: int) -> list[tuple[str, Any]]:
     """(name, lower) of the sampler variants the steps of `shapes` feed (their logits: replicated)."""
-    return [(f"sampler-{rows}{'-penalties' if md.use_penalties else ''}", functools.partial(
-        sample.lower, jax.ShapeDtypeStruct((rows, vocab_size), jnp.float32, sharding=parallel.replicated(mesh)),
-        md, num_logprobs=MAX_LOGPROBS)) for rows in sorted({s.decode_rows for s in shapes})
-        for md in sampler_variants(rows, max_model_len)]
+    rows = sorted({s.decode_rows for s in shapes})
+    return [(f"sampler-{r}{'-penalties' if md.use_penalties else ''}", functools.partial(
+        sample.lower, jax.ShapeDtypeStruct((r, vocab_size), jnp.float32, sharding=parallel.replicated(mesh)), md,
+        num_logprobs=MAX_LOGPROBS)) for r in rows for md in sampler_variants(r, max_model_len)]
 
 
 def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int) -> tuple:
