@@ -28,9 +28,8 @@ from jaxserve.buckets import Buckets, StepShape
 from jaxserve.checkpoint import param_shapes
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models import build_model
-from jaxserve.runner import (MAX_LOGPROBS, copy_kv_pages, empty_sequence_parallel_prefill, kv_pool, lower_step,
-                             make_step, page_copy_batches)
-from jaxserve.sampling import sample, sampler_variants
+from jaxserve.runner import (copy_kv_pages, empty_sequence_parallel_prefill, kv_pool, lower_step, make_step,
+                             page_copy_batches, sampler_lowerings)
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step_cost import step_cost
 
@@ -153,11 +152,8 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
 
     work = [(s.name, lambda s=s: lower_step(step, params, kv, s, max_pages, num_pages * ecfg.page_size))
             for s in shapes]
-    for rows in sorted({s.decode_rows for s in shapes} if samplers else ()):
-        logits = jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.float32, sharding=parallel.replicated(mesh))
-        work += [(f"sampler-{rows}{'-penalties' if md.use_penalties else ''}",
-                  lambda md=md, logits=logits: sample.lower(logits, md, num_logprobs=MAX_LOGPROBS))
-                 for md in sampler_variants(rows, ecfg.max_model_len or cfg.max_position_embeddings)]
+    if samplers:
+        work += sampler_lowerings(shapes, cfg.vocab_size, mesh, ecfg.max_model_len or cfg.max_position_embeddings)
     if mesh.shape["seq"] > 1:
         work += [(f"sequence-parallel-prefill-{t}", lambda t=t: sequence_parallel_prefill.lower(
             model, mesh, params, kv, *empty_sequence_parallel_prefill(t, max_pages), backend=backend))

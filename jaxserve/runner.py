@@ -3,7 +3,7 @@ jit-compiled step (KV write + paged attention + logits), then samples on device.
 
 Rows of a step: prefill rows first (sequences bringing more than one new token), then decode
 rows (one new token each, longest context first), padded to the static shapes of buckets.py,
-all compiled at warm-up (`warmup_lowerings`, which `jaxserve check` compiles for TPU too).
+all compiled at warm-up (the pieces at the end of this file, which `jaxserve check` compiles for TPU too).
 Page tables are always full width: every attention path reads K/V only up to the real context
 lengths (the XLA path in a loop bounded by them, see pallas_kernels/paged_attention/xla.py),
 so padded rows and unused page-table columns cost next to nothing.
@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -252,28 +252,24 @@ class ModelRunner:
 
     # ---- warm-up ----
     def warmup(self) -> int:
-        """Compile every bucket (and the sampler for each row count) before serving.
-        Returns the number of compilations it took."""
+        """Compile every bucket and sampler variant before serving; returns the compilations it took."""
         before, t0 = CompileCounter.count, time.perf_counter()
         shapes = self.buckets.warmup_shapes(self.prefills_sequence_parallel)
-        # XLA compiles with the GIL released: the step shapes compile side by side (abstract KV
-        # caches, so nothing is donated), and the calls below find them compiled.
+        # XLA compiles with the GIL released: the step shapes and sampler variants compile side by
+        # side (abstract KV caches, so nothing is donated); the step calls and serving find them compiled.
         kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_caches)
+        lowerings = [functools.partial(self._lower_step, kv, shape) for shape in shapes] + [
+            lower for _, lower in sampler_lowerings(shapes, self.cfg.vocab_size, self.mesh, self.max_model_len)]
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
-            list(pool.map(lambda shape: self._lower_step(kv, shape).compile(), shapes))
-        logits_by_rows = {}
+            list(pool.map(lambda lower: lower().compile(), lowerings))
         for shape in shapes:
-            logits, self.kv_caches, hidden = self._step(
+            _, self.kv_caches, hidden = self._step(
                 self.params, self.kv_caches, *shape.empty_batch(self.max_pages_per_seq, self.num_pages * self.page_size),
                 num_prefill_rows=shape.prefill_rows, max_q=shape.max_q)
-            logits_by_rows[shape.decode_rows] = logits  # the sampler sees the step's own output layout
             # Prompt logprobs: one variant per step token count (a 1-token prompt chunk, cut by the
             # token budget, rides in a decode-shaped step).
             empty = np.zeros(shape.tokens, np.int32)
             jax.block_until_ready(self._prompt_logprobs(hidden, empty, empty))
-        for logits in logits_by_rows.values():
-            for md in sampler_variants(len(logits), self.max_model_len):
-                jax.block_until_ready(sample(logits, md, num_logprobs=MAX_LOGPROBS))
         if self.prefills_sequence_parallel:   # the sequence-parallel prefill of each token bucket
             for t in self.buckets.tokens:
                 _, self.kv_caches = sequence_parallel_prefill(
@@ -310,6 +306,17 @@ def lower_step(step, params, kv_caches, shape: StepShape, max_pages_per_seq: int
     """`step` (from make_step) lowered for `shape` over an empty batch."""
     return step.func.lower(*step.args, params, kv_caches, *shape.empty_batch(max_pages_per_seq, padding_slot),
                            num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, **step.keywords)
+
+
+def sampler_lowerings(shapes: list[StepShape], vocab_size: int, mesh, max_model_len: int) -> list[tuple[str, Any]]:
+    """(name, lower) of the sampler variants the steps of `shapes` feed (their logits: replicated)."""
+    rows = sorted({s.decode_rows for s in shapes})
+
+    def name(r, md):
+        return f"sampler-{r}{'-penalties' if md.use_penalties else ''}{'-bias' if md.use_bias else ''}"
+    return [(name(r, md), functools.partial(
+        sample.lower, jax.ShapeDtypeStruct((r, vocab_size), jnp.float32, sharding=parallel.replicated(mesh)), md,
+        num_logprobs=MAX_LOGPROBS)) for r in rows for md in sampler_variants(r, max_model_len)]
 
 
 def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int) -> tuple:
