@@ -12,6 +12,9 @@ import time
 import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+
+from tests.hf_models import save_engine_model
 
 # Few buckets: 4 decode shapes (1-8 sequences, one page bucket) + 2 prefill shapes to compile.
 # The XLA cache is shared by the test servers of all test processes and kept between runs.
@@ -19,6 +22,19 @@ TEST_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, prefill_chunk_size
                    max_model_len=128, page_size=32, num_pages=64,
                    compilation_cache_dir=os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache"))
 READY_TIMEOUT_S = 900   # a cold compilation cache on a busy 2-core machine
+
+# The API tests' server (test_server.py, test_server_extras.py: same settings, so the second
+# finds its compilations cached): a byte-level model, every id a byte or <s> / </s>, with a
+# context long enough that a batch of requests runs for seconds even on a quiet machine.
+BYTES_MAX_LEN = 2048
+BYTES_ENGINE = dict(max_queue_size=64, max_model_len=BYTES_MAX_LEN,
+                    num_pages=TEST_ENGINE["max_num_seqs"] * BYTES_MAX_LEN // TEST_ENGINE["page_size"])
+
+
+def save_bytes_model(path: str):
+    """(path, the transformers model, its tokenizer) of a seeded byte-level model saved at path."""
+    hf = save_engine_model(path, vocab_size=258, max_position_embeddings=BYTES_MAX_LEN)
+    return path, hf, AutoTokenizer.from_pretrained(path)
 
 
 def free_port() -> int:

@@ -14,29 +14,22 @@ import openai
 import pytest
 import requests
 import torch
-from transformers import AutoTokenizer
 
-from tests.hf_models import save_engine_model
-from tests.server_harness import TEST_ENGINE, ServerProcess
+from tests.server_harness import BYTES_ENGINE, BYTES_MAX_LEN, ServerProcess, save_bytes_model
 
 NAME = "jaxserve-tiny"   # served under the embedded model's name, so the README examples run as written
-# Long enough that a batch of requests runs for seconds even on a quiet machine (the abort tests).
-MAX_LEN = 2048
+MAX_LEN = BYTES_MAX_LEN
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("model"))
-    hf = save_engine_model(path, vocab_size=258, max_position_embeddings=MAX_LEN)   # ids: bytes, <s>, </s>
-    return path, hf, AutoTokenizer.from_pretrained(path)
+    return save_bytes_model(str(tmp_path_factory.mktemp("model")))
 
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    s = ServerProcess(tmp_path_factory.mktemp("server"), model[0], "--served-model-name", NAME,
-                      max_queue_size=64, max_model_len=MAX_LEN,
-                      num_pages=TEST_ENGINE["max_num_seqs"] * MAX_LEN // TEST_ENGINE["page_size"])
+    s = ServerProcess(tmp_path_factory.mktemp("server"), model[0], "--served-model-name", NAME, **BYTES_ENGINE)
     s.wait_ready()
     yield s
     assert s.stop() == 0, s.log_tail()

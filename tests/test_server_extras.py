@@ -10,13 +10,11 @@ import openai
 import pytest
 import requests
 import torch
-from transformers import AutoTokenizer
 
-from tests.hf_models import save_engine_model
-from tests.server_harness import TEST_ENGINE, ServerProcess
+from tests.server_harness import BYTES_ENGINE, BYTES_MAX_LEN, TEST_ENGINE, ServerProcess, save_bytes_model
 
 NAME = "tiny-extras"
-MAX_LEN = 2048   # the engine settings of tests/test_server.py's server: its compilations are cached
+MAX_LEN = BYTES_MAX_LEN
 KEYS = {"key-a1": "tenant-a", "key-a2": "tenant-a", "key-b": "tenant-b"}
 EOS = 257
 PREFIX = 512     # shared prompt tokens: 16 pages of TEST_ENGINE's 32
@@ -24,9 +22,7 @@ PREFIX = 512     # shared prompt tokens: 16 pages of TEST_ENGINE's 32
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("model"))
-    hf = save_engine_model(path, vocab_size=258, max_position_embeddings=MAX_LEN)   # ids: bytes, <s>, </s>
-    return path, hf, AutoTokenizer.from_pretrained(path)
+    return save_bytes_model(str(tmp_path_factory.mktemp("model")))
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +31,7 @@ def server(model, tmp_path_factory):
     keys_file = workdir / "keys.json"
     keys_file.write_text(json.dumps(KEYS))
     s = ServerProcess(workdir, model[0], "--served-model-name", NAME, "--api-keys-file", str(keys_file),
-                      max_queue_size=64, max_model_len=MAX_LEN,
-                      num_pages=TEST_ENGINE["max_num_seqs"] * MAX_LEN // TEST_ENGINE["page_size"])
+                      **BYTES_ENGINE)
     s.wait_ready()
     yield s
     assert s.stop() == 0, s.log_tail()

@@ -14,11 +14,12 @@ import requests
 from tests.hf_models import save_engine_model
 from tests.server_harness import ServerProcess
 
-# Long enough (about 5 s on a quiet 2-core box) that all requests are still in flight when the
-# signal lands, however unevenly they started on a loaded machine (600 tokens once finished early).
-MAX_TOKENS = 1500
+# Long enough (about 7 s on a quiet 2-core box) that all requests are still in flight when the
+# signal lands, though the test process may stall for seconds while the box runs four servers
+# (600 and 1500 tokens, 1.5 ms a step, finished early).
+MAX_TOKENS = 4000
 # Room for STREAMS + 1 such requests; few step shapes to warm up.
-ENGINE = dict(max_model_len=1536, num_pages=200, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16)
+ENGINE = dict(max_model_len=4096, num_pages=520, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16)
 STREAMS = 3
 GROUP_RUNS = 2    # the path that raced (two exit handlers) under the former gunicorn server
 PARALLEL = 4
@@ -41,6 +42,7 @@ def _send(server: ServerProcess, to_group: bool, sig: int) -> None:
 def _start_requests(server: ServerProcess, pool):
     """STREAMS streamed and one non-streamed completion, each running in the engine."""
     body = {"prompt": "hi", "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+    plain = pool.submit(requests.post, server.url + "/v1/completions", json=body, timeout=120)
     streams = []
     for i in range(STREAMS):
         r = requests.post(server.url + "/v1/completions", stream=True, timeout=120, json={
@@ -48,7 +50,6 @@ def _start_requests(server: ServerProcess, pool):
         lines = r.iter_lines()
         assert next(lines).startswith(b"data: ")
         streams.append(lines)
-    plain = pool.submit(requests.post, server.url + "/v1/completions", json=body, timeout=120)
     deadline = time.monotonic() + 30
     while server.metrics()["jaxserve_num_sequences_running"] < STREAMS + 1:
         assert time.monotonic() < deadline, "the requests did not all start"
