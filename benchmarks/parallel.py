@@ -28,11 +28,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from benchmarks.common import RESULTS_DIR, markdown_table, write_text  # noqa: E402
 from benchmarks.hlo_collectives import hlo_collectives  # noqa: E402
-from jaxserve import parallel, runner  # noqa: E402
+from jaxserve import parallel  # noqa: E402
 from jaxserve.checkpoint import param_shapes  # noqa: E402
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.models import build_model  # noqa: E402
 from jaxserve.sequence_parallel import sequence_parallel_prefill  # noqa: E402
+from jaxserve.step import model_step  # noqa: E402
 
 LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
                  intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -70,7 +71,7 @@ def runner_step_hlo(cfg, mesh, tokens: int, rows: int, max_q: int) -> str:
     arrays = (int32s(mesh, tokens), int32s(mesh, tokens), int32s(mesh, tokens),
               int32s(mesh, rows, PAGES_PER_SEQ), int32s(mesh, rows), int32s(mesh, rows + 1),
               int32s(mesh, rows))
-    return runner._step.lower(
+    return model_step.lower(
         build_model(cfg, DTYPE), params, kv, *arrays, backend="xla", num_prefill_rows=None,
         max_q=max_q, kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
         logits_sharding=parallel.logits_sharding(cfg, mesh)).compile().as_text()

@@ -28,8 +28,8 @@ from jaxserve.buckets import Buckets, StepShape
 from jaxserve.checkpoint import param_shapes
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models import build_model
-from jaxserve.runner import (copy_kv_pages, empty_sequence_parallel_prefill, kv_pool, lower_step, make_step,
-                             page_copy_batches, sampler_lowerings)
+from jaxserve.step import (copy_kv_pages, empty_sequence_parallel_prefill, kv_pool, lower_step, make_step,
+                           page_copy_batches, sampler_lowerings)
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step_cost import step_cost
 

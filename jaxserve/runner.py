@@ -3,7 +3,8 @@ jit-compiled step (KV write + paged attention + logits), then samples on device.
 
 Rows of a step: prefill rows first (sequences bringing more than one new token), then decode
 rows (one new token each, longest context first), padded to the static shapes of buckets.py,
-all compiled at warm-up (the pieces at the end of this file, which `jaxserve check` compiles for TPU too).
+all compiled at warm-up (the pieces of step.py, which `jaxserve check` compiles for TPU too;
+the packing: packing.py).
 Page tables are always full width: every attention path reads K/V only up to the real context
 lengths (the XLA path in a loop bounded by them, see pallas_kernels/paged_attention/xla.py),
 so padded rows and unused page-table columns cost next to nothing.
@@ -16,7 +17,7 @@ import functools
 import logging
 import os
 import time
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,17 +25,18 @@ import numpy as np
 
 from jaxserve import multihost, parallel, prompt_logprobs, sizing
 from jaxserve.compilations import CompileCounter
-from jaxserve.attention import AttentionMetadata, pool_head_dim, resolve_backend
+from jaxserve.attention import resolve_backend
 from jaxserve.buckets import Buckets, StepShape, bucket
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
 from jaxserve.models import build_model
-from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for, sample, sampler_variants
+from jaxserve.packing import pack
+from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for, sample
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
+from jaxserve.step import (copy_kv_pages, empty_sequence_parallel_prefill, fill_kv_pages, kv_pool, lower_step,
+                           make_step, page_copy_batches, sampler_lowerings)
 
 log = logging.getLogger(__name__)
-
-MAX_LOGPROBS = 20
 
 
 class SampleResult(NamedTuple):
@@ -106,7 +108,8 @@ class ModelRunner:
         ops = [self._sequence_parallel_op(s, seeds) for s in out.scheduled if split and s.num_query_tokens > 1]
         rest = [s for s in out.scheduled if not (split and s.num_query_tokens > 1)]
         if rest:
-            batch = self._pack(dataclasses.replace(out, scheduled=rest))
+            batch = pack(dataclasses.replace(out, scheduled=rest), self.buckets, self.max_pages_per_seq,
+                         self.num_pages, self.page_size)
             seqs = batch.sampling_seqs
             ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q], batch.arrays, seqs,
                            metadata_for(seqs, seeds, len(batch.arrays[-1]), self.max_model_len)))  # logits_index: the logits' rows
@@ -201,55 +204,6 @@ class ModelRunner:
         batch[:len(pages)] = pages
         self.kv_caches = fill_kv_pages(self.kv_caches, batch, np.float32("nan"))
 
-    def _pack(self, out: SchedulerOutput) -> "_Batch":
-        prefill = [s for s in out.scheduled if s.num_query_tokens > 1]
-        decode = sorted((s for s in out.scheduled if s.num_query_tokens == 1),
-                        key=lambda s: -s.seq.num_computed_tokens)
-        num_tokens = out.num_tokens
-        if prefill:
-            if len(prefill) > self.buckets.prefill_rows[-1]:
-                raise ValueError(f"{len(prefill)} prefill rows > max_prefill_seqs")
-            sp = bucket(len(prefill), self.buckets.prefill_rows)
-            t = bucket(num_tokens, self.buckets.tokens)
-            sd = self.buckets.decode[-1]
-            max_q = bucket(max(s.num_query_tokens for s in prefill), self.buckets.max_q_options(t))
-        else:
-            sp = 0
-            sd = bucket(len(decode), self.buckets.decode)
-            t = sd
-            max_q = 1
-        p = self.max_pages_per_seq
-        rows: list = prefill + [None] * (sp - len(prefill)) + decode + [None] * (sd - len(decode))
-        tokens = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        slots = np.full(t, self.num_pages * self.page_size, np.int32)  # padding: not written
-        page_table = np.zeros((sp + sd, p), np.int32)
-        seq_lens = np.zeros(sp + sd, np.int32)
-        qsl = np.zeros(sp + sd + 1, np.int32)
-        logits_index = np.zeros(sd, np.int32)  # sampling sequences first; sd >= their number
-        sampling_seqs, starts = [], []
-        cursor = 0
-        for r, s in enumerate(rows):
-            if s is not None:
-                seq, n = s.seq, s.num_query_tokens
-                start = seq.num_computed_tokens
-                pos = np.arange(start, start + n)
-                pages = np.asarray(seq.page_table, np.int32)
-                tokens[cursor:cursor + n] = s.query_token_ids
-                positions[cursor:cursor + n] = pos
-                slots[cursor:cursor + n] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
-                used = -(-(start + n) // self.page_size)
-                page_table[r, :used] = pages[:used]
-                seq_lens[r] = start + n
-                starts.append((s, cursor))
-                cursor += n
-                if s.num_sampled:
-                    logits_index[len(sampling_seqs)] = cursor - 1
-                    sampling_seqs.append(seq)
-            qsl[r + 1] = cursor
-        arrays = (tokens, positions, slots, page_table, seq_lens, qsl, logits_index)
-        return _Batch(arrays, sampling_seqs, sp, max_q, prompt_logprobs.pack(starts, t))
-
     # ---- warm-up ----
     def warmup(self) -> int:
         """Compile every bucket and sampler variant before serving; returns the compilations it took."""
@@ -286,90 +240,6 @@ class ModelRunner:
                           self.num_pages * self.page_size)
 
 
-# ---- What warm-up compiles, from pieces that `jaxserve check` (check.py) lowers the same way for
-# compile-only TPU devices, with ShapeDtypeStructs for the weights and the KV pools.
-def make_step(model, cfg: ModelConfig, mesh, backend: str):
-    """The step with its static arguments for `mesh`: call it as (params, kv_caches, *arrays,
-    num_prefill_rows=, max_q=)."""
-    return functools.partial(_step, model, backend=backend, kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
-                             logits_sharding=parallel.logits_sharding(cfg, mesh))
-
-
-def kv_pool(cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype) -> jax.ShapeDtypeStruct:
-    """One layer's K (or V) page pool (the layout: see jaxserve/attention.py)."""
-    head_dim = pool_head_dim(cfg.head_dim, parallel.platform(mesh))
-    return jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size, head_dim), dtype,
-                                sharding=parallel.kv_cache_sharding(cfg, mesh))
-
-
-def lower_step(step, params, kv_caches, shape: StepShape, max_pages_per_seq: int, padding_slot: int):
-    """`step` (from make_step) lowered for `shape` over an empty batch."""
-    return step.func.lower(*step.args, params, kv_caches, *shape.empty_batch(max_pages_per_seq, padding_slot),
-                           num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, **step.keywords)
-
-
-def sampler_lowerings(shapes: list[StepShape], vocab_size: int, mesh, max_model_len: int) -> list[tuple[str, Any]]:
-    """(name, lower) of the sampler variants the steps of `shapes` feed (their logits: replicated)."""
-    rows = sorted({s.decode_rows for s in shapes})
-
-    def name(r, md):
-        return f"sampler-{r}{'-penalties' if md.use_penalties else ''}{'-bias' if md.use_bias else ''}"
-    return [(name(r, md), functools.partial(
-        sample.lower, jax.ShapeDtypeStruct((r, vocab_size), jnp.float32, sharding=parallel.replicated(mesh)), md,
-        num_logprobs=MAX_LOGPROBS)) for r in rows for md in sampler_variants(r, max_model_len)]
-
-
-def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int) -> tuple:
-    """sequence_parallel_prefill's arrays for no token (nothing written)."""
-    return np.zeros(tokens, np.int32), np.int32(0), np.int32(0), np.zeros(max_pages_per_seq, np.int32)
-
-
-def page_copy_batches(copies, max_copies: int, num_pages: int):
-    """(src, dst) page pairs as copy_kv_pages' fixed-size (src, dst) arrays, padded with
-    copies to page num_pages (out of range: dropped)."""
-    copies = np.asarray(copies, np.int32).reshape(-1, 2)
-    for start in range(0, len(copies), max_copies):
-        chunk = copies[start:start + max_copies]
-        src = np.zeros(max_copies, np.int32)
-        dst = np.full(max_copies, num_pages, np.int32)
-        src[:len(chunk)], dst[:len(chunk)] = chunk[:, 0], chunk[:, 1]
-        yield src, dst
-
-
-# Module-level jits with the model as a static argument: engines with the same model and shapes
-# share compilations within a process.
-@functools.partial(jax.jit, static_argnames=("model", "backend", "num_prefill_rows", "max_q",
-                                             "kv_sharding", "logits_sharding"),
-                   donate_argnames=("kv_caches",))
-def _step(model, params, kv_caches, tokens, positions, slot_mapping, page_table, seq_lens,
-          query_start_loc, logits_index, *, backend, num_prefill_rows, max_q, kv_sharding,
-          logits_sharding):
-    meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_table=page_table,
-                             seq_lens=seq_lens, query_start_loc=query_start_loc, max_q=max_q,
-                             num_prefill_rows=num_prefill_rows, backend=backend, kv_sharding=kv_sharding,
-                             platform=parallel.platform(kv_sharding.mesh))
-    hidden, kv_caches = model.apply({"params": params}, tokens, positions, kv_caches, meta)
-    logits = model.apply({"params": params}, hidden[logits_index], method=model.logits)
-    # Under tensor parallelism: keep the lm_head matmul vocab-split, then gather the logits
-    # once for the sampler (see parallel.logits_sharding). No-ops on one device.
-    logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(logits_sharding.mesh))
-    return logits, kv_caches, hidden   # hidden [T, H]: prompt logprobs read it, nothing else
-
-
-@functools.partial(jax.jit, donate_argnames=("kv_caches",))
-def copy_kv_pages(kv_caches, src, dst):
-    # Copy-on-write: page dst takes page src's K/V in every layer; dst out of range = no-op.
-    return [(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop")) for k, v in kv_caches]
-
-
-@functools.partial(jax.jit, donate_argnames=("kv_caches",))
-def fill_kv_pages(kv_caches, pages, value):
-    # Every listed page takes `value` in K and V of every layer; pages out of range = no-op.
-    return [(k.at[pages].set(value.astype(k.dtype), mode="drop"), v.at[pages].set(value.astype(v.dtype), mode="drop"))
-            for k, v in kv_caches]
-
-
 _STEP, _SEQUENCE_PARALLEL, _PROMPT_LOGPROBS = 0, 1, 2
 
 
@@ -387,10 +257,3 @@ class _Op(NamedTuple):
         md = [] if self.md is None else [np.asarray(getattr(self.md, f.name)) for f in dataclasses.fields(self.md)]
         return [np.array([len(self.arrays), len(md), *self.static], np.int32), *self.arrays, *md]
 
-
-class _Batch(NamedTuple):
-    arrays: tuple
-    sampling_seqs: list
-    num_prefill_rows: int
-    max_q: int
-    prompt_logprobs: tuple | None   # prompt_logprobs.pack's (seqs, counts, arrays), None: no row asks

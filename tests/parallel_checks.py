@@ -18,6 +18,7 @@ import numpy as np
 
 from benchmarks.hlo_collectives import hlo_collectives
 from jaxserve import checkpoint, parallel, runner
+from jaxserve.step import model_step
 from jaxserve.compilations import CompileCounter
 from jaxserve.config import ModelConfig
 from jaxserve.generate import greedy_generate
@@ -73,7 +74,7 @@ def page_rows() -> np.ndarray:
 def make_step(model, mesh, cfg, backend="xla", num_prefill_rows=None):
     """The engine runner's jitted step on `mesh` (KV donated, logits gathered), over arrays
     from step_args; all rows in one attention group padded to STEP_MAX_Q."""
-    return functools.partial(runner._step, model, backend=backend, num_prefill_rows=num_prefill_rows,
+    return functools.partial(model_step, model, backend=backend, num_prefill_rows=num_prefill_rows,
                              max_q=STEP_MAX_Q, kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
                              logits_sharding=parallel.logits_sharding(cfg, mesh))
 
@@ -164,7 +165,6 @@ def check_generate(meshes: list[tuple]) -> dict:
 
 def runner_decode_hlo(name: str, shape: dict, backend: str = "xla") -> str:
     """Compiled HLO of the engine runner's own step, decode-only bucket (2 rows, 4 pages)."""
-    from jaxserve import runner
 
     cfg, params = model_and_params(name)
     mesh = parallel.make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))])
@@ -173,7 +173,7 @@ def runner_decode_hlo(name: str, shape: dict, backend: str = "xla") -> str:
     arrays = (np.zeros(rows, np.int32), np.zeros(rows, np.int32),
               np.full(rows, NUM_PAGES * PAGE_SIZE, np.int32), np.zeros((rows, pages), np.int32),
               np.zeros(rows, np.int32), np.zeros(rows + 1, np.int32), np.zeros(rows, np.int32))
-    return runner._step.lower(
+    return model_step.lower(
         build_model(cfg), params, empty_cache(cfg, mesh), *arrays, backend=backend,
         num_prefill_rows=0, max_q=1, kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
         logits_sharding=parallel.logits_sharding(cfg, mesh)).compile().as_text()
@@ -254,7 +254,6 @@ def check_engine_sequence_parallel(model_dir: str, mesh: str) -> dict:
     """The engine on a mesh with a "seq" axis: prefill chunks go through
     sequence_parallel_prefill (counted), chunked prompts reach their cached chunks, decodes run
     in the batched step; greedy tokens against one device. Warm-up first, then no compilation."""
-    from jaxserve import runner
     from jaxserve.config import EngineConfig, SamplingParams
     from jaxserve.engine import LLMEngine
 
