@@ -19,7 +19,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 def load_tokenizer(model_dir: str) -> "Tokenizer":
-    """tokenizer.json through transformers if present, else tokenizer.model through sentencepiece."""
+    """tokenizer.json through `tokenizers` if present, else tokenizer.model through sentencepiece."""
     if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
         return HFTokenizer(model_dir)
     if os.path.exists(os.path.join(model_dir, "tokenizer.model")):
@@ -74,28 +74,40 @@ class Tokenizer:
 
 
 class HFTokenizer(Tokenizer):
+    """tokenizer.json read by the `tokenizers` library, which transformers' fast tokenizers wrap
+    (importing transformers costs seconds of start-up). As transformers' generic fast tokenizer
+    does: encode adds what tokenizer.json's post-processor adds; the special-token strings of
+    tokenizer_config.json (or special_tokens_map.json) are special, so decode can skip them.
+    Not followed: the add_bos_token / add_eos_token overrides of transformers' Llama-style
+    classes, which rebuild the post-processor (Llama 2 and Mistral ship a tokenizer.json that
+    already adds what their flags say)."""
+
     def __init__(self, model_dir: str):
-        from transformers import AutoTokenizer
+        from tokenizers import Tokenizer as RustTokenizer
 
         super().__init__(model_dir)
-        self.hf = AutoTokenizer.from_pretrained(model_dir)
-        self.bos_token_id = self.hf.bos_token_id
-        self.eos_token_ids = self._eos_ids_with_generation_config(self.hf.eos_token_id)
-        self.vocab_size = len(self.hf)
+        self.tk = RustTokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        names = ("bos_token", "eos_token", "unk_token", "pad_token")
+        fallback = _read_json(os.path.join(model_dir, "special_tokens_map.json"))
+        self._special = {name: _token_text(self.config.get(name, fallback.get(name))) for name in names}
+        self.tk.add_special_tokens([t for t in self._special.values() if t is not None])
+        bos, eos = self._special["bos_token"], self._special["eos_token"]
+        self.bos_token_id = None if bos is None else self.tk.token_to_id(bos)
+        self.eos_token_ids = self._eos_ids_with_generation_config(None if eos is None else self.tk.token_to_id(eos))
+        self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text, add_special_tokens=True):
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens=True):
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens,
-                              clean_up_tokenization_spaces=False)
+        return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids):
-        return self.hf.convert_ids_to_tokens(list(ids))
+        return [self.tk.id_to_token(i) for i in ids]
 
     @property
     def special_tokens(self):
-        return {name: getattr(self.hf, name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        return dict(self._special)
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -209,6 +221,11 @@ def _read_json(path: str) -> dict:
         return {}
     with open(path) as f:
         return json.load(f)
+
+
+def _token_text(token) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or an AddedToken dict."""
+    return token.get("content") if isinstance(token, dict) else token
 
 
 def _read_chat_template(model_dir: str, config: dict) -> str | None:

@@ -132,16 +132,36 @@ def test_roundtrip_and_byte_fallback(tokenizer):
         assert tokenizer.sp.unk_id() not in ids
 
 
-def test_hf_backend_matches_transformers(hf_dir):
-    ours, ref = load_tokenizer(hf_dir), AutoTokenizer.from_pretrained(hf_dir)
-    for text in TEXTS + ["a<|im_start|>b<|im_end|>"]:
-        ids = ref.encode(text)
-        assert ours.encode(text) == ids
-        # Ours never cleans up tokenization spaces (the config asks transformers to).
-        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True,
-                                              clean_up_tokenization_spaces=False)
+# tokenizer_config.json variants: what transformers reads besides tokenizer.json (its generic
+# fast tokenizer leaves the bos/eos that encode adds to tokenizer.json, whatever the flags say).
+CONFIG_VARIANTS = {
+    "as_saved": {},
+    "bos_and_eos_flags": {"add_bos_token": True, "add_eos_token": True},
+    "added_token_dicts": {"bos_token": {"__type": "AddedToken", "content": "<|im_start|>", "special": True}, "add_bos_token": True},
+}
+
+
+@pytest.mark.parametrize("variant", CONFIG_VARIANTS)
+def test_hf_backend_matches_transformers(hf_dir, tmp_path, variant):
+    """Ours reads tokenizer.json without transformers; its encode, decode, special tokens and
+    eos ids must still be transformers'."""
+    shutil.copytree(hf_dir, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text()) | CONFIG_VARIANTS[variant]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    for path in (str(tmp_path), TINY_DIR):
+        ours, ref = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+        for text in TEXTS + ["a<|im_start|>b<|im_end|>", "<s>x</s>"]:
+            for special in (True, False):
+                assert ours.encode(text, special) == ref.encode(text, add_special_tokens=special), text
+            ids = ref.encode(text)
+            for skip in (True, False):
+                # Ours never cleans up tokenization spaces (the config asks transformers to).
+                assert ours.decode(ids, skip) == ref.decode(ids, skip_special_tokens=skip,
+                                                            clean_up_tokenization_spaces=False)
+        assert ours.special_tokens == {name: getattr(ref, name) for name in ours.special_tokens}
+        assert ours.bos_token_id == ref.bos_token_id and ours.vocab_size == len(ref)
+    ours, ref = load_tokenizer(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path))
     assert ours.eos_token_ids == [ref.eos_token_id, 0]  # generation_config adds id 0
-    assert ours.bos_token_id == ref.bos_token_id and ours.vocab_size == len(ref)
 
 
 def test_embedded_backends_agree(tiny_spm_only):
@@ -214,15 +234,15 @@ def test_detokenizer_real_text(tokenizer, skip):
 def random_ids(tokenizer, rng, n):
     """Random ids. HF's byte fallback decodes a run of byte pieces holding any invalid UTF-8 as
     all U+FFFD, which no stream can know in advance; there, byte pieces come as whole characters."""
-    if not isinstance(tokenizer, HFTokenizer) or "<0xE4>" not in tokenizer.hf.get_vocab():
+    if not isinstance(tokenizer, HFTokenizer) or "<0xE4>" not in tokenizer.tk.get_vocab():
         return [rng.randrange(tokenizer.vocab_size) for _ in range(n)]
-    byte_ids = {tokenizer.hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
+    byte_ids = {tokenizer.tk.token_to_id(f"<0x{b:02X}>") for b in range(256)}
     ids = []
     while len(ids) < n:
         i = rng.randrange(tokenizer.vocab_size)
         if i in byte_ids:
             char = chr(rng.choice([rng.randrange(0x80, 0x800), rng.randrange(0x4E00, 0x9FFF), rng.randrange(0x1F300, 0x1F64F)]))
-            ids += [tokenizer.hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in char.encode()]
+            ids += [tokenizer.tk.token_to_id(f"<0x{b:02X}>") for b in char.encode()]
         else:
             ids.append(i)
     return ids
