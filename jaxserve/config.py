@@ -52,6 +52,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False         # RMSNorm over each head of q and of k, before RoPE (Qwen3)
     # Per-layer sliding window (None = full attention); a tuple so the config stays hashable.
     sliding_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None

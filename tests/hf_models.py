@@ -14,6 +14,9 @@ CONFIGS = {
         num_attention_heads=4, num_key_value_heads=2, sliding_window=12)),
     "qwen2_bias_tied": (tf.Qwen2Config, dict(
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    # head_dim 32 is not hidden_size / heads (16); the q/k norms' weights are spread below.
+    "qwen3_qk_norm": (tf.Qwen3Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
     "llama_mha": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
     "llama_mqa": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1,
                                        attention_bias=True)),
@@ -31,6 +34,11 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.1)
+    if name == "qwen3_qk_norm":  # norm weights start at one: make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1, 0.5)
+                layer.self_attn.k_norm.weight.normal_(1, 0.5)
     model.save_pretrained(out_dir)
     return model
 

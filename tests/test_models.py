@@ -61,6 +61,7 @@ def test_config_reads_family_features(pair):
         "llama_gqa_rope3": lambda c: c.num_heads == 4 * c.num_kv_heads and c.rope_scaling.kind == "llama3",
         "mistral_window": lambda c: c.sliding_windows == (12, 12),
         "qwen2_bias_tied": lambda c: c.qkv_bias and not c.o_bias and c.tie_word_embeddings,
+        "qwen3_qk_norm": lambda c: c.qk_norm and c.head_dim == 32 and not c.qkv_bias,
         "llama_mha": lambda c: c.num_heads == c.num_kv_heads,
         "llama_mqa": lambda c: c.num_kv_heads == 1 and c.qkv_bias and c.o_bias,
     }

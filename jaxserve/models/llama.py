@@ -1,7 +1,8 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2, in one Flax implementation.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, in one Flax implementation.
 
 The architectures differ only in configuration, read here from their config.json: RoPE
-scaling, GQA/MQA head counts, per-layer sliding windows, q/k/v biases, tied embeddings.
+scaling, GQA/MQA head counts, per-layer sliding windows, q/k/v biases, tied embeddings,
+q/k norms and a head_dim that is not hidden_size / heads (Qwen3).
 Parameter names and shapes follow Hugging Face's (`model.layers_3.self_attn.q_proj.weight` is
 `model.layers.3.self_attn.q_proj.weight`, [out, in]), so loading is a rename (`hf_name`).
 """
@@ -53,17 +54,25 @@ def mistral_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
 
 
 def qwen2_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
-    """Qwen2 always has q/k/v biases and never an o bias; its sliding window, when on, spares
-    the first `max_window_layers` layers (or follows `layer_types` where the config lists them)."""
+    """Qwen2 always has q/k/v biases and never an o bias."""
+    return _config(hf, common, qkv_bias=True, o_bias=False, sliding_windows=_qwen_windows(hf))
+
+
+def qwen3_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Qwen3: Qwen2's windows, biases only with attention_bias, RMSNorm on q and k heads."""
+    return _config(hf, common, qk_norm=True, sliding_windows=_qwen_windows(hf))
+
+
+def _qwen_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
+    """Qwen's sliding window, when on, spares the first `max_window_layers` layers (or follows
+    `layer_types` where the config lists them)."""
     layers, window = hf["num_hidden_layers"], hf.get("sliding_window")
-    windows: tuple[int | None, ...] = ()
-    if hf.get("use_sliding_window", False) and window:
-        if hf.get("layer_types"):
-            windows = tuple(window if t == "sliding_attention" else None for t in hf["layer_types"])
-        else:
-            first = hf.get("max_window_layers", layers)
-            windows = tuple(None if i < first else window for i in range(layers))
-    return _config(hf, common, qkv_bias=True, o_bias=False, sliding_windows=windows)
+    if not (hf.get("use_sliding_window", False) and window):
+        return ()
+    if hf.get("layer_types"):
+        return tuple(window if t == "sliding_attention" else None for t in hf["layer_types"])
+    first = hf.get("max_window_layers", layers)
+    return tuple(None if i < first else window for i in range(layers))
 
 
 def hf_name(path: tuple[str, ...]) -> str:
@@ -118,6 +127,9 @@ class Attention(nn.Module):
         q = q.reshape(*lead, c.num_heads, c.head_dim)
         k = k.reshape(*lead, c.num_kv_heads, c.head_dim)
         v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
         inv_freq = jnp.asarray(rope_inv_freq(c))
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, kv_cache = attention.attend(

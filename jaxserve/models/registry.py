@@ -34,6 +34,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                                        llama.PARAM_AXES),
     "Qwen2ForCausalLM": Architecture(llama.qwen2_config, llama.LlamaForCausalLM, llama.hf_name,
                                      llama.PARAM_AXES),
+    "Qwen3ForCausalLM": Architecture(llama.qwen3_config, llama.LlamaForCausalLM, llama.hf_name,
+                                     llama.PARAM_AXES),
 }
 
 
