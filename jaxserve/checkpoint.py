@@ -2,7 +2,7 @@
 
 Loading reads tensors with safetensors' lazy slices (no PyTorch), renames them to the Flax
 tree by the family's name map (jaxserve.models.registry; Linear weights keep PyTorch's
-[out, in]) and places each one on device. With `shardings` each device reads only its own
+[out, in]; a param held in a fused tensor is a row range of it) and places each one on device. With `shardings` each device reads only its own
 slice, so a large model is never whole on one device.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
     if is_orbax_checkpoint(model_dir):
         return _load_orbax(model_dir, shapes, shardings)
     index = _tensor_index(model_dir)
-    hf_name = architecture(cfg.architecture).hf_name
+    hf_tensor = architecture(cfg.architecture).hf_tensor
     flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
     sharding_leaves = (jax.tree_util.tree_leaves(shardings) if shardings is not None
                        else [None] * len(flat))
@@ -65,8 +65,7 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
     leaves = []
     try:
         for (path, spec), sharding in zip(flat, sharding_leaves):
-            keys = tuple(k.key for k in path)
-            name = hf_name(keys)
+            name, rows = hf_tensor(tuple(k.key for k in path), cfg)
             if name not in index:
                 raise ValueError(f"checkpoint {model_dir} is missing tensor {name!r} "
                                  f"(expected shape {tuple(spec.shape)})")
@@ -75,18 +74,26 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
                 open_files[fn] = safe_open(fn, framework="np")
             tensor = open_files[fn].get_slice(name)
             hf_shape = tuple(tensor.get_shape())
-            if hf_shape != tuple(spec.shape):
-                raise ValueError(f"tensor {name!r} has shape {hf_shape} in the checkpoint, "
-                                 f"expected {tuple(spec.shape)}")
-            leaves.append(_place(tensor, spec, sharding))
+            fits = (hf_shape == tuple(spec.shape) if rows is None
+                    else hf_shape[0] >= rows[1] and hf_shape[1:] == tuple(spec.shape[1:]))
+            if not fits:
+                raise ValueError(f"tensor {name!r} has shape {hf_shape} in the checkpoint, expected "
+                                 f"{tuple(spec.shape)}" + ("" if rows is None else f" at rows {rows[0]}:{rows[1]}"))
+            leaves.append(_place(tensor, spec, sharding, None if rows is None else rows[0]))
     finally:
         open_files.clear()
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), leaves)
 
 
-def _place(tensor, spec, sharding) -> jax.Array:
+def _place(tensor, spec, sharding, row_offset: int | None) -> jax.Array:
+    """The param from `tensor` (or from its rows from row_offset on), each device reading its slice."""
     def read(index=None) -> np.ndarray:
-        return tensor[index or tuple(slice(None) for _ in spec.shape)].astype(spec.dtype)
+        index = index or tuple(slice(None) for _ in spec.shape)
+        if row_offset is not None:
+            first = slice((index[0].start or 0) + row_offset,
+                          (spec.shape[0] if index[0].stop is None else index[0].stop) + row_offset)
+            index = (first, *index[1:])
+        return tensor[index].astype(spec.dtype)
 
     if sharding is None:
         return jnp.asarray(read())
@@ -131,14 +138,15 @@ def save_pretrained(params: dict, hf_config: dict, out_dir: str, dtype=None) -> 
     from safetensors.numpy import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    hf_name = architecture(ModelConfig.from_hf_dict(hf_config).architecture).hf_name
-    tensors = {}
+    cfg = ModelConfig.from_hf_dict(hf_config)
+    hf_tensor = architecture(cfg.architecture).hf_tensor
+    parts: dict[str, list] = {}   # HF name -> [(first row, array)]: fused tensors in row order
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = hf_name(tuple(k.key for k in path))
+        name, rows = hf_tensor(tuple(k.key for k in path), cfg)
         x = np.asarray(leaf)
-        if dtype is not None:
-            x = x.astype(dtype)
-        tensors[name] = np.ascontiguousarray(x)
+        parts.setdefault(name, []).append((0 if rows is None else rows[0], x if dtype is None else x.astype(dtype)))
+    tensors = {name: np.ascontiguousarray(np.concatenate([x for _, x in sorted(p, key=lambda r: r[0])]))
+               for name, p in parts.items()}
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)

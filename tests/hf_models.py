@@ -17,6 +17,9 @@ CONFIGS = {
     # head_dim 32 is not hidden_size / heads (16); the q/k norms' weights are spread below.
     "qwen3_qk_norm": (tf.Qwen3Config, dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    # q, k, v and gate, up fused; 2 kv heads, so k and v rows differ from q's.
+    "phi3_fused": (tf.Phi3Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, sliding_window=None)),
     "llama_mha": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
     "llama_mqa": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1,
                                        attention_bias=True)),

@@ -1,6 +1,12 @@
 """Every registered architecture served through the engine, as users load it (`LLM(model=DIR)`):
-paged KV cache, prompts split into chunks, a shared prefix found in the prefix cache. Greedy
-continuations must equal transformers' generate on the same seeded checkpoint."""
+paged KV cache, prompts split into chunks, a shared prefix found in the prefix cache, on one
+device and under tensor parallelism (fake CPU devices, in a subprocess). Greedy continuations
+must equal transformers' generate on the same seeded checkpoint."""
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -9,12 +15,14 @@ import transformers as tf
 from jaxserve import LLM, SamplingParams
 from tests.hf_models import CONFIGS, save_byte_tokenizer, save_hf_model
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEW_TOKENS = 24
 # Small buckets (few compilations); 16-token chunks split every prompt; 8-token pages let the
 # second prompt find the first one's 32-token prefix in the cache.
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16, max_prefill_seqs=1,
               page_size=8, max_model_len=128, num_pages=64, enable_prefix_caching=True,
               compilation_cache_dir=None)
+TP_MESHES = [{"model": 2}, {"model": 4}]
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -24,25 +32,59 @@ def _prompts(vocab: int) -> list[list[int]]:
             rng.integers(0, vocab, 21).tolist()]
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_engine_greedy_matches_transformers(name, tmp_path):
-    hf = save_hf_model(name, str(tmp_path))
-    save_byte_tokenizer(str(tmp_path))
-    prompts = _prompts(hf.config.vocab_size)
-    # No eos: like ignore_eos, generation runs through it (min_new_tokens would ban it instead).
-    hf.generation_config.eos_token_id = None
-    greedy = tf.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    expected = []
-    for p in prompts:
-        ids = torch.tensor([p])   # the mask is explicit: generate would mask a prompt's pad-id tokens
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy)
-        expected.append(out[0, len(p):].tolist())
-
-    llm = LLM(model=str(tmp_path), **ENGINE)
+def engine_tokens(model_dir: str, **engine) -> tuple[list[list[int]], float]:
+    """Greedy tokens of the prompts (the first run alone, filling the prefix cache), and the
+    prefix-cache hit rate."""
+    llm = LLM(model=model_dir, **ENGINE, **engine)
+    prompts = _prompts(llm.llm_engine.model_cfg.vocab_size)
     sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    first = llm.generate(prompts[:1], sp)          # fills the prefix cache for the second prompt
-    rest = llm.generate(prompts[1:], sp)
-    assert [o.outputs[0].token_ids for o in first + rest] == expected, name
-    assert llm.llm_engine.block_manager.prefix_hit_rate > 0   # the shared prefix came from the cache
-    assert len({tuple(e) for e in expected}) == len(prompts)  # continuations differ
+    outs = llm.generate(prompts[:1], sp, use_tqdm=False) + llm.generate(prompts[1:], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm.llm_engine.block_manager.prefix_hit_rate
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
+    """name -> (model dir, transformers' greedy tokens for the prompts)."""
+    out = {}
+    for name in sorted(CONFIGS):
+        d = str(tmp_path_factory.mktemp(name))
+        hf = save_hf_model(name, d)
+        save_byte_tokenizer(d)
+        # No eos: like ignore_eos, generation runs through it (min_new_tokens would ban it instead).
+        hf.generation_config.eos_token_id = None
+        greedy = tf.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        expected = []
+        for p in _prompts(hf.config.vocab_size):
+            ids = torch.tensor([p])   # the mask is explicit: generate would mask a prompt's pad-id tokens
+            with torch.no_grad():
+                expected.append(hf.generate(ids, attention_mask=torch.ones_like(ids),
+                                            generation_config=greedy)[0, len(p):].tolist())
+        assert len({tuple(e) for e in expected}) == len(expected), name  # continuations differ
+        out[name] = (d, expected)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_engine_greedy_matches_transformers(name, checkpoints):
+    model_dir, expected = checkpoints[name]
+    tokens, hit_rate = engine_tokens(model_dir)
+    assert tokens == expected, name
+    assert hit_rate > 0   # the shared prefix came from the cache
+
+
+def test_tensor_parallel_matches_transformers(checkpoints):
+    """TP 2 and TP 4 (4 heads, 2 kv heads: K/V replicated at TP 4) for every family."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    dirs = {name: d for name, (d, _) in checkpoints.items()}
+    proc = subprocess.run([sys.executable, "-m", "tests.test_family_engine", json.dumps(dirs)], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == len(checkpoints) * len(TP_MESHES)
+    for case, tokens in results.items():
+        assert tokens == checkpoints[case.split("@")[0]][1], case
+
+
+if __name__ == "__main__":   # the TP runs, on the fake devices of this process
+    print(json.dumps({f"{name}@{json.dumps(mesh)}": engine_tokens(d, mesh=mesh)[0]
+                      for name, d in json.loads(sys.argv[1]).items() for mesh in TP_MESHES}))

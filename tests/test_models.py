@@ -62,6 +62,7 @@ def test_config_reads_family_features(pair):
         "mistral_window": lambda c: c.sliding_windows == (12, 12),
         "qwen2_bias_tied": lambda c: c.qkv_bias and not c.o_bias and c.tie_word_embeddings,
         "qwen3_qk_norm": lambda c: c.qk_norm and c.head_dim == 32 and not c.qkv_bias,
+        "phi3_fused": lambda c: c.num_kv_heads == 2 and c.sliding_windows == (None, None),
         "llama_mha": lambda c: c.num_heads == c.num_kv_heads,
         "llama_mqa": lambda c: c.num_kv_heads == 1 and c.qkv_bias and c.o_bias,
     }

@@ -4,7 +4,7 @@ The architectures differ only in configuration, read here from their config.json
 scaling, GQA/MQA head counts, per-layer sliding windows, q/k/v biases, tied embeddings,
 q/k norms and a head_dim that is not hidden_size / heads (Qwen3).
 Parameter names and shapes follow Hugging Face's (`model.layers_3.self_attn.q_proj.weight` is
-`model.layers.3.self_attn.q_proj.weight`, [out, in]), so loading is a rename (`hf_name`).
+`model.layers.3.self_attn.q_proj.weight`, [out, in]), so loading is a rename (`hf_tensor`).
 """
 from __future__ import annotations
 
@@ -75,8 +75,9 @@ def _qwen_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
     return tuple(None if i < first else window for i in range(layers))
 
 
-def hf_name(path: tuple[str, ...]) -> str:
-    """Flax param path -> Hugging Face tensor name (Flax names the i-th layer `layers_i`)."""
+def hf_tensor(path: tuple[str, ...], cfg: ModelConfig) -> tuple[str, tuple[int, int] | None]:
+    """Flax param path -> (Hugging Face tensor name, None: the whole tensor). Flax names the
+    i-th layer `layers_i`."""
     parts = []
     for p in path:
         if p.startswith("layers_"):
@@ -84,7 +85,7 @@ def hf_name(path: tuple[str, ...]) -> str:
         else:
             parts.append(p)
     parts[-1] = {"embedding": "weight"}.get(parts[-1], parts[-1])
-    return ".".join(parts)
+    return ".".join(parts), None
 
 
 # Param path suffix -> logical axes (parallel.LOGICAL_RULES). Megatron layout: q/k/v, gate and up

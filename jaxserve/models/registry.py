@@ -3,7 +3,9 @@
 A family lives in one file of `jaxserve/models/` and brings four things, gathered here:
   * `parse_config`: config.json dict -> ModelConfig (the family's own key names and quirks);
   * `module`: the Flax module class, built as `module(cfg, dtype)`;
-  * `hf_name`: Flax param path -> HF tensor name (checkpoint loading and save_pretrained);
+  * `hf_tensor`: (Flax param path, ModelConfig) -> (HF tensor name, rows), rows (start, stop)
+    along the HF tensor's first axis when the param is part of a fused tensor (Phi-3's qkv_proj
+    holds q, k and v), else None (checkpoint loading and save_pretrained);
   * `param_axes`: param path suffix -> logical axes (parallel.py maps them to mesh axes).
 Adding a family is one file in `models/` and its entries below; nothing outside `models/` changes.
 """
@@ -15,7 +17,7 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import llama
+from jaxserve.models import llama, phi3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,18 +25,19 @@ class Architecture:
     # (config.json dict, the fields every HF config spells alike) -> ModelConfig
     parse_config: Callable[[dict[str, Any], dict[str, Any]], ModelConfig]
     module: type[nn.Module]
-    hf_name: Callable[[tuple[str, ...]], str]
+    hf_tensor: Callable[[tuple[str, ...], ModelConfig], tuple[str, tuple[int, int] | None]]
     param_axes: dict[tuple[str, ...], tuple[str, ...]]
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": Architecture(llama.llama_config, llama.LlamaForCausalLM, llama.hf_name,
+    "LlamaForCausalLM": Architecture(llama.llama_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                      llama.PARAM_AXES),
-    "MistralForCausalLM": Architecture(llama.mistral_config, llama.LlamaForCausalLM, llama.hf_name,
+    "MistralForCausalLM": Architecture(llama.mistral_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                        llama.PARAM_AXES),
-    "Qwen2ForCausalLM": Architecture(llama.qwen2_config, llama.LlamaForCausalLM, llama.hf_name,
+    "Qwen2ForCausalLM": Architecture(llama.qwen2_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                      llama.PARAM_AXES),
-    "Qwen3ForCausalLM": Architecture(llama.qwen3_config, llama.LlamaForCausalLM, llama.hf_name,
+    "Phi3ForCausalLM": Architecture(phi3.phi3_config, llama.LlamaForCausalLM, phi3.hf_tensor, llama.PARAM_AXES),
+    "Qwen3ForCausalLM": Architecture(llama.qwen3_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                      llama.PARAM_AXES),
 }
 
