@@ -5,7 +5,10 @@ came out negative, and "bytes accessed" counts the whole aliased pool). What doe
   * whole-pool copies: ops outside fusions that produce a buffer the size of one layer's K or
     V pool (or up to a quarter more: padded), other than the in-place KV update (a scatter or
     dynamic-update-slice, bare or fused). Layouts the tiles refuse and flat views of the pool show up as such copies, each a
-    pass over the pool's HBM per step (or per loop iteration);
+    pass over the pool's HBM per step (or per loop iteration). An async start's result tuple
+    also names its operand: only its new buffer counts. (Seen on Llama-3-70B at v6e-8:
+    memory-space assignment moves one layer's pool into another memory space in 4 MiB
+    slices, joins them, updates it there and copies it back: two passes, not 23 slices);
   * the heaviest loop body: the sum of the TPU compiler's per-op `estimated_cycles` over one
     while loop's body, the most expensive such body of the step.
 """
@@ -27,6 +30,9 @@ _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _NO_NEW_BUFFER = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
                   "call", "copy-done", "opt-barrier", "constant", "after-all", "add-dependency"}
 _IN_PLACE_UPDATES = {"scatter", "dynamic-update-slice"}
+# Async starts: (result tuple element that is the new buffer); the others alias the operand
+# (copy-start: (destination, source, context); slice-start: ((operand), slice, context)).
+_ASYNC_NEW_BUFFER = {"copy-start": 0, "slice-start": 1}
 
 
 class Instruction(NamedTuple):
@@ -54,6 +60,19 @@ def _split_result(rest: str) -> tuple[str, str]:
     return head, tail
 
 
+def _tuple_elements(type_text: str) -> list[str]:
+    """'(a, (b, c), d)' -> ['a', '(b, c)', 'd']."""
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(type_text):   # shapes and layouts hold commas too: [2,3]{1,0}
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
+        if (ch == "," and depth == 1) or depth == 0:
+            out.append(type_text[start:i].strip())
+            start = i + 1
+        if depth == 0:
+            break
+    return out
+
+
 def _array_bytes(type_text: str) -> tuple[int, ...]:
     return tuple((1 if kind == "pred" else int(bits or 0) // 8) * math.prod(int(d) for d in dims.split(",") if d)
                  for kind, bits, dims in _ARRAY.findall(type_text))
@@ -69,6 +88,8 @@ def parse_hlo(text: str) -> dict[str, list[Instruction]]:
         elif current is not None and (m := _INSTRUCTION.match(line)):
             result, rest = _split_result(m.group(2))
             if op := _OPCODE.match(rest):
+                if op.group(1) in _ASYNC_NEW_BUFFER:
+                    result = _tuple_elements(result)[_ASYNC_NEW_BUFFER[op.group(1)]]
                 current.append(Instruction(m.group(1), op.group(1), _array_bytes(result), line))
     return computations
 

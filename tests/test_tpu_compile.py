@@ -218,3 +218,19 @@ def test_step_cost_counts_whole_pool_copies():
     gathered = cost(flat_gather)
     assert gathered.whole_pool_copies >= 1, gathered
     assert gathered.heaviest_loop_cycles > 0
+
+
+def test_step_cost_counts_only_the_new_buffer_of_async_starts():
+    """Memory-space assignment's sliced move of a pool into another memory space (seen on
+    Llama-3-70B at v6e-8): the slices are no pool copies (their result tuples also name the
+    whole operand); the joined buffer and the copy back are."""
+    hlo = "\n".join([
+        "ENTRY %main (p: bf16[64,8]) -> bf16[64,8] {",
+        "  %p = bf16[64,8]{1,0} parameter(0)",
+        "  %slice-start = ((bf16[64,8]{1,0}), bf16[16,8]{1,0:S(1)}, s32[]{:S(2)}) slice-start(%p), slice={[0:16], [0:8]}",
+        "  %slice-done = bf16[16,8]{1,0:S(1)} slice-done(%slice-start)",
+        '  %join = bf16[64,8]{1,0:S(1)} custom-call(%slice-done), custom_call_target="ConcatBitcast"',
+        "  %copy-start = (bf16[64,8]{1,0}, bf16[64,8]{1,0:S(1)}, u32[]{:S(2)}) copy-start(%join)",
+        "  ROOT %copy-done = bf16[64,8]{1,0} copy-done(%copy-start)",
+        "}"])
+    assert check.step_cost(hlo, 64 * 8 * 2).copies == ("custom-call join", "copy-start copy-start")
