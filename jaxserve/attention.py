@@ -91,10 +91,11 @@ def _hopper_or_newer() -> bool:
 
 
 def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window: int | None,
-           sm_scale: float):
-    """q [.., H, D], k/v [.., KVH, D]. Returns (output like q, updated (k_pages, v_pages) or None)."""
+           sm_scale: float, soft_cap: float | None = None):
+    """q [.., H, D], k/v [.., KVH, D]. Returns (output like q, updated (k_pages, v_pages) or None).
+    soft_cap: scores become soft_cap * tanh(scores / soft_cap) (Gemma 2)."""
     if kv_cache is None:
-        return causal_attention(q, k, v, sliding_window=sliding_window, sm_scale=sm_scale), None
+        return causal_attention(q, k, v, sliding_window=sliding_window, sm_scale=sm_scale, soft_cap=soft_cap), None
     head_dim = q.shape[-1]
     if kv_cache[0].shape[-1] > head_dim:   # a TPU pool's padded lanes (pool_head_dim): zeros in q,
         # k and v leave every score unchanged and give zero output lanes, sliced off below.

@@ -20,6 +20,10 @@ CONFIGS = {
     # q, k, v and gate, up fused; 2 kv heads, so k and v rows differ from q's.
     "phi3_fused": (tf.Phi3Config, dict(
         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, sliding_window=None)),
+    # Small caps, so both soft caps bite; a 12-token window on every other layer.
+    "gemma2_softcap": (tf.Gemma2Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+        sliding_window=12, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
     "llama_mha": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
     "llama_mqa": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1,
                                        attention_bias=True)),
@@ -37,6 +41,11 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.1)
+    if name == "gemma2_softcap":  # norm weights start at zero (a scale of one): make them matter
+        with torch.no_grad():
+            for name_, p in model.named_parameters():
+                if name_.endswith("norm.weight"):
+                    p.normal_(0, 0.5)
     if name == "qwen3_qk_norm":  # norm weights start at one: make them matter
         with torch.no_grad():
             for layer in model.model.layers:
