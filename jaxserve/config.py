@@ -63,6 +63,7 @@ class ModelConfig:
     attn_scale: float | None = None
     attn_soft_cap: float | None = None
     final_soft_cap: float | None = None
+    local_rope_theta: float | None = None   # Gemma 3: windowed layers' RoPE base (unscaled); None: as global
     # Per-layer sliding window (None = full attention); a tuple so the config stays hashable.
     sliding_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None

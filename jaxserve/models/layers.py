@@ -96,10 +96,13 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
     return float(theta), scaling
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """The rotary frequencies of a layer; `local`: a sliding-window layer (Gemma 3 gives those
+    their own unscaled base)."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    sc = cfg.rope_scaling
+    local = local and cfg.local_rope_theta is not None
+    inv_freq = 1.0 / ((cfg.local_rope_theta if local else cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    sc = RopeScaling() if local else cfg.rope_scaling
     if sc.kind == "linear":
         inv_freq = inv_freq / sc.factor
     elif sc.kind == "llama3":

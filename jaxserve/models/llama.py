@@ -1,4 +1,4 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3 (and Phi-3, Gemma 2), in one Flax implementation.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3 (and Phi-3, Gemma 2 and 3), in one Flax implementation.
 
 The architectures differ only in configuration, read here from their config.json: RoPE
 scaling, GQA/MQA head counts, per-layer sliding windows, q/k/v biases, tied embeddings,
@@ -133,9 +133,9 @@ class Attention(nn.Module):
         k = k.reshape(*lead, c.num_kv_heads, c.head_dim)
         v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
-        inv_freq = jnp.asarray(rope_inv_freq(c))
+            q = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name="k_norm")(k)
+        inv_freq = jnp.asarray(rope_inv_freq(c, local=c.sliding_windows[self.layer] is not None))
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, kv_cache = attention.attend(
             q, k, v, kv_cache, meta, sliding_window=c.sliding_windows[self.layer],

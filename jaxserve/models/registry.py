@@ -32,6 +32,8 @@ class Architecture:
 ARCHITECTURES: dict[str, Architecture] = {
     "Gemma2ForCausalLM": Architecture(gemma.gemma2_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                       llama.PARAM_AXES),
+    "Gemma3ForCausalLM": Architecture(gemma.gemma3_config, llama.LlamaForCausalLM, llama.hf_tensor,
+                                      llama.PARAM_AXES),
     "LlamaForCausalLM": Architecture(llama.llama_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                      llama.PARAM_AXES),
     "MistralForCausalLM": Architecture(llama.mistral_config, llama.LlamaForCausalLM, llama.hf_tensor,
