@@ -91,10 +91,11 @@ def _hopper_or_newer() -> bool:
 
 
 def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window: int | None,
-           sm_scale: float):
-    """q [.., H, D], k/v [.., KVH, D]. Returns (output like q, updated (k_pages, v_pages) or None)."""
+           sm_scale: float, soft_cap: float | None = None):
+    """q [.., H, D], k/v [.., KVH, D]. Returns (output like q, updated (k_pages, v_pages) or None).
+    soft_cap: scores become soft_cap * tanh(scores / soft_cap) (Gemma 2)."""
     if kv_cache is None:
-        return causal_attention(q, k, v, sliding_window=sliding_window, sm_scale=sm_scale), None
+        return causal_attention(q, k, v, sliding_window=sliding_window, sm_scale=sm_scale, soft_cap=soft_cap), None
     head_dim = q.shape[-1]
     if kv_cache[0].shape[-1] > head_dim:   # a TPU pool's padded lanes (pool_head_dim): zeros in q,
         # k and v leave every score unchanged and give zero output lanes, sliced off below.
@@ -107,7 +108,7 @@ def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window:
         k_pages, v_pages = (jax.lax.with_sharding_constraint(x, meta.kv_sharding)
                             for x in (k_pages, v_pages))
     out = paged_attention(q, k_pages, v_pages, meta, sliding_window=sliding_window, sm_scale=sm_scale,
-                          k=k, v=v)
+                          soft_cap=soft_cap, k=k, v=v)
     return out[..., :head_dim], (k_pages, v_pages)
 
 
@@ -133,12 +134,17 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
 
 
 def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_window, sm_scale,
-                    k=None, v=None):
+                    soft_cap=None, k=None, v=None):
     """Ragged paged attention of q [T, H, D] through the page table. The Pallas backends run in
     interpret mode when the arrays live on CPU (tests). k, v [T, KVH, D]: this step's new K/V (already
     in the pages), which let the Pallas backends run fresh prefill rows through the flash kernel."""
     tables = (meta.page_table, meta.seq_lens, meta.query_start_loc)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
+    if soft_cap is not None:   # (the kernels' signatures stay as they are without one)
+        if meta.backend != "xla":
+            raise ValueError(f"soft-capped attention (Gemma 2) runs on the xla attention backend only, "
+                             f"not {meta.backend}")
+        kwargs["soft_cap"] = soft_cap
     if meta.backend == "xla":
         p = meta.num_prefill_rows
         if p is None:

@@ -53,6 +53,17 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False         # RMSNorm over each head of q and of k, before RoPE (Qwen3)
+    hidden_act: str = "silu"      # the gated MLP's activation (models.layers.ACTIVATIONS)
+    # Gemma: norms scale by (offset + weight), embeddings by sqrt(hidden_size), norms also after
+    # attention and after the MLP ("sandwich"), an attention scale other than 1/sqrt(head_dim),
+    # tanh soft caps of attention scores and final logits.
+    norm_offset: float = 0.0
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False
+    attn_scale: float | None = None
+    attn_soft_cap: float | None = None
+    final_soft_cap: float | None = None
+    local_rope_theta: float | None = None   # Gemma 3: windowed layers' RoPE base (unscaled); None: as global
     # Per-layer sliding window (None = full attention); a tuple so the config stays hashable.
     sliding_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None

@@ -7,7 +7,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_
 # The heaviest files first (1.5 to 4 minutes each on the 2-core box): `-n 2 --dist
 # loadfile` hands out whole files in collection order, and one of these collected last would run
 # alone at the end while the other worker idles.
-HEAVY_FIRST = ["test_tpu_compile.py", "test_kv_isolation.py", "test_parallel.py", "test_shutdown.py"]
+HEAVY_FIRST = ["test_tpu_compile.py", "test_kv_isolation.py", "test_parallel.py", "test_shutdown.py",
+               "test_family_engine.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -20,6 +20,16 @@ CONFIGS = {
     # q, k, v and gate, up fused; 2 kv heads, so k and v rows differ from q's.
     "phi3_fused": (tf.Phi3Config, dict(
         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, sliding_window=None)),
+    # Small caps, so both soft caps bite; a 12-token window on every other layer.
+    "gemma2_softcap": (tf.Gemma2Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+        sliding_window=12, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    # 3 layers: windowed, windowed, global (pattern 3); both RoPE bases; q/k norms.
+    "gemma3_local_global": (tf.Gemma3TextConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+        num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}})),
     "llama_mha": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
     "llama_mqa": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1,
                                        attention_bias=True)),
@@ -30,13 +40,18 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0):
     """Build the named config with seeded random weights, save_pretrained it, return the model."""
     cls, extra = CONFIGS[name]
     torch.manual_seed(seed)
-    cfg = cls(**BASE, **extra)
+    cfg = cls(**{**BASE, **extra})
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     if name == "qwen2_bias_tied":  # biases are zero-initialised: make them matter
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.1)
+    if name.startswith("gemma"):  # norm weights start at zero (a scale of one): make them matter
+        with torch.no_grad():
+            for name_, p in model.named_parameters():
+                if name_.endswith("norm.weight"):
+                    p.normal_(0, 0.5)
     if name == "qwen3_qk_norm":  # norm weights start at one: make them matter
         with torch.no_grad():
             for layer in model.model.layers:

@@ -15,7 +15,7 @@ TOL = {"float32": 2e-3, "bfloat16": 2e-2}
 
 
 def naive_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *, sm_scale,
-                    sliding_window=None):
+                    sliding_window=None, soft_cap=None):
     """float64, per sequence, per token, per head. Tokens outside
     [query_start_loc[0], query_start_loc[-1]) stay 0."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
@@ -34,6 +34,8 @@ def naive_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, 
                 seen &= kv_pos > pos - sliding_window
             for h in range(q.shape[1]):
                 scores = k[seen, h // group] @ q[t, h] * sm_scale
+                if soft_cap is not None:
+                    scores = soft_cap * np.tanh(scores / soft_cap)
                 w = np.exp(scores - scores.max())
                 out[t, h] = (w / w.sum()) @ v[seen, h // group]
     return out
@@ -131,6 +133,18 @@ def test_dispatch_matches_oracle_and_reference(backend, config):
     if backend != "xla":
         diff = jnp.abs(out.astype(jnp.float32) - dispatch(case, "xla").astype(jnp.float32)).max()
         assert diff < TOL[dtype], f"differs from the XLA reference by {diff}"
+
+
+def test_soft_cap_in_the_xla_path_and_reference():
+    """Gemma 2's tanh cap on the scores (a cap of 1.5 bites: these scores reach a few units)."""
+    case = make_case(2, seqs=[(5, 20), (1, 9), (16, 16), (1, 33)], num_kv_heads=2, group=2, head_dim=64,
+                     page_size=16, dtype="float32", sliding_window=12)
+    arrays = args(case)
+    kw = dict(sm_scale=case["sm_scale"], sliding_window=12)
+    want = naive_attention(*map(np.asarray, arrays), **kw, soft_cap=1.5)
+    assert np.abs(want - naive_attention(*map(np.asarray, arrays), **kw)).max() > 0.01   # the cap matters
+    for attend in (xla.ragged_paged_attention, reference.ragged_paged_attention_xla):
+        np.testing.assert_allclose(np.asarray(attend(*arrays, max_q=16, soft_cap=1.5, **kw)), want, atol=2e-3)
 
 
 def test_xla_dispatch_pads_decode_rows_separately():

@@ -5,6 +5,7 @@ Parameter names and layouts follow Hugging Face's (a Linear weight is [out, in],
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -16,6 +17,8 @@ import numpy as np
 from jaxserve.config import ModelConfig, RopeScaling
 
 ROPE_KINDS = ("default", "linear", "llama3")
+# HF `hidden_act` / `hidden_activation` names of the gated MLPs' activations.
+ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True)}
 
 
 class Linear(nn.Module):
@@ -42,12 +45,18 @@ class Linear(nn.Module):
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype = jnp.float32
+    # Gemma stores the scale minus one (offset 1.0) and scales in float32 before the cast, where
+    # Llama casts first: each as its transformers implementation rounds.
+    offset: float = 0.0
 
     @nn.compact
     def __call__(self, x):
-        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        init = nn.initializers.zeros if self.offset else nn.initializers.ones
+        w = self.param("weight", init, (x.shape[-1],), self.dtype)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + w.astype(jnp.float32))).astype(self.dtype)
         return w * xf.astype(self.dtype)
 
 
@@ -87,10 +96,13 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
     return float(theta), scaling
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """The rotary frequencies of a layer; `local`: a sliding-window layer (Gemma 3 gives those
+    their own unscaled base)."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    sc = cfg.rope_scaling
+    local = local and cfg.local_rope_theta is not None
+    inv_freq = 1.0 / ((cfg.local_rope_theta if local else cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    sc = RopeScaling() if local else cfg.rope_scaling
     if sc.kind == "linear":
         inv_freq = inv_freq / sc.factor
     elif sc.kind == "llama3":

@@ -1,4 +1,4 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, in one Flax implementation.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3 (and Phi-3, Gemma 2 and 3), in one Flax implementation.
 
 The architectures differ only in configuration, read here from their config.json: RoPE
 scaling, GQA/MQA head counts, per-layer sliding windows, q/k/v biases, tied embeddings,
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxserve import attention
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import GatedMLP, Linear, RMSNorm, apply_rope, rope_from_hf, rope_inv_freq
+from jaxserve.models.layers import ACTIVATIONS, GatedMLP, Linear, RMSNorm, apply_rope, rope_from_hf, rope_inv_freq
 
 
 def _config(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelConfig:
@@ -40,8 +40,12 @@ def _config(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelConfig
         qkv_bias=hf.get("attention_bias", False),
         o_bias=hf.get("attention_bias", False),
         mlp_bias=hf.get("mlp_bias", False),
+        hidden_act=hf.get("hidden_act", "silu"),
     )
-    return ModelConfig(**common, **{**fields, **family})
+    fields.update(family)
+    if fields["hidden_act"] not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {fields['hidden_act']!r} (supported: {', '.join(ACTIVATIONS)})")
+    return ModelConfig(**common, **fields)
 
 
 def llama_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
@@ -129,13 +133,13 @@ class Attention(nn.Module):
         k = k.reshape(*lead, c.num_kv_heads, c.head_dim)
         v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
-        inv_freq = jnp.asarray(rope_inv_freq(c))
+            q = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name="k_norm")(k)
+        inv_freq = jnp.asarray(rope_inv_freq(c, local=c.sliding_windows[self.layer] is not None))
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         out, kv_cache = attention.attend(
             q, k, v, kv_cache, meta, sliding_window=c.sliding_windows[self.layer],
-            sm_scale=1.0 / math.sqrt(c.head_dim))
+            sm_scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim), soft_cap=c.attn_soft_cap)
         out = dense(c.hidden_size, c.o_bias, name="o_proj")(out.reshape(*lead, -1))
         return out, kv_cache
 
@@ -148,12 +152,18 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, positions, kv_cache, meta):
         c = self.cfg
+
+        def norm(name):
+            return RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name=name)
         h, kv_cache = Attention(c, self.layer, self.dtype, name="self_attn")(
-            RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x), positions, kv_cache, meta)
+            norm("input_layernorm")(x), positions, kv_cache, meta)
+        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, ACTIVATIONS[c.hidden_act], self.dtype,
+                       name="mlp")
+        if c.sandwich_norms:   # Gemma: each branch's output normed too (HF names these four)
+            x = x + norm("post_attention_layernorm")(h)
+            return x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x))), kv_cache
         x = x + h
-        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, dtype=self.dtype, name="mlp")
-        x = x + mlp(RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x))
-        return x, kv_cache
+        return x + mlp(norm("post_attention_layernorm")(x)), kv_cache
 
 
 class LlamaModel(nn.Module):
@@ -165,10 +175,12 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype)
         self.layers = [DecoderLayer(c, i, self.dtype) for i in range(c.num_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset)
 
     def __call__(self, tokens, positions, kv_caches=None, meta=None):
         x = self.embed_tokens(tokens)
+        if self.cfg.scale_embeddings:   # by sqrt(hidden) rounded to the model dtype, as HF does
+            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, self.dtype)
         new_caches = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, positions, None if kv_caches is None else kv_caches[i], meta)
@@ -199,7 +211,10 @@ class LlamaForCausalLM(nn.Module):
             out = self.model.attend_embeddings(hidden)
         else:
             out = self.lm_head(hidden)
-        return out.astype(jnp.float32)
+        out = out.astype(jnp.float32)
+        if self.cfg.final_soft_cap is not None:
+            out = self.cfg.final_soft_cap * jnp.tanh(out / self.cfg.final_soft_cap)
+        return out
 
     def forward_logits(self, tokens, positions):
         """Full-sequence logits without a cache (training, scoring)."""

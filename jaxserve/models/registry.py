@@ -17,7 +17,7 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import llama, phi3
+from jaxserve.models import gemma, llama, phi3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +30,10 @@ class Architecture:
 
 
 ARCHITECTURES: dict[str, Architecture] = {
+    "Gemma2ForCausalLM": Architecture(gemma.gemma2_config, llama.LlamaForCausalLM, llama.hf_tensor,
+                                      llama.PARAM_AXES),
+    "Gemma3ForCausalLM": Architecture(gemma.gemma3_config, llama.LlamaForCausalLM, llama.hf_tensor,
+                                      llama.PARAM_AXES),
     "LlamaForCausalLM": Architecture(llama.llama_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                      llama.PARAM_AXES),
     "MistralForCausalLM": Architecture(llama.mistral_config, llama.LlamaForCausalLM, llama.hf_tensor,

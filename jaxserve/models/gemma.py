@@ -1,0 +1,52 @@
+"""Gemma 2 and Gemma 3 (text): the Llama module with Gemma's options (ModelConfig's Gemma fields).
+
+What differs from Llama, all set from config.json here: RMSNorm scales by (1 + weight);
+embeddings are multiplied by sqrt(hidden_size); a norm after attention and one after the MLP
+besides the two before them; GeGLU (tanh-approximated GELU); queries scaled by
+query_pre_attn_scalar ** -0.5; tanh soft caps on attention scores and final logits; every
+other layer (or as `layer_types` says) attends within a sliding window; tied embeddings.
+Gemma 3 drops the attention soft cap for RMSNorms on q and k, has five windowed layers to each
+global one, and gives the windowed layers their own RoPE base.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from jaxserve.config import ModelConfig
+from jaxserve.models import llama
+from jaxserve.models.layers import rope_from_hf
+
+
+def gemma2_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    return _config(hf, common, window_every=2, attn_soft_cap=hf.get("attn_logit_softcapping"))
+
+
+def gemma3_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """transformers 5 keeps both RoPE settings in rope_parameters by layer type; older configs
+    have rope_theta / rope_scaling and rope_local_base_freq."""
+    rope = hf.get("rope_parameters") or {}
+    if "full_attention" in rope:
+        theta, scaling = rope_from_hf({"rope_parameters": rope["full_attention"]})
+        local = rope.get("sliding_attention", {})
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"Gemma 3 windowed layers with RoPE scaling {local['rope_type']!r} are not supported")
+        local_theta = local.get("rope_theta", 10000.0)
+    else:
+        (theta, scaling), local_theta = rope_from_hf(hf), hf.get("rope_local_base_freq", 10000.0)
+    return _config(hf, common, window_every=hf.get("sliding_window_pattern", 6), qk_norm=True,
+                   rope_theta=theta, rope_scaling=scaling, local_rope_theta=local_theta,
+                   attn_soft_cap=hf.get("attn_logit_softcapping"))
+
+
+def _config(hf: dict[str, Any], common: dict[str, Any], window_every: int, **family) -> ModelConfig:
+    """What Gemma 2 and 3 share. Without `layer_types`, every `window_every`-th layer is global."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % window_every == 0 else "sliding_attention"
+                                      for i in range(layers)]
+    window = hf.get("sliding_window")
+    return llama._config(
+        hf, common, hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6), tie_word_embeddings=hf.get("tie_word_embeddings", True),
+        norm_offset=1.0, scale_embeddings=True, sandwich_norms=True,
+        attn_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5, final_soft_cap=hf.get("final_logit_softcapping"),
+        sliding_windows=tuple(window if t == "sliding_attention" else None for t in types), **family)
