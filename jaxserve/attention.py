@@ -51,9 +51,11 @@ class AttentionMetadata:
     seq_lens: jax.Array         # int32[S] KV length after this step (0 = empty slot)
     query_start_loc: jax.Array  # int32[S + 1] offsets of each sequence's tokens in the flat batch
     max_q: int = struct.field(pytree_node=False, default=1)  # static bound on any sequence's new tokens
-    # XLA path only: rows [0, num_prefill_rows) may bring up to max_q tokens, later rows at most
-    # one, so decode rows are padded to [S, 1] rather than [S, max_q]. None: one group.
+    # Rows [0, num_prefill_rows) may bring up to max_q tokens, later (decode) rows at most
+    # decode_q (1, or 1 + k proposals with speculative decoding), so the XLA path pads decode
+    # rows to [S, decode_q] rather than [S, max_q]. None: one group.
     num_prefill_rows: int | None = struct.field(pytree_node=False, default=None)
+    decode_q: int = struct.field(pytree_node=False, default=1)
     backend: str = struct.field(pytree_node=False, default="xla")
     # Platform of the devices the arrays live on ("cpu", "tpu", "gpu"); None: the default
     # device's. Not jax.default_backend() at trace time: a CPU host compiling for TPU
@@ -149,9 +151,10 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
         p = meta.num_prefill_rows
         if p is None:
             return paged_xla.ragged_paged_attention(q, k_pages, v_pages, *tables, max_q=meta.max_q, **kwargs)
-        # Prefill rows pad to max_q tokens, decode rows to 1; each call zeroes the others' tokens.
+        # Prefill rows pad to max_q tokens, decode rows to decode_q; each call zeroes the others' tokens.
         page_table, seq_lens, qsl = tables
-        out = _decode_rows_in_groups(q, k_pages, v_pages, page_table[p:], seq_lens[p:], qsl[p:], **kwargs)
+        out = _decode_rows_in_groups(q, k_pages, v_pages, page_table[p:], seq_lens[p:], qsl[p:],
+                                     max_q=meta.decode_q, **kwargs)
         if p:
             out += paged_xla.ragged_paged_attention(q, k_pages, v_pages, page_table[:p], seq_lens[:p], qsl[:p + 1],
                                                     max_q=meta.max_q, **kwargs)
@@ -169,7 +172,7 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
     if _flash_fits(meta, q, k, interpret):
         flash = importlib.import_module(f"pallas_kernels.flash_attention.{kernels}").flash_attention
         call = functools.partial(_fresh_prefill_or_paged, paged=paged, num_prefill_rows=meta.num_prefill_rows,
-                                 max_q=meta.max_q, flash=functools.partial(flash, interpret=interpret, **kwargs))
+                                 max_q=meta.max_q, decode_q=meta.decode_q, flash=functools.partial(flash, interpret=interpret, **kwargs))
         args, specs = args + (k.astype(k_pages.dtype), v.astype(v_pages.dtype)), specs + (heads, heads)
     else:
         call = functools.partial(paged, max_q=meta.max_q)
@@ -182,8 +185,8 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
                          check_vma=False)(*args)
 
 
-def _decode_rows_in_groups(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, **kwargs):
-    """XLA path: rows of at most one new token, DECODE_GROUP_ROWS at a time in one loop. Each
+def _decode_rows_in_groups(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *, max_q, **kwargs):
+    """XLA path: rows of at most max_q new tokens, DECODE_GROUP_ROWS at a time in one loop. Each
     group reads K/V only up to its own longest row; as a loop (not one call per group) the step
     holds one group's code whatever its row count: it compiles faster, measured 6-7% faster on
     the CPU offline workload (its prefill steps), and keeps the step's JIT-mapped code sections
@@ -201,7 +204,7 @@ def _decode_rows_in_groups(q, k_pages, v_pages, page_table, seq_lens, query_star
         def rows_of(x, size):
             return lax.dynamic_slice_in_dim(x, i * g, size)
         return out + paged_xla.ragged_paged_attention(q, k_pages, v_pages, rows_of(page_table, g), rows_of(seq_lens, g),
-                                                      rows_of(query_start_loc, g + 1), max_q=1, **kwargs)
+                                                      rows_of(query_start_loc, g + 1), max_q=max_q, **kwargs)
 
     return lax.fori_loop(0, n, group, jnp.zeros_like(q))
 
@@ -221,7 +224,7 @@ def _flash_fits(meta: AttentionMetadata, q, k, interpret: bool) -> bool:
 
 
 def _fresh_prefill_or_paged(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k, v, *,
-                            paged, flash, num_prefill_rows, max_q):
+                            paged, flash, num_prefill_rows, max_q, decode_q):
     """Chosen at run time (both branches live in one compiled step): when no prefill row has a
     cached prefix, the prefill tokens go through the flash kernel and the decode rows through
     the paged kernel; otherwise the whole batch goes through the paged kernel."""
@@ -238,10 +241,10 @@ def _fresh_prefill_or_paged(q, k_pages, v_pages, page_table, seq_lens, query_sta
         # ids stay non-decreasing (exact block skipping, masks.py) and those tokens skip the rest.
         seg = jnp.where(tok < end, jnp.searchsorted(qsl, tok, side="right") - 1, p + tok)
         prefill = flash(q[None], k[None], v[None], segment_ids=seg[None])[0]
-        # Prefill rows emptied (no tokens, no KV): the paged kernel does the one-token rows only.
+        # Prefill rows emptied (no tokens, no KV): the paged kernel does the decode rows only.
         rows = jnp.arange(qsl.shape[0])
         decode = paged(q, k_pages, v_pages, page_table, jnp.where(rows[:-1] < p, 0, seq_lens),
-                       jnp.where(rows < p, end, qsl), max_q=1)
+                       jnp.where(rows < p, end, qsl), max_q=decode_q)
         return jnp.where(((tok >= qsl[0]) & (tok < end))[:, None, None], prefill, decode)
 
     return lax.cond(fresh, flash_then_paged,

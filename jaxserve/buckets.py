@@ -4,6 +4,9 @@ Static shapes come in two families:
   * decode-only steps:  decode rows S
   * steps with prefill: (tokens T, prefill rows S_p, bound on a row's new tokens: 32 or the
     chunk size), the decode rows at their maximum.
+Decode rows bring one token each, or with speculative decoding up to 1 + k (a verify row: the
+last token and k proposals; a plain decode among them uses one of its slots), and every token
+of a decode row is sampled: the logits come for decode rows x tokens per decode row.
 The runner packs each step into one of them; warm-up and `jaxserve check` compile all of them.
 """
 from __future__ import annotations
@@ -43,12 +46,19 @@ class StepShape(NamedTuple):
     decode_rows: int
     prefill_rows: int
     max_q: int
+    decode_q: int = 1   # tokens per decode row (1 + proposals with speculative decoding)
 
     @property
     def name(self) -> str:
+        verify = f"v{self.decode_q}" if self.decode_q > 1 else ""
         if not self.prefill_rows:
-            return f"decode-{self.decode_rows}"
-        return f"prefill-{self.tokens}x{self.prefill_rows}q{self.max_q}"
+            return f"decode-{self.decode_rows}{verify}"
+        return f"prefill-{self.tokens}x{self.prefill_rows}q{self.max_q}{verify}"
+
+    @property
+    def logit_rows(self) -> int:
+        """Positions the step samples from: every token of every decode row."""
+        return self.decode_rows * self.decode_q
 
     def empty_batch(self, max_pages_per_seq: int, padding_slot: int) -> tuple[np.ndarray, ...]:
         """The step's arrays for a batch with nothing in it (nothing written, nothing attended):
@@ -56,7 +66,7 @@ class StepShape(NamedTuple):
         t, rows = self.tokens, self.prefill_rows + self.decode_rows
         return (np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, padding_slot, np.int32),
                 np.zeros((rows, max_pages_per_seq), np.int32), np.zeros(rows, np.int32),
-                np.zeros(rows + 1, np.int32), np.zeros(self.decode_rows, np.int32))
+                np.zeros(rows + 1, np.int32), np.zeros(self.logit_rows, np.int32))
 
 
 class Buckets:
@@ -66,19 +76,21 @@ class Buckets:
         self.tokens = powers_of_two(min(16, ecfg.max_num_batched_tokens), ecfg.max_num_batched_tokens,
                                     halfway_from=128)
         self.prefill_rows = powers_of_two(1, ecfg.max_prefill_seqs)
+        self.decode_q = 1 + (ecfg.speculative.num_tokens if ecfg.speculative else 0)
         if any(t % seq_size for t in self.tokens):
             raise ValueError(f"token buckets {self.tokens} must be multiples of the mesh's seq size "
                              f"{seq_size} (set max_num_batched_tokens to one)")
 
     def max_q_options(self, t: int) -> list[int]:
         """The static bounds on one sequence's new tokens in a prefill step of t tokens."""
-        return sorted({min(t, SHORT_PREFILL_Q), min(t, self.ecfg.prefill_chunk_size)})
+        return sorted({max(min(t, SHORT_PREFILL_Q), self.decode_q), min(t, self.ecfg.prefill_chunk_size)})
 
     def warmup_shapes(self, prefills_sequence_parallel: bool) -> list[StepShape]:
         """Every shape the batched step runs in (without prefill rows when prefills run
         sequence-parallel on their own)."""
-        shapes = [StepShape(sd, sd, 0, 1) for sd in self.decode]
+        dq = self.decode_q
+        shapes = [StepShape(sd * dq, sd, 0, dq, dq) for sd in self.decode]
         if not prefills_sequence_parallel:
-            shapes += [StepShape(t, self.decode[-1], sp, max_q) for t in self.tokens
+            shapes += [StepShape(t, self.decode[-1], sp, max_q, dq) for t in self.tokens
                        for sp in self.prefill_rows for max_q in self.max_q_options(t)]
         return shapes

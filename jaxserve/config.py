@@ -121,6 +121,27 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass
+class SpeculativeConfig:
+    """Speculative decoding (jaxserve/spec_decode/): `num_tokens` proposals per running sequence
+    and step, verified by the model in the same step. method "ngram": prompt lookup, the
+    continuation of the latest earlier occurrence of the last n tokens (n from ngram_max down
+    to ngram_min)."""
+    method: str = "ngram"
+    num_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    def __post_init__(self):
+        if self.method != "ngram":
+            raise ValueError(f"engine config: speculative method {self.method!r} is not available (supported: ngram)")
+        if not 1 <= self.num_tokens <= 15:
+            raise ValueError(f"engine config: speculative num_tokens must be in [1, 15], got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"engine config: speculative needs 1 <= ngram_min <= ngram_max, got "
+                             f"{self.ngram_min} and {self.ngram_max}")
+
+
+@dataclasses.dataclass
 class EngineConfig:
     """Everything the engine needs besides the model weights. Loadable from YAML; checked when
     built (a bad value fails here, naming the key, not deep in the engine)."""
@@ -148,10 +169,14 @@ class EngineConfig:
     # This process's place in a multi-host engine (None: one process). A dict (from YAML or
     # dataclasses.asdict) becomes a DistributedConfig.
     distributed: DistributedConfig | None = None
+    # Speculative decoding (None: off); a dict (YAML, `LLM(speculative={...})`) becomes a SpeculativeConfig.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if isinstance(self.distributed, dict):
             self.distributed = DistributedConfig(**self.distributed)
+        if isinstance(self.speculative, dict):
+            self.speculative = SpeculativeConfig(**self.speculative)
         positive = ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size",
                     "max_prefill_seqs", "kv_cache_mb", "max_failed_steps")
         for name in positive:

@@ -32,6 +32,7 @@ from jaxserve.block_manager import BlockManager
 from jaxserve.runner import ModelRunner, SampleResult
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence
+from jaxserve.spec_decode import ngram
 from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 TINY_MODEL_DIR = os.path.join(os.path.dirname(__file__), "assets", "tiny")
@@ -117,7 +118,8 @@ class LLMEngine:
         self._rng = np.random.default_rng(self.ecfg.seed)
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "failed_steps": 0,
-                      "requests_finished": 0}
+                      "requests_finished": 0, "spec_verify_rows": 0, "spec_proposed_tokens": 0,
+                      "spec_accepted_tokens": 0}
         self._fault_steps = {int(n) for n in os.environ.get(FAULT_STEPS_ENV, "").split(",") if n.strip()}
         self.last_schedule = None   # the SchedulerOutput of the latest step (roofline accounting)
 
@@ -202,6 +204,7 @@ class LLMEngine:
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
         """Run one step; raises StepError if it fails (the caller then aborts its requests)."""
+        self._propose()
         out = self.last_schedule = self.scheduler.schedule()
         if not out.scheduled and not out.page_copies:
             return []
@@ -223,24 +226,34 @@ class LLMEngine:
         if self.ecfg.poison_freed_pages:
             out = self._poison_stale_pages(out)
         results = self.runner.execute(out, {s.seq.seq_id: s.seq.seed for s in out.scheduled})
-        self.scheduler.postprocess(out, {k: [r.token] for k, r in results.items()})
+        accepted = {s.seq.seq_id: self._accept(s.seq.proposed_token_ids, results[s.seq.seq_id])
+                    for s in out.scheduled if s.seq.seq_id in results}
+        self.scheduler.postprocess(out, {k: [r.token for r in v] for k, v in accepted.items()})
         self.stats["steps"] += 1
         now = time.monotonic()
         deltas: dict[str, list[CompletionOutput]] = {}
         for s in out.scheduled:
-            if s.seq.seq_id not in results:
+            if s.seq.seq_id not in accepted:
                 continue
-            seq, res = s.seq, results[s.seq.seq_id]
+            seq, tokens = s.seq, accepted[s.seq.seq_id]
             req = self._requests[seq.request_id]
             if req.params.max_tokens == 0:   # the prompt is scored: its sampled token is dropped
                 self.scheduler.finish(seq, "length")
                 deltas.setdefault(seq.request_id, []).append(CompletionOutput(seq.index, "", [], None, "length"))
                 continue
-            req.num_generated += 1
-            self.stats["generation_tokens"] += 1
             if req.first_token_time is None:
                 req.first_token_time = now
-            deltas.setdefault(seq.request_id, []).append(self._advance(req, seq, res))
+            before = len(seq.output_token_ids) - len(tokens)   # outputs before this step
+            delta = None
+            for i, res in enumerate(tokens):   # one, or a verify row's accepted run: cut where it ends
+                req.num_generated += 1
+                self.stats["generation_tokens"] += 1
+                d = self._advance(req, seq, res, before + i + 1)
+                delta = d if delta is None else _join(delta, d)
+                if seq.is_finished:
+                    del seq.output_token_ids[before + i + 1:]
+                    break
+            deltas.setdefault(seq.request_id, []).append(delta)
         outputs = []
         for request_id, choice_outputs in deltas.items():
             req = self._requests[request_id]
@@ -264,9 +277,35 @@ class LLMEngine:
         self.runner.poison_pages([p for p in self.block_manager.drain_stale_pages() if p not in copied])
         return dataclasses.replace(out, page_copies=[])
 
-    def _advance(self, req: Request, seq: Sequence, res: SampleResult) -> CompletionOutput:
-        """Detokenize the new token, apply stop conditions, return the choice's delta. The sampler
-        bans the ending tokens before min_tokens outputs; stop strings are not looked for then."""
+    def _propose(self) -> None:
+        """Speculative decoding: proposals for every running sequence whose tokens are all
+        computed but the last (the scheduler turns it into a verify row)."""
+        spec = self.ecfg.speculative
+        if spec is None:
+            return
+        for seq in self.scheduler.running:
+            if seq.num_tokens - seq.num_computed_tokens == 1:
+                seq.proposed_token_ids = ngram.propose(seq.token_ids, spec.num_tokens, spec.ngram_min, spec.ngram_max)
+
+    def _accept(self, proposals: list[int], sampled: list[SampleResult]) -> list[SampleResult]:
+        """A verify row's accepted run: the sampled tokens while they equal the proposals, then
+        the first that does not (or the one after the last proposal). Sampling every position
+        from the target and keeping it while it equals the proposal is rejection sampling for a
+        proposal that is certain (q one-hot, as n-gram lookup's): a proposal d is accepted with
+        probability p(d), and a rejected position's token is drawn from p without d."""
+        n = 0
+        while n < len(sampled) - 1 and sampled[n].token == proposals[n]:
+            n += 1
+        if len(sampled) > 1:
+            self.stats["spec_verify_rows"] += 1
+            self.stats["spec_proposed_tokens"] += len(sampled) - 1
+            self.stats["spec_accepted_tokens"] += n
+        return sampled[:n + 1]
+
+    def _advance(self, req: Request, seq: Sequence, res: SampleResult, num_outputs: int) -> CompletionOutput:
+        """Detokenize the new token (the sequence's num_outputs-th output), apply stop conditions,
+        return the choice's delta. The sampler bans the ending tokens before min_tokens outputs;
+        stop strings are not looked for then."""
         p, i, token = req.params, seq.index, res.token
         reason = None
         is_stop_token = token in seq.end_token_ids
@@ -274,7 +313,7 @@ class LLMEngine:
             reason = "stop"
         if not is_stop_token or p.include_stop_str_in_output:
             req.texts[i] += req.detoks[i].step([token])
-        if reason is None and p.stop and len(seq.output_token_ids) >= p.min_tokens:
+        if reason is None and p.stop and num_outputs >= p.min_tokens:
             # Search only where a new match can start.
             start = max(0, req.emitted[i] - max(map(len, p.stop)))
             hits = [(req.texts[i].find(s, start), s) for s in p.stop]
@@ -283,7 +322,7 @@ class LLMEngine:
                 pos, s = min(hits)
                 req.texts[i] = req.texts[i][:pos + len(s) if p.include_stop_str_in_output else pos]
                 reason = "stop"
-        if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+        if reason is None and (num_outputs >= p.max_tokens or seq.num_prompt_tokens + num_outputs >= self.max_model_len):
             reason = "length"
         if reason is not None:
             if reason == "length":
@@ -303,6 +342,12 @@ class LLMEngine:
             req.request_id, req.prompt_token_ids, outputs, finished, req.num_generated,
             req.arrival_time, req.first_token_time, time.monotonic() if finished else None,
             req.first_scheduled_time, req.seqs[0].num_cached_tokens or 0)
+
+
+def _join(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
+    """One choice's deltas of one step (a verify row's tokens) as one."""
+    logprobs = None if a.logprobs is None else a.logprobs + b.logprobs
+    return CompletionOutput(a.index, a.text + b.text, a.token_ids + b.token_ids, logprobs, b.finish_reason)
 
 
 def _resolve_dtype(name: str):

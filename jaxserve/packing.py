@@ -16,15 +16,18 @@ class Batch(NamedTuple):
     sampling_seqs: list
     num_prefill_rows: int
     max_q: int
+    decode_q: int
     prompt_logprobs: tuple | None   # prompt_logprobs.pack's (seqs, counts, arrays), None: no row asks
 
 
 def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pages: int,
          page_size: int) -> Batch:
     """The scheduled rows as the step's fixed-shape host arrays (see the runner's docstring):
-    prefill rows first, then decode rows longest context first, padded to `buckets`."""
-    prefill = [s for s in out.scheduled if s.num_query_tokens > 1]
-    decode = sorted((s for s in out.scheduled if s.num_query_tokens == 1),
+    prefill rows first, then decode rows (one token, or a verify row's 1 + k) longest context
+    first, padded to `buckets`. A row sampling n tokens has its last n positions in
+    logits_index and its sequence n times in sampling_seqs."""
+    prefill = [s for s in out.scheduled if s.is_prefill and s.num_query_tokens > 1]
+    decode = sorted((s for s in out.scheduled if not (s.is_prefill and s.num_query_tokens > 1)),
                     key=lambda s: -s.seq.num_computed_tokens)
     num_tokens = out.num_tokens
     if prefill:
@@ -37,8 +40,8 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     else:
         sp = 0
         sd = bucket(len(decode), buckets.decode)
-        t = sd
-        max_q = 1
+        t = sd * buckets.decode_q
+        max_q = buckets.decode_q
     p = max_pages_per_seq
     rows: list = prefill + [None] * (sp - len(prefill)) + decode + [None] * (sd - len(decode))
     tokens = np.zeros(t, np.int32)
@@ -47,7 +50,7 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     page_table = np.zeros((sp + sd, p), np.int32)
     seq_lens = np.zeros(sp + sd, np.int32)
     qsl = np.zeros(sp + sd + 1, np.int32)
-    logits_index = np.zeros(sd, np.int32)  # sampling sequences first; sd >= their number
+    logits_index = np.zeros(sd * buckets.decode_q, np.int32)  # sampled positions first
     sampling_seqs, starts = [], []
     cursor = 0
     for r, s in enumerate(rows):
@@ -64,9 +67,9 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
             seq_lens[r] = start + n
             starts.append((s, cursor))
             cursor += n
-            if s.num_sampled:
-                logits_index[len(sampling_seqs)] = cursor - 1
+            for position in range(cursor - s.num_sampled, cursor):
+                logits_index[len(sampling_seqs)] = position
                 sampling_seqs.append(seq)
         qsl[r + 1] = cursor
     arrays = (tokens, positions, slots, page_table, seq_lens, qsl, logits_index)
-    return Batch(arrays, sampling_seqs, sp, max_q, prompt_logprobs.pack(starts, t))
+    return Batch(arrays, sampling_seqs, sp, max_q, buckets.decode_q, prompt_logprobs.pack(starts, t))

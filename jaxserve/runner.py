@@ -2,7 +2,8 @@
 jit-compiled step (KV write + paged attention + logits), then samples on device.
 
 Rows of a step: prefill rows first (sequences bringing more than one new token), then decode
-rows (one new token each, longest context first), padded to the static shapes of buckets.py,
+rows (one new token each, or a verify row's last token and k proposals, every one sampled;
+longest context first), padded to the static shapes of buckets.py,
 all compiled at warm-up (the pieces of step.py, which `jaxserve check` compiles for TPU too;
 the packing: packing.py).
 Page tables are always full width: every attention path reads K/V only up to the real context
@@ -97,21 +98,21 @@ class ModelRunner:
             name=f"{self.cfg.architecture} ({self.cfg.num_params / 1e9:.1f}B parameters)")
 
     # ---- one step ----
-    def execute(self, out: SchedulerOutput, seeds: dict[int, int]) -> dict[int, SampleResult]:
-        """Run the scheduled batch; returns seq_id -> SampleResult for the sequences that sample.
-        `seeds` gives each sampling sequence's seed (the engine draws one when none is set)."""
+    def execute(self, out: SchedulerOutput, seeds: dict[int, int]) -> dict[int, list[SampleResult]]:
+        """Run the scheduled batch; returns seq_id -> the SampleResults of a sampling row's
+        positions, in order (one, or a verify row's k + 1). `seeds` gives each sampling
+        sequence's seed (the engine draws one when none is set)."""
         if not out.scheduled and not out.page_copies:
             return {}
-        if any(s.num_sampled > 1 for s in out.scheduled):
-            raise NotImplementedError("verify rows: the step samples at most one token per row")
         split = self.prefills_sequence_parallel
-        ops = [self._sequence_parallel_op(s, seeds) for s in out.scheduled if split and s.num_query_tokens > 1]
-        rest = [s for s in out.scheduled if not (split and s.num_query_tokens > 1)]
+        ops = [self._sequence_parallel_op(s, seeds) for s in out.scheduled if split and s.is_prefill
+               and s.num_query_tokens > 1]
+        rest = [s for s in out.scheduled if not (split and s.is_prefill and s.num_query_tokens > 1)]
         if rest:
             batch = pack(dataclasses.replace(out, scheduled=rest), self.buckets, self.max_pages_per_seq,
                          self.num_pages, self.page_size)
             seqs = batch.sampling_seqs
-            ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q], batch.arrays, seqs,
+            ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q, batch.decode_q], batch.arrays, seqs,
                            metadata_for(seqs, seeds, len(batch.arrays[-1]), self.max_model_len)))  # logits_index: the logits' rows
             if batch.prompt_logprobs is not None:   # scored from that step's hidden states
                 plp_seqs, plp_counts, plp_arrays = batch.prompt_logprobs
@@ -133,7 +134,7 @@ class ModelRunner:
             for i, seq in enumerate(op.seqs):
                 n = seq.sampling.logprobs or 0
                 top = list(zip(res.top_ids[i, :n].tolist(), res.top_logprobs[i, :n].tolist()))
-                results[seq.seq_id] = SampleResult(int(res.tokens[i]), float(res.logprobs[i]), top)
+                results.setdefault(seq.seq_id, []).append(SampleResult(int(res.tokens[i]), float(res.logprobs[i]), top))
         return results
 
     def _sequence_parallel_op(self, s, seeds: dict[int, int]) -> "_Op":
@@ -165,7 +166,8 @@ class ModelRunner:
                 continue
             if kind == _STEP:
                 logits, self.kv_caches, hidden = self._step(self.params, self.kv_caches, *arrays,
-                                                            num_prefill_rows=int(static[0]), max_q=int(static[1]))
+                                                            num_prefill_rows=int(static[0]), max_q=int(static[1]),
+                                                            decode_q=int(static[2]))
             else:
                 tokens, (num_tokens, num_cached), row = arrays
                 logits, self.kv_caches = sequence_parallel_prefill(
@@ -219,7 +221,7 @@ class ModelRunner:
         for shape in shapes:
             _, self.kv_caches, hidden = self._step(
                 self.params, self.kv_caches, *shape.empty_batch(self.max_pages_per_seq, self.num_pages * self.page_size),
-                num_prefill_rows=shape.prefill_rows, max_q=shape.max_q)
+                num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q)
             # Prompt logprobs: one variant per step token count (a 1-token prompt chunk, cut by the
             # token budget, rides in a decode-shaped step).
             empty = np.zeros(shape.tokens, np.int32)
@@ -246,7 +248,7 @@ _STEP, _SEQUENCE_PARALLEL, _PROMPT_LOGPROBS = 0, 1, 2
 class _Op(NamedTuple):
     """One computation of a step (the batched step, a sequence-parallel prefill, or the prompt
     logprobs of the batched step just before) and its sampler."""
-    static: list            # kind, then the static args (step: num_prefill_rows, max_q)
+    static: list            # kind, then the static args (step: num_prefill_rows, max_q, decode_q)
     arrays: tuple           # the computation's host arrays
     seqs: list              # the sequences it samples for, in row order
     md: SamplingMetadata | None

@@ -15,6 +15,7 @@ it sits in it, and whichever filter path the batch takes.
 """
 from __future__ import annotations
 
+import collections
 import functools
 from typing import NamedTuple
 
@@ -137,12 +138,19 @@ class SamplingMetadata:
 
 def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: int) -> SamplingMetadata | None:
     """The sampler's arrays for the sequences that sample in a step, in row order (None: none).
-    A batch with penalties gets the full-context history width: one compiled variant."""
+    A sequence listed n times is a verify row: its j-th listing samples the position after
+    proposal j, as if the first j proposals were its outputs (its step count, penalty history
+    and min_tokens), so a seeded request draws the same randomness with and without
+    speculation. A batch with penalties gets the full-context history width: one compiled variant."""
     if not seqs:
         return None
     params = [s.sampling for s in seqs]
+    outputs, listed = [], collections.Counter()
+    for s in seqs:
+        outputs.append(s.output_token_ids + s.proposed_token_ids[:listed[s.seq_id]])
+        listed[s.seq_id] += 1
     return SamplingMetadata.build(
-        params, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+        params, [s.prompt_token_ids for s in seqs], outputs,
         [seeds[s.seq_id] for s in seqs], pad_to=rows,
         history_len=max_model_len if any(map(uses_penalties, params)) else None,
         end_token_ids=[s.end_token_ids for s in seqs])

@@ -22,7 +22,7 @@ from jaxserve.sampling import sample, sampler_variants
 
 def make_step(model, cfg: ModelConfig, mesh, backend: str):
     """The step with its static arguments for `mesh`: call it as (params, kv_caches, *arrays,
-    num_prefill_rows=, max_q=)."""
+    num_prefill_rows=, max_q=, decode_q=)."""
     return functools.partial(model_step, model, backend=backend, kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
                              logits_sharding=parallel.logits_sharding(cfg, mesh))
 
@@ -37,12 +37,13 @@ def kv_pool(cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype) -> ja
 def lower_step(step, params, kv_caches, shape: StepShape, max_pages_per_seq: int, padding_slot: int):
     """`step` (from make_step) lowered for `shape` over an empty batch."""
     return step.func.lower(*step.args, params, kv_caches, *shape.empty_batch(max_pages_per_seq, padding_slot),
-                           num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, **step.keywords)
+                           num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q,
+                           **step.keywords)
 
 
 def sampler_lowerings(shapes: list[StepShape], vocab_size: int, mesh, max_model_len: int) -> list[tuple[str, Any]]:
     """(name, lower) of the sampler variants the steps of `shapes` feed (their logits: replicated)."""
-    rows = sorted({s.decode_rows for s in shapes})
+    rows = sorted({s.logit_rows for s in shapes})
 
     def name(r, md):
         return f"sampler-{r}{'-penalties' if md.use_penalties else ''}{'-bias' if md.use_bias else ''}"
@@ -68,16 +69,16 @@ def page_copy_batches(copies, max_copies: int, num_pages: int):
         yield src, dst
 
 
-@functools.partial(jax.jit, static_argnames=("model", "backend", "num_prefill_rows", "max_q",
+@functools.partial(jax.jit, static_argnames=("model", "backend", "num_prefill_rows", "max_q", "decode_q",
                                              "kv_sharding", "logits_sharding"),
                    donate_argnames=("kv_caches",))
 def model_step(model, params, kv_caches, tokens, positions, slot_mapping, page_table, seq_lens,
-          query_start_loc, logits_index, *, backend, num_prefill_rows, max_q, kv_sharding,
-          logits_sharding):
+               query_start_loc, logits_index, *, backend, num_prefill_rows, max_q, kv_sharding,
+               logits_sharding, decode_q=1):
     meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_table=page_table,
                              seq_lens=seq_lens, query_start_loc=query_start_loc, max_q=max_q,
-                             num_prefill_rows=num_prefill_rows, backend=backend, kv_sharding=kv_sharding,
-                             platform=parallel.platform(kv_sharding.mesh))
+                             num_prefill_rows=num_prefill_rows, decode_q=decode_q, backend=backend,
+                             kv_sharding=kv_sharding, platform=parallel.platform(kv_sharding.mesh))
     hidden, kv_caches = model.apply({"params": params}, tokens, positions, kv_caches, meta)
     logits = model.apply({"params": params}, hidden[logits_index], method=model.logits)
     # Under tensor parallelism: keep the lm_head matmul vocab-split, then gather the logits
