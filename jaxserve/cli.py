@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import json
 import logging
 import os
 import sys
@@ -28,7 +29,10 @@ def engine_config(args) -> EngineConfig:
     path = args.config or (TINY_CPU_CONFIG if args.model is None and os.path.exists(TINY_CPU_CONFIG) else None)
     cfg = EngineConfig.from_yaml(path, model=args.model) if path else EngineConfig(model=args.model)
     axes = {"model": args.tp, "seq": args.sp, "data": args.dp}
-    return dataclasses.replace(cfg, mesh={**cfg.mesh, **{axis: n for axis, n in axes.items() if n is not None}})
+    cfg = dataclasses.replace(cfg, mesh={**cfg.mesh, **{axis: n for axis, n in axes.items() if n is not None}})
+    if args.speculative_config:
+        cfg = dataclasses.replace(cfg, speculative=json.loads(args.speculative_config))
+    return cfg
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -39,6 +43,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, help="tensor-parallel degree (mesh 'model' axis; overrides the config)")
     p.add_argument("--sp", type=int, help="sequence-parallel degree (mesh 'seq' axis)")
     p.add_argument("--dp", type=int, help="data-parallel replicas (mesh 'data' axis; `serve` only)")
+    p.add_argument("--speculative-config", help='speculative decoding as JSON (the engine config key '
+                                                '`speculative`), e.g. \'{"method": "ngram", "num_tokens": 4}\'')
 
 
 def _add_serve(sub) -> None:

@@ -86,6 +86,10 @@ class _EngineCollector:
                                   value=sum(e.stats["generation_tokens"] for e in engines))
         yield CounterMetricFamily("jaxserve_failed_steps", "Engine steps that raised (their requests failed).",
                                   value=sum(e.stats["failed_steps"] for e in engines))
+        for key, help_text in (("spec_verify_rows", "Speculative decoding: rows that verified proposals."),
+                               ("spec_proposed_tokens", "Speculative decoding: proposed tokens verified."),
+                               ("spec_accepted_tokens", "Speculative decoding: proposed tokens accepted.")):
+            yield CounterMetricFamily(f"jaxserve_{key}", help_text, value=sum(e.stats[key] for e in engines))
         yield CounterMetricFamily("jaxserve_num_preemptions", "Sequences preempted (recomputed later).",
                                   value=sum(s.num_preemptions for s in scheds))
         yield CounterMetricFamily("jaxserve_xla_compilations",

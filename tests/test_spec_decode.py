@@ -2,10 +2,13 @@
 the accepted run cut by every stop condition, and outputs identical with speculation on and off
 (greedy, and seeded sampling: each position draws the randomness it would draw without
 speculation). The embedded tiny model repeats itself enough for proposals to be accepted."""
+import argparse
+import json
+
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, SamplingParams, cli
 from jaxserve.compilations import CompileCounter
 from jaxserve.config import EngineConfig
 from jaxserve.spec_decode import ngram
@@ -40,6 +43,10 @@ def test_ngram_proposals_match_a_naive_search():
 
 def test_config_is_checked():
     assert EngineConfig(speculative=SPEC).speculative.num_tokens == 3
+    args = argparse.ArgumentParser()
+    cli._add_model_args(args)
+    cfg = cli.engine_config(args.parse_args(["--speculative-config", json.dumps(SPEC)]))
+    assert cfg.speculative == EngineConfig(speculative=SPEC).speculative
     with pytest.raises(ValueError, match="not available"):
         EngineConfig(speculative={"method": "draft"})
     with pytest.raises(ValueError, match="ngram_min <= ngram_max"):
