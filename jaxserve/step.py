@@ -46,7 +46,7 @@ def sampler_lowerings(shapes: list[StepShape], vocab_size: int, mesh, max_model_
     rows = sorted({s.logit_rows for s in shapes})
 
     def name(r, md):
-        return f"sampler-{r}{'-penalties' if md.use_penalties else ''}{'-bias' if md.use_bias else ''}"
+        return f"sampler-{r}{'-penalties-bias' if md.use_penalties else ''}"
     return [(name(r, md), functools.partial(
         sample.lower, jax.ShapeDtypeStruct((r, vocab_size), jnp.float32, sharding=parallel.replicated(mesh)), md,
         num_logprobs=MAX_LOGPROBS)) for r in rows for md in sampler_variants(r, max_model_len)]
