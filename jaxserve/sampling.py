@@ -68,16 +68,16 @@ class SamplingMetadata:
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_ids: list[list[int]],
               output_ids: list[list[int]], seeds: list[int], pad_to: int,
-              history_len: int | None = None, end_token_ids: list[tuple[int, ...]] | None = None,
-              together: bool = False) -> "SamplingMetadata":
+              history_len: int | None = None, end_token_ids: list[tuple[int, ...]] | None = None
+              ) -> "SamplingMetadata":
         """Numpy arrays for `len(params)` rows padded to `pad_to` greedy rows.
 
         `seeds` must be set for every row (the caller draws one for unseeded requests and gives
         each of a request's n sequences its own). `history_len` fixes the penalty history width
-        (else the next power of two >= MIN_HISTORY_LEN); it is ignored when no row uses penalties.
+        (else the next power of two >= MIN_HISTORY_LEN); unused when no row has penalties or a bias.
         `end_token_ids` are the tokens that end each row's sequence: banned while it has fewer
-        than min_tokens outputs. `together`: when a row needs penalties or a bias, both arrays
-        come at full width (history_len, BIAS_WIDTH), so one compiled variant serves them all.
+        than min_tokens outputs. When a row needs penalties or a bias, both arrays come (the
+        history history_len wide, the bias BIAS_WIDTH): one compiled variant serves them all.
         """
         n = len(params)
         if not (len(prompt_ids) == len(output_ids) == len(seeds) == n) or n > pad_to:
@@ -94,9 +94,9 @@ class SamplingMetadata:
             if len(output_ids[i]) < params[i].min_tokens:
                 biases[i].update(dict.fromkeys(ends, -np.inf))
         penalised = [i for i, p in enumerate(params) if uses_penalties(p)]
-        together = together and bool(penalised or any(biases))
+        extras = bool(penalised or any(biases))
         need = max((len(prompt_ids[i]) + len(output_ids[i]) for i in penalised), default=0)
-        if not (penalised or together):
+        if not extras:
             width = 0
         elif history_len is None:
             width = max(MIN_HISTORY_LEN, 1 << (need - 1).bit_length())
@@ -111,7 +111,7 @@ class SamplingMetadata:
             history[i, :len(ids)] = ids
             prompt_len[i] = len(prompt_ids[i])
 
-        width = BIAS_WIDTH if any(biases) or together else 0
+        width = BIAS_WIDTH if extras else 0
         bias_ids = np.full((pad_to, width), -1, np.int32)
         bias = np.zeros((pad_to, width), np.float32)
         for i, b in enumerate(biases):
@@ -155,14 +155,14 @@ def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: in
     return SamplingMetadata.build(
         params, [s.prompt_token_ids for s in seqs], outputs,
         [seeds[s.seq_id] for s in seqs], pad_to=rows,
-        history_len=max_model_len, end_token_ids=[s.end_token_ids for s in seqs], together=True)
+        history_len=max_model_len, end_token_ids=[s.end_token_ids for s in seqs])
 
 
 def sampler_variants(rows: int, max_model_len: int) -> list[SamplingMetadata]:
     """The sampler's compiled variants for `rows` logit rows (as metadata_for builds them): plain,
     and with penalties and a bias together (each costs little next to a variant to compile)."""
     return [SamplingMetadata.build([SamplingParams(repetition_penalty=penalty)], [[0]], [[]], [0], pad_to=rows,
-                                   history_len=max_model_len, together=True) for penalty in (1.0, 1.1)]
+                                   history_len=max_model_len) for penalty in (1.0, 1.1)]
 
 
 class SampleOutput(NamedTuple):
