@@ -26,8 +26,8 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     prefill rows first, then decode rows (one token, or a verify row's 1 + k) longest context
     first, padded to `buckets`. A row sampling n tokens has its last n positions in
     logits_index and its sequence n times in sampling_seqs."""
-    prefill = [s for s in out.scheduled if s.is_prefill and s.num_query_tokens > 1]
-    decode = sorted((s for s in out.scheduled if not (s.is_prefill and s.num_query_tokens > 1)),
+    prefill = [s for s in out.scheduled if s.is_prefill_row]
+    decode = sorted((s for s in out.scheduled if not s.is_prefill_row),
                     key=lambda s: -s.seq.num_computed_tokens)
     num_tokens = out.num_tokens
     if prefill:

@@ -105,9 +105,8 @@ class ModelRunner:
         if not out.scheduled and not out.page_copies:
             return {}
         split = self.prefills_sequence_parallel
-        ops = [self._sequence_parallel_op(s, seeds) for s in out.scheduled if split and s.is_prefill
-               and s.num_query_tokens > 1]
-        rest = [s for s in out.scheduled if not (split and s.is_prefill and s.num_query_tokens > 1)]
+        ops = [self._sequence_parallel_op(s, seeds) for s in out.scheduled if split and s.is_prefill_row]
+        rest = [s for s in out.scheduled if not (split and s.is_prefill_row)]
         if rest:
             batch = pack(dataclasses.replace(out, scheduled=rest), self.buckets, self.max_pages_per_seq,
                          self.num_pages, self.page_size)

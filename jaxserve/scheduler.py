@@ -62,6 +62,12 @@ class ScheduledSeq:
         return self.num_sampled < self.num_query_tokens
 
     @property
+    def is_prefill_row(self) -> bool:
+        """Packed as a prefill row (and under sequence parallelism run on its own): a prefill
+        chunk of more than one token. One-token chunks and verify rows ride as decode rows."""
+        return self.is_prefill and self.num_query_tokens > 1
+
+    @property
     def query_token_ids(self) -> list[int]:
         start = self.seq.num_computed_tokens
         return (self.seq.token_ids + self.seq.proposed_token_ids)[start:start + self.num_query_tokens]
