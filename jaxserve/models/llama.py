@@ -53,6 +53,7 @@ def llama_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
 
 
 def mistral_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """One sliding window (when set) on every layer; Phi-3's configs say the same."""
     window = hf.get("sliding_window")
     return _config(hf, common, sliding_windows=(window,) * hf["num_hidden_layers"] if window else ())
 

@@ -17,8 +17,7 @@ def phi3_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"Phi-3 with partial_rotary_factor {hf['partial_rotary_factor']} is not supported "
                          f"(rotary embeddings over the whole head only)")
-    window = hf.get("sliding_window")
-    return llama._config(hf, common, sliding_windows=(window,) * hf["num_hidden_layers"] if window else ())
+    return llama.mistral_config(hf, common)   # Mistral's rule: one window on every layer
 
 
 def hf_tensor(path: tuple[str, ...], cfg: ModelConfig) -> tuple[str, tuple[int, int] | None]:
