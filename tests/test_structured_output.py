@@ -131,12 +131,18 @@ ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=64, prefill_chunk_size=32,
               max_model_len=256, page_size=16, num_pages=272, compilation_cache_dir=TEST_ENGINE["compilation_cache_dir"])
 
 
-def test_schemas_regexes_and_choices_in_one_run():
+@pytest.fixture(scope="module")
+def llm():
     from jaxserve import LLM
-    from jaxserve.compilations import CompileCounter
 
     llm = LLM(model=None, **ENGINE)
     llm.llm_engine.warmup()
+    return llm
+
+
+def test_schemas_regexes_and_choices_in_one_run(llm):
+    from jaxserve.compilations import CompileCounter
+
     before = CompileCounter.count
     cases = [(StructuredOutput.json_schema(s), s) for s in schemas()]
     prompts, params = [], []
@@ -161,6 +167,21 @@ def test_schemas_regexes_and_choices_in_one_run():
     assert all(re.fullmatch(REGEX, c.text) and c.finish_reason == "stop" for c in regex.outputs), regex.outputs
     assert all(c.text in CHOICES and c.finish_reason == "stop" for c in choice.outputs), choice.outputs
     assert re.fullmatch(r"[a-z]{1,5}", stopped.outputs[0].text) and stopped.outputs[0].finish_reason == "stop"
+
+
+def test_speculative_decoding_keeps_to_the_grammar(llm):
+    """n-gram proposals are checked against the grammar (each verify position masked as if the
+    proposals before it were taken): greedy outputs equal those without speculation."""
+    from jaxserve import LLM
+
+    spec = LLM(model=None, **ENGINE, speculative={"method": "ngram", "num_tokens": 3, "ngram_min": 1, "ngram_max": 3})
+    cases = [StructuredOutput.json_schema(s) for s in schemas()[::4]] + [StructuredOutput("regex", REGEX)]
+    params = [P(max_tokens=64, temperature=0.0, structured_output=c) for c in cases]
+    prompts = [f"Example {i} as JSON:" for i in range(len(cases))]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].text for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert spec.llm_engine.stats["spec_accepted_tokens"] > 0
 
 
 def test_bad_constraints_fail_when_built():

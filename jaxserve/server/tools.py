@@ -69,7 +69,9 @@ def tool_calls(body: dict) -> ToolCalls | None:
     """The request's tools and tool_choice, checked (400 naming the field), or None when the
     output is free text."""
     tools = field(body, "tools", lambda v: isinstance(v, list), "a list of tools", [])
-    choice = body.get("tool_choice", "auto" if tools else "none")
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
     if choice == "none":
         return None
     if not tools:
