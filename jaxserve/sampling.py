@@ -1,12 +1,13 @@
-"""On-device sampling: logit bias, min_tokens, penalties, temperature, top-k, top-p, min-p,
-per-request seeds, logprobs.
+"""On-device sampling: grammar token masks, logit bias, min_tokens, penalties, temperature,
+top-k, top-p, min-p, per-request seeds, logprobs.
 
 The host packs each row's settings into fixed-shape arrays (`SamplingMetadata.build`); `sample`
 runs inside the jit-compiled step and only token ids and logprobs go back to the host.
 
-Order per row: the grammar's token mask (structured output) -> logit bias (and min_tokens' ban of the ending tokens, a -inf bias) -> penalties
--> temperature -> top-k -> top-p -> min-p -> sample. Rows with temperature 0 or top_k 1 take the
-argmax of the biased and penalised logits. Returned logprobs are of the model's raw distribution
+Order per row: the grammar's token mask (structured output: -inf to the tokens it refuses) ->
+logit bias (and min_tokens' ban of the ending tokens, a -inf bias) -> penalties -> temperature ->
+top-k -> top-p -> min-p -> sample. Rows with temperature 0 or top_k 1 take the argmax of the
+masked, biased and penalised logits. Returned logprobs are of the model's raw distribution
 (log_softmax of the logits before bias, penalties and temperature), as vLLM does by default.
 
 Randomness: row i draws Gumbel noise from fold_in(key(seed_i), step_i) over the whole vocabulary
