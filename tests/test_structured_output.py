@@ -86,6 +86,25 @@ def test_matcher_look_ahead_rolls_back():
     assert not np.array_equal(masks[0], masks[1])
 
 
+def test_sentencepiece_tokenizer_gives_the_same_masks():
+    """A model with only tokenizer.model: its pieces as bytes for llguidance give the masks that
+    tokenizer.json gives (the tiny model ships both)."""
+    from jaxserve.tokenizer import SentencePieceTokenizer
+
+    hf, sp = load_tokenizer(TINY_MODEL_DIR), SentencePieceTokenizer(TINY_MODEL_DIR)
+    constraint = StructuredOutput.json_schema({"type": "object", "properties": {"name": NAME, "tags": TAGS},
+                                               "required": ["name", "tags"]})
+    [a] = Grammars(hf, 4096, hf.eos_token_ids).matchers(constraint, 1)
+    [b] = Grammars(sp, 4096, sp.eos_token_ids).matchers(constraint, 1)
+    masks = np.zeros((2, a.words), np.int32)
+    for _ in range(12):   # along the path of each step's last allowed token
+        a.fill(masks[0])
+        b.fill(masks[1])
+        np.testing.assert_array_equal(masks[0], masks[1])
+        token = int(allowed_ids(masks[0])[-1])
+        assert a.accept(token) == b.accept(token)
+
+
 # ---- 34 constraints in one engine run ----
 
 NAME = {"type": "string", "maxLength": 16}

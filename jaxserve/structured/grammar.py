@@ -97,7 +97,7 @@ class _Pieces:
         self._encode = tokenizer.encode
         self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
         self.bos_token_id = tokenizer.bos_token_id
-        self.special_token_ids = sorted(tokenizer.special_ids)
+        self.special_token_ids = sorted(tokenizer.special_ids | {tokenizer.sp.unk_id()})   # never generated
         self.tokens = [_piece_bytes(p) for p in tokenizer.convert_ids_to_tokens(range(tokenizer.vocab_size))]
 
     def __call__(self, text: str) -> list[int]:
