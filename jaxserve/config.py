@@ -9,6 +9,8 @@ from typing import Any, ClassVar
 
 import yaml
 
+from jaxserve.structured.spec import StructuredOutput
+
 MAX_N = 16                             # choices per request
 MAX_LOGPROBS = 20                      # top-N logprobs per sampled token (the runner's sampler returns 20)
 MAX_LOGIT_BIAS = 300                   # logit_bias entries per request
@@ -236,6 +238,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last N tokens
     cache_salt: str | None = None         # mixed into the prefix-cache keys: only equal salts share pages
     prompt_logprobs: int | None = None    # top-N logprobs per prompt token (0 = only the token's own)
+    structured_output: StructuredOutput | None = None   # the output's grammar: a JSON schema, a regex, choices
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -271,6 +274,10 @@ class SamplingParams:
         for name, ok, why in checks:
             if not ok:
                 raise InvalidRequest(f"{name} {why} (got {getattr(self, name)!r})", param=name)
+        if self.structured_output is not None:
+            error = self.structured_output.error()
+            if error is not None:
+                raise InvalidRequest(f"structured output: {error}", param="structured_output")
 
     @property
     def greedy(self) -> bool:

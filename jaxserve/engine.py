@@ -33,6 +33,7 @@ from jaxserve.runner import ModelRunner, SampleResult
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence
 from jaxserve.spec_decode import ngram
+from jaxserve.structured.grammar import Grammars
 from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 TINY_MODEL_DIR = os.path.join(os.path.dirname(__file__), "assets", "tiny")
@@ -114,6 +115,7 @@ class LLMEngine:
                                           self.ecfg.enable_prefix_caching, self.ecfg.poison_freed_pages)
         self.scheduler = Scheduler(self.ecfg, self.block_manager)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_cfg.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(self.ecfg.seed)
         self._ids = itertools.count()
@@ -161,8 +163,9 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         ends = tuple(dict.fromkeys(params.stop_token_ids + ([] if params.ignore_eos else sorted(self.eos_token_ids))))
+        grammars = self.grammars.matchers(params.structured_output, params.n)
         seqs = [Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=params,
-                         arrival_time=arrival, index=i, end_token_ids=ends) for i in range(params.n)]
+                         arrival_time=arrival, index=i, end_token_ids=ends, grammar=grammars[i]) for i in range(params.n)]
         return Request(request_id, list(prompt_token_ids), params, arrival, seqs)
 
     def add(self, req: Request) -> str:
@@ -322,6 +325,8 @@ class LLMEngine:
                 pos, s = min(hits)
                 req.texts[i] = req.texts[i][:pos + len(s) if p.include_stop_str_in_output else pos]
                 reason = "stop"
+        if reason is None and seq.grammar is not None and seq.grammar.accept(token):
+            reason = "stop"   # the grammar is complete
         if reason is None and (num_outputs >= p.max_tokens or seq.num_prompt_tokens + num_outputs >= self.max_model_len):
             reason = "length"
         if reason is not None:

@@ -1,12 +1,13 @@
-"""On-device sampling: logit bias, min_tokens, penalties, temperature, top-k, top-p, min-p,
-per-request seeds, logprobs.
+"""On-device sampling: grammar token masks, logit bias, min_tokens, penalties, temperature,
+top-k, top-p, min-p, per-request seeds, logprobs.
 
 The host packs each row's settings into fixed-shape arrays (`SamplingMetadata.build`); `sample`
 runs inside the jit-compiled step and only token ids and logprobs go back to the host.
 
-Order per row: logit bias (and min_tokens' ban of the ending tokens, a -inf bias) -> penalties
--> temperature -> top-k -> top-p -> min-p -> sample. Rows with temperature 0 or top_k 1 take the
-argmax of the biased and penalised logits. Returned logprobs are of the model's raw distribution
+Order per row: the grammar's token mask (structured output: -inf to the tokens it refuses) ->
+logit bias (and min_tokens' ban of the ending tokens, a -inf bias) -> penalties -> temperature ->
+top-k -> top-p -> min-p -> sample. Rows with temperature 0 or top_k 1 take the argmax of the
+masked, biased and penalised logits. Returned logprobs are of the model's raw distribution
 (log_softmax of the logits before bias, penalties and temperature), as vLLM does by default.
 
 Randomness: row i draws Gumbel noise from fold_in(key(seed_i), step_i) over the whole vocabulary
@@ -25,6 +26,7 @@ import numpy as np
 from flax import struct
 
 from jaxserve.config import SamplingParams
+from jaxserve.structured.masks import mask_words, token_masks
 
 MIN_HISTORY_LEN = 16
 # Bias entries per row when a row of the batch has any: logit_bias plus the tokens min_tokens
@@ -56,6 +58,9 @@ class SamplingMetadata:
     # row has a bias, which turns the bias code off (as `history` does the penalties).
     bias_ids: jax.Array            # int32[S, B]
     bias: jax.Array                # f32[S, B]
+    # Packed token masks of constrained rows (jaxserve/structured/masks.py; all ones elsewhere):
+    # shape [S, 0] when no row is constrained, which turns the mask off.
+    allowed: jax.Array             # int32[S, ceil(V / 32)]
 
     @property
     def use_penalties(self) -> bool:
@@ -65,11 +70,15 @@ class SamplingMetadata:
     def use_bias(self) -> bool:
         return self.bias_ids.shape[1] > 0
 
+    @property
+    def use_mask(self) -> bool:
+        return self.allowed.shape[1] > 0
+
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_ids: list[list[int]],
               output_ids: list[list[int]], seeds: list[int], pad_to: int,
-              history_len: int | None = None, end_token_ids: list[tuple[int, ...]] | None = None
-              ) -> "SamplingMetadata":
+              history_len: int | None = None, end_token_ids: list[tuple[int, ...]] | None = None,
+              allowed: np.ndarray | None = None) -> "SamplingMetadata":
         """Numpy arrays for `len(params)` rows padded to `pad_to` greedy rows.
 
         `seeds` must be set for every row (the caller draws one for unseeded requests and gives
@@ -78,6 +87,8 @@ class SamplingMetadata:
         `end_token_ids` are the tokens that end each row's sequence: banned while it has fewer
         than min_tokens outputs. When a row needs penalties or a bias, both arrays come (the
         history history_len wide, the bias BIAS_WIDTH): one compiled variant serves them all.
+        `allowed` ([pad_to, words] packed token masks, or None) brings them too: a constrained
+        batch is a third variant, not a fourth and a fifth.
         """
         n = len(params)
         if not (len(prompt_ids) == len(output_ids) == len(seeds) == n) or n > pad_to:
@@ -94,7 +105,7 @@ class SamplingMetadata:
             if len(output_ids[i]) < params[i].min_tokens:
                 biases[i].update(dict.fromkeys(ends, -np.inf))
         penalised = [i for i, p in enumerate(params) if uses_penalties(p)]
-        extras = bool(penalised or any(biases))
+        extras = bool(penalised or any(biases) or allowed is not None)
         need = max((len(prompt_ids[i]) + len(output_ids[i]) for i in penalised), default=0)
         if not extras:
             width = 0
@@ -135,6 +146,7 @@ class SamplingMetadata:
             logprobs=column([p.logprobs is not None for p in params], False, np.bool_),
             bias_ids=bias_ids,
             bias=bias,
+            allowed=np.zeros((pad_to, 0), np.int32) if allowed is None else allowed,
         )
 
 
@@ -144,25 +156,30 @@ def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: in
     proposal j, as if the first j proposals were its outputs (its step count, penalty history
     and min_tokens), so a seeded request draws the same randomness with and without
     speculation. A batch with penalties or a bias gets both at full width (the context's history,
-    BIAS_WIDTH): one compiled variant besides the plain one."""
+    BIAS_WIDTH): one compiled variant besides the plain one; with a grammar's mask, one more."""
     if not seqs:
         return None
     params = [s.sampling for s in seqs]
-    outputs, listed = [], collections.Counter()
+    outputs, aheads, listed = [], [], collections.Counter()
     for s in seqs:
-        outputs.append(s.output_token_ids + s.proposed_token_ids[:listed[s.seq_id]])
+        aheads.append(s.proposed_token_ids[:listed[s.seq_id]])
+        outputs.append(s.output_token_ids + aheads[-1])
         listed[s.seq_id] += 1
     return SamplingMetadata.build(
         params, [s.prompt_token_ids for s in seqs], outputs,
         [seeds[s.seq_id] for s in seqs], pad_to=rows,
-        history_len=max_model_len, end_token_ids=[s.end_token_ids for s in seqs])
+        history_len=max_model_len, end_token_ids=[s.end_token_ids for s in seqs],
+        allowed=token_masks(seqs, aheads, rows))
 
 
-def sampler_variants(rows: int, max_model_len: int) -> list[SamplingMetadata]:
+def sampler_variants(rows: int, max_model_len: int, vocab_size: int) -> list[SamplingMetadata]:
     """The sampler's compiled variants for `rows` logit rows (as metadata_for builds them): plain,
-    and with penalties and a bias together (each costs little next to a variant to compile)."""
-    return [SamplingMetadata.build([SamplingParams(repetition_penalty=penalty)], [[0]], [[]], [0], pad_to=rows,
-                                   history_len=max_model_len) for penalty in (1.0, 1.1)]
+    with penalties and a bias together (each costs little next to a variant to compile), and
+    with those and a grammar's token mask."""
+    def variant(penalty, allowed):
+        return SamplingMetadata.build([SamplingParams(repetition_penalty=penalty)], [[0]], [[]], [0], pad_to=rows,
+                                      history_len=max_model_len, allowed=allowed)
+    return [variant(1.0, None), variant(1.1, None), variant(1.0, np.full((rows, mask_words(vocab_size)), -1, np.int32))]
 
 
 class SampleOutput(NamedTuple):
@@ -171,6 +188,13 @@ class SampleOutput(NamedTuple):
     logprobs: jax.Array      # f32[S] raw logprob of the sampled token
     top_ids: jax.Array       # int32[S, N] the N most likely tokens under the raw distribution
     top_logprobs: jax.Array  # f32[S, N]
+
+
+def apply_mask(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """-inf to every token whose bit is clear in its row's packed mask."""
+    rows, vocab = logits.shape
+    bits = (md.allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1   # [S, words, 32]
+    return jnp.where(bits.reshape(rows, -1)[:, :vocab] == 1, logits, -jnp.inf)
 
 
 def apply_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
@@ -235,9 +259,11 @@ def _random_sample(logits: jax.Array, md: SamplingMetadata, greedy: jax.Array) -
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def sample(logits: jax.Array, md: SamplingMetadata, *, num_logprobs: int = 0) -> SampleOutput:
     """Sample one token per row of `logits` [S, V]. `num_logprobs` (static) is the N of top_ids /
-    top_logprobs; the bias and the penalties run only when their arrays are non-empty (static
-    shapes)."""
+    top_logprobs; the mask, the bias and the penalties run only when their arrays are non-empty
+    (static shapes)."""
     raw = logits = logits.astype(jnp.float32)
+    if md.use_mask:
+        logits = apply_mask(logits, md)
     if md.use_bias:
         logits = apply_bias(logits, md)
     if md.use_penalties:

@@ -5,8 +5,12 @@ import dataclasses
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 from jaxserve.config import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.structured.grammar import Matcher
 
 _seq_ids = itertools.count()
 
@@ -30,6 +34,9 @@ class Sequence:
     # Tokens that end it (its stop_token_ids, and eos unless ignore_eos; set by the engine): the
     # sampler bans them until it has min_tokens outputs.
     end_token_ids: tuple[int, ...] = ()
+    # With sampling.structured_output: its grammar matcher (jaxserve/structured/grammar.py), which
+    # fills the sampler's mask and takes each output token.
+    grammar: Matcher | None = None
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     # Guesses of the tokens after token_ids (speculative decoding). The next step that schedules
     # the sequence verifies them if all its tokens but the last are computed, and clears them.

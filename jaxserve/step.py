@@ -46,10 +46,10 @@ def sampler_lowerings(shapes: list[StepShape], vocab_size: int, mesh, max_model_
     rows = sorted({s.logit_rows for s in shapes})
 
     def name(r, md):
-        return f"sampler-{r}{'-penalties-bias' if md.use_penalties else ''}"
+        return f"sampler-{r}{'-penalties-bias' if md.use_penalties else ''}{'-mask' if md.use_mask else ''}"
     return [(name(r, md), functools.partial(
         sample.lower, jax.ShapeDtypeStruct((r, vocab_size), jnp.float32, sharding=parallel.replicated(mesh)), md,
-        num_logprobs=MAX_LOGPROBS)) for r in rows for md in sampler_variants(r, max_model_len)]
+        num_logprobs=MAX_LOGPROBS)) for r in rows for md in sampler_variants(r, max_model_len, vocab_size)]
 
 
 def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int) -> tuple:

@@ -24,6 +24,7 @@ from jaxserve.llm import logprob_dict
 from jaxserve.server.asgi import client_gone
 from jaxserve.server.errors import APIError
 from jaxserve.server.sse import sse_response
+from jaxserve.server.tools import tool_calls
 from jaxserve.server.validation import (field, is_number, json_body, messages, prompts, sampling_params,
                                         stream_flags)
 
@@ -85,14 +86,15 @@ def chat_completions():
     _check_model(body, host)
     engine = host.require_engine().engine
     ids = chat_prompt_ids(engine.tokenizer, messages(body))
+    tools = tool_calls(body)
     # No max_tokens: up to the context length (the length check then reports an over-long prompt).
     params = sampling_params(body, chat=True, max_tokens=max(1, engine.max_model_len - len(ids)),
-                             tenant=g.get("tenant"))
+                             tenant=g.get("tenant"), tool_call=tools and tools.constraint)
     stream, *usage_flags = stream_flags(body)
     timeout = _timeout(body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = host.submit([ids], params, request_id)
-    choices = _Choices(engine.tokenizer, params.n, chat=True)
+    choices = _Choices(engine.tokenizer, params.n, chat=True, tools=tools)
     return _respond(host, streams, choices, request_id, "chat.completion.chunk" if stream else "chat.completion",
                     stream, usage_flags, len(params.prompt(ids)), timeout)
 
@@ -124,8 +126,9 @@ def chat_prompt_ids(tokenizer, msgs: list[dict]) -> list[int]:
 class _Choices:
     """Turns CompletionOutput deltas into OpenAI choice objects (completion or chat format)."""
 
-    def __init__(self, tokenizer, n: int, chat: bool, echoes: list[str] | None = None):
+    def __init__(self, tokenizer, n: int, chat: bool, echoes: list[str] | None = None, tools=None):
         self.tokenizer, self.n, self.chat, self.echoes = tokenizer, n, chat, echoes
+        self.tools = tools   # a chat request's forced tool calls (jaxserve/server/tools.py), or None
         self.started: set[int] = set()
         self.offsets: dict[int, int] = {}    # completion logprobs' text_offset so far, per choice
         self.prompts: dict[int, tuple] = {}  # prompt index -> (prompt ids, prompt logprobs), once scored
@@ -231,7 +234,7 @@ class _ChoiceDeltas:
 def _chunks(deltas, choices: _Choices, head: dict, include_usage: bool, continuous_usage: bool,
             prompt_tokens: int):
     followed = _ChoiceDeltas(deltas, choices, prompt_tokens)
-    for choice in followed:
+    for choice in (followed if choices.tools is None else choices.tools.stream(followed)):
         yield {**head, "choices": [choice], **({"usage": followed.usage()} if continuous_usage else {})}
     if include_usage:
         yield {**head, "choices": [], "usage": followed.usage()}
@@ -252,6 +255,8 @@ def _collect(deltas, choices: _Choices, prompt_tokens: int) -> dict:
         if choices.chat:
             out.append({"index": index, "message": {"role": "assistant", "content": d.get("content", "")},
                         "logprobs": d.get("logprobs"), "finish_reason": d.get("finish_reason")})
+            if choices.tools is not None:
+                out[-1] = choices.tools.message(out[-1])
         else:
             out.append({"index": index, "text": d.get("text", ""), "logprobs": d.get("logprobs"),
                         "finish_reason": d.get("finish_reason"),

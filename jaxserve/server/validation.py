@@ -12,13 +12,14 @@ from flask import request
 
 from jaxserve.config import InvalidRequest, SamplingParams
 from jaxserve.server.errors import APIError
+from jaxserve.structured import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 # Set to anything but these "off" values, these fields get a 400.
-UNSUPPORTED = {"suffix": (None, ""), "tools": (None, []), "functions": (None, []),
-               "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
+UNSUPPORTED = {"suffix": (None, ""), "functions": (None, []), "guided_grammar": (None,)}
+GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice")   # at most one per request
 
 
 def json_body() -> dict:
@@ -67,11 +68,19 @@ def reject_unsupported(body: dict) -> None:
             raise APIError(400, f"'{name}' is not supported by this server", param=name)
 
 
-def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: str | None = None) -> SamplingParams:
+def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: str | None = None,
+                    tool_call: StructuredOutput | None = None) -> SamplingParams:
     """The sampling fields shared by completions and chat. `max_tokens` is the default when the
     body has neither max_completion_tokens nor max_tokens. A `tenant` (from the API key) salts the
-    prefix cache, with the body's cache_salt if any."""
+    prefix cache, with the body's cache_salt if any. `tool_call`: the output's constraint from the
+    chat request's tools (jaxserve/server/tools.py)."""
     reject_unsupported(body)
+    structured = structured_output(body)
+    if tool_call is not None:
+        if structured is not None:
+            raise APIError(400, f"'{structured[0]}' cannot be combined with a tool_choice that forces a tool call",
+                           param=structured[0])
+        structured = ("tool_choice", tool_call)
     n = field(body, "n", is_int, "an integer", 1)
     best_of = field(body, "best_of", is_int, "an integer", n)
     if best_of != n:
@@ -120,10 +129,50 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: s
             skip_special_tokens=field(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean", True),
             truncate_prompt_tokens=field(body, "truncate_prompt_tokens", is_int, "an integer", None),
             cache_salt=cache_salt(body, tenant),
+            structured_output=structured and structured[1],
         )
     except InvalidRequest as e:
-        param = "top_logprobs" if chat and e.param == "logprobs" else e.param
+        param = {"logprobs": "top_logprobs" if chat else "logprobs",
+                 "structured_output": structured and structured[0]}.get(e.param, e.param)
         raise APIError(400, str(e), param=param) from None
+
+
+def structured_output(body: dict) -> tuple[str, StructuredOutput] | None:
+    """(the field that set it, the output's grammar) from OpenAI's `response_format` or vLLM's
+    `guided_json`, `guided_regex`, `guided_choice`; None for free text. Whether the grammar
+    compiles is SamplingParams' check."""
+    given = [name for name in GUIDED if body.get(name) is not None]
+    if len(given) > 1:
+        raise APIError(400, f"set at most one of {', '.join(given)}", param=given[1])
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    if name == "guided_regex":
+        return name, StructuredOutput("regex", field(body, name, lambda v: isinstance(v, str), "a string"))
+    if name == "guided_choice":
+        return name, StructuredOutput("choice", tuple(field(
+            body, name, lambda v: isinstance(v, list) and v and all(isinstance(c, str) for c in v),
+            "a non-empty list of strings")))
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise APIError(400, f"'guided_json' is not valid JSON: {e}", param=name) from None
+        if not isinstance(value, (dict, bool)):
+            raise APIError(400, "'guided_json' must be a JSON schema (an object)", param=name)
+        return name, StructuredOutput.json_schema(value)
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return name, StructuredOutput.json_schema({"type": "object"})
+    spec = value.get("json_schema") if kind == "json_schema" else None
+    if not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
+        raise APIError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                            "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                       param=name)
+    return name, StructuredOutput.json_schema(spec["schema"])
 
 
 def _logit_bias(body: dict) -> dict[int, float]:

@@ -1,0 +1,107 @@
+"""Structured output's cost per engine step: a batch of 16 where every row follows a JSON schema,
+against the same batch unconstrained, side by side in one process (alternating rounds).
+
+The embedded tiny model; each mode runs 16 requests of `--max-tokens` tokens (the schema asks for
+a long array, so no row ends early; unconstrained rows ignore eos) and times the engine steps
+that decode all 16 rows (no prefill in them). Modes: free text; free text with a logit bias (the
+sampler variant with penalties and a bias, which a constrained batch also takes); JSON schema.
+Also timed: the host's mask fill (`token_masks`, inside the step's time), per step.
+
+    python -m benchmarks.structured_output [--rounds 3] [--max-tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import numpy as np
+
+import jaxserve.sampling
+from benchmarks.common import RESULTS_DIR, command_line, machine_info, machine_line, markdown_table, \
+    write_keeping_notes
+from jaxserve import LLM, SamplingParams
+from jaxserve.structured import StructuredOutput
+
+ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=128, prefill_chunk_size=128, max_prefill_seqs=4,
+              max_model_len=256, kv_cache_mb=64, compilation_cache_dir=None)
+BATCH = 16
+SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems": 60, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                     "qty": {"type": "integer", "minimum": 0, "maximum": 999},
+                                     "kind": {"enum": ["tool", "part", "kit"]}},
+    "required": ["name", "qty", "kind"]}}}, "required": ["items"]}
+MODES = {"free": {}, "free + logit bias": {"logit_bias": {7: 0.5}},
+         "JSON schema": {"structured_output": StructuredOutput.json_schema(SCHEMA)}}
+
+
+class FillTimer:
+    """Wraps the sampler metadata's mask fill to add up its time."""
+
+    def __init__(self):
+        self.seconds, self._fill = 0.0, jaxserve.sampling.token_masks
+        jaxserve.sampling.token_masks = self
+
+    def __call__(self, *args):
+        start = time.perf_counter()
+        try:
+            return self._fill(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def run(llm: LLM, params: SamplingParams, fill: FillTimer) -> tuple[list[float], float]:
+    """Times of the steps that decode the whole batch, and the mask fill's seconds in them."""
+    engine = llm.llm_engine
+    for i in range(BATCH):
+        engine.add_request(engine.tokenizer.encode(f"Inventory list {i} as JSON:"),
+                           dataclasses.replace(params, seed=i))
+    times, filled = [], 0.0
+    while engine.has_unfinished():
+        before, start = fill.seconds, time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - start
+        rows = engine.last_schedule.scheduled
+        if len(rows) == BATCH and not any(s.is_prefill_row for s in rows):
+            times.append(seconds)
+            filled += fill.seconds - before
+    return times, filled
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=64)
+    args = p.parse_args(argv)
+    llm = LLM(**ENGINE)
+    llm.llm_engine.warmup()
+    fill = FillTimer()
+    rows = []
+    for temperature in (0.0, 0.8):
+        base = dict(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True)
+        times = {mode: [] for mode in MODES}
+        fills = dict.fromkeys(MODES, 0.0)
+        run(llm, SamplingParams(**base), fill)   # a round first to settle caches and allocations
+        for _ in range(args.rounds):
+            for mode, extra in MODES.items():
+                t, f = run(llm, SamplingParams(**base, **extra), fill)
+                times[mode] += t
+                fills[mode] += f
+        free = np.mean(times["free"])
+        for mode in MODES:
+            mean = np.mean(times[mode])
+            rows.append([temperature, mode, len(times[mode]), f"{mean * 1e3:.2f}", f"{np.median(times[mode]) * 1e3:.2f}",
+                         f"{fills[mode] / len(times[mode]) * 1e3:.3f}", f"{(mean / free - 1) * 100:+.1f}%"])
+    lines = ["# Structured output: per-step cost with every row of a batch of 16 constrained", "",
+             f"Command: `{command_line('structured_output', argv)}`", "", machine_line(machine_info()), "",
+             f"Embedded tiny model (vocabulary 4,096), {BATCH} requests of {args.max_tokens} tokens per mode, "
+             f"{args.rounds} alternating rounds; steps that decode all {BATCH} rows, whole engine step (host "
+             "scheduling, mask fill, device step and sampler, detokenizing).", "",
+             *markdown_table(["temperature", "mode", "steps", "mean ms", "p50 ms", "mask fill ms/step",
+                              "vs free"], rows), ""]
+    write_keeping_notes(f"{RESULTS_DIR}/structured_output.md", "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+"""Structured output and tool calls: the sampler's packed mask against a numpy oracle, the
+matcher's look-ahead for verify rows, 34 JSON schemas / regexes / choices in one engine run
+(every output checked by `jsonschema` and `re`, no compilation after warm-up), and the real
+server through the openai SDK (`beta.chat.completions.parse` with a pydantic model, json_object,
+streaming, tool calls) and its 400s."""
+import json
+import re
+from typing import Literal
+
+import jsonschema
+import numpy as np
+import openai
+import pydantic
+import pytest
+import requests
+
+from jaxserve.config import SamplingParams as P
+from jaxserve.engine import TINY_MODEL_DIR
+from jaxserve.sampling import SamplingMetadata, sample
+from jaxserve.structured import StructuredOutput
+from jaxserve.structured.grammar import Grammars
+from jaxserve.tokenizer import load_tokenizer
+from tests.server_harness import TEST_ENGINE, ServerProcess
+
+# ---- the sampler's mask against numpy ----
+
+
+def pack(allowed: np.ndarray) -> np.ndarray:
+    """bool[S, V] -> int32[S, ceil(V / 32)], bit t % 32 of word t // 32 (numpy, as the oracle)."""
+    rows, vocab = allowed.shape
+    padded = np.zeros((rows, -(-vocab // 32) * 32), bool)
+    padded[:, :vocab] = allowed
+    weights = (1 << np.arange(32, dtype=np.uint64))
+    return (padded.reshape(rows, -1, 32) * weights).sum(-1).astype(np.uint32).view(np.int32)
+
+
+def test_sampler_mask_against_numpy():
+    rng = np.random.default_rng(0)
+    rows, vocab = 6, 100   # not a multiple of 32: the last word is part padding
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32)
+    allowed = rng.random((rows, vocab)) < 0.1
+    allowed[:, 99] = True            # the last token, in the last word's high bits
+    allowed[5] = True                # an unconstrained row: every bit set
+    params = [P(temperature=0.0, logprobs=0)] * 3 + [P(temperature=1.0, seed=1), P(temperature=0.7, top_k=5, seed=2),
+                                         P(temperature=0.0, logit_bias={int(np.argmin(logits[5])): 100.0})]
+    md = SamplingMetadata.build(params, [[0]] * rows, [[]] * rows, list(range(rows)), rows, allowed=pack(allowed))
+    assert md.use_mask and md.use_bias
+    out = sample(logits, md, num_logprobs=3)
+    tokens = np.asarray(out.tokens)
+    masked = np.where(allowed, logits, -np.inf)
+    np.testing.assert_array_equal(tokens[:3], masked[:3].argmax(-1))        # greedy: the masked argmax
+    assert all(allowed[i, tokens[i]] for i in range(rows))                  # sampled: always allowed
+    assert tokens[5] == np.argmin(logits[5])                                 # the bias still applies
+    raw = logits - np.log(np.exp(logits).sum(-1, keepdims=True))             # logprobs: the raw model's
+    np.testing.assert_allclose(np.asarray(out.logprobs), raw[np.arange(rows), tokens], rtol=1e-5, atol=1e-5)
+    for seed in range(20):   # random rows over many draws: never a masked-out token
+        md = SamplingMetadata.build([P(temperature=1.5, seed=seed)] * rows, [[0]] * rows, [[]] * rows,
+                                    list(range(rows)), rows, allowed=pack(allowed))
+        tokens = np.asarray(sample(logits, md).tokens)
+        assert all(allowed[i, tokens[i]] for i in range(rows))
+
+
+def allowed_ids(row: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+
+
+def test_matcher_look_ahead_rolls_back():
+    """A verify row's position j is masked as if the proposals before it were taken (here: the
+    path of each step's last allowed token), and the matcher is left where it was."""
+    tok = load_tokenizer(TINY_MODEL_DIR)
+    grammars = Grammars(tok, 4096, tok.eos_token_ids)
+    constraint = StructuredOutput.json_schema(POINT)
+    [m, walker] = grammars.matchers(constraint, 2)
+    masks = np.zeros((4, m.words), np.int32)
+    m.fill(masks[0])
+    ahead = []
+    for _ in range(3):
+        walker.fill(masks[1])
+        ahead.append(int(allowed_ids(masks[1])[-1]))
+        assert not walker.accept(ahead[-1])
+    walker.fill(masks[1])              # the oracle: a matcher that took the path
+    m.fill(masks[2], ahead)
+    m.fill(masks[3])
+    np.testing.assert_array_equal(masks[2], masks[1])
+    np.testing.assert_array_equal(masks[3], masks[0])   # rolled back
+    assert not np.array_equal(masks[0], masks[1])
+
+
+def test_sentencepiece_tokenizer_gives_the_same_masks():
+    """A model with only tokenizer.model: its pieces as bytes for llguidance give the masks that
+    tokenizer.json gives (the tiny model ships both)."""
+    from jaxserve.tokenizer import SentencePieceTokenizer
+
+    hf, sp = load_tokenizer(TINY_MODEL_DIR), SentencePieceTokenizer(TINY_MODEL_DIR)
+    constraint = StructuredOutput.json_schema({"type": "object", "properties": {"name": NAME, "tags": TAGS},
+                                               "required": ["name", "tags"]})
+    [a] = Grammars(hf, 4096, hf.eos_token_ids).matchers(constraint, 1)
+    [b] = Grammars(sp, 4096, sp.eos_token_ids).matchers(constraint, 1)
+    masks = np.zeros((2, a.words), np.int32)
+    for _ in range(12):   # along the path of each step's last allowed token
+        a.fill(masks[0])
+        b.fill(masks[1])
+        np.testing.assert_array_equal(masks[0], masks[1])
+        token = int(allowed_ids(masks[0])[-1])
+        assert a.accept(token) == b.accept(token)
+
+
+# ---- 34 constraints in one engine run ----
+
+NAME = {"type": "string", "maxLength": 16}
+AGE = {"type": "integer", "minimum": 0, "maximum": 150}
+SCORE = {"type": "number", "minimum": -1, "maximum": 1, "multipleOf": 0.01}   # digits bounded: see the README
+COLOR = {"enum": ["red", "green", "blue"]}
+FLAG = {"type": "boolean"}
+TAGS = {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}
+COORD = {"type": "integer", "minimum": -999, "maximum": 999}
+POINT = {"type": "object", "properties": {"x": COORD, "y": COORD}, "required": ["x", "y"]}
+PROPERTIES = {"name": NAME, "age": AGE, "score": SCORE, "color": COLOR, "ok": FLAG, "tags": TAGS, "point": POINT,
+              "note": {"anyOf": [NAME, {"type": "null"}]}, "version": {"const": "v1"},
+              "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"},
+              "points": {"type": "array", "items": POINT, "minItems": 1, "maxItems": 2},
+              "matrix": {"type": "array", "items": {"type": "array", "items": AGE, "maxItems": 2}, "maxItems": 2}}
+
+
+def schemas() -> list[dict]:
+    """30 object schemas of 1-4 properties from PROPERTIES (some nested a level deeper), a part
+    of them required, plus a $ref, a top-level array and a top-level enum."""
+    rng = np.random.default_rng(7)
+    names = sorted(PROPERTIES)
+    out = []
+    for i in range(30):
+        picked = [str(k) for k in rng.choice(names, size=1 + i % 4, replace=False)]
+        props = {k: PROPERTIES[k] for k in picked}
+        if i % 5 == 0:   # nested: one more object level
+            props["inner"] = {"type": "object", "properties": {k: PROPERTIES[k] for k in picked[:2]},
+                              "required": picked[:1]}
+        required = [k for j, k in enumerate(props) if j % 2 == 0 or i % 3 == 0]
+        out.append({"type": "object", "properties": props, "required": required})
+    out.append({"$defs": {"p": POINT}, "type": "object", "properties": {"from": {"$ref": "#/$defs/p"},
+                                                                         "to": {"$ref": "#/$defs/p"}},
+                "required": ["from", "to"]})
+    out.append({"type": "array", "items": COLOR, "minItems": 2, "maxItems": 4})
+    out.append({"enum": [1, "two", None, 3.5]})
+    return out
+
+
+REGEX = r"[A-Z][a-z]{1,6} [0-9]{2,4}"
+CHOICES = ("yes", "no", "a longer answer")
+ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=64, prefill_chunk_size=32, max_prefill_seqs=2,
+              max_model_len=256, page_size=16, num_pages=272, compilation_cache_dir=TEST_ENGINE["compilation_cache_dir"])
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from jaxserve import LLM
+
+    llm = LLM(model=None, **ENGINE)
+    llm.llm_engine.warmup()
+    return llm
+
+
+def test_schemas_regexes_and_choices_in_one_run(llm):
+    from jaxserve.compilations import CompileCounter
+
+    before = CompileCounter.count
+    cases = [(StructuredOutput.json_schema(s), s) for s in schemas()]
+    prompts, params = [], []
+    for i, (constraint, _) in enumerate(cases):   # greedy and seeded sampling, n = 2 on some
+        prompts.append(f"Example {i} as JSON:")
+        params.append(P(max_tokens=96, temperature=0.0 if i % 2 else 0.9, seed=i, n=2 if i % 7 == 0 else 1,
+                        structured_output=constraint))
+    prompts += ["The code is", "Is a list mutable?", "The id and the rest"]
+    params += [P(max_tokens=24, temperature=0.8, seed=1, n=2, structured_output=StructuredOutput("regex", REGEX)),
+               P(max_tokens=8, temperature=1.0, seed=2, n=3, structured_output=StructuredOutput("choice", CHOICES)),
+               # a stop string inside the grammar's language ends the output there
+               P(max_tokens=24, temperature=0.0, stop=[";"],
+                 structured_output=StructuredOutput("regex", r"[a-z]{1,5};[0-9]{1,3}"))]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert CompileCounter.count == before, "a constrained batch compiled after warm-up"
+    checked = [(schema, c) for (_, schema), out in zip(cases, outputs) for c in out.outputs]
+    assert len(checked) >= 34
+    for schema, c in checked:
+        assert c.finish_reason == "stop", (schema, c.text)
+        jsonschema.validate(json.loads(c.text), schema)
+    regex, choice, stopped = outputs[-3:]
+    assert all(re.fullmatch(REGEX, c.text) and c.finish_reason == "stop" for c in regex.outputs), regex.outputs
+    assert all(c.text in CHOICES and c.finish_reason == "stop" for c in choice.outputs), choice.outputs
+    assert re.fullmatch(r"[a-z]{1,5}", stopped.outputs[0].text) and stopped.outputs[0].finish_reason == "stop"
+
+
+def test_speculative_decoding_keeps_to_the_grammar(llm):
+    """n-gram proposals are checked against the grammar (each verify position masked as if the
+    proposals before it were taken): greedy outputs equal those without speculation."""
+    from jaxserve import LLM
+
+    spec = LLM(model=None, **ENGINE, speculative={"method": "ngram", "num_tokens": 3, "ngram_min": 1, "ngram_max": 3})
+    cases = [StructuredOutput.json_schema(s) for s in schemas()[::4]] + [StructuredOutput("regex", REGEX)]
+    params = [P(max_tokens=64, temperature=0.0, structured_output=c) for c in cases]
+    prompts = [f"Example {i} as JSON:" for i in range(len(cases))]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].text for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert spec.llm_engine.stats["spec_accepted_tokens"] > 0
+
+
+def test_bad_constraints_fail_when_built():
+    for c, words in [(StructuredOutput.json_schema({"type": "strin"}), "strin"),
+                     (StructuredOutput("regex", "a(b"), "unclosed"),
+                     (StructuredOutput("choice", ()), "non-empty"),
+                     (StructuredOutput.json_schema({"not": {"type": "string"}}), "Unimplemented keys")]:
+        with pytest.raises(ValueError, match=words) as e:
+            P(structured_output=c)
+        assert e.value.param == "structured_output"
+
+
+# ---- the real server ----
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = ServerProcess(tmp_path_factory.mktemp("server"), TINY_MODEL_DIR, "--served-model-name", "jaxserve-tiny",
+                      **{**TEST_ENGINE, "max_model_len": 256})
+    s.wait_ready()
+    yield s
+    assert s.stop() == 0, s.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=16)
+    population: int = pydantic.Field(ge=0, le=10_000_000)
+    country: Literal["France", "Japan", "Peru"]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string", "maxLength": 20}}, "required": ["query"]}}}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_openai_parse_with_a_pydantic_model(server, client):
+    before = server.metrics()["jaxserve_xla_compilations_total"]
+    r = client.beta.chat.completions.parse(model="jaxserve-tiny", messages=USER, response_format=City,
+                                           max_tokens=64, temperature=0.7, seed=3, n=2)
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, City)
+        assert City.model_validate_json(choice.message.content) == choice.message.parsed
+    assert server.metrics()["jaxserve_xla_compilations_total"] == before
+
+
+def test_json_object_and_guided_fields_on_completions(server):
+    def complete(**extra):
+        r = requests.post(server.url + "/v1/completions", json={"prompt": "Data:", "max_tokens": 64,
+                                                                 "temperature": 0, **extra}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"]
+    # Any object: the tiny model writes long keys, so a bias makes it close at once, and the mask
+    # comes first: "a" (biased higher, but not JSON after "{") is never sampled.
+    vocab = load_tokenizer(TINY_MODEL_DIR).tk
+    bias = {str(vocab.token_to_id("a")): 100, str(vocab.token_to_id("}")): 50}
+    [c] = complete(response_format={"type": "json_object"}, logit_bias=bias)
+    assert c["finish_reason"] == "stop" and json.loads(c["text"]) == {}
+    [c] = complete(guided_json=json.dumps(POINT))
+    jsonschema.validate(json.loads(c["text"]), POINT)
+    choices = complete(guided_regex=REGEX, n=2, temperature=1.0, seed=5)
+    assert all(re.fullmatch(REGEX, c["text"]) for c in choices)
+    [c] = complete(guided_choice=list(CHOICES))
+    assert c["text"] in CHOICES
+
+
+def test_streamed_json_schema(client):
+    schema = {"type": "object", "properties": {"x": AGE, "tags": TAGS}, "required": ["x", "tags"]}
+    stream = client.chat.completions.create(
+        model="jaxserve-tiny", messages=USER, max_tokens=64, temperature=0.9, seed=1, n=2, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}})
+    texts, finish = {}, {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert sorted(texts) == [0, 1] and set(finish.values()) == {"stop"}
+    for text in texts.values():
+        jsonschema.validate(json.loads(text), schema)
+
+
+def check_calls(calls, names):
+    assert calls and all(c.type == "function" and c.id.startswith("call_") for c in calls)
+    for c in calls:
+        tool = {"get_weather": WEATHER, "search": SEARCH}[c.function.name]
+        assert c.function.name in names
+        jsonschema.validate(json.loads(c.function.arguments), tool["function"]["parameters"])
+
+
+def test_tool_calls(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model="jaxserve-tiny", messages=USER, tools=[WEATHER, SEARCH],
+                                       tool_choice=named, max_tokens=64, temperature=0)
+    [choice] = r.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    check_calls(choice.message.tool_calls, {"get_weather"})
+    r = client.chat.completions.create(model="jaxserve-tiny", messages=USER, tools=[WEATHER, SEARCH],
+                                       tool_choice="required", parallel_tool_calls=False, max_tokens=96,
+                                       temperature=0.8, seed=2, n=2)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        check_calls(choice.message.tool_calls, {"get_weather", "search"})
+    r = client.chat.completions.create(model="jaxserve-tiny", messages=USER, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=4, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
+
+
+def test_streamed_tool_calls(client):
+    stream = client.chat.completions.create(model="jaxserve-tiny", messages=USER, tools=[WEATHER, SEARCH],
+                                            tool_choice="required", max_tokens=96, temperature=0, stream=True)
+    calls, finish = {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            assert not c.delta.content
+            for call in c.delta.tool_calls or []:
+                calls[call.index] = call
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls"
+    check_calls([calls[k] for k in sorted(calls)], {"get_weather", "search"})
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format", "strin"),
+    ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+    ({"guided_regex": "a(b"}, "guided_regex", "unclosed"),
+    ({"guided_choice": []}, "guided_choice", "non-empty"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "at most one"),
+    ({"tools": [WEATHER]}, "tool_choice", "'auto' is not supported"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "'auto' is not supported"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools", "tools[0]"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format", "cannot be combined"),
+]
+
+
+@pytest.mark.parametrize("extra,param,words", BAD, ids=[b[1] + "-" + str(i) for i, b in enumerate(BAD)])
+def test_bad_requests_are_400(server, extra, param, words):
+    r = requests.post(server.url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **extra},
+                      timeout=120)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
