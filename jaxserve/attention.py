@@ -93,11 +93,14 @@ def _hopper_or_newer() -> bool:
 
 
 def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window: int | None,
-           sm_scale: float, soft_cap: float | None = None):
+           sm_scale: float, soft_cap: float | None = None, alibi_slopes=None):
     """q [.., H, D], k/v [.., KVH, D]. Returns (output like q, updated (k_pages, v_pages) or None).
-    soft_cap: scores become soft_cap * tanh(scores / soft_cap) (Gemma 2)."""
+    soft_cap: scores become soft_cap * tanh(scores / soft_cap) (Gemma 2). alibi_slopes: f32[H]
+    for all H query heads (BLOOM, MPT), or None: slope * key position is added to the scores
+    (pallas_kernels/scores.py)."""
     if kv_cache is None:
-        return causal_attention(q, k, v, sliding_window=sliding_window, sm_scale=sm_scale, soft_cap=soft_cap), None
+        return causal_attention(q, k, v, sliding_window=sliding_window, sm_scale=sm_scale, soft_cap=soft_cap,
+                                alibi_slopes=alibi_slopes), None
     head_dim = q.shape[-1]
     if kv_cache[0].shape[-1] > head_dim:   # a TPU pool's padded lanes (pool_head_dim): zeros in q,
         # k and v leave every score unchanged and give zero output lanes, sliced off below.
@@ -110,7 +113,7 @@ def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window:
         k_pages, v_pages = (jax.lax.with_sharding_constraint(x, meta.kv_sharding)
                             for x in (k_pages, v_pages))
     out = paged_attention(q, k_pages, v_pages, meta, sliding_window=sliding_window, sm_scale=sm_scale,
-                          soft_cap=soft_cap, k=k, v=v)
+                          soft_cap=soft_cap, alibi_slopes=alibi_slopes, k=k, v=v)
     return out[..., :head_dim], (k_pages, v_pages)
 
 
@@ -136,18 +139,15 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
 
 
 def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_window, sm_scale,
-                    soft_cap=None, k=None, v=None):
+                    soft_cap=None, alibi_slopes=None, k=None, v=None):
     """Ragged paged attention of q [T, H, D] through the page table. The Pallas backends run in
     interpret mode when the arrays live on CPU (tests). k, v [T, KVH, D]: this step's new K/V (already
-    in the pages), which let the Pallas backends run fresh prefill rows through the flash kernel."""
+    in the pages), which let the Pallas backends run fresh prefill rows through the flash kernel.
+    alibi_slopes: f32[H] of all query heads; under tensor parallelism each device gets its heads'."""
     tables = (meta.page_table, meta.seq_lens, meta.query_start_loc)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window)
-    if soft_cap is not None:   # (the kernels' signatures stay as they are without one)
-        if meta.backend != "xla":
-            raise ValueError(f"soft-capped attention (Gemma 2) runs on the xla attention backend only, "
-                             f"not {meta.backend}")
-        kwargs["soft_cap"] = soft_cap
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if meta.backend == "xla":
+        kwargs["alibi_slopes"] = alibi_slopes
         p = meta.num_prefill_rows
         if p is None:
             return paged_xla.ragged_paged_attention(q, k_pages, v_pages, *tables, max_q=meta.max_q, **kwargs)
@@ -176,6 +176,9 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
         args, specs = args + (k.astype(k_pages.dtype), v.astype(v_pages.dtype)), specs + (heads, heads)
     else:
         call = functools.partial(paged, max_q=meta.max_q)
+    if alibi_slopes is not None:   # the last argument, split with the query heads
+        args, specs = args + (alibi_slopes.astype(jnp.float32),), specs + (P(head_axis),)
+        call = functools.partial(_slopes_last, call)
     if head_axis is None or not hasattr(meta.kv_sharding, "mesh"):   # inside shard_map: XLA partitions
         return call(*args)
     # Tensor parallelism with KV heads split: XLA cannot partition a Pallas call (it would
@@ -183,6 +186,10 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
     # heads and their query heads; a group never straddles devices since both split evenly.
     return jax.shard_map(call, mesh=meta.kv_sharding.mesh, in_specs=specs, out_specs=heads,
                          check_vma=False)(*args)
+
+
+def _slopes_last(call, *args):
+    return call(*args[:-1], alibi_slopes=args[-1])
 
 
 def _decode_rows_in_groups(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *, max_q, **kwargs):
@@ -224,14 +231,16 @@ def _flash_fits(meta: AttentionMetadata, q, k, interpret: bool) -> bool:
 
 
 def _fresh_prefill_or_paged(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k, v, *,
-                            paged, flash, num_prefill_rows, max_q, decode_q):
+                            paged, flash, num_prefill_rows, max_q, decode_q, alibi_slopes=None):
     """Chosen at run time (both branches live in one compiled step): when no prefill row has a
     cached prefix, the prefill tokens go through the flash kernel and the decode rows through
     the paged kernel; otherwise the whole batch goes through the paged kernel."""
     p, qsl = num_prefill_rows, query_start_loc
+    paged, flash = (functools.partial(f, alibi_slopes=alibi_slopes) for f in (paged, flash))
     # The flash kernel sees only this step's K/V, and masks by in-row index. A row without
     # cached prefix (first chunk of a prompt, no prefix hit) has all its K/V in this step, and
-    # packed back to back its in-row indices keep its positions' order and differences.
+    # packed back to back its in-row indices keep its positions' order and differences (all
+    # that the masks and ALiBi, which adds slope * key index, need).
     fresh = jnp.all(seq_lens[:p] == qsl[1:p + 1] - qsl[:p])
 
     def flash_then_paged():

@@ -66,6 +66,15 @@ class ModelConfig:
     attn_soft_cap: float | None = None
     final_soft_cap: float | None = None
     local_rope_theta: float | None = None   # Gemma 3: windowed layers' RoPE base (unscaled); None: as global
+    # BLOOM and MPT (models/bloom.py): ALiBi instead of RoPE, one slope per query head (the
+    # family's own formula); LayerNorms (rms_norm_eps is their epsilon), with biases or not; a
+    # LayerNorm after the embedding (BLOOM); one q/k/v projection interleaved per head [q, k, v]
+    # (BLOOM); q, k and v clamped to [-clip_qkv, clip_qkv] (MPT).
+    alibi_slopes: tuple[float, ...] | None = None
+    norm_bias: bool = False
+    embed_norm: bool = False
+    qkv_interleaved: bool = False
+    clip_qkv: float | None = None
     # Per-layer sliding window (None = full attention); a tuple so the config stays hashable.
     sliding_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None

@@ -30,6 +30,10 @@ CONFIGS = {
         num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}})),
+    # ALiBi with 6 heads (not a power of two: both families' extra-slope rules); BLOOM's
+    # interleaved qkv, embedding LayerNorm and biases; MPT's clip_qkv (low enough to bite).
+    "bloom_alibi6": (tf.BloomConfig, dict(hidden_size=96, n_head=6)),
+    "mpt_alibi6_clip": (tf.MptConfig, dict(hidden_size=96, n_heads=6, attn_config={"clip_qkv": 0.3})),
     "llama_mha": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
     "llama_mqa": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1,
                                        attention_bias=True)),

@@ -56,6 +56,9 @@ def test_greedy_tokens_and_step_logits_match(pair):
 
 
 def test_config_reads_family_features(pair):
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
     name, _, cfg, _ = pair
     expected = {
         "llama_gqa_rope3": lambda c: c.num_heads == 4 * c.num_kv_heads and c.rope_scaling.kind == "llama3",
@@ -67,6 +70,10 @@ def test_config_reads_family_features(pair):
         and c.final_soft_cap == 3.0 and c.attn_scale == 24 ** -0.5 and c.tie_word_embeddings,
         "gemma3_local_global": lambda c: c.sliding_windows == (12, 12, None) and c.qk_norm
         and c.local_rope_theta == 100.0 and c.rope_scaling.kind == "linear" and c.attn_soft_cap is None,
+        "bloom_alibi6": lambda c: c.embed_norm and c.qkv_interleaved and c.norm_bias and c.alibi_slopes
+        == tuple(_get_alibi_slopes(6, "cpu").tolist()),
+        "mpt_alibi6_clip": lambda c: c.clip_qkv == 0.3 and not c.norm_bias and not c.qkv_bias and c.alibi_slopes
+        == tuple((-build_mpt_alibi_tensor(6, 2)[:, 0, 0]).tolist()),
         "llama_mha": lambda c: c.num_heads == c.num_kv_heads,
         "llama_mqa": lambda c: c.num_kv_heads == 1 and c.qkv_bias and c.o_bias,
     }

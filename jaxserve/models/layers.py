@@ -1,4 +1,4 @@
-"""Layers shared by the model families: Linear, RMSNorm, rotary embeddings, the gated MLP.
+"""Layers shared by the model families: Linear, RMSNorm, LayerNorm, rotary embeddings, the gated MLP.
 
 Parameter names and layouts follow Hugging Face's (a Linear weight is [out, in], a norm scale is
 `weight`), so a family whose modules are named as its HF modules loads by renaming alone.
@@ -17,8 +17,9 @@ import numpy as np
 from jaxserve.config import ModelConfig, RopeScaling
 
 ROPE_KINDS = ("default", "linear", "llama3")
-# HF `hidden_act` / `hidden_activation` names of the gated MLPs' activations.
-ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True)}
+# HF `hidden_act` / `hidden_activation` names of the MLPs' activations.
+ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
+               "gelu": functools.partial(nn.gelu, approximate=False)}
 
 
 class Linear(nn.Module):
@@ -58,6 +59,23 @@ class RMSNorm(nn.Module):
         if self.offset:
             return (xf * (self.offset + w.astype(jnp.float32))).astype(self.dtype)
         return w * xf.astype(self.dtype)
+
+
+class LayerNorm(nn.Module):
+    """torch.nn.LayerNorm, computed in float32 (BLOOM, MPT)."""
+    eps: float
+    use_bias: bool
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps) * w.astype(jnp.float32)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.dtype).astype(jnp.float32)
+        return y.astype(self.dtype)
 
 
 class GatedMLP(nn.Module):

@@ -195,12 +195,14 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """tokens/positions: [B, T] without a KV cache, or flat [T] with paged `kv_caches` and `meta`.
 
-    Returns final hidden states and the updated caches; `logits` projects chosen hidden states."""
+    Returns final hidden states and the updated caches; `logits` projects chosen hidden states.
+    Other families subclass it with their own `body` (models/bloom.py)."""
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
+    body = LlamaModel   # the decoder stack: embeddings to final norm, with `attend_embeddings`
 
     def setup(self):
-        self.model = LlamaModel(self.cfg, self.dtype)
+        self.model = self.body(self.cfg, self.dtype)
         if not self.cfg.tie_word_embeddings:
             self.lm_head = Linear(self.cfg.vocab_size, False, self.dtype)
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import gemma, llama, phi3
+from jaxserve.models import bloom, gemma, llama, mpt, phi3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +30,7 @@ class Architecture:
 
 
 ARCHITECTURES: dict[str, Architecture] = {
+    "BloomForCausalLM": Architecture(bloom.bloom_config, bloom.AlibiForCausalLM, bloom.hf_tensor, bloom.PARAM_AXES),
     "Gemma2ForCausalLM": Architecture(gemma.gemma2_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                       llama.PARAM_AXES),
     "Gemma3ForCausalLM": Architecture(gemma.gemma3_config, llama.LlamaForCausalLM, llama.hf_tensor,
@@ -40,6 +41,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                                        llama.PARAM_AXES),
     "Qwen2ForCausalLM": Architecture(llama.qwen2_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                      llama.PARAM_AXES),
+    "MptForCausalLM": Architecture(mpt.mpt_config, bloom.AlibiForCausalLM, mpt.hf_tensor, bloom.PARAM_AXES),
     "Phi3ForCausalLM": Architecture(phi3.phi3_config, llama.LlamaForCausalLM, phi3.hf_tensor, llama.PARAM_AXES),
     "Qwen3ForCausalLM": Architecture(llama.qwen3_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                      llama.PARAM_AXES),

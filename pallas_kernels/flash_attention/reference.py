@@ -2,22 +2,25 @@
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.scores import modify_scores
+
 MASK_VALUE = -1e30  # finite so fully-masked (padding) rows stay NaN-free
 
 
 def causal_attention(q, k, v, *, sliding_window=None, sm_scale, segment_ids=None, soft_cap=None,
-                     causal=True):
+                     alibi_slopes=None, causal=True):
     """Dense attention. q [B, T, H, D]; k, v [B, T, KVH, D]; segment_ids [B, T] (optional).
 
     soft_cap: logits become soft_cap * tanh(logits / soft_cap) (Gemma 2) before masking.
+    alibi_slopes: f32 [H] or None; adds slope * key position (pallas_kernels/scores.py).
     causal=False attends in both directions (still within a segment)."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
     qg = q.reshape(b, t, kvh, h // kvh, d)
     s = jnp.einsum("bqkgd,bjkd->bkgqj", qg, k, preferred_element_type=jnp.float32) * sm_scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
     pos = jnp.arange(t)
+    slopes = None if alibi_slopes is None else alibi_slopes.reshape(kvh, h // kvh)[:, :, None, None]
+    s = modify_scores(s, pos, soft_cap=soft_cap, slopes=slopes)
     mask = jnp.ones((t, t), bool)
     if causal:
         mask &= pos[None, :] <= pos[:, None]

@@ -4,12 +4,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.scores import modify_scores
+
 MASK_VALUE = -1e30  # finite so fully-masked (padding) rows stay NaN-free
 
 
 @functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "soft_cap"))
 def ragged_paged_attention_xla(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
-                               max_q, sm_scale, sliding_window=None, soft_cap=None):
+                               max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None):
     """XLA path for ragged paged attention: scatter the flat queries into [S, max_q], attend
     densely against each sequence's gathered pages, gather the rows back to [T]."""
     t, h, d = q.shape
@@ -25,11 +27,11 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, page_table, seq_lens, query_
     qp = qp.reshape(s_max, max_q, kvh, g, d)
     k, v = (x[page_table].transpose(0, 1, 3, 2, 4).reshape(s_max, p * ps, kvh, d) for x in (k_pages, v_pages))
     scores = jnp.einsum("sqkgd,sjkd->skgqj", qp, k, preferred_element_type=jnp.float32) * sm_scale
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    kv_pos = jnp.arange(p * ps)
+    slopes = None if alibi_slopes is None else alibi_slopes.reshape(kvh, g)[:, :, None, None]
+    scores = modify_scores(scores, kv_pos, soft_cap=soft_cap, slopes=slopes)
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     q_pos = (seq_lens - q_len)[:, None] + jnp.arange(max_q)[None, :]  # [S, max_q]
-    kv_pos = jnp.arange(p * ps)
     mask = kv_pos[None, None, :] <= q_pos[:, :, None]
     if sliding_window is not None:
         mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window

@@ -14,15 +14,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.scores import modify_scores
+
 MASK_VALUE = -1e30
 
 
 @functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "soft_cap", "block_tokens"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *, max_q,
-                           sm_scale, sliding_window=None, soft_cap=None, block_tokens=128):
+                           sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None, block_tokens=128):
     """q [T, H, D] flat ragged batch; sequence s owns tokens query_start_loc[s]:[s+1], the last
     of its seq_lens[s] positions. Tokens outside query_start_loc[0]:[-1] come back as 0.
     soft_cap: scores become soft_cap * tanh(scores / soft_cap) (Gemma 2), before the mask.
+    alibi_slopes: f32 [H] or None: ALiBi, slope * key position added (pallas_kernels/scores.py).
     Pages are gathered whole from the pool as it is: no 2-D view of it, which on TPU (tiled
     dimensions merged) or under KV-head sharding (sharded axis merged) would cost a copy or an
     all-gather of the whole pool per read, and on CPU measured no faster in this layout."""
@@ -49,6 +52,9 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     first_pos = seq_lens - q_len
     q_pos = jnp.repeat(first_pos[:, None] + jnp.arange(max_q)[None, :], g, axis=1)  # [S, rows]
     live = q_len > 0
+    slopes = None  # per row (query, head in group) of each KV head: [KVH, rows, 1]
+    if alibi_slopes is not None:
+        slopes = jnp.tile(alibi_slopes.astype(jnp.float32).reshape(kvh, g), (1, max_q))[:, :, None]
     end_block = (jnp.max(jnp.where(live, seq_lens, 0)) + bt - 1) // bt
     start_block = 0
     if sliding_window is not None:
@@ -64,9 +70,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         pages = lax.dynamic_slice_in_dim(page_table, j * bp, bp, axis=1)  # [S, bp]
         k, v = (gather(x, pages) for x in (k_pages, v_pages))
         s = jnp.einsum("skrd,skjd->skrj", qp, k, preferred_element_type=jnp.float32) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = j * bt + jnp.arange(bt)
+        s = modify_scores(s, kv_pos, soft_cap=soft_cap, slopes=slopes)
         # Slots past a row's length hold another request's K/V or nothing (a free page, a page
         # table's padding): a zero weight does not cancel an inf or NaN there, a zeroed V does.
         v = jnp.where((kv_pos[None, :] < seq_lens[:, None])[:, None, :, None], v, 0)
