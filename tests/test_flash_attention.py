@@ -30,6 +30,7 @@ def attention_cases(draw, max_len):
         causal=causal,
         sliding_window=draw(st.none() | st.integers(1, t)) if causal else None,
         soft_cap=draw(st.none() | st.floats(2.0, 50.0)),
+        alibi=draw(st.booleans()),
         segments=draw(st.sampled_from([None, "packed", "shuffled"])),
         seed=draw(st.integers(0, 2**16)),
     )
@@ -38,7 +39,7 @@ def attention_cases(draw, max_len):
 def make_inputs(case):
     b, t, g, d = case["batch"], case["seq_len"], case["group"], case["head_dim"]
     kvh = 2 if g == 1 else 1  # few q heads: interpret mode pays for every one
-    kq, kk, kv, ks = jax.random.split(jax.random.key(case["seed"]), 4)
+    kq, kk, kv, ks, ka = jax.random.split(jax.random.key(case["seed"]), 5)
     dtype = jnp.dtype(case["dtype"])
     q = jax.random.normal(kq, (b, t, kvh * g, d), dtype)
     k = jax.random.normal(kk, (b, t, kvh, d), dtype)
@@ -48,12 +49,14 @@ def make_inputs(case):
         seg = jnp.cumsum(jax.random.bernoulli(ks, 0.05, (b, t)), axis=1, dtype=jnp.int32)
     elif case["segments"] == "shuffled":  # any layout must stay correct, even if less sparse
         seg = jax.random.randint(ks, (b, t), 0, 3)
-    return q, k, v, seg
+    slopes = jax.random.uniform(ka, (kvh * g,), jnp.float32, 0.01, 0.5) if case["alibi"] else None
+    return q, k, v, seg, slopes
 
 
 def check_against_reference(kernel, case, **blocks):
-    q, k, v, seg = make_inputs(case)
-    opts = dict(causal=case["causal"], sliding_window=case["sliding_window"], soft_cap=case["soft_cap"])
+    q, k, v, seg, slopes = make_inputs(case)
+    opts = dict(causal=case["causal"], sliding_window=case["sliding_window"], soft_cap=case["soft_cap"],
+                alibi_slopes=slopes)
     gpu_interpret.reset_gpu_interpret_mode_state()  # a failed run (while shrinking) leaves state
     out = kernel.flash_attention(q, k, v, segment_ids=seg, interpret=True, **blocks, **opts)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  the reference runs in f32 on the same inputs
@@ -65,11 +68,11 @@ def check_against_reference(kernel, case, **blocks):
 
 
 ALL_FEATURES = dict(batch=1, seq_len=96, group=8, head_dim=128, dtype="bfloat16", causal=True,
-                    sliding_window=40, soft_cap=20.0, segments="packed", seed=1)
+                    sliding_window=40, soft_cap=20.0, alibi=True, segments="packed", seed=1)
 BIDIRECTIONAL = dict(batch=2, seq_len=50, group=4, head_dim=64, dtype="float32", causal=False,
-                     sliding_window=None, soft_cap=None, segments="shuffled", seed=2)
+                     sliding_window=None, soft_cap=None, alibi=True, segments="shuffled", seed=2)
 PLAIN_CAUSAL = dict(batch=1, seq_len=128, group=1, head_dim=64, dtype="float32", causal=True,
-                    sliding_window=None, soft_cap=None, segments=None, seed=3)
+                    sliding_window=None, soft_cap=None, alibi=False, segments=None, seed=3)
 
 
 @SLOW

@@ -15,9 +15,10 @@ TOL = {"float32": 2e-3, "bfloat16": 2e-2}
 
 
 def naive_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *, sm_scale,
-                    sliding_window=None, soft_cap=None):
+                    sliding_window=None, soft_cap=None, alibi_slopes=None):
     """float64, per sequence, per token, per head. Tokens outside
-    [query_start_loc[0], query_start_loc[-1]) stay 0."""
+    [query_start_loc[0], query_start_loc[-1]) stay 0. ALiBi as its paper writes it: the bias
+    -slope * (query position - key position)."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     num_kv_heads, page_size = k_pages.shape[1], k_pages.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -36,16 +37,19 @@ def naive_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, 
                 scores = k[seen, h // group] @ q[t, h] * sm_scale
                 if soft_cap is not None:
                     scores = soft_cap * np.tanh(scores / soft_cap)
+                if alibi_slopes is not None:
+                    scores = scores - float(alibi_slopes[h]) * (pos - kv_pos[seen])
                 w = np.exp(scores - scores.max())
                 out[t, h] = (w / w.sum()) @ v[seen, h // group]
     return out
 
 
 def make_case(seed, *, seqs, num_kv_heads, group, head_dim, page_size, dtype, pad_tokens=0,
-              lead_tokens=0, sliding_window=None):
+              lead_tokens=0, sliding_window=None, soft_cap=None, alibi=False):
     """seqs: one (q_len, kv_len) per batch slot, (0, 0) for an empty slot. Pages are scattered
     at random through a pool that also holds unused random pages, so reading a wrong page shows.
-    lead_tokens: tokens before query_start_loc[0] (another call's; output 0), pad_tokens: after."""
+    lead_tokens: tokens before query_start_loc[0] (another call's; output 0), pad_tokens: after.
+    alibi: random ALiBi slopes, a different one per query head."""
     rng = np.random.default_rng(seed)
     pages_per_seq = max(1, max(math.ceil(kv / page_size) for _, kv in seqs))
     needed = sum(math.ceil(kv / page_size) for _, kv in seqs)
@@ -73,6 +77,8 @@ def make_case(seed, *, seqs, num_kv_heads, group, head_dim, page_size, dtype, pa
         sm_scale=head_dim ** -0.5,
         sliding_window=sliding_window,
         max_q=max(1, int(q_lens.max())),
+        soft_cap=soft_cap,
+        alibi_slopes=jnp.asarray(rng.uniform(0.01, 0.5, num_kv_heads * group), jnp.float32) if alibi else None,
     )
 
 
@@ -80,7 +86,8 @@ def oracle(case):
     return naive_attention(
         case["q"], case["k_pages"], case["v_pages"], np.asarray(case["page_table"]),
         np.asarray(case["seq_lens"]), np.asarray(case["query_start_loc"]),
-        sm_scale=case["sm_scale"], sliding_window=case["sliding_window"])
+        sm_scale=case["sm_scale"], sliding_window=case["sliding_window"], soft_cap=case["soft_cap"],
+        alibi_slopes=None if case["alibi_slopes"] is None else np.asarray(case["alibi_slopes"]))
 
 
 def args(case):
@@ -116,7 +123,8 @@ def dispatch(case, backend, **meta):
         positions=None, slot_mapping=None, page_table=case["page_table"], seq_lens=case["seq_lens"],
         query_start_loc=case["query_start_loc"], max_q=case["max_q"], backend=backend, **meta)
     return attention.paged_attention(case["q"], case["k_pages"], case["v_pages"], meta,
-                                     sliding_window=case["sliding_window"], sm_scale=case["sm_scale"])
+                                     sliding_window=case["sliding_window"], sm_scale=case["sm_scale"],
+                                     soft_cap=case["soft_cap"], alibi_slopes=case["alibi_slopes"])
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
@@ -135,16 +143,23 @@ def test_dispatch_matches_oracle_and_reference(backend, config):
         assert diff < TOL[dtype], f"differs from the XLA reference by {diff}"
 
 
-def test_soft_cap_in_the_xla_path_and_reference():
-    """Gemma 2's tanh cap on the scores (a cap of 1.5 bites: these scores reach a few units)."""
-    case = make_case(2, seqs=[(5, 20), (1, 9), (16, 16), (1, 33)], num_kv_heads=2, group=2, head_dim=64,
-                     page_size=16, dtype="float32", sliding_window=12)
-    arrays = args(case)
-    kw = dict(sm_scale=case["sm_scale"], sliding_window=12)
-    want = naive_attention(*map(np.asarray, arrays), **kw, soft_cap=1.5)
-    assert np.abs(want - naive_attention(*map(np.asarray, arrays), **kw)).max() > 0.01   # the cap matters
-    for attend in (xla.ragged_paged_attention, reference.ragged_paged_attention_xla):
-        np.testing.assert_allclose(np.asarray(attend(*arrays, max_q=16, soft_cap=1.5, **kw)), want, atol=2e-3)
+SCORE_MODS = {"soft_cap": dict(soft_cap=1.5), "alibi": dict(alibi=True), "both": dict(soft_cap=1.5, alibi=True)}
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("mods", sorted(SCORE_MODS))
+def test_soft_cap_and_alibi_in_every_path(backend, mods):
+    """Gemma 2's tanh cap (1.5 bites: these scores reach a few units) and ALiBi, through every
+    backend's paged kernel, and the jnp reference."""
+    case = make_case(2, seqs=[(5, 20), (1, 9), (16, 16), (1, 33), (1, 70)], num_kv_heads=2, group=2, head_dim=64,
+                     page_size=16, dtype="float32", sliding_window=50, **SCORE_MODS[mods])
+    plain = oracle(dict(case, soft_cap=None, alibi_slopes=None))
+    assert np.abs(oracle(case) - plain).max() > 0.01   # the modifiers matter
+    assert_close(dispatch(case, backend), case)
+    if backend == "xla":
+        assert_close(reference.ragged_paged_attention_xla(
+            *args(case), max_q=16, sm_scale=case["sm_scale"], sliding_window=50, soft_cap=case["soft_cap"],
+            alibi_slopes=case["alibi_slopes"]), case)
 
 
 def test_xla_dispatch_pads_decode_rows_separately():
@@ -235,12 +250,12 @@ FRESH = [(20, 20), (5, 5), (0, 0), (1, 40), (1, 1), (0, 0)]   # 3 prefill rows (
 CACHED = [(20, 20), (5, 37), (0, 0), (1, 40), (1, 1), (0, 0)]  # row 1: 32 tokens already cached
 
 
-def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64):
+def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, **mods):
     """attend() on a runner-style step (prefill rows first): returns (output, case with the
     written pages), for the naive oracle. pool_head_dim > 64: pools with zero lanes past head_dim
     64, as TPU pools store them (attention.pool_head_dim); the returned pages are cut back to 64."""
     case = make_case(2, seqs=seqs, num_kv_heads=2, group=2, head_dim=64, page_size=16,
-                     dtype="float32", pad_tokens=5, sliding_window=sliding_window)
+                     dtype="float32", pad_tokens=5, sliding_window=sliding_window, **mods)
     rng = np.random.default_rng(3)
     t, ps, num_pages = case["q"].shape[0], 16, case["k_pages"].shape[0]
     qsl, table = np.asarray(case["query_start_loc"]), np.asarray(case["page_table"])
@@ -255,15 +270,18 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64):
         num_prefill_rows=3, backend=backend)
     lanes = ((0, 0),) * 3 + ((0, pool_head_dim - 64),)
     pools = tuple(jnp.pad(case[name], lanes) for name in ("k_pages", "v_pages"))
-    out, (k_pages, v_pages) = attention.attend(case["q"], k, v, pools, meta,
-                                               sliding_window=sliding_window, sm_scale=case["sm_scale"])
+    out, (k_pages, v_pages) = attention.attend(case["q"], k, v, pools, meta, sliding_window=sliding_window,
+                                               sm_scale=case["sm_scale"], soft_cap=case["soft_cap"],
+                                               alibi_slopes=case["alibi_slopes"])
     assert k_pages.shape[-1] == pool_head_dim and not np.asarray(k_pages[..., 64:]).any()
     return out, dict(case, k_pages=k_pages[..., :64], v_pages=v_pages[..., :64])
 
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
-def test_attend_fresh_prefill_rows_match_oracle(backend):
-    out, case = attend_case(FRESH, backend, sliding_window=7)
+@pytest.mark.parametrize("mods", ["none", "both"])
+def test_attend_fresh_prefill_rows_match_oracle(backend, mods):
+    """The flash kernel (prefill rows) and the paged one (decode rows), with soft cap and ALiBi too."""
+    out, case = attend_case(FRESH, backend, sliding_window=7, **SCORE_MODS.get(mods, {}))
     assert_close(out, case)
 
 

@@ -11,7 +11,8 @@ One CTA (one warpgroup) per (q block, q head, batch). It reads its visit list fr
 `masks.block_schedule` and loops over exactly `count` kv blocks, double-buffering K/V/segment-id
 TMA copies; EMPTY tiles are never copied, FULL tiles skip masking. S = Q @ K^T reads the K tile
 transposed in SMEM; P goes through SMEM before P @ V. GQA: q head h reads kv head h // group
-straight from K/V, which are never repeated.
+straight from K/V, which are never repeated. Soft cap and ALiBi (the CTA's head's slope, one
+scalar read): pallas_kernels/scores.py.
 """
 import functools
 
@@ -24,11 +25,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import wgmma
 from pallas_kernels.flash_attention.masks import (
     FULL, MASK_VALUE, Mask, block_schedule, pad_to_blocks)
+from pallas_kernels.scores import modify_scores
 
 
-def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, o_ref,
-            q_smem, k_smem, v_smem, p_smem, q_seg_smem, kv_seg_smem, q_bar, k_bar, v_bar, *,
-            mask, sm_scale, soft_cap, group, block_q, block_kv, interpret):
+def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *refs,
+            mask, sm_scale, soft_cap, alibi, group, block_q, block_kv, interpret):
+    slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
+    o_ref, q_smem, k_smem, v_smem, p_smem, q_seg_smem, kv_seg_smem, q_bar, k_bar, v_bar = refs
     i, h, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     kvh = h // group
     layout = functools.partial(wgmma.layout_cast, interpret=interpret)
@@ -48,6 +51,9 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, o_r
     plgpu.barrier_wait(q_bar)
     q_seg = layout(q_seg_smem[...], row_layout)
     shape = (block_q, block_kv)
+    iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
+                             layout=None if interpret else plgpu.Layout.WGMMA)
+    slope = None if slope_ref is None else slope_ref[h]
 
     def step(j, carry):
         acc, m, l = carry
@@ -55,14 +61,11 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, o_r
         pl.when(j + 1 < count)(lambda: fetch(j + 1, 1 - slot))  # the other slot was freed at j - 1
         plgpu.barrier_wait(k_bar.at[slot])
         s = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        kv_pos = kv_block_ref[b, i, j] * block_kv + iota(1)
+        s = modify_scores(s, kv_pos, soft_cap=soft_cap, slopes=slope)
 
         def apply_mask(s):
-            iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
-                                     layout=None if interpret else plgpu.Layout.WGMMA)
             q_pos = i * block_q + iota(0)
-            kv_pos = kv_block_ref[b, i, j] * block_kv + iota(1)
             kv_seg = layout(kv_seg_smem.at[slot][...], col_layout)
             ok = mask.visible(q_pos, kv_pos, lax.broadcast_in_dim(q_seg, shape, [0]),
                               lax.broadcast_in_dim(kv_seg, shape, [1]))
@@ -109,9 +112,9 @@ def fits(head_dim, dtype, block_q=64) -> bool:
 @functools.partial(jax.jit, static_argnames=(
     "causal", "sliding_window", "soft_cap", "sm_scale", "block_q", "block_kv", "interpret"))
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
-                    sm_scale=None, block_q=64, block_kv=None, interpret=False):
-    """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None.
-    Returns [B, T, H, D] like q. Needs D, block_q and block_kv multiples of 64 and 16-bit inputs
+                    alibi_slopes=None, sm_scale=None, block_q=64, block_kv=None, interpret=False):
+    """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
+    alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. Needs D, block_q and block_kv multiples of 64 and 16-bit inputs
     (f32 too when interpreting); block_kv defaults to the largest that fits in shared memory
     (see `fits`; Mosaic GPU refuses a kernel over budget). interpret=True runs in Mosaic GPU
     interpret mode (CPU), with its race detector."""
@@ -133,8 +136,8 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
 
     smem = wgmma.tiled_smem(q.dtype, d)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, mask=mask, sm_scale=sm_scale, soft_cap=soft_cap, group=h // kvh,
-                          block_q=block_q, block_kv=block_kv, interpret=interpret),
+        functools.partial(_kernel, mask=mask, sm_scale=sm_scale, soft_cap=soft_cap, alibi=alibi_slopes is not None,
+                          group=h // kvh, block_q=block_q, block_kv=block_kv, interpret=interpret),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=[  # what smem_bytes counts
             smem(block_q, d),               # Q, then the output tile
@@ -151,5 +154,6 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         grid_names=("q", "heads", "batch"),
         interpret=wgmma.interpret_params(copies_in_flight=8) if interpret else None,  # Q, 2 x 3
     )
-    out = kernel(q, k, v, seg, sched.kv_block, sched.kind, sched.count)
+    slopes = () if alibi_slopes is None else (alibi_slopes.astype(jnp.float32),)
+    out = kernel(q, k, v, seg, sched.kv_block, sched.kind, sched.count, *slopes)
     return out[:, :t]

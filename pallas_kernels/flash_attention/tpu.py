@@ -10,6 +10,7 @@ Layout: Mosaic wants the last two block dims to be the full dims or multiples of
 wrapper moves heads in front of time ([B, H, T, D]); segment ids travel as [B, T, 1] (q rows)
 and [B, 1, T] (kv columns) so that both tiles broadcast to [block_q, block_kv]. The running max
 and sum are kept lane-replicated ([block_q, 128]), the layout Mosaic reduces into without relayouts.
+ALiBi slopes (one per q head) sit whole in SMEM; soft cap and ALiBi: pallas_kernels/scores.py.
 """
 import functools
 
@@ -21,6 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.flash_attention.masks import (
     FULL, MASK_VALUE, PARTIAL, Mask, block_schedule, pad_to_blocks)
+from pallas_kernels.scores import modify_scores
 
 LANES = 128
 
@@ -30,9 +32,10 @@ def _lanes(x, n):
     return x[:, :n] if n <= LANES else jnp.tile(x, (1, pl.cdiv(n, LANES)))[:, :n]
 
 
-def _kernel(kv_block_ref, kind_ref, count_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref,
-            m_ref, l_ref, acc_ref, *, mask, sm_scale, soft_cap, block_q, block_kv, nq, nk):
-    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+def _kernel(kv_block_ref, kind_ref, count_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, *refs,
+            mask, sm_scale, soft_cap, alibi, block_q, block_kv, nq, nk):
+    slope_ref, (o_ref, m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if alibi else (None, refs)
+    b, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     row = b * nq + i
     slot = row * nk + j
 
@@ -45,12 +48,11 @@ def _kernel(kv_block_ref, kind_ref, count_ref, q_ref, k_ref, v_ref, q_seg_ref, k
     def visit(masked):
         s = lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        shape = (block_q, block_kv)
+        kv_pos = kv_block_ref[slot] * block_kv + lax.broadcasted_iota(jnp.int32, shape, 1)
+        s = modify_scores(s, kv_pos, soft_cap=soft_cap, slopes=None if slope_ref is None else slope_ref[h])
         if masked:
-            shape = (block_q, block_kv)
             q_pos = i * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)
-            kv_pos = kv_block_ref[slot] * block_kv + lax.broadcasted_iota(jnp.int32, shape, 1)
             s = jnp.where(mask.visible(q_pos, kv_pos, q_seg_ref[...], kv_seg_ref[...]), s, MASK_VALUE)
         m_prev = m_ref[...]
         m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
@@ -73,9 +75,10 @@ def _kernel(kv_block_ref, kind_ref, count_ref, q_ref, k_ref, v_ref, q_seg_ref, k
 @functools.partial(jax.jit, static_argnames=(
     "causal", "sliding_window", "soft_cap", "sm_scale", "block_q", "block_kv", "interpret"))
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
-                    sm_scale=None, block_q=128, block_kv=128, interpret=False):
-    """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None.
-    Returns [B, T, H, D] like q. interpret=True runs the kernel in TPU interpret mode (CPU)."""
+                    alibi_slopes=None, sm_scale=None, block_q=128, block_kv=128, interpret=False):
+    """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
+    alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. interpret=True runs the kernel in
+    TPU interpret mode (CPU)."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
     if h % kvh:
@@ -96,24 +99,29 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         return b, 0, kv_block[(b * nq + i) * nk + j]
 
     q_index = lambda b, h, i, j, *_: (b, h, i, 0)  # noqa: E731
+    in_specs = [
+        pl.BlockSpec((None, None, block_q, d), q_index),
+        pl.BlockSpec((None, None, block_kv, d), kv_index),
+        pl.BlockSpec((None, None, block_kv, d), kv_index),
+        pl.BlockSpec((None, block_q, 1), lambda b, h, i, j, *_: (b, i, 0)),
+        pl.BlockSpec((None, 1, block_kv), kv_seg_index),
+    ]
+    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    inputs = [heads_first(q), heads_first(k), heads_first(v), seg[:, :, None], seg[:, None, :]]
+    if alibi_slopes is not None:
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        inputs.append(alibi_slopes.astype(jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(b, h, nq, nk),
-        in_specs=[
-            pl.BlockSpec((None, None, block_q, d), q_index),
-            pl.BlockSpec((None, None, block_kv, d), kv_index),
-            pl.BlockSpec((None, None, block_kv, d), kv_index),
-            pl.BlockSpec((None, block_q, 1), lambda b, h, i, j, *_: (b, i, 0)),
-            pl.BlockSpec((None, 1, block_kv), kv_seg_index),
-        ],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((None, None, block_q, d), q_index),
         scratch_shapes=[pltpu.VMEM((block_q, LANES), jnp.float32),  # running max
                         pltpu.VMEM((block_q, LANES), jnp.float32),  # running sum
                         pltpu.VMEM((block_q, d), jnp.float32)],     # output accumulator
     )
     kernel = functools.partial(_kernel, mask=mask, sm_scale=sm_scale, soft_cap=soft_cap,
-                               block_q=block_q, block_kv=block_kv, nq=nq, nk=nk)
-    heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+                               alibi=alibi_slopes is not None, block_q=block_q, block_kv=block_kv, nq=nq, nk=nk)
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -121,6 +129,5 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(sched.kv_block.reshape(-1), sched.kind.reshape(-1), sched.count.reshape(-1),
-      heads_first(q), heads_first(k), heads_first(v), seg[:, :, None], seg[:, None, :])
+    )(sched.kv_block.reshape(-1), sched.kind.reshape(-1), sched.count.reshape(-1), *inputs)
     return heads_first(out)[:, :t]

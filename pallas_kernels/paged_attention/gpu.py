@@ -15,7 +15,8 @@ with an online softmax in f32 registers. S = Q @ K^T reads the K tile transposed
 token's rows are stored by their own TMA copy, only for tokens of the sequence, so programs of
 neighbouring sequences never write the same rows. Decode wastes most of the 64 rows (its q_len
 is 1); it is bound by reading K/V. No split over the KV length: a long decode with few sequences
-fills few SMs.
+fills few SMs. Soft cap and ALiBi: pallas_kernels/scores.py; ALiBi slopes arrive one per row
+(its head's), copied to SMEM with Q.
 """
 import functools
 
@@ -26,14 +27,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import wgmma
+from pallas_kernels.scores import modify_scores
 
 MASK_VALUE = wgmma.MASK_VALUE
 ROWS = 64  # (token, head in group) rows per program: wgmma's M
 
 
-def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
-            q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, k_bar, v_bar, *,
-            group, block_q, pages_per_tile, sm_scale, sliding_window, interpret):
+def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
+            group, block_q, pages_per_tile, sm_scale, sliding_window, soft_cap, alibi, interpret):
+    # With ALiBi: slopes [KVH, ROWS] in, and an SMEM row of them.
+    slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
+    o_ref, q_smem, k_smem, v_smem, p_smem, o_smem, *slope_smem, q_bar, k_bar, v_bar = refs
     j, h, s = lax.axis_index("q"), lax.axis_index("kv_heads"), lax.axis_index("seqs")
     page_size, head_dim = k_ref.shape[2], k_ref.shape[3]
     tile = pages_per_tile * page_size
@@ -51,6 +55,8 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
         count = lax.div(last + offset, tile) + 1 - tile_lo
 
         plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(t0 * group, ROWS)], q_smem, q_bar)
+        if alibi:
+            plgpu.copy_gmem_to_smem(slope_ref.at[h], slope_smem[0], q_bar)
 
         def fetch(c, slot):
             for p in range(pages_per_tile):
@@ -72,6 +78,10 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
         iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
                                  layout=None if interpret else plgpu.Layout.WGMMA)
         q_pos = t0 + offset + lax.div(iota(0), group)
+        slopes = None
+        if alibi:
+            slopes = lax.broadcast_in_dim(wgmma.layout_cast(slope_smem[0][...], plgpu.Layout.WGMMA.reduce(1),
+                                                            interpret=interpret), shape, [0])
 
         def step(c, carry):
             acc, m, l = carry
@@ -79,8 +89,8 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
             pl.when(c + 1 < count)(lambda: fetch(c + 1, 1 - slot))  # the other slot was freed at c - 1
             plgpu.barrier_wait(k_bar.at[slot])
             scores = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret)
-            scores = scores * sm_scale
             kv_pos = (tile_lo + c) * tile + iota(1)
+            scores = modify_scores(scores * sm_scale, kv_pos, soft_cap=soft_cap, slopes=slopes)
             visible = kv_pos <= q_pos
             if sliding_window is not None:
                 visible &= kv_pos > q_pos - sliding_window
@@ -102,13 +112,15 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
         plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "kv_block",
+@functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "soft_cap", "kv_block",
                                              "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
-                           max_q, sm_scale, sliding_window=None, kv_block=64, interpret=False):
+                           max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None,
+                           kv_block=64, interpret=False):
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len (sets the grid).
     Returns [T, H, D], 0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
+    soft_cap, alibi_slopes (f32[H] or None): pallas_kernels/scores.py.
 
     kv_block: keys per tile, a multiple of 64 and of page_size (or page_size itself when larger).
     Needs D a multiple of 16 up to 256, H / KVH at most 64, 16-bit inputs on a GPU (f32 too when
@@ -134,11 +146,15 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     qg = jnp.pad(qg.reshape(num_kv_heads, t * group, head_dim), ((0, 0), (0, pad), (0, 0)))
     table = jnp.pad(page_table, ((0, 0), (0, pages_per_tile)))
 
+    alibi = alibi_slopes is not None
+    # Row (token, head in group) of KV head h: its head's slope.
+    slopes = (jnp.tile(alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group), (1, block_q)),) if alibi else ()
+
     smem = wgmma.tiled_smem(q.dtype, head_dim)
-    copies_in_flight = 1 + 2 * 2 * pages_per_tile  # Q, then K and V pages of both slots
+    copies_in_flight = 1 + alibi + 2 * 2 * pages_per_tile  # Q (and slopes), then K and V pages of both slots
     kernel = plgpu.kernel(
-        functools.partial(_kernel, group=group, block_q=block_q, pages_per_tile=pages_per_tile,
-                          sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret),
+        functools.partial(_kernel, group=group, block_q=block_q, pages_per_tile=pages_per_tile, sm_scale=sm_scale,
+                          sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi, interpret=interpret),
         out_type=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         scratch_types=[
             smem(ROWS, head_dim),           # Q
@@ -146,7 +162,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
             smem(2, tile, head_dim),        # V
             smem(ROWS, tile),               # P
             plgpu.SMEM((ROWS, head_dim), q.dtype),  # output, untiled: stored a few rows at a time
-            plgpu.Barrier(num_arrivals=1),  # Q
+            *([plgpu.SMEM((ROWS,), jnp.float32)] if alibi else []),  # ALiBi slopes of the rows
+            plgpu.Barrier(num_arrivals=1 + alibi),  # Q (and slopes)
             plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2),  # K pages, per slot
             plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2),  # V pages, per slot
         ],
@@ -154,7 +171,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         grid_names=("q", "kv_heads", "seqs"),
         interpret=wgmma.interpret_params(copies_in_flight) if interpret else None,
     )
-    out = kernel(query_start_loc, seq_lens, table, qg, k_pages, v_pages)
+    out = kernel(query_start_loc, seq_lens, table, qg, k_pages, v_pages, *slopes)
     out = out[:, :t * group].reshape(num_kv_heads, t, group, head_dim).transpose(1, 0, 2, 3)
     # Tokens outside [query_start_loc[0], query_start_loc[-1]) belong to no program: never written.
     tok = jnp.arange(t)

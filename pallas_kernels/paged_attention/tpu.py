@@ -15,7 +15,8 @@ sublane tile (8 rows f32, 16 bf16), so the chunk buffer is filled in whole tiles
 online, in f32 VMEM scratch; rows of other sequences are masked.
 
 m and l are kept lane-replicated ([rows, 128]) and chunks are a multiple of 128 keys, the layout
-Mosaic handles without relayouts.
+Mosaic handles without relayouts. ALiBi slopes arrive the same way, one lane-replicated row per
+(head, token) row of the q block; soft cap and ALiBi go through pallas_kernels/scores.py.
 """
 import functools
 
@@ -24,6 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.scores import modify_scores
 
 MASK_VALUE = -1e30
 LANES = 128
@@ -39,9 +42,9 @@ def _lanes(x, n):
 
 def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  # SMEM
             q_ref, k_hbm, v_hbm,  # q block [g * block_q, D]; pages [N, KVH, ps, D] in HBM
-            o_ref,
-            k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
-            *, block_q, pages_per_chunk, pages_per_seq, sm_scale, sliding_window):
+            *refs,  # [slopes [g * block_q, 128] with ALiBi], out, scratch
+            block_q, pages_per_chunk, pages_per_seq, sm_scale, sliding_window, soft_cap, alibi):
+    slope_ref, (o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if alibi else (None, refs)
     h, i = pl.program_id(0), pl.program_id(1)
     page_size = k_hbm.shape[2]
     chunk = k_buf.shape[1]
@@ -97,6 +100,8 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
         tok = tok0 + (lax.broadcasted_iota(jnp.int32, scores.shape, 0) & (block_q - 1))
         q_pos = tok + offset
         kv_pos = kv0 + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+        scores = modify_scores(scores, kv_pos, soft_cap=soft_cap,
+                               slopes=None if slope_ref is None else _lanes(slope_ref[...], chunk))
         mask = (tok >= qsl_ref[s]) & (tok < qsl_ref[s + 1]) & (kv_pos <= q_pos)
         if sliding_window is not None:
             mask &= kv_pos > q_pos - sliding_window
@@ -141,13 +146,14 @@ def _pow2_at_least(n):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "max_q", "sm_scale", "sliding_window", "block_rows", "kv_block", "interpret"))
+    "max_q", "sm_scale", "sliding_window", "soft_cap", "block_rows", "kv_block", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
-                           max_q, sm_scale, sliding_window=None, block_rows=256, kv_block=256,
-                           interpret=False):
+                           max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None,
+                           block_rows=256, kv_block=256, interpret=False):
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len. Returns [T, H, D],
-    0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
+    0 for tokens outside [query_start_loc[0], query_start_loc[-1]). soft_cap, alibi_slopes (f32[H]
+    or None): pallas_kernels/scores.py.
 
     block_rows: most (head, token) rows per program. block_q, the tokens per q block, is max_q
     rounded up to a power of two within that cap, and at least MIN_BLOCK_TOKENS and one tile of
@@ -186,15 +192,21 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     blk_end = jnp.searchsorted(query_start_loc[:-1], starts + block_q, side="left").astype(jnp.int32)
 
     block = pl.BlockSpec((None, None, rows, head_dim), lambda h, i, *_: (h, i, 0, 0))
+    in_specs = [block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    inputs = [qb, k_pages, v_pages]
+    if alibi_slopes is not None:   # row (head in group, token) of KV head h: its head's slope
+        slopes = jnp.repeat(alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group), block_q, axis=1)
+        inputs.append(jnp.broadcast_to(slopes[:, :, None], (num_kv_heads, rows, LANES)))
+        in_specs.append(pl.BlockSpec((None, rows, LANES), lambda h, i, *_: (h, 0, 0)))
     kernel = functools.partial(
-        _kernel, block_q=block_q, pages_per_chunk=pages_per_chunk,
-        pages_per_seq=pages_per_seq, sm_scale=sm_scale, sliding_window=sliding_window)
+        _kernel, block_q=block_q, pages_per_chunk=pages_per_chunk, pages_per_seq=pages_per_seq,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi_slopes is not None)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(num_kv_heads, num_blocks),
-            in_specs=[block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=in_specs,
             out_specs=block,
             scratch_shapes=[
                 pltpu.VMEM((2, pages_per_chunk * page_size, head_dim), k_pages.dtype),
@@ -208,7 +220,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention",
-    )(page_table.reshape(-1), seq_lens, query_start_loc, blk_first, blk_end, qb, k_pages, v_pages)
+    )(page_table.reshape(-1), seq_lens, query_start_loc, blk_first, blk_end, *inputs)
 
     out = out.reshape(num_kv_heads, num_blocks, group, block_q, head_dim)
     return out.transpose(1, 3, 0, 2, 4).reshape(num_blocks * block_q, num_heads, head_dim)[:t]
