@@ -54,51 +54,56 @@ def compile_for_h100(fn, args, monkeypatch, capfd):
     return ptxas_report(capfd.readouterr().out)
 
 
-FLASH = {  # name: (head_dim, segment ids, flash_attention options)
+FLASH = {  # name: (head_dim, segment ids, flash_attention options; alibi=True: ALiBi slopes passed)
     "causal-d64": (64, False, dict(causal=True)),
     "causal-d128": (128, False, dict(causal=True)),
-    "all-features-d64": (64, True, dict(causal=True, sliding_window=300, soft_cap=30.0)),
-    "all-features-d128": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0)),
-    "causal-d256": (256, False, dict(causal=True)),  # block_kv 64: the largest that fits
+    "all-features-d64": (64, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True)),
+    "all-features-d128": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True)),
+    "causal-d256": (256, False, dict(causal=True)),
+    "all-but-alibi-d128": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0)),  # block_kv 64: the largest that fits
 }
 
 
 @pytest.mark.parametrize("name", FLASH)
 def test_flash_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
     head_dim, segments, opts = FLASH[name]
+    opts = dict(opts)
+    alibi = opts.pop("alibi", False)
     b, t, h, kvh = 1, 512, 8, 2
     args = [spec(h100, (b, t, h, head_dim)), spec(h100, (b, t, kvh, head_dim)),
-            spec(h100, (b, t, kvh, head_dim))]
-    if segments:
-        args.append(spec(h100, (b, t), jnp.int32))
-    fn = jax.jit(lambda q, k, v, *seg: flash_gpu.flash_attention(
-        q, k, v, segment_ids=seg[0] if seg else None, **opts))
+            spec(h100, (b, t, kvh, head_dim)), spec(h100, (b, t), jnp.int32) if segments else None,
+            spec(h100, (h,), jnp.float32) if alibi else None]
+    fn = jax.jit(lambda q, k, v, seg, slopes: flash_gpu.flash_attention(
+        q, k, v, segment_ids=seg, alibi_slopes=slopes, **opts))
     regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
     print(f"flash {name}: {regs} registers, {spills} bytes spilled")
     assert regs <= 255 and (spills == 0 or head_dim > 128), (regs, spills)
 
 
-PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block)
-    "decode-d32": (32, None, 1, 16, 64),  # 64-byte swizzle
-    "decode-d64": (64, None, 1, 16, 64),
-    "mixed-d96": (96, None, 64, 16, 64),  # 64-byte swizzle, 3 spans a row
-    "decode-d128-window": (128, 1024, 1, 16, 64),
-    "mixed-d64-window": (64, 1024, 64, 16, 64),
-    "mixed-d128": (128, None, 64, 16, 64),
-    "mixed-d128-page128": (128, None, 64, 128, 128),
+PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, soft cap and ALiBi)
+    "decode-d32": (32, None, 1, 16, 64, False),  # 64-byte swizzle
+    "decode-d64": (64, None, 1, 16, 64, False),
+    "mixed-d96": (96, None, 64, 16, 64, False),  # 64-byte swizzle, 3 spans a row
+    "decode-d128-window": (128, 1024, 1, 16, 64, False),
+    "mixed-d64-window": (64, 1024, 64, 16, 64, False),
+    "mixed-d128": (128, None, 64, 16, 64, False),
+    "mixed-d128-page128": (128, None, 64, 128, 128, False),
+    "decode-d128-softcap-alibi": (128, None, 1, 16, 64, True),
+    "mixed-d64-window-softcap-alibi": (64, 1024, 64, 16, 64, True),
 }
 
 
 @pytest.mark.parametrize("name", PAGED)
 def test_paged_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
-    head_dim, window, max_q, page_size, kv_block = PAGED[name]
+    head_dim, window, max_q, page_size, kv_block, score_mods = PAGED[name]
     tokens, num_heads, num_kv_heads, num_pages, seqs, pages_per_seq = 125, 32, 8, 512, 64, 64
     pages = spec(h100, (num_pages, num_kv_heads, page_size, head_dim))
     args = [spec(h100, (tokens, num_heads, head_dim)), pages, pages,
             spec(h100, (seqs, pages_per_seq), jnp.int32), spec(h100, (seqs,), jnp.int32),
-            spec(h100, (seqs + 1,), jnp.int32)]
-    fn = jax.jit(functools.partial(paged_gpu.ragged_paged_attention, max_q=max_q,
-                                   sm_scale=head_dim ** -0.5, sliding_window=window, kv_block=kv_block))
+            spec(h100, (seqs + 1,), jnp.int32), spec(h100, (num_heads,), jnp.float32) if score_mods else None]
+    kernel = functools.partial(paged_gpu.ragged_paged_attention, max_q=max_q, sm_scale=head_dim ** -0.5,
+                               sliding_window=window, soft_cap=30.0 if score_mods else None, kv_block=kv_block)
+    fn = jax.jit(lambda *a: kernel(*a[:-1], alibi_slopes=a[-1]))
     regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
     print(f"paged {name}: {regs} registers, {spills} bytes spilled")
     assert regs <= 255 and spills == 0, (regs, spills)

@@ -82,9 +82,19 @@ KERNEL_AXES = {
     "group": [1, 4, 8],          # query heads per KV head (GQA)
     "dtype": ["float32", "bfloat16"],
     "window": [None, 256],
+    "scores": ["plain", "soft_cap", "alibi", "soft_cap+alibi"],   # pallas_kernels/scores.py
 }
 # Batches: (rows' new tokens) of decode-only, mixed, and long-prefill steps.
 BATCHES = {"decode": [1] * 16, "mixed": [96, 7, 1, 1, 1, 1], "long_prefill": [2048]}
+
+
+def soft_cap(c) -> float | None:
+    return 30.0 if "soft_cap" in c["scores"] else None
+
+
+def alibi_slopes(c, num_heads, dev):
+    """The ALiBi slopes argument (f32[heads], abstract) of a config, or None."""
+    return abstract((num_heads,), jnp.float32, dev) if "alibi" in c["scores"] else None
 
 
 def test_paged_kernel_compiles_for_every_generation():
@@ -99,8 +109,8 @@ def test_paged_kernel_compiles_for_every_generation():
         tables = (abstract((s, pages_per_seq), jnp.int32, dev), abstract((s,), jnp.int32, dev),
                   abstract((s + 1,), jnp.int32, dev))
         kernel = functools.partial(ragged_paged_attention, max_q=max(q_lens), sm_scale=0.1,
-                                   sliding_window=c["window"], interpret=False)
-        return jax.jit(kernel).lower(q, pages, pages, *tables)
+                                   sliding_window=c["window"], soft_cap=soft_cap(c), interpret=False)
+        return jax.jit(kernel).lower(q, pages, pages, *tables, alibi_slopes=alibi_slopes(c, q.shape[1], dev))
 
     failures = compile_all(configs, lower)
     print(f"paged kernel: {len(configs)} configs x generations compiled, {len(failures)} failed")
@@ -116,8 +126,10 @@ def test_flash_kernel_compiles_for_every_generation():
         q = abstract((1, t, c["kv_heads"] * c["group"], c["head_dim"]), dtype, dev)
         kv = abstract((1, t, c["kv_heads"], c["head_dim"]), dtype, dev)
         seg = abstract((1, t), jnp.int32, dev) if c["segments"] > 1 else None
-        kernel = functools.partial(flash_attention, sliding_window=c["window"], interpret=False)
-        return jax.jit(lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg)).lower(q, kv, kv, seg)
+        kernel = functools.partial(flash_attention, sliding_window=c["window"], soft_cap=soft_cap(c),
+                                   interpret=False)
+        return jax.jit(lambda q, k, v, seg, slopes: kernel(q, k, v, segment_ids=seg, alibi_slopes=slopes)).lower(
+            q, kv, kv, seg, alibi_slopes(c, q.shape[2], dev))
 
     failures = compile_all(configs, lower)
     print(f"flash kernel: {len(configs)} configs x generations compiled, {len(failures)} failed")

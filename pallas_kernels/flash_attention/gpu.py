@@ -61,11 +61,16 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
         pl.when(j + 1 < count)(lambda: fetch(j + 1, 1 - slot))  # the other slot was freed at j - 1
         plgpu.barrier_wait(k_bar.at[slot])
         s = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret) * sm_scale
-        kv_pos = kv_block_ref[b, i, j] * block_kv + iota(1)
-        s = modify_scores(s, kv_pos, soft_cap=soft_cap, slopes=slope)
+
+        def kv_positions():
+            # From a column vector, built only where used: registers are tight (test_gpu_compile).
+            col = plgpu.broadcasted_iota(jnp.int32, (block_kv,), 0, layout=None if interpret else col_layout)
+            return lax.broadcast_in_dim(kv_block_ref[b, i, j] * block_kv + col, shape, [1])
+
+        s = modify_scores(s, None if slope is None else kv_positions(), soft_cap=soft_cap, slopes=slope)
 
         def apply_mask(s):
-            q_pos = i * block_q + iota(0)
+            q_pos, kv_pos = i * block_q + iota(0), kv_positions()
             kv_seg = layout(kv_seg_smem.at[slot][...], col_layout)
             ok = mask.visible(q_pos, kv_pos, lax.broadcast_in_dim(q_seg, shape, [0]),
                               lax.broadcast_in_dim(kv_seg, shape, [1]))
