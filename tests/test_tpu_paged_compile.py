@@ -55,17 +55,20 @@ def test_paged_kernel_compiles_for_tpu(tpu_device, config):
 
 
 def test_dispatch_reaches_mosaic_for_tpu_arrays():
-    # On a CPU host, arrays on TPU devices must take the real kernel, not the interpreter.
+    # On a CPU host, arrays on TPU devices must take the real kernel, not the interpreter; with
+    # soft cap and ALiBi slopes (an extra kernel input) too.
     device = topologies.get_topology_desc(platform="tpu", topology_name=GENERATIONS["v5e"]).devices[0]
     q, k_pages, v_pages, table, lens, qsl = abstract_case(device, 128, 2, 4, 16, "bfloat16", "mixed")
+    slopes = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
 
-    def step(q, k_pages, v_pages, table, lens, qsl):
+    def step(q, k_pages, v_pages, table, lens, qsl, slopes):
         meta = attention.AttentionMetadata(
             positions=None, slot_mapping=None, page_table=table, seq_lens=lens, query_start_loc=qsl,
             max_q=BATCHES["mixed"][2], backend="pallas_tpu",
             platform=parallel.platform(parallel.make_mesh(None, [device])))
-        return attention.paged_attention(q, k_pages, v_pages, meta, sliding_window=None, sm_scale=0.1)
+        return attention.paged_attention(q, k_pages, v_pages, meta, sliding_window=None, sm_scale=0.1,
+                                         soft_cap=30.0, alibi_slopes=slopes)
 
-    lowered = jax.jit(step).lower(q, k_pages, v_pages, table, lens, qsl)
+    lowered = jax.jit(step).lower(q, k_pages, v_pages, table, lens, qsl, slopes)
     assert "tpu_custom_call" in lowered.as_text()
     lowered.compile()
