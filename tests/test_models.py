@@ -2,12 +2,13 @@
 import numpy as np
 import pytest
 import torch
+import transformers as tf
 
 from jaxserve.checkpoint import load_params
 from jaxserve.config import ModelConfig
 from jaxserve.generate import greedy_generate
 from jaxserve.models import build_model
-from tests.hf_models import CONFIGS, save_hf_model
+from tests.hf_models import BASE, CONFIGS, save_hf_model
 
 PROMPT_LENS = (5, 23, 40)
 NEW_TOKENS = 32
@@ -94,3 +95,29 @@ def test_bfloat16_model_tracks_float32(tmp_path):
     assert ours.dtype == np.float32
     assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.9
+
+
+def test_mpt_with_biases_matches_a_biased_transformers_mpt(tmp_path):
+    """MPT with no_bias=false (as llm-foundry writes it): transformers' MptForCausalLM has no bias
+    parameters, so they are added to its modules here (random), and the checkpoint carries them."""
+    torch.manual_seed(0)
+    cls, extra = CONFIGS["mpt_alibi6_clip"]
+    hf = tf.MptForCausalLM(cls(**{**BASE, **extra})).eval()
+    with torch.no_grad():
+        for name, module in list(hf.named_modules()):
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.bias = torch.nn.Parameter(torch.randn(module.out_features) * 0.1)
+            elif isinstance(module, torch.nn.LayerNorm):
+                module.bias = torch.nn.Parameter(torch.randn(module.normalized_shape) * 0.1)
+    hf.config.no_bias = False
+    hf.save_pretrained(str(tmp_path))
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    assert cfg.qkv_bias and cfg.norm_bias and cfg.mlp_bias
+    params = load_params(str(tmp_path), cfg)
+    tokens = np.random.RandomState(4).randint(0, cfg.vocab_size, (1, 40))
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)).logits.numpy()
+        assert np.abs(ref - tf.MptForCausalLM.from_pretrained(str(tmp_path))(torch.tensor(tokens)).logits.numpy()).max() > 1e-3
+    model = build_model(cfg)
+    ours = np.asarray(model.apply({"params": params}, tokens, np.arange(40)[None], method=model.forward_logits))
+    assert np.abs(ours - ref).max() < 1e-4

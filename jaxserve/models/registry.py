@@ -5,7 +5,7 @@ A family lives in one file of `jaxserve/models/` and brings four things, gathere
   * `module`: the Flax module class, built as `module(cfg, dtype)`;
   * `hf_tensor`: (Flax param path, ModelConfig) -> (HF tensor name, rows), rows (start, stop)
     along the HF tensor's first axis when the param is part of a fused tensor (Phi-3's qkv_proj
-    holds q, k and v), else None (checkpoint loading and save_pretrained);
+    and MPT's Wqkv hold q, k and v), else None (checkpoint loading and save_pretrained);
   * `param_axes`: param path suffix -> logical axes (parallel.py maps them to mesh axes).
 Adding a family is one file in `models/` and its entries below; nothing outside `models/` changes.
 """
