@@ -66,6 +66,7 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
     try:
         for (path, spec), sharding in zip(flat, sharding_leaves):
             name, rows = hf_tensor(tuple(k.key for k in path), cfg)
+            name = _as_in_checkpoint(name, index)
             if name not in index:
                 raise ValueError(f"checkpoint {model_dir} is missing tensor {name!r} "
                                  f"(expected shape {tuple(spec.shape)})")
@@ -83,6 +84,14 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
     finally:
         open_files.clear()
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), leaves)
+
+
+def _as_in_checkpoint(name: str, index: dict[str, str]) -> str:
+    """`name`, or without its first component where only that is in the checkpoint: one saved
+    from the base model (BLOOM's bigscience checkpoints) lacks the "transformer." prefix, as
+    transformers' base_model_prefix allows."""
+    bare = name.split(".", 1)[-1]
+    return bare if name not in index and bare in index else name
 
 
 def _place(tensor, spec, sharding, row_offset: int | None) -> jax.Array:

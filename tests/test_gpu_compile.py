@@ -59,8 +59,8 @@ FLASH = {  # name: (head_dim, segment ids, flash_attention options; alibi=True: 
     "causal-d128": (128, False, dict(causal=True)),
     "all-features-d64": (64, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True)),
     "all-features-d128": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True)),
-    "causal-d256": (256, False, dict(causal=True)),
-    "all-but-alibi-d128": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0)),  # block_kv 64: the largest that fits
+    "all-but-alibi-d128": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0)),
+    "causal-d256": (256, False, dict(causal=True)),  # block_kv 64: the largest that fits
 }
 
 

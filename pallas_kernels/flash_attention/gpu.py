@@ -119,8 +119,8 @@ def fits(head_dim, dtype, block_q=64) -> bool:
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
                     alibi_slopes=None, sm_scale=None, block_q=64, block_kv=None, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
-    alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. Needs D, block_q and block_kv multiples of 64 and 16-bit inputs
-    (f32 too when interpreting); block_kv defaults to the largest that fits in shared memory
+    alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. Needs D, block_q and block_kv
+    multiples of 64 and 16-bit inputs (f32 too when interpreting); block_kv defaults to the largest that fits in shared memory
     (see `fits`; Mosaic GPU refuses a kernel over budget). interpret=True runs in Mosaic GPU
     interpret mode (CPU), with its race detector."""
     b, t, h, d = q.shape
