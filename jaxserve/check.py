@@ -126,7 +126,7 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
     # Data-parallel replicas are independent engines: one replica's mesh is the one to check.
     mesh = parallel.make_mesh({**sizes, "data": 1}, tpu.devices[:sizes["seq"] * sizes["model"]])
     model_axis = mesh.shape["model"]
-    weight_bytes = sizing.weight_bytes_per_chip(cfg, dtype, model_axis)
+    weight_bytes = sizing.weight_bytes_per_chip(cfg, dtype, model_axis, ecfg.quantization)
     try:
         num_pages = ecfg.num_pages or sizing.kv_pool_pages(cfg, ecfg, dtype, model_axis=model_axis,
                                                            hbm_bytes=tpu.hbm_bytes, used_bytes=weight_bytes,
@@ -138,7 +138,7 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
     pool_bytes = sizing.page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=False) * num_pages // (
         2 * cfg.num_layers)
 
-    unsharded = param_shapes(cfg, dtype)
+    unsharded = param_shapes(cfg, dtype, ecfg.quantization)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           unsharded, parallel.param_shardings(unsharded, mesh, cfg))
     pool = kv_pool(cfg, mesh, num_pages, ecfg.page_size, dtype)

@@ -27,7 +27,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-MODES = ("int8", "int4")
+from jaxserve.config import QUANTIZATION_MODES as MODES
+
+LEAVES = ("qweight", "scale")      # what a quantized Linear holds instead of `weight`
 GROUP = 128                   # int4: inputs per scale
 UNQUANTIZED = ("lm_head",)    # Linear modules kept in the model dtype
 BLOCK_ELEMENTS = 1 << 15      # CPU: weight elements dequantized at once (128 KiB in f32)
@@ -129,24 +131,48 @@ def matmul(x, qweight, scale, dtype):
         default=functools.partial(_dot, dtype=dtype))
 
 
-def _quantizable(path: tuple[str, ...], node) -> bool:
-    return (isinstance(node, dict) and "weight" in node and getattr(node["weight"], "ndim", 0) == 2
-            and not (path and path[-1] in UNQUANTIZED))
+def quantizable(keys: tuple[str, ...], leaf) -> bool:
+    """Whether the param at `keys` is a Linear weight to quantize (not the LM head's)."""
+    return (len(keys) >= 2 and keys[-1] == "weight" and len(leaf.shape) == 2
+            and keys[-2] not in UNQUANTIZED)
 
 
-def quantize_params(params, mode: str | None):
-    """The params tree with every Linear weight but the LM head's quantized (mode None: as is)."""
+def set_path(tree: dict, keys: tuple[str, ...], value) -> None:
+    """tree[k0][k1]... = value, creating dicts on the way; a dict value is merged in."""
+    for k in keys[:-1]:
+        tree = tree.setdefault(k, {})
+    if isinstance(value, dict):
+        tree.setdefault(keys[-1], {}).update(value)
+    else:
+        tree[keys[-1]] = value
+
+
+def quantize_params(params, mode: str | None, shardings=None):
+    """The params tree with every Linear weight but the LM head's quantized (mode None: as is);
+    `shardings`, when given, are the quantized tree's, and each weight's result is placed so."""
     check_mode(mode)
     if mode is None:
         return params
+    out: dict = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = tuple(k.key for k in path)
+        if quantizable(keys, leaf):
+            set_path(out, keys[:-1], quantize_placed(leaf, mode, None if shardings is None else node(shardings, keys[:-1])))
+        else:
+            set_path(out, keys, leaf)
+    return out
 
-    def walk(path, node):
-        if not isinstance(node, dict):
-            return node
-        if _quantizable(path, node):
-            return {**{k: v for k, v in node.items() if k != "weight"}, **quantize_weight(node["weight"], mode)}
-        return {k: walk(path + (k,), v) for k, v in node.items()}
-    return walk((), params)
+
+def quantize_placed(weight, mode: str, shardings: dict | None) -> dict:
+    """quantize_weight, its qweight and scale placed by `shardings` (None: where jit puts them)."""
+    out = None if shardings is None else {k: shardings[k] for k in LEAVES}
+    return jax.jit(functools.partial(quantize_weight, mode=mode), out_shardings=out)(weight)
+
+
+def node(tree: dict, keys: tuple[str, ...]):
+    for k in keys:
+        tree = tree[k]
+    return tree
 
 
 def logical_axes(name: str, weight_axes: tuple[str, ...], ndim: int) -> tuple[str, ...]:
