@@ -102,7 +102,8 @@ def _read_sharding(shardings: Any, keys: tuple[str, ...], quantize: bool):
 
 
 def saved_quantization(model_dir: str) -> str | None:
-    """How the weights of an orbax checkpoint were quantized when written (None: not at all)."""
+    """How the weights of an orbax checkpoint were quantized when written (None: not at all, or
+    not an orbax checkpoint)."""
     path = os.path.join(model_dir, QUANTIZATION_FILE)
     if not os.path.exists(path):
         return None

@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxserve import parallel
 from jaxserve import quantization as quant
-from jaxserve.checkpoint import load_params, param_shapes
+from jaxserve.checkpoint import load_params, param_shapes, saved_quantization
 from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingParams
 from jaxserve.block_manager import BlockManager
 from jaxserve.runner import ModelRunner, SampleResult
@@ -107,7 +107,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         self.dtype = _resolve_dtype(self.ecfg.dtype)
         mesh = mesh if mesh is not None else parallel.make_mesh(self.ecfg.mesh)
-        quantization = self.ecfg.quantization
+        quantization = self.ecfg.quantization or saved_quantization(model_dir)   # a quantized orbax copy: as written
         if params is None:  # each device reads only its own slice of every weight
             shapes = param_shapes(self.model_cfg, self.dtype, quantization)
             params = load_params(model_dir, self.model_cfg, self.dtype, quantization=quantization,
