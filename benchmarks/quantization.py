@@ -7,7 +7,8 @@
     in all);
   * weight bytes measured from the loaded params (all, and the quantized Linear weights only);
   * decode step time at batch 1: the engines take one engine step each in turn, alternating
-    rounds, and the ratio is of medians.
+    rounds, and the ratio is of medians;
+  * on the 100M model (random weights): logit error statistics, weight bytes, decode step time.
 
     python -m benchmarks.quantization [--rounds 200] [--max-windows 0]
 """
@@ -22,7 +23,8 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common import RESULTS_DIR, command_line, markdown_table, write_text
+from benchmarks.common import (RESULTS_DIR, command_line, markdown_table, model_summary, prepare_model,
+                               write_keeping_notes)
 from jaxserve import LLM, SamplingParams, quantization
 from jaxserve.checkpoint import load_params
 from jaxserve.config import ModelConfig
@@ -86,9 +88,10 @@ def linear_weight_bytes(params) -> int:
 def decode_step_seconds(engines: dict, rounds: int) -> dict:
     """Median seconds of a batch-1 decode step per engine, taken in alternating rounds."""
     params = SamplingParams(temperature=0.0, max_tokens=rounds + 8, ignore_eos=True)
-    for llm in engines.values():
+    ids = {}
+    for mode, llm in engines.items():
         engine = llm.llm_engine
-        engine.add_request(engine.tokenizer.encode(training_script().SAMPLE_PROMPTS[0]), params)
+        ids[mode] = engine.add_request(engine.tokenizer.encode(training_script().SAMPLE_PROMPTS[0]), params)
         for _ in range(3):   # the prefill, then decode steps until the pipeline is full
             engine.step()
     times = {mode: [] for mode in engines}
@@ -97,54 +100,103 @@ def decode_step_seconds(engines: dict, rounds: int) -> dict:
             start = time.perf_counter()
             llm.llm_engine.step()
             times[mode].append(time.perf_counter() - start)
+    for mode, llm in engines.items():
+        llm.llm_engine.abort(ids[mode])
     return {mode: float(np.median(t)) for mode, t in times.items()}
 
 
-def measure(rounds: int, max_windows: int | None) -> dict:
-    ppl = heldout_perplexities(max_windows=max_windows)
-    engines = {mode: LLM(quantization=mode, **ENGINE) for mode in MODES}
-    tokens = {mode: greedy_tokens(llm) for mode, llm in engines.items()}
+def logit_errors(model_dir: str, modes=quantization.MODES, tokens: int = 256, seed: int = 0) -> dict:
+    """Per mode: logit error against unquantized over seeded random tokens (f32 forward pass, no
+    cache): mean and max absolute error, the mean error over the logits' standard deviation,
+    and how often the top-1 token is the same."""
+    cfg = ModelConfig.from_pretrained(model_dir)
+    model, params = build_model(cfg), load_params(model_dir, cfg)
+    ids = np.random.default_rng(seed).integers(3, cfg.vocab_size, (1, tokens))
+    positions = np.arange(tokens)[None]
+    forward = jax.jit(lambda p: model.apply({"params": p}, ids, positions, method=model.forward_logits)[0])
+    reference = np.asarray(forward(params))
+    out = {}
+    for mode in modes:
+        logits = np.asarray(forward(quantization.quantize_params(params, mode)))
+        err, top1 = np.abs(logits - reference), logits.argmax(-1) == reference.argmax(-1)
+        out[mode] = {"mean_abs": float(err.mean()), "max_abs": float(err.max()),
+                     "mean_over_std": float(err.mean() / reference.std()), "top1_same": float(top1.mean())}
+    return out
+
+
+def measure_engines(model_dir: str, rounds: int) -> tuple[dict, dict]:
+    """The engines per mode, and per mode its weight bytes and batch-1 decode step seconds."""
+    engines = {mode: LLM(model=model_dir, quantization=mode, **ENGINE) for mode in MODES}
+    steps = decode_step_seconds(engines, rounds)
     rows = {}
     for mode, llm in engines.items():
         params = llm.llm_engine.runner.params
-        rows[mode] = {"perplexity": ppl[mode], "agreement": agreement(tokens[None], tokens[mode]),
-                      "bytes": quantization.weight_bytes(params), "linear_bytes": linear_weight_bytes(params)}
-    steps = decode_step_seconds(engines, rounds)
-    for mode in MODES:
-        rows[mode]["step_s"] = steps[mode]
-    return rows
+        rows[mode] = {"bytes": quantization.weight_bytes(params), "linear_bytes": linear_weight_bytes(params),
+                      "step_s": steps[mode]}
+    return engines, rows
 
 
-def markdown(rows: dict, command: str, rounds: int) -> str:
+def size_and_speed(rows: dict) -> list[list]:
+    """Per mode: all params' bytes, the Linear weights' against f32, the step time and speed-up."""
     base = rows[None]
+    return [[f"{r['bytes'] / 2**20:.1f} MiB", f"{r['linear_bytes'] / base['linear_bytes']:.3f}x",
+             f"{r['step_s'] * 1e3:.2f} ms", f"{base['step_s'] / r['step_s']:.2f}x"] for r in rows.values()]
+
+
+SIZE_AND_SPEED = ["all params", "Linear weights vs f32", "decode step (batch 1)", "speed vs f32"]
+
+
+def tiny_table(rounds: int, max_windows: int | None) -> list[str]:
+    ppl = heldout_perplexities(max_windows=max_windows)
+    engines, rows = measure_engines(TINY_MODEL_DIR, rounds)
+    tokens = {mode: greedy_tokens(llm) for mode, llm in engines.items()}
     table = []
-    for mode, r in rows.items():
-        prefix, same = r["agreement"]
-        table.append([mode or "none (f32)", f"{r['perplexity']:.3f}", f"{(r['perplexity'] / base['perplexity'] - 1) * 100:+.2f}%",
-                      f"{sum(prefix)}/{AGREEMENT_TOKENS * len(prefix)} ({min(prefix)} min)", f"{sum(same)}/{AGREEMENT_TOKENS * len(same)}",
-                      f"{r['bytes'] / 2**20:.2f} MiB", f"{r['linear_bytes'] / base['linear_bytes']:.3f}x",
-                      f"{r['step_s'] * 1e3:.2f} ms", f"{base['step_s'] / r['step_s']:.2f}x"])
+    for (mode, llm), size in zip(engines.items(), size_and_speed(rows)):
+        prefix, same = agreement(tokens[None], tokens[mode])
+        n = AGREEMENT_TOKENS * len(prefix)
+        table.append([mode or "none (f32)", f"{ppl[mode]:.3f}", f"{(ppl[mode] / ppl[None] - 1) * 100:+.2f}%",
+                      f"{sum(prefix)}/{n} (shortest {min(prefix)})", f"{sum(same)}/{n}", *size])
     header = ["weights", "held-out ppl", "vs f32", "greedy agreement to first difference",
-              "greedy agreement, all positions", "all params", "Linear weights vs f32", "decode step (batch 1)",
-              "speed vs f32"]
-    return "\n".join([
-        "# Weight-only quantization: int8 and int4 against unquantized", "",
-        f"Command: `{command}`. Machine: {MACHINE} (shared with other jobs: absolute times are noisy; "
-        f"the speed ratios come from {rounds} alternating rounds in one process, medians).", "",
-        "The embedded tiny model (f32 on CPU; embeddings, tied to the LM head, stay f32). Perplexity "
-        "on its held-out topics; agreement over the first 32 greedy tokens of the training script's "
-        "sample prompts, through the engine.", "",
-        *markdown_table(header, table, right_aligned=tuple(range(1, len(header)))), ""])
+              "greedy agreement, all positions", *SIZE_AND_SPEED]
+    return markdown_table(header, table, right_aligned=tuple(range(1, len(header))))
+
+
+def model_100m_table(rounds: int, work_dir: str) -> list[str]:
+    model_dir = prepare_model("100m", work_dir)
+    errors = logit_errors(model_dir)
+    _, rows = measure_engines(model_dir, rounds)
+    table = []
+    for (mode, r), size in zip(rows.items(), size_and_speed(rows)):
+        e = errors.get(mode)
+        cells = (["-"] * 4 if e is None else [f"{e['mean_abs']:.2e}", f"{e['max_abs']:.2e}",
+                                              f"{e['mean_over_std']:.2e}", f"{e['top1_same'] * 100:.1f}%"])
+        table.append([mode or "none (f32)", *cells, *size])
+    header = ["weights", "logit mean abs error", "max abs error", "mean error / logit std", "same top-1",
+              *SIZE_AND_SPEED]
+    return [model_summary(model_dir), "", *markdown_table(header, table, right_aligned=tuple(range(1, len(header))))]
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--max-windows", type=int, default=0, help="perplexity over the first N windows only (0: all)")
+    p.add_argument("--work-dir", default="/tmp/jaxserve_bench", help="where the 100m model is built")
     p.add_argument("--out", default=os.path.join(RESULTS_DIR, "quantization.md"))
     args = p.parse_args(argv)
-    text = markdown(measure(args.rounds, args.max_windows or None), command_line("quantization", argv), args.rounds)
-    write_text(args.out, text)
+    text = "\n".join([
+        "# Weight-only quantization: int8 and int4 against unquantized", "",
+        f"Command: `{command_line('quantization', argv)}`. Machine: {MACHINE} (shared with other jobs: "
+        f"absolute times are noisy; each model's engines take batch-1 decode steps in {args.rounds} "
+        "alternating rounds in one process, and the speed ratios are of the medians).", "",
+        "## The embedded tiny model", "",
+        "f32 on CPU; its embeddings, tied to the LM head, stay f32. Perplexity on its held-out topics "
+        "(scripts/train_tiny_model.py's split, 128-token windows); agreement over the first 32 greedy "
+        "tokens of the training script's sample prompts, through the engine.", "",
+        *tiny_table(args.rounds, args.max_windows or None), "",
+        "## The 100M model (random weights, f32)", "",
+        "Logit errors over 256 seeded random tokens, one forward pass without a cache.", "",
+        *model_100m_table(args.rounds, args.work_dir), ""])
+    write_keeping_notes(args.out, text)
     print(text)
 
 
