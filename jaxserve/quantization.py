@@ -99,7 +99,8 @@ def _dot(x, qweight, scale, dtype):
 
 def num_blocks(out: int, inp: int) -> int:
     """CPU: row blocks of the weight, a power of two dividing `out`, each at most
-    BLOCK_ELEMENTS when possible, never fewer than 2 (so no block is the whole weight)."""
+    BLOCK_ELEMENTS when possible, and at least 2 whenever `out` is even (so no block is the
+    whole weight; every projection of the supported families has an even `out`)."""
     nb = 2
     while out % (nb * 2) == 0 and (out // nb) * inp > BLOCK_ELEMENTS:
         nb *= 2
