@@ -15,7 +15,7 @@ weights of Linear modules other than `lm_head` are quantized.
 
 Dequantization happens inside the fused computation. On TPU and GPU XLA fuses the convert
 and the scaling into the dot's operand. XLA CPU does not: it converts the whole weight to a
-temporary f32 buffer before every dot (a full-precision copy per step, and 3-10x slower than
+temporary f32 buffer before every dot (a full-precision copy per step, and 2-11x slower than
 f32). On CPU the matmul therefore runs over blocks of output rows in a loop, each block
 dequantized into a small buffer that stays in cache (tests/test_quantization.py checks the
 compiled buffers on CPU and TPU).
