@@ -84,6 +84,8 @@ def test_unquantized_orbax_checkpoint_quantizes_as_it_loads(tmp_path):
         load_params(dst, cfg, quantization="int8"))
     assert expected.keys() == loaded.keys()
     assert all(np.array_equal(expected[k], loaded[k]) for k in expected)
+    # through the engine: restored onto the quantized tree's shardings, then quantized
+    assert greedy(LLM(model=dst, quantization="int8", **ENGINE)) == greedy(LLM(quantization="int8", **ENGINE))
 
 
 def test_tensor_parallel_greedy_matches_one_device():
