@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxserve import quantization as quant
+from jaxserve import prequantized, quantization as quant
 from jaxserve.config import ModelConfig
 from jaxserve.models import init_params
 from jaxserve.models.registry import architecture
@@ -62,6 +62,9 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
     quantized when `quantization` is given (`shardings` are then the quantized tree's)."""
     if is_orbax_checkpoint(model_dir):
         return _load_orbax(model_dir, cfg, dtype, shardings, quantization)
+    stored = prequantized.hf_quantization(model_dir)
+    if stored is not None and quantization not in (None, stored):
+        raise ValueError(f"{model_dir} holds {stored} weights; it cannot be loaded as {quantization}")
     shapes = param_shapes(cfg, dtype)
     index = _tensor_index(model_dir)
     hf_tensor = architecture(cfg.architecture).hf_tensor
@@ -84,10 +87,18 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
             if not fits:
                 raise ValueError(f"tensor {name!r} has shape {hf_shape} in the checkpoint, expected "
                                  f"{tuple(spec.shape)}" + ("" if rows is None else f" at rows {rows[0]}:{rows[1]}"))
-            quantize = quantization is not None and quant.quantizable(keys, spec)
-            leaf = _place(tensor, spec, _read_sharding(shardings, keys, quantize), None if rows is None else rows[0])
-            if quantize:
-                leaf = quant.quantize_placed(leaf, quantization, None if shardings is None else quant.node(shardings, keys[:-1]))
+            quantize = (quantization or stored) is not None and quant.quantizable(keys, spec)
+            where = _read_sharding(shardings, keys, quantize)
+            row_offset = None if rows is None else rows[0]
+            if quantize and stored:   # already int8: read as it is
+                scale = prequantized.read_scale(open_files[fn], name, rows)
+                leaf = {"qweight": _place(tensor, jax.ShapeDtypeStruct(spec.shape, jnp.int8), where, row_offset),
+                        "scale": jnp.asarray(scale) if shardings is None else
+                        jax.device_put(scale, quant.node(shardings, keys[:-1])["scale"])}
+            else:
+                leaf = _place(tensor, spec, where, row_offset)
+                if quantize:
+                    leaf = quant.quantize_placed(leaf, quantization, None if shardings is None else quant.node(shardings, keys[:-1]))
             quant.set_path(params, keys[:-1] if quantize else keys, leaf)
     finally:
         open_files.clear()
@@ -102,9 +113,11 @@ def _read_sharding(shardings: Any, keys: tuple[str, ...], quantize: bool):
 
 
 def saved_quantization(model_dir: str) -> str | None:
-    """How the weights of an orbax checkpoint were quantized when written (None: not at all, or
-    not an orbax checkpoint)."""
+    """How the checkpoint's weights are stored quantized: as an orbax checkpoint was written, or
+    a pre-quantized HF checkpoint (jaxserve/prequantized.py); None: not quantized."""
     path = os.path.join(model_dir, QUANTIZATION_FILE)
+    if not is_orbax_checkpoint(model_dir):
+        return prequantized.hf_quantization(model_dir)
     if not os.path.exists(path):
         return None
     with open(path) as f:
@@ -170,7 +183,7 @@ def convert_to_orbax(model_dir: str, out_dir: str, dtype=jnp.float32, quantizati
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.abspath(os.path.join(out_dir, ORBAX_DIR)), params, force=True)
     with open(os.path.join(out_dir, QUANTIZATION_FILE), "w") as f:
-        json.dump({"quantization": quantization}, f)
+        json.dump({"quantization": quantization or saved_quantization(model_dir)}, f)
     return out_dir
 
 
