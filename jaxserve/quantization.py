@@ -14,7 +14,8 @@ Embeddings and the LM head (a tied one is the embedding) stay in the model dtype
 weights of Linear modules other than `lm_head` are quantized.
 
 Dequantization happens inside the fused computation. On TPU and GPU XLA fuses the convert
-and the scaling into the dot's operand. XLA CPU does not: it converts the whole weight to a
+and the scaling into the dot's operand (int4 on TPU still relays out the packed bytes and
+broadcasts its scales: benchmarks/results/quantization.md). XLA CPU does not: it converts the whole weight to a
 temporary f32 buffer before every dot (a full-precision copy per step, and 2-11x slower than
 f32). On CPU the matmul therefore runs over blocks of output rows in a loop, each block
 dequantized into a small buffer that stays in cache (tests/test_quantization.py checks the
