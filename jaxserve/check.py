@@ -12,6 +12,7 @@ Exit status 1 when it does not fit or does not compile.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import re
@@ -25,7 +26,7 @@ import numpy as np
 from jaxserve import parallel, sizing
 from jaxserve.attention import resolve_backend
 from jaxserve.buckets import Buckets, StepShape
-from jaxserve.checkpoint import param_shapes
+from jaxserve.checkpoint import param_shapes, saved_quantization
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models import build_model
 from jaxserve.step import (copy_kv_pages, empty_sequence_parallel_prefill, kv_pool, lower_step, make_step,
@@ -126,7 +127,7 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
     # Data-parallel replicas are independent engines: one replica's mesh is the one to check.
     mesh = parallel.make_mesh({**sizes, "data": 1}, tpu.devices[:sizes["seq"] * sizes["model"]])
     model_axis = mesh.shape["model"]
-    weight_bytes = sizing.weight_bytes_per_chip(cfg, dtype, model_axis)
+    weight_bytes = sizing.weight_bytes_per_chip(cfg, dtype, model_axis, ecfg.quantization)
     try:
         num_pages = ecfg.num_pages or sizing.kv_pool_pages(cfg, ecfg, dtype, model_axis=model_axis,
                                                            hbm_bytes=tpu.hbm_bytes, used_bytes=weight_bytes,
@@ -138,7 +139,7 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
     pool_bytes = sizing.page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=False) * num_pages // (
         2 * cfg.num_layers)
 
-    unsharded = param_shapes(cfg, dtype)
+    unsharded = param_shapes(cfg, dtype, ecfg.quantization)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           unsharded, parallel.param_shardings(unsharded, mesh, cfg))
     pool = kv_pool(cfg, mesh, num_pages, ecfg.page_size, dtype)
@@ -196,20 +197,23 @@ def format_report(report: Report, header: str) -> str:
 
 
 def run(config: str, topology: str, model: str | None = None, backend: str | None = None,
-        quick: bool = False) -> int:
+        quick: bool = False, quantization: str | None = None) -> int:
     """`jaxserve check` (check_cli.py): print the report; 0 when it compiles and fits, else 1."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    ecfg = EngineConfig.from_yaml(config, model=model)
+    ecfg = EngineConfig.from_yaml(config, model=model, quantization=quantization)
     if ecfg.model is None:
         raise SystemExit("jaxserve check: the config names no model directory (give --model)")
     cfg = ModelConfig.from_pretrained(ecfg.model)
+    # a checkpoint stored quantized is served so, as the engine does
+    ecfg = dataclasses.replace(ecfg, quantization=ecfg.quantization or saved_quantization(ecfg.model))
     dtype = jnp.float32 if ecfg.dtype == "float32" else jnp.bfloat16   # auto: bf16 on TPU
     tpu = tpu_slice(topology)
     name = os.path.basename(os.path.normpath(ecfg.model))
     shapes = quick_shapes(Buckets(ecfg, ecfg.mesh.get("seq", 1)).warmup_shapes(ecfg.mesh.get("seq", 1) > 1))
     report = check(ecfg, cfg, tpu, model_name=name, dtype=dtype, backend=backend,
                    shapes=shapes if quick else None, samplers=not quick)
-    header = (f"jaxserve check: {name} ({cfg.num_params / 1e9:.2f}B parameters, {jnp.dtype(dtype).name}) "
+    weights = jnp.dtype(dtype).name + (f", {ecfg.quantization} weights" if ecfg.quantization else "")
+    header = (f"jaxserve check: {name} ({cfg.num_params / 1e9:.2f}B parameters, {weights}) "
               f"with {config} on {tpu.name} ({tpu.chips} chip(s)), mesh {ecfg.mesh}"
               f"{', quick: 3 step shapes, no sampler' if quick else ''}, per chip:")
     print(format_report(report, header))

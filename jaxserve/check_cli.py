@@ -11,6 +11,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="directory holding the model's config.json (default: the config's model)")
     p.add_argument("--attention-backend", choices=["pallas_tpu", "xla"],
                    help="default: the config's (auto: pallas_tpu)")
+    p.add_argument("--quantization", choices=["int8", "int4"],
+                   help="weight-only quantization (default: the config's, or how the checkpoint is stored)")
     p.add_argument("--quick", action="store_true", help="only the largest and smallest decode steps, the "
                                                          "largest prefill step and the page copy (no sampler)")
     p.set_defaults(func=run)
@@ -19,4 +21,4 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from jaxserve import check
 
-    return check.run(args.config, args.topology, args.model, args.attention_backend, args.quick)
+    return check.run(args.config, args.topology, args.model, args.attention_backend, args.quick, args.quantization)

@@ -3,7 +3,9 @@
 Loading reads tensors with safetensors' lazy slices (no PyTorch), renames them to the Flax
 tree by the family's name map (jaxserve.models.registry; Linear weights keep PyTorch's
 [out, in]; a param held in a fused tensor is a row range of it) and places each one on device. With `shardings` each device reads only its own
-slice, so a large model is never whole on one device.
+slice, so a large model is never whole on one device. With `quantization` each Linear weight
+is quantized as soon as it is read (jaxserve/quantization.py), so the full-precision model is
+never whole either.
 """
 from __future__ import annotations
 
@@ -18,16 +20,19 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from jaxserve import prequantized, quantization as quant
 from jaxserve.config import ModelConfig
 from jaxserve.models import init_params
 from jaxserve.models.registry import architecture
 
 ORBAX_DIR = "orbax"
+QUANTIZATION_FILE = "quantization.json"   # beside ORBAX_DIR: {"quantization": null | "int8" | "int4"}
 
 
-def param_shapes(cfg: ModelConfig, dtype=jnp.float32) -> dict:
-    """The params pytree of `cfg` as ShapeDtypeStructs (no memory allocated)."""
-    return jax.eval_shape(lambda key: init_params(cfg, key, dtype), jax.random.key(0))
+def param_shapes(cfg: ModelConfig, dtype=jnp.float32, quantization: str | None = None) -> dict:
+    """The params pytree of `cfg` as ShapeDtypeStructs (no memory allocated), quantized or not."""
+    return jax.eval_shape(lambda key: quant.quantize_params(init_params(cfg, key, dtype), quantization),
+                          jax.random.key(0))
 
 
 def _tensor_index(model_dir: str) -> dict[str, str]:
@@ -51,21 +56,24 @@ def is_orbax_checkpoint(model_dir: str) -> bool:
     return os.path.isdir(os.path.join(model_dir, ORBAX_DIR))
 
 
-def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: Any = None) -> dict:
-    """Load a HF safetensors directory (or one written by `convert_to_orbax`) into params."""
-    shapes = param_shapes(cfg, dtype)
+def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: Any = None,
+                quantization: str | None = None) -> dict:
+    """Load a HF safetensors directory (or one written by `convert_to_orbax`) into params,
+    quantized when `quantization` is given (`shardings` are then the quantized tree's)."""
     if is_orbax_checkpoint(model_dir):
-        return _load_orbax(model_dir, shapes, shardings)
+        return _load_orbax(model_dir, cfg, dtype, shardings, quantization)
+    stored = prequantized.hf_quantization(model_dir)
+    if stored is not None and quantization not in (None, stored):
+        raise ValueError(f"{model_dir} holds {stored} weights; it cannot be loaded as {quantization}")
+    shapes = param_shapes(cfg, dtype)
     index = _tensor_index(model_dir)
     hf_tensor = architecture(cfg.architecture).hf_tensor
-    flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    sharding_leaves = (jax.tree_util.tree_leaves(shardings) if shardings is not None
-                       else [None] * len(flat))
     open_files: dict[str, Any] = {}
-    leaves = []
+    params: dict = {}
     try:
-        for (path, spec), sharding in zip(flat, sharding_leaves):
-            name, rows = hf_tensor(tuple(k.key for k in path), cfg)
+        for path, spec in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+            keys = tuple(k.key for k in path)
+            name, rows = hf_tensor(keys, cfg)
             name = _as_in_checkpoint(name, index)
             if name not in index:
                 raise ValueError(f"checkpoint {model_dir} is missing tensor {name!r} "
@@ -80,10 +88,41 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
             if not fits:
                 raise ValueError(f"tensor {name!r} has shape {hf_shape} in the checkpoint, expected "
                                  f"{tuple(spec.shape)}" + ("" if rows is None else f" at rows {rows[0]}:{rows[1]}"))
-            leaves.append(_place(tensor, spec, sharding, None if rows is None else rows[0]))
+            quantize = (quantization or stored) is not None and quant.quantizable(keys, spec)
+            where = _read_sharding(shardings, keys, quantize)
+            row_offset = None if rows is None else rows[0]
+            if quantize and stored:   # already int8: read as it is
+                scale = prequantized.read_scale(open_files[fn], name, rows)
+                leaf = {"qweight": _place(tensor, jax.ShapeDtypeStruct(spec.shape, jnp.int8), where, row_offset),
+                        "scale": jnp.asarray(scale) if shardings is None else
+                        jax.device_put(scale, quant.node(shardings, keys[:-1])["scale"])}
+            else:
+                leaf = _place(tensor, spec, where, row_offset)
+                if quantize:
+                    leaf = quant.quantize_placed(leaf, quantization, None if shardings is None else quant.node(shardings, keys[:-1]))
+            quant.set_path(params, keys[:-1] if quantize else keys, leaf)
     finally:
         open_files.clear()
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), leaves)
+    return params
+
+
+def _read_sharding(shardings: Any, keys: tuple[str, ...], quantize: bool):
+    """Where the full-precision param at `keys` goes: a weight to be quantized as its qweight."""
+    if shardings is None:
+        return None
+    return quant.node(shardings, keys[:-1])["qweight"] if quantize else quant.node(shardings, keys)
+
+
+def saved_quantization(model_dir: str) -> str | None:
+    """How the checkpoint's weights are stored quantized: as an orbax checkpoint was written, or
+    a pre-quantized HF checkpoint (jaxserve/prequantized.py); None: not quantized."""
+    path = os.path.join(model_dir, QUANTIZATION_FILE)
+    if not is_orbax_checkpoint(model_dir):
+        return prequantized.hf_quantization(model_dir)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["quantization"]
 
 
 def _as_in_checkpoint(name: str, index: dict[str, str]) -> str:
@@ -109,16 +148,28 @@ def _place(tensor, spec, sharding, row_offset: int | None) -> jax.Array:
     return jax.make_array_from_callback(spec.shape, sharding, read)
 
 
-def _load_orbax(model_dir: str, shapes: dict, shardings: Any) -> dict:
+def _load_orbax(model_dir: str, cfg: ModelConfig, dtype, shardings: Any, quantization: str | None) -> dict:
+    """Restore as written; a checkpoint written unquantized is quantized after restoring."""
     import orbax.checkpoint as ocp
 
+    saved = saved_quantization(model_dir)
+    if saved is not None and quantization not in (None, saved):
+        raise ValueError(f"{model_dir} holds {saved} weights; it cannot be loaded as {quantization}")
+    shapes = param_shapes(cfg, dtype, saved)
+    pending = quantization if saved is None else None
+    final_shardings = shardings
+    if pending is not None and shardings is not None:
+        shardings = jax.tree_util.tree_map_with_path(
+            lambda path, spec: _read_sharding(final_shardings, tuple(k.key for k in path),
+                                              quant.quantizable(tuple(k.key for k in path), spec)), shapes)
     if shardings is None:
         device = jax.devices()[0]
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), shapes)
     target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           shapes, shardings)
     with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(os.path.abspath(os.path.join(model_dir, ORBAX_DIR)), target)
+        params = ckptr.restore(os.path.abspath(os.path.join(model_dir, ORBAX_DIR)), target)
+    return quant.quantize_params(params, pending, final_shardings)
 
 
 def _copy_side_files(src: str, dst: str, keep: Callable[[str], bool]) -> None:
@@ -129,16 +180,19 @@ def _copy_side_files(src: str, dst: str, keep: Callable[[str], bool]) -> None:
             shutil.copy2(full, os.path.join(dst, fn))
 
 
-def convert_to_orbax(model_dir: str, out_dir: str, dtype=jnp.float32) -> str:
-    """Write an orbax-checkpoint copy of a HF model directory (config and tokenizer copied along)."""
+def convert_to_orbax(model_dir: str, out_dir: str, dtype=jnp.float32, quantization: str | None = None) -> str:
+    """Write an orbax-checkpoint copy of a HF model directory (config and tokenizer copied
+    along), its Linear weights quantized when `quantization` is given."""
     import orbax.checkpoint as ocp
 
     cfg = ModelConfig.from_pretrained(model_dir)
-    params = load_params(model_dir, cfg, dtype)
+    params = load_params(model_dir, cfg, dtype, quantization=quantization)
     _copy_side_files(model_dir, out_dir, lambda fn: not fn.endswith(".safetensors")
-                     and fn != "model.safetensors.index.json")
+                     and fn not in ("model.safetensors.index.json", QUANTIZATION_FILE))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.abspath(os.path.join(out_dir, ORBAX_DIR)), params, force=True)
+    with open(os.path.join(out_dir, QUANTIZATION_FILE), "w") as f:
+        json.dump({"quantization": quantization or saved_quantization(model_dir)}, f)
     return out_dir
 
 

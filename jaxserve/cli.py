@@ -16,7 +16,7 @@ import sys
 import yaml
 
 from jaxserve import check_cli
-from jaxserve.config import DistributedConfig, EngineConfig
+from jaxserve.config import QUANTIZATION_MODES, DistributedConfig, EngineConfig
 
 # configs/tiny-cpu.yaml of a source checkout (`pip install -e .`): the default for the embedded model.
 TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -24,14 +24,16 @@ TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 
 def engine_config(args) -> EngineConfig:
-    """--config YAML (with --model and --tp/--sp/--dp on top); with neither, configs/tiny-cpu.yaml
-    when present."""
+    """--config YAML (with --model, --tp/--sp/--dp and --quantization on top); with neither,
+    configs/tiny-cpu.yaml when present."""
     path = args.config or (TINY_CPU_CONFIG if args.model is None and os.path.exists(TINY_CPU_CONFIG) else None)
     cfg = EngineConfig.from_yaml(path, model=args.model) if path else EngineConfig(model=args.model)
     axes = {"model": args.tp, "seq": args.sp, "data": args.dp}
     cfg = dataclasses.replace(cfg, mesh={**cfg.mesh, **{axis: n for axis, n in axes.items() if n is not None}})
     if args.speculative_config:
         cfg = dataclasses.replace(cfg, speculative=json.loads(args.speculative_config))
+    if args.quantization:
+        cfg = dataclasses.replace(cfg, quantization=args.quantization)
     return cfg
 
 
@@ -43,6 +45,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, help="tensor-parallel degree (mesh 'model' axis; overrides the config)")
     p.add_argument("--sp", type=int, help="sequence-parallel degree (mesh 'seq' axis)")
     p.add_argument("--dp", type=int, help="data-parallel replicas (mesh 'data' axis; `serve` only)")
+    p.add_argument("--quantization", choices=QUANTIZATION_MODES,
+                   help="weight-only quantization of the Linear weights at load time (overrides the config)")
     p.add_argument("--speculative-config", help='speculative decoding as JSON (the engine config key '
                                                 '`speculative`), e.g. \'{"method": "ngram", "num_tokens": 4}\'')
 
@@ -154,6 +158,8 @@ def _add_convert(sub) -> None:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--quantization", choices=QUANTIZATION_MODES,
+                   help="save the Linear weights quantized (weight-only; embeddings and LM head as --dtype)")
     p.set_defaults(func=convert)
 
 
@@ -162,7 +168,7 @@ def convert(args) -> int:
 
     from jaxserve.checkpoint import convert_to_orbax
 
-    print(convert_to_orbax(args.src, args.dst, dtype=getattr(jnp, args.dtype)))
+    print(convert_to_orbax(args.src, args.dst, dtype=getattr(jnp, args.dtype), quantization=args.quantization))
     return 0
 
 

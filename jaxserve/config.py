@@ -15,6 +15,7 @@ MAX_N = 16                             # choices per request
 MAX_LOGPROBS = 20                      # top-N logprobs per sampled token (the runner's sampler returns 20)
 MAX_LOGIT_BIAS = 300                   # logit_bias entries per request
 MAX_STOP_TOKEN_IDS = 64
+QUANTIZATION_MODES = ("int8", "int4")   # weight-only (jaxserve/quantization.py)
 
 
 class InvalidRequest(ValueError):
@@ -182,6 +183,9 @@ class EngineConfig:
     distributed: DistributedConfig | None = None
     # Speculative decoding (None: off); a dict (YAML, `LLM(speculative={...})`) becomes a SpeculativeConfig.
     speculative: SpeculativeConfig | None = None
+    # Weight-only quantization of the Linear weights at load time (jaxserve/quantization.py):
+    # None | int8 | int4. An orbax checkpoint written quantized (`jaxserve convert --quantization`) loads as it is.
+    quantization: str | None = None
 
     def __post_init__(self):
         if isinstance(self.distributed, dict):
@@ -204,6 +208,9 @@ class EngineConfig:
             raise ValueError(f"engine config: kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if not 0.0 <= self.admission_eagerness <= 1.0:
             raise ValueError(f"engine config: admission_eagerness must be in [0, 1], got {self.admission_eagerness}")
+        if self.quantization not in (None, *QUANTIZATION_MODES):
+            raise ValueError(f"engine config: quantization must be one of {', '.join(QUANTIZATION_MODES)} "
+                             f"or null, got {self.quantization!r}")
         if self.distributed is not None and self.mesh.get("data", 1) > 1:
             raise ValueError("engine config: data-parallel replicas (mesh data > 1) run in one process; "
                              "a multi-host engine is one engine over all hosts' devices")

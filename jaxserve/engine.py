@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import parallel
-from jaxserve.checkpoint import load_params, param_shapes
+from jaxserve import quantization as quant
+from jaxserve.checkpoint import load_params, param_shapes, saved_quantization
 from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingParams
 from jaxserve.block_manager import BlockManager
 from jaxserve.runner import ModelRunner, SampleResult
@@ -106,9 +107,13 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         self.dtype = _resolve_dtype(self.ecfg.dtype)
         mesh = mesh if mesh is not None else parallel.make_mesh(self.ecfg.mesh)
+        quantization = self.ecfg.quantization or saved_quantization(model_dir)   # a quantized orbax copy: as written
         if params is None:  # each device reads only its own slice of every weight
-            shardings = parallel.param_shardings(param_shapes(self.model_cfg, self.dtype), mesh, self.model_cfg)
-            params = load_params(model_dir, self.model_cfg, self.dtype, shardings=shardings)
+            shapes = param_shapes(self.model_cfg, self.dtype, quantization)
+            params = load_params(model_dir, self.model_cfg, self.dtype, quantization=quantization,
+                                 shardings=parallel.param_shardings(shapes, mesh, self.model_cfg))
+        else:   # given full-precision params (tests, benchmarks) are quantized as loaded ones are
+            params = quant.quantize_params(params, quantization)
         self.runner = ModelRunner(self.model_cfg, params, self.ecfg, mesh=mesh, dtype=self.dtype)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_pages, self.ecfg.page_size,

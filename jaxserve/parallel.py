@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxserve import quantization
 from jaxserve.config import ModelConfig
 
 MESH_AXES = ("data", "seq", "model")
@@ -72,15 +73,20 @@ def data_submeshes(mesh: Mesh) -> list[Mesh]:
     return [Mesh(mesh.devices[i:i + 1], MESH_AXES) for i in range(mesh.shape["data"])]
 
 
-def _leaf_axes(path, cfg: ModelConfig) -> tuple[str, ...]:
+def _leaf_axes(path, leaf, cfg: ModelConfig) -> tuple[str, ...]:
+    """A parameter's logical axes; a quantized weight's qweight and scale shard with the weight."""
     from jaxserve.models import registry  # the models import attention, which imports this module
 
-    return registry.param_logical_axes(tuple(getattr(k, "key", str(k)) for k in path), cfg)
+    keys = tuple(getattr(k, "key", str(k)) for k in path)
+    if keys[-1] in quantization.LEAVES:
+        weight_axes = registry.param_logical_axes(keys[:-1] + ("weight",), cfg)
+        return quantization.logical_axes(keys[-1], weight_axes, len(leaf.shape))
+    return registry.param_logical_axes(keys, cfg)
 
 
 def param_logical_axes(params_or_shapes, cfg: ModelConfig):
     """The logical axis names of every parameter, as a pytree of tuples shaped like params."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_axes(path, cfg), params_or_shapes)
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: _leaf_axes(path, leaf, cfg), params_or_shapes)
 
 
 def _head_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -90,13 +96,14 @@ def _head_counts(cfg: ModelConfig) -> dict[str, int]:
 
 def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh,
                     cfg: ModelConfig) -> P:
-    """PartitionSpec for logical `axes`; a dim whose units do not divide the mesh axis is replicated."""
+    """PartitionSpec for logical `axes`; a dim whose units (or size: an int4 scale's input
+    groups) do not divide the mesh axis is replicated."""
     units = _head_counts(cfg)
     spec = []
     for name, size in zip(axes, shape):
         mesh_axis = LOGICAL_RULES[name]
         n = mesh.shape[mesh_axis] if mesh_axis else 1
-        if n == 1 or units.get(name, size) % n:
+        if n == 1 or units.get(name, size) % n or size % n:
             spec.append(None)
         else:
             spec.append(mesh_axis)
@@ -106,7 +113,7 @@ def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh,
 def param_shardings(params_or_shapes, mesh: Mesh, cfg: ModelConfig):
     """NamedSharding for every parameter (pass to checkpoint.load_params or jax.device_put)."""
     def one(path, leaf):
-        return NamedSharding(mesh, logical_to_spec(_leaf_axes(path, cfg), leaf.shape, mesh, cfg))
+        return NamedSharding(mesh, logical_to_spec(_leaf_axes(path, leaf, cfg), leaf.shape, mesh, cfg))
     return jax.tree_util.tree_map_with_path(one, params_or_shapes)
 
 

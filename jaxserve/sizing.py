@@ -35,13 +35,13 @@ def _mesh(model_axis: int) -> AbstractMesh:
 
 
 @functools.cache
-def _param_shapes(cfg: ModelConfig, dtype) -> dict:
-    return param_shapes(cfg, dtype)   # traces the model's init: once per model
+def _param_shapes(cfg: ModelConfig, dtype, quantization: str | None) -> dict:
+    return param_shapes(cfg, dtype, quantization)   # traces the model's init: once per model
 
 
-def weight_bytes_per_chip(cfg: ModelConfig, dtype, model_axis: int) -> int:
+def weight_bytes_per_chip(cfg: ModelConfig, dtype, model_axis: int, quantization: str | None = None) -> int:
     """The bytes of one chip's share of the weights under tensor parallelism `model_axis`."""
-    mesh, shapes = _mesh(model_axis), _param_shapes(cfg, jnp.dtype(dtype))
+    mesh, shapes = _mesh(model_axis), _param_shapes(cfg, jnp.dtype(dtype), quantization)
 
     def shard_bytes(leaf, axes):
         spec = parallel.logical_to_spec(axes, leaf.shape, mesh, cfg)
@@ -87,7 +87,7 @@ def kv_pool_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, *, model_axis: in
            f"{hbm_bytes / GiB:.2f} GiB per chip, leaving room for {got} KV pages of the {need} "
            f"that one {need * ecfg.page_size}-token sequence needs")
     wider = (m for m in (2 ** i for i in range(int(math.log2(MAX_CHIPS)) + 1)) if m > model_axis)
-    fits = next((m for m in wider if pages(m, weight_bytes_per_chip(cfg, dtype, m)) >= need), None)
+    fits = next((m for m in wider if pages(m, weight_bytes_per_chip(cfg, dtype, m, ecfg.quantization)) >= need), None)
     if fits is None:
         raise PoolDoesNotFit(f"{what} does not fit on up to {MAX_CHIPS} {chip} chips ({why})")
     raise PoolDoesNotFit(f"{what} needs at least {fits} {chip} chips: set mesh model: {fits} "

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import quantization
 from jaxserve.config import ModelConfig, RopeScaling
 
 ROPE_KINDS = ("default", "linear", "llama3")
@@ -28,16 +29,21 @@ class Linear(nn.Module):
     faster at 1-16 rows (benchmarks/results/roofline_cpu.md); accelerators take either layout.
 
     Every projection of every family goes through this class, so quantized weights belong here:
-    they replace `weight` and are dequantized (or multiplied natively) in `__call__`."""
+    params holding `qweight` and `scale` instead of `weight` (jaxserve.quantization.quantize_params)
+    are multiplied by quantization.matmul, which dequantizes inside the fused computation."""
     features: int
     use_bias: bool
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x):
-        w = self.param("weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2),
-                       (self.features, x.shape[-1]), self.dtype)
-        y = jax.lax.dot_general(x.astype(self.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
+        if self.has_variable("params", "qweight"):
+            y = quantization.matmul(x, self.get_variable("params", "qweight"),
+                                    self.get_variable("params", "scale"), self.dtype)
+        else:
+            w = self.param("weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2),
+                           (self.features, x.shape[-1]), self.dtype)
+            y = jax.lax.dot_general(x.astype(self.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y

@@ -1,0 +1,187 @@
+"""Weight-only quantization: int8 (one scale per output channel) and int4 (one scale per group
+of 128 inputs, two values packed per byte).
+
+A quantized Linear holds `qweight` and `scale` in place of `weight` ([out, in] as before):
+  * int8: qweight int8 [out, in], scale f32 [out];
+  * int4: qweight uint8 [out, in / 2] (byte k of a group of 128 inputs: input k in the low
+    nibble, input k + 64 in the high one), scale f32 [out, in / 128].
+The mode is read from the scale's rank, so the params tree alone says how to multiply.
+int4 is packed into uint8 by hand rather than held as jnp.int4: on XLA CPU a jnp.int4 array
+takes one byte per value on device (`on_device_size_in_bytes`), and orbax stores uint8 as
+any other dtype; the unpacking (two shifts) fuses into the dequantization on every backend.
+
+Embeddings and the LM head (a tied one is the embedding) stay in the model dtype: only the
+weights of Linear modules other than `lm_head` are quantized.
+
+Dequantization happens inside the fused computation. On TPU and GPU XLA fuses the convert
+and the scaling into the dot's operand (int4 on TPU still relays out the packed bytes and
+broadcasts its scales: benchmarks/results/quantization.md). XLA CPU does not: it converts the whole weight to a
+temporary f32 buffer before every dot (a full-precision copy per step, and 2-11x slower than
+f32). On CPU the matmul therefore runs over blocks of output rows in a loop, each block
+dequantized into a small buffer that stays in cache (tests/test_quantization.py checks the
+compiled buffers on CPU and TPU).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import QUANTIZATION_MODES as MODES
+
+LEAVES = ("qweight", "scale")      # what a quantized Linear holds instead of `weight`
+GROUP = 128                   # int4: inputs per scale
+UNQUANTIZED = ("lm_head",)    # Linear modules kept in the model dtype
+BLOCK_ELEMENTS = 1 << 15      # CPU: weight elements dequantized at once (128 KiB in f32)
+
+
+def check_mode(mode: str | None) -> None:
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"quantization must be one of {', '.join(MODES)} or null, got {mode!r}")
+
+
+def quantize_weight(w, mode: str) -> dict:
+    """{"qweight", "scale"} of a Linear weight [out, in] (symmetric, round to nearest)."""
+    w = jnp.asarray(w, jnp.float32)
+    out, inp = w.shape
+    if mode == "int8":
+        scale = _nonzero(jnp.max(jnp.abs(w), axis=1) / 127)
+        q = jnp.clip(jnp.round(w / scale[:, None]), -127, 127).astype(jnp.int8)
+        return {"qweight": q, "scale": scale}
+    if inp % GROUP:
+        raise ValueError(f"int4 quantization needs a weight's input size to be a multiple of {GROUP}, got {inp}")
+    groups = w.reshape(out, inp // GROUP, GROUP)
+    scale = _nonzero(jnp.max(jnp.abs(groups), axis=2) / 7)
+    nibbles = jnp.clip(jnp.round(groups / scale[..., None]), -7, 7).astype(jnp.int8).astype(jnp.uint8) & 0xF
+    half = GROUP // 2
+    packed = nibbles[..., :half] | (nibbles[..., half:] << 4)
+    return {"qweight": packed.reshape(out, inp // 2), "scale": scale}
+
+
+def _nonzero(scale):
+    return jnp.where(scale == 0, 1.0, scale)   # an all-zero row quantizes to zeros with any scale
+
+
+def _int4_halves(qweight, scale, dtype):
+    """The dequantized first and second halves of every group, each [out, in / 2]: byte k of a
+    group holds input k in its low nibble and input k + 64 in its high one, so unpacking is two
+    shifts and no interleaving (which XLA CPU runs several times slower)."""
+    out = qweight.shape[0]
+    as_int8 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int8)
+    s = scale[..., None]
+
+    def half(nibble_high):   # sign-extending shifts: the nibble to the top, then back down
+        q = jax.lax.shift_right_arithmetic(nibble_high, jnp.int8(4)).reshape(out, -1, GROUP // 2)
+        return (q.astype(jnp.float32) * s).reshape(out, -1).astype(dtype)
+    return half(as_int8(qweight << 4)), half(as_int8(qweight))
+
+
+def dequantize(qweight, scale, dtype=jnp.float32):
+    """The weight [out, in] that qweight and scale stand for."""
+    if scale.ndim == 1:
+        return (qweight.astype(jnp.float32) * scale[:, None]).astype(dtype)
+    out = qweight.shape[0]
+    low, high = (h.reshape(out, -1, GROUP // 2) for h in _int4_halves(qweight, scale, dtype))
+    return jnp.concatenate([low, high], axis=-1).reshape(out, -1)
+
+
+def _dot(x, qweight, scale, dtype):
+    """x @ W.T with W dequantized as an operand of the dot (fused on TPU and GPU). int8 scales
+    multiply the output; int4 is two dots, the inputs of each group's first and second halves."""
+    def dot(a, w):
+        return jax.lax.dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())))
+    if scale.ndim == 1:
+        return dot(x, qweight.astype(dtype)) * scale.astype(dtype)
+    low, high = _int4_halves(qweight, scale, dtype)
+    xg = x.reshape(*x.shape[:-1], -1, 2, GROUP // 2)
+    return dot(xg[..., 0, :].reshape(*x.shape[:-1], -1), low) + dot(xg[..., 1, :].reshape(*x.shape[:-1], -1), high)
+
+
+def num_blocks(out: int, inp: int) -> int:
+    """CPU: row blocks of the weight, a power of two dividing `out`, each at most
+    BLOCK_ELEMENTS when possible, and at least 2 whenever `out` is even (so no block is the
+    whole weight; every projection of the supported families has an even `out`)."""
+    nb = 2
+    while out % (nb * 2) == 0 and (out // nb) * inp > BLOCK_ELEMENTS:
+        nb *= 2
+    return nb if out % nb == 0 else 1
+
+
+def _blocked_dot(x, qweight, scale, dtype):
+    """_dot over blocks of output rows in a loop. Block j holds rows j, j + nb, j + 2 nb, ...:
+    the row dim splits as [rows / nb, nb], so a weight sharded over its rows keeps its shards."""
+    out = qweight.shape[0]
+    nb = num_blocks(out, qweight.shape[1] * (1 if scale.ndim == 1 else 2))
+    q3 = qweight.reshape(out // nb, nb, *qweight.shape[1:])
+    s3 = scale.reshape(out // nb, nb, *scale.shape[1:])
+
+    def block(j):
+        pick = functools.partial(jax.lax.dynamic_index_in_dim, index=j, axis=1, keepdims=False)
+        return _dot(x, pick(q3), pick(s3), dtype)
+
+    y = jax.lax.map(block, jnp.arange(nb))               # [nb, ..., out / nb]
+    return jnp.moveaxis(y, 0, -1).reshape(*x.shape[:-1], out)
+
+
+def matmul(x, qweight, scale, dtype):
+    """x @ W.T for a quantized W, in `dtype`; the formulation is chosen by the platform the
+    program is lowered for (compile-only TPU devices on a CPU host included)."""
+    x = x.astype(dtype)
+    return jax.lax.platform_dependent(
+        x, qweight, scale, cpu=functools.partial(_blocked_dot, dtype=dtype),
+        default=functools.partial(_dot, dtype=dtype))
+
+
+def quantizable(keys: tuple[str, ...], leaf) -> bool:
+    """Whether the param at `keys` is a Linear weight to quantize (not the LM head's)."""
+    return (len(keys) >= 2 and keys[-1] == "weight" and len(leaf.shape) == 2
+            and keys[-2] not in UNQUANTIZED)
+
+
+def set_path(tree: dict, keys: tuple[str, ...], value) -> None:
+    """tree[k0][k1]... = value, creating dicts on the way; a dict value is merged in."""
+    for k in keys[:-1]:
+        tree = tree.setdefault(k, {})
+    if isinstance(value, dict):
+        tree.setdefault(keys[-1], {}).update(value)
+    else:
+        tree[keys[-1]] = value
+
+
+def quantize_params(params, mode: str | None, shardings=None):
+    """The params tree with every Linear weight but the LM head's quantized (mode None: as is);
+    `shardings`, when given, are the quantized tree's, and each weight's result is placed so."""
+    check_mode(mode)
+    if mode is None:
+        return params
+    out: dict = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = tuple(k.key for k in path)
+        if quantizable(keys, leaf):
+            set_path(out, keys[:-1], quantize_placed(leaf, mode, None if shardings is None else node(shardings, keys[:-1])))
+        else:
+            set_path(out, keys, leaf)
+    return out
+
+
+def quantize_placed(weight, mode: str, shardings: dict | None) -> dict:
+    """quantize_weight, its qweight and scale placed by `shardings` (None: where jit puts them)."""
+    out = None if shardings is None else {k: shardings[k] for k in LEAVES}
+    return jax.jit(functools.partial(quantize_weight, mode=mode), out_shardings=out)(weight)
+
+
+def node(tree: dict, keys: tuple[str, ...]):
+    for k in keys:
+        tree = tree[k]
+    return tree
+
+
+def logical_axes(name: str, weight_axes: tuple[str, ...], ndim: int) -> tuple[str, ...]:
+    """Logical axes of a quantized leaf, from its weight's: qweight as the weight, a scale as the
+    weight's first `ndim` axes (int8: the output channel; int4: output and input groups)."""
+    return weight_axes if name == "qweight" else weight_axes[:ndim]
+
+
+def weight_bytes(params) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

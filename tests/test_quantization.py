@@ -1,0 +1,132 @@
+"""Weight-only int8 / int4 quantization (jaxserve/quantization.py) against a numpy oracle, and
+the compiled programs' buffers: no full-precision copy of a weight on CPU or TPU."""
+import os
+import re
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # xdist workers each load libtpu
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
+
+from jaxserve import quantization
+from jaxserve.models.layers import Linear
+
+
+def oracle(w: np.ndarray, mode: str) -> np.ndarray:
+    """The dequantized weight, by numpy: symmetric round-to-nearest, int8 per output row
+    (levels +-127), int4 per 128 inputs (levels +-7)."""
+    w = w.astype(np.float64)
+    if mode == "int8":
+        s = np.abs(w).max(axis=1, keepdims=True) / 127
+        return np.clip(np.round(w / s), -127, 127) * s
+    g = w.reshape(w.shape[0], -1, 128)
+    s = np.abs(g).max(axis=2, keepdims=True) / 7
+    return (np.clip(np.round(g / s), -7, 7) * s).reshape(w.shape)
+
+
+def random_weight(out=256, inp=384, seed=0):
+    return np.random.default_rng(seed).normal(size=(out, inp)).astype(np.float32)
+
+
+@pytest.mark.parametrize("mode", quantization.MODES)
+def test_dequantized_weight_matches_numpy_oracle(mode):
+    w = random_weight()
+    q = quantization.quantize_weight(w, mode)
+    bits = 8 if mode == "int8" else 4
+    assert q["qweight"].size * q["qweight"].dtype.itemsize * 8 == w.size * bits   # int4: two per byte
+    np.testing.assert_allclose(np.asarray(quantization.dequantize(q["qweight"], q["scale"])), oracle(w, mode),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_int4_rejects_inputs_not_in_groups_of_128():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantization.quantize_weight(random_weight(8, 200), "int4")
+
+
+@pytest.mark.parametrize("mode", quantization.MODES)
+@pytest.mark.parametrize("lead", [(1,), (5,), (2, 3)])
+def test_linear_multiplies_by_the_dequantized_weight(mode, lead):
+    w, bias = random_weight(), np.linspace(-1, 1, 256).astype(np.float32)
+    x = np.random.default_rng(1).normal(size=(*lead, 384)).astype(np.float32)
+    params = quantization.quantize_params({"proj": {"weight": w, "bias": bias}}, mode)["proj"]
+    assert set(params) == {"qweight", "scale", "bias"}
+    y = Linear(256, True).apply({"params": params}, x)
+    np.testing.assert_allclose(np.asarray(y), x @ oracle(w, mode).T + bias, rtol=1e-4, atol=1e-4)
+
+
+def test_lm_head_and_embeddings_stay_unquantized():
+    params = {"model": {"embed_tokens": {"embedding": random_weight()}, "norm": {"weight": np.ones(8)},
+                        "layers_0": {"mlp": {"up_proj": {"weight": random_weight()}}}},
+              "lm_head": {"weight": random_weight()}}
+    q = quantization.quantize_params(params, "int8")
+    assert set(q["model"]["layers_0"]["mlp"]["up_proj"]) == {"qweight", "scale"}
+    assert q["lm_head"]["weight"] is params["lm_head"]["weight"]
+    assert q["model"]["embed_tokens"]["embedding"] is params["model"]["embed_tokens"]["embedding"]
+    assert q["model"]["norm"]["weight"] is params["model"]["norm"]["weight"]
+
+
+# ---------------------------------------------------------------- compiled buffers
+
+FLOATS = ("f16", "bf16", "f32", "f64")
+
+
+def materialized_float_sizes(hlo: str) -> list[int]:
+    """Element counts of the float arrays the program materializes: results of instructions in
+    every computation except fused ones (a fusion's insides live in registers or tiles). A
+    bitcast is a view, and a broadcast holds no weight values: XLA TPU does materialize the int4
+    group scales broadcast to the weight's shape, in VMEM (memory space S(1), no HBM)."""
+    fused = set(re.findall(r"fusion\(.*?calls=%?([\w.\-]+)", hlo))
+    sizes, skip = [], False
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            skip = header.group(1) in fused
+        elif not skip and " = " in line and not re.search(r"[\]}] (broadcast|bitcast)\(", line):
+            result = line.split(" = ", 1)[1]
+            for dtype, dims in re.findall(r"\b(" + "|".join(FLOATS) + r")\[([\d,]*)\]", result.split("(", 1)[0]):
+                sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
+    return sizes
+
+
+OUT, IN = 1024, 1024
+
+
+def compiled_linear(mode, device, matmul=quantization.matmul, dtype=jnp.float32, tokens=1):
+    """The compiled x @ W.T of a quantized [OUT, IN] weight for `device`."""
+    q = jax.eval_shape(lambda w: quantization.quantize_weight(w, mode), jax.ShapeDtypeStruct((OUT, IN), jnp.float32))
+    on = SingleDeviceSharding(device)
+    args = [jax.ShapeDtypeStruct((tokens, IN), dtype, sharding=on)] + [
+        jax.ShapeDtypeStruct(q[k].shape, q[k].dtype, sharding=on) for k in ("qweight", "scale")]
+    return jax.jit(lambda x, qw, s: matmul(x, qw, s, dtype)).lower(*args).compile()
+
+
+def assert_no_weight_copy(compiled, dtype):
+    largest = max(materialized_float_sizes(compiled.as_text()))
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert largest < OUT * IN // 2, f"a float buffer of {largest} elements (the weight has {OUT * IN})"
+    assert temp < OUT * IN * jnp.dtype(dtype).itemsize // 2, f"{temp} bytes of temporaries"
+
+
+@pytest.mark.parametrize("mode", quantization.MODES)
+def test_cpu_step_dequantizes_in_blocks_not_a_weight_copy(mode):
+    assert_no_weight_copy(compiled_linear(mode, jax.devices("cpu")[0]), jnp.float32)
+
+
+def test_cpu_plain_formulation_would_copy_the_weight():
+    """Why CPU has its own formulation, and that the check above can fail: XLA CPU converts the
+    whole int8 weight to f32 before the dot."""
+    compiled = compiled_linear("int8", jax.devices("cpu")[0], matmul=quantization._dot)
+    assert max(materialized_float_sizes(compiled.as_text())) == OUT * IN
+
+
+@pytest.mark.parametrize("mode", quantization.MODES)
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_tpu_step_dequantizes_inside_the_dot_fusion(mode, tokens):
+    tpu = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
+    compiled = compiled_linear(mode, tpu, dtype=jnp.bfloat16, tokens=tokens)
+    assert "while" not in compiled.as_text()   # the blocked loop is CPU's alone
+    assert_no_weight_copy(compiled, jnp.bfloat16)

@@ -1,0 +1,120 @@
+"""Quantized weights through the engine: quality on the embedded model's held-out text, an exact
+orbax round trip (`jaxserve convert --quantization`), tensor parallelism on fake devices, the
+CLI flag, and the quantized engine step compiled for a real TPU (libtpu, compile-only)."""
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # xdist workers each load libtpu
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import quantization as bench
+from jaxserve import LLM, SamplingParams, check, cli
+from jaxserve.buckets import Buckets
+from jaxserve.checkpoint import load_params
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine import TINY_MODEL_DIR
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE = dict(max_num_seqs=4, max_model_len=256, kv_cache_mb=8, compilation_cache_dir=None)
+PROMPTS = ["The for statement is used to", "A function definition defines", "The import statement"]
+TP_MESHES = [{"model": 2}, {"model": 4}]
+
+
+def greedy(llm, max_tokens=16):
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                       use_tqdm=False)
+    return [o.outputs[0].token_ids for o in out]
+
+
+def test_config_rejects_unknown_quantization():
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4"):
+        EngineConfig(quantization="fp4")
+
+
+def test_cli_flag_reaches_the_engine_config():
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--quantization", "int4"])
+    assert cli.engine_config(args).quantization == "int4"
+    assert cli.build_parser().parse_args(["convert", "a", "b", "--quantization", "int8"]).quantization == "int8"
+
+
+def test_heldout_perplexity_within_thresholds():
+    """int8 within 1% of unquantized, int4 within 5%, on the first 16 held-out windows
+    (benchmarks/quantization.py measures all of them)."""
+    ppl = bench.heldout_perplexities(max_windows=16)
+    assert abs(ppl["int8"] / ppl[None] - 1) < 0.01, ppl
+    assert abs(ppl["int4"] / ppl[None] - 1) < 0.05, ppl
+
+
+def test_int8_greedy_agrees_with_unquantized():
+    reference = greedy(LLM(**ENGINE), 32)
+    prefix, same = bench.agreement(reference, greedy(LLM(quantization="int8", **ENGINE), 32))
+    assert sum(same) >= 0.9 * 32 * len(PROMPTS), (prefix, same)
+
+
+def leaves(params):
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_convert_quantized_reloads_exactly(tmp_path, mode):
+    dst = str(tmp_path / mode)
+    assert cli.main(["convert", TINY_MODEL_DIR, dst, "--quantization", mode]) == 0
+    cfg = ModelConfig.from_pretrained(TINY_MODEL_DIR)
+    expected, reloaded = leaves(load_params(TINY_MODEL_DIR, cfg, quantization=mode)), leaves(load_params(dst, cfg))
+    assert expected.keys() == reloaded.keys() and any(k.endswith("['qweight']") for k in expected)
+    for k in expected:
+        assert expected[k].dtype == reloaded[k].dtype and np.array_equal(expected[k], reloaded[k]), k
+    assert greedy(LLM(model=dst, **ENGINE)) == greedy(LLM(quantization=mode, **ENGINE))
+    other = "int4" if mode == "int8" else "int8"
+    with pytest.raises(ValueError, match=f"holds {mode} weights"):
+        load_params(dst, cfg, quantization=other)
+
+
+def test_unquantized_orbax_checkpoint_quantizes_as_it_loads(tmp_path):
+    dst = str(tmp_path / "f32")
+    assert cli.main(["convert", TINY_MODEL_DIR, dst]) == 0
+    cfg = ModelConfig.from_pretrained(TINY_MODEL_DIR)
+    expected, loaded = leaves(load_params(TINY_MODEL_DIR, cfg, quantization="int8")), leaves(
+        load_params(dst, cfg, quantization="int8"))
+    assert expected.keys() == loaded.keys()
+    assert all(np.array_equal(expected[k], loaded[k]) for k in expected)
+    # through the engine: restored onto the quantized tree's shardings, then quantized
+    assert greedy(LLM(model=dst, quantization="int8", **ENGINE)) == greedy(LLM(quantization="int8", **ENGINE))
+
+
+def test_tensor_parallel_greedy_matches_one_device():
+    """TP 2 and 4 on fake CPU devices (tiny model: 8 heads, 2 kv heads, so K/V replicated at TP
+    4; int4 o_proj has 2 input groups, so its scales are replicated at TP 4)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run([sys.executable, "-m", "tests.test_quantized_engine"], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 2 * (1 + len(TP_MESHES))
+    for mode in ("int8", "int4"):
+        for mesh in TP_MESHES:
+            assert results[f"{mode}@{json.dumps(mesh)}"] == results[f"{mode}@{{}}"], (mode, mesh)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_engine_step_compiles_for_tpu(mode):
+    """configs/tiny-cpu.yaml's largest decode step and largest prefill step with quantized
+    weights, bf16 and the Pallas kernels, for one v5e chip (what `jaxserve check` compiles)."""
+    ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "tiny-cpu.yaml"), quantization=mode)
+    shapes = check.quick_shapes(Buckets(ecfg).warmup_shapes(False))
+    shapes = [shapes[0], shapes[-1]]
+    report = check.check(ecfg, ModelConfig.from_pretrained(TINY_MODEL_DIR), check.tpu_slice("v5e-1"),
+                         model_name="tiny", dtype=jnp.bfloat16, shapes=shapes, samplers=False)
+    assert [r.error for r in report.results] == [None] * len(report.results)
+    assert report.compiles and report.fits
+
+
+if __name__ == "__main__":   # the TP runs, on the fake devices of this process
+    print(json.dumps({f"{mode}@{json.dumps(mesh)}": greedy(LLM(quantization=mode, mesh=mesh, **ENGINE))
+                      for mode in ("int8", "int4") for mesh in [{}] + TP_MESHES}))
