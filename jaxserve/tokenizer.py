@@ -87,6 +87,11 @@ class HFTokenizer(Tokenizer):
 
         super().__init__(model_dir)
         self.tk = RustTokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        if self.tk.pre_tokenizer is None and hasattr(self.tk.model, "_resize_cache"):
+            # No pre-tokenizer (sentencepiece-style BPE): the model's word cache keys whole texts,
+            # which a server rarely sees twice; it would grow to 10,000 of them (~35 MiB resident
+            # with the embedded model's, the soak's "leak") and encode slower, not faster.
+            self.tk.model._resize_cache(0)
         names = ("bos_token", "eos_token", "unk_token", "pad_token")
         fallback = _read_json(os.path.join(model_dir, "special_tokens_map.json"))
         self._special = {name: _token_text(self.config.get(name, fallback.get(name))) for name in names}

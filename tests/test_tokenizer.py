@@ -267,3 +267,23 @@ def test_detokenizer_work_is_bounded(tokenizer):
     del tokenizer.decode
     assert len(ids) > 400 and max(widths) <= 16
     assert text == decode(ids)[len(decode(ids[:50])):]
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_distinct_prompts_do_not_grow_memory():
+    """The embedded tokenizer has no pre-tokenizer: the `tokenizers` word cache would key whole
+    prompts and hold 10,000 of them (it grew resident memory 13 MiB over 4,000 prompts, measured
+    against the raw library); our wrapper turns it off, so distinct prompts cost nothing kept."""
+    tok = HFTokenizer(TINY_DIR)
+    words = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
+    rng = random.Random(0)
+    texts = [" ".join(rng.choices(words, k=rng.randint(2, 30))) for _ in range(4000)]
+    tok.encode(texts[0])
+    before = _rss_mib()
+    for text in texts:
+        tok.encode(text)
+    assert _rss_mib() - before < 3
