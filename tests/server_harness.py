@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 
+import openai
 import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -97,3 +98,16 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def serving(workdir, model_dir: str, *args: str, **engine):
+    """A module fixture's body (`yield from serving(...)`): the server once ready, and at teardown
+    a clean stop, exit 0."""
+    s = ServerProcess(workdir, model_dir, *args, **engine)
+    s.wait_ready()
+    yield s
+    assert s.stop() == 0, s.log_tail()
+
+
+def openai_client(server: ServerProcess, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=120)

@@ -23,6 +23,9 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16, 
               page_size=8, max_model_len=128, num_pages=64, enable_prefix_caching=True,
               compilation_cache_dir=None)
 TP_MESHES = [{"model": 2}, {"model": 4}]
+# Under TP, one checkpoint per family (llama_mqa: K/V replicated at both meshes); the other
+# Llama variants change nothing that is sharded.
+TP_SKIP = {"llama_mha", "llama_gqa_rope3"}
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -75,12 +78,12 @@ def test_engine_greedy_matches_transformers(name, checkpoints):
 def test_tensor_parallel_matches_transformers(checkpoints):
     """TP 2 and TP 4 (4 heads, 2 kv heads: K/V replicated at TP 4) for every family."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    dirs = {name: d for name, (d, _) in checkpoints.items()}
+    dirs = {name: d for name, (d, _) in checkpoints.items() if name not in TP_SKIP}
     proc = subprocess.run([sys.executable, "-m", "tests.test_family_engine", json.dumps(dirs)], cwd=ROOT,
                           capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(checkpoints) * len(TP_MESHES)
+    assert len(results) == len(dirs) * len(TP_MESHES)
     for case, tokens in results.items():
         assert tokens == checkpoints[case.split("@")[0]][1], case
 

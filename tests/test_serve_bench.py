@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks import serve_bench
 from tests.hf_models import save_engine_model
-from tests.server_harness import ServerProcess
+from tests.server_harness import serving
 
 NUM_PROMPTS = 12
 ARGS = ["--num-prompts", str(NUM_PROMPTS), "--request-rate", "20", "--seed", "3", "--prompt-kind", "ids",
@@ -20,10 +20,7 @@ ARGS = ["--num-prompts", str(NUM_PROMPTS), "--request-rate", "20", "--seed", "3"
 def server(tmp_path_factory):
     model = str(tmp_path_factory.mktemp("model"))
     save_engine_model(model, vocab_size=258)
-    s = ServerProcess(tmp_path_factory.mktemp("server"), model)
-    s.wait_ready()
-    yield s
-    assert s.stop() == 0, s.log_tail()
+    yield from serving(tmp_path_factory.mktemp("server"), model)
 
 
 def test_report_matches_server_metrics(server, tmp_path):

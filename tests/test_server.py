@@ -10,12 +10,11 @@ import subprocess
 import sys
 import time
 
-import openai
 import pytest
 import requests
 import torch
 
-from tests.server_harness import BYTES_ENGINE, BYTES_MAX_LEN, ServerProcess, save_bytes_model
+from tests.server_harness import BYTES_ENGINE, BYTES_MAX_LEN, openai_client, save_bytes_model, serving
 
 NAME = "jaxserve-tiny"   # served under the embedded model's name, so the README examples run as written
 MAX_LEN = BYTES_MAX_LEN
@@ -29,15 +28,12 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    s = ServerProcess(tmp_path_factory.mktemp("server"), model[0], "--served-model-name", NAME, **BYTES_ENGINE)
-    s.wait_ready()
-    yield s
-    assert s.stop() == 0, s.log_tail()
+    yield from serving(tmp_path_factory.mktemp("server"), model[0], "--served-model-name", NAME, **BYTES_ENGINE)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], list[float]]:

@@ -11,7 +11,7 @@ import pytest
 import requests
 import torch
 
-from tests.server_harness import BYTES_ENGINE, BYTES_MAX_LEN, TEST_ENGINE, ServerProcess, save_bytes_model
+from tests.server_harness import BYTES_ENGINE, BYTES_MAX_LEN, TEST_ENGINE, openai_client, save_bytes_model, serving
 
 NAME = "tiny-extras"
 MAX_LEN = BYTES_MAX_LEN
@@ -30,15 +30,12 @@ def server(model, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("server")
     keys_file = workdir / "keys.json"
     keys_file.write_text(json.dumps(KEYS))
-    s = ServerProcess(workdir, model[0], "--served-model-name", NAME, "--api-keys-file", str(keys_file),
+    yield from serving(workdir, model[0], "--served-model-name", NAME, "--api-keys-file", str(keys_file),
                       **BYTES_ENGINE)
-    s.wait_ready()
-    yield s
-    assert s.stop() == 0, s.log_tail()
 
 
 def client_for(server, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+    return openai_client(server, key)
 
 
 @pytest.fixture(scope="module")

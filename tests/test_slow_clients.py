@@ -11,7 +11,7 @@ import pytest
 from jaxserve.server import asgi
 from jaxserve.server.http_server import HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_BYTES
 from tests.hf_models import save_engine_model
-from tests.server_harness import ServerProcess
+from tests.server_harness import serving
 from tests.slow_clients import probe, raise_fd_limit, run_load, stream
 
 SLOW = IDLE = 1000
@@ -21,10 +21,7 @@ SLOW = IDLE = 1000
 def server(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("model") / "tiny")
     save_engine_model(path, vocab_size=258)
-    s = ServerProcess(tmp_path_factory.mktemp("server"), path, "--served-model-name", "jaxserve-tiny")
-    s.wait_ready()
-    yield s
-    assert s.stop() == 0, s.log_tail()
+    yield from serving(tmp_path_factory.mktemp("server"), path, "--served-model-name", "jaxserve-tiny")
 
 
 def test_slow_and_idle_connections_do_not_delay_a_request(server):

@@ -9,7 +9,6 @@ from typing import Literal
 
 import jsonschema
 import numpy as np
-import openai
 import pydantic
 import pytest
 import requests
@@ -20,7 +19,7 @@ from jaxserve.sampling import SamplingMetadata, sample
 from jaxserve.structured import StructuredOutput
 from jaxserve.structured.grammar import Grammars
 from jaxserve.tokenizer import load_tokenizer
-from tests.server_harness import TEST_ENGINE, ServerProcess
+from tests.server_harness import TEST_ENGINE, openai_client, serving
 
 # ---- the sampler's mask against numpy ----
 
@@ -218,16 +217,13 @@ def test_bad_constraints_fail_when_built():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServerProcess(tmp_path_factory.mktemp("server"), TINY_MODEL_DIR, "--served-model-name", "jaxserve-tiny",
+    yield from serving(tmp_path_factory.mktemp("server"), TINY_MODEL_DIR, "--served-model-name", "jaxserve-tiny",
                       **{**TEST_ENGINE, "max_model_len": 256})
-    s.wait_ready()
-    yield s
-    assert s.stop() == 0, s.log_tail()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 class City(pydantic.BaseModel):
