@@ -3,14 +3,19 @@ the accepted run cut by every stop condition, and outputs identical with specula
 (greedy, and seeded sampling: each position draws the randomness it would draw without
 speculation). The embedded tiny model repeats itself enough for proposals to be accepted."""
 import argparse
+import collections
+import functools
 import json
 
 import numpy as np
 import pytest
+import torch
+import transformers
 
 from jaxserve import LLM, SamplingParams, cli
 from jaxserve.compilations import CompileCounter
 from jaxserve.config import EngineConfig
+from jaxserve.engine import TINY_MODEL_DIR
 from jaxserve.spec_decode import ngram
 
 SPEC = {"method": "ngram", "num_tokens": 3, "ngram_min": 1, "ngram_max": 3}
@@ -94,3 +99,92 @@ def test_accepted_run_is_fewer_steps(engines):
     steps, tokens = stats["steps"], stats["generation_tokens"]
     spec.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True), use_tqdm=False)
     assert stats["generation_tokens"] - tokens > 1.3 * (stats["steps"] - steps)
+
+
+# ---- exactness when sampling: the output distribution is the target's own ----
+
+DRAWS = 1000
+CHOICES = 10
+
+
+def _filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """numpy oracle of the sampler's filters (jaxserve/sampling.py's documented order):
+    temperature, top-k, then top-p over the renormalised top-k (a token is kept while the mass
+    before it is under top_p); the result renormalised."""
+    p = np.exp((logits - logits.max()) / temperature)
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros_like(p, bool)
+    kept = order[:top_k]
+    mass_before = np.cumsum(p[kept] / p[kept].sum()) - p[kept] / p[kept].sum()
+    # the oracle must not hinge on float error at the top-p boundary
+    assert np.abs(mass_before - top_p).min() > 1e-4
+    keep[kept[mass_before < top_p]] = True
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+def _exact_triples(hf, prompt: list[int], temperature: float, top_k: int, top_p: float) -> dict:
+    """P(t1, t2, t3) of the target alone, enumerated over the filtered supports (transformers, f32)."""
+    def dist(prefix):
+        return _filtered_probs(_next_logits(hf, prefix), temperature, top_k, top_p)
+
+    out, p1 = {}, dist(prompt)
+    for t1 in np.flatnonzero(p1):
+        p2 = dist(prompt + [int(t1)])
+        for t2 in np.flatnonzero(p2):
+            p3 = dist(prompt + [int(t1), int(t2)])
+            for t3 in np.flatnonzero(p3):
+                out[(int(t1), int(t2), int(t3))] = p1[t1] * p2[t2] * p3[t3]
+    return out
+
+
+def _chi_square_p(counts: dict, exact: dict, draws: int) -> float:
+    """Pearson's test of the observed triples against `exact`; cells expecting under 5 pooled."""
+    from scipy.stats import chisquare
+
+    assert set(counts) <= set(exact)   # nothing outside the filtered support was ever sampled
+    big = sorted(c for c in exact if exact[c] * draws >= 5)
+    observed = [counts.get(c, 0) for c in big] + [draws - sum(counts.get(c, 0) for c in big)]
+    expected = [exact[c] * draws for c in big] + [draws * (1 - sum(exact[c] for c in big))]
+    return chisquare(observed, expected).pvalue
+
+
+def _next_logits(hf, prefix: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([prefix])).logits[0, -1].double().numpy()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return transformers.AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, torch_dtype="float32").eval()
+
+
+@pytest.mark.parametrize("draft, filters", [("agreeing", dict(top_k=4, top_p=1.0)),
+                                            ("agreeing", dict(top_k=6, top_p=0.8)),
+                                            ("bad", dict(top_k=4, top_p=1.0))])
+def test_sampled_tokens_follow_the_targets_distribution(engines, target, monkeypatch, draft, filters):
+    """DRAWS seeds, 3 tokens each, the last two through a verify row: the distribution of
+    (t1, t2, t3) equals the target's own by a chi-square test, with a draft that agrees with the
+    model (it proposes the target's greedy continuation) and with a deliberately bad one (it
+    proposes a token the model gives almost no probability). The n-gram lookup is replaced by
+    these drafts: the embedded model seldom repeats its prompt within three tokens. The test has
+    power: the same counts reject the distribution at temperature 2."""
+    greedy = functools.cache(lambda prefix: [int(np.argmax(_next_logits(target, list(prefix))))])
+    draft_tokens = {"agreeing": lambda tokens: greedy(tuple(tokens)), "bad": lambda tokens: [0]}[draft]
+    monkeypatch.setattr(ngram, "propose", lambda tokens, *_: draft_tokens(tokens))
+    _, spec = engines
+    prompt = spec.get_tokenizer().encode("The with statement")
+    stats = spec.llm_engine.stats
+    before = dict(stats)
+    # n choices a request (seeds seed..seed+n-1): the prompt is prefilled once per request
+    params = [SamplingParams(temperature=1.0, n=CHOICES, seed=i * CHOICES, max_tokens=3, ignore_eos=True, **filters)
+              for i in range(DRAWS // CHOICES)]
+    outs = spec.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
+    counts = collections.Counter(tuple(c.token_ids) for o in outs for c in o.outputs)
+    proposed = stats["spec_proposed_tokens"] - before["spec_proposed_tokens"]
+    accepted = stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert proposed >= DRAWS   # every request's second step was a verify row
+    assert accepted > 0.2 * proposed if draft == "agreeing" else accepted < 0.01 * proposed
+    assert _chi_square_p(counts, _exact_triples(target, prompt, 1.0, **filters), DRAWS) > 1e-3
+    assert _chi_square_p(counts, _exact_triples(target, prompt, 2.0, **filters), DRAWS) < 1e-6
