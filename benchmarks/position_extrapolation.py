@@ -16,12 +16,13 @@ What else differs between the two families, as they are: Llama has RMSNorm and a
 MPT LayerNorm (no biases) and a GELU MLP; the Llama MLP width is chosen so that both have the
 same parameter count (within 1%).
 
-    python -m benchmarks.position_extrapolation [--steps 600] [--out benchmarks/results/position_extrapolation]
+    JAX_PLATFORMS=cpu python -m benchmarks.position_extrapolation [--steps 400] [--out benchmarks/results/position_extrapolation]
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import platform
 import sysconfig
@@ -33,7 +34,7 @@ import numpy as np
 import optax
 
 from benchmarks.common import (RESULTS_DIR, command_line, load_average, markdown_table, pyplot, report_header,
-                               save_figure, write_report)
+                               save_figure, write_keeping_notes, write_text)
 from jaxserve.config import ModelConfig
 from jaxserve.engine import TINY_MODEL_DIR
 from jaxserve.models import build_model, init_params
@@ -214,10 +215,9 @@ def plot(report: dict, path: str) -> None:
         right.plot([32 * i + 16 for i in range(len(by_pos))], by_pos, marker=".", label=name)
     for ax in (left, right):
         ax.axvline(report["args"]["context"], color="gray", linestyle="--", linewidth=1)
-        ax.set_xscale("log", base=2)
         ax.legend()
+    left.set_xscale("log", base=2)
     left.set_xticks(CONTEXTS, [str(c) for c in CONTEXTS])
-    left.set_yscale("log")
     left.set(xlabel="evaluation window (tokens)", ylabel="held-out perplexity",
              title="Trained at 128 tokens (dashed line)")
     right.set(xlabel=f"position in a {CONTEXTS[-1]}-token window", ylabel="mean held-out loss (nats)",
@@ -227,7 +227,7 @@ def plot(report: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--context", type=int, default=128, help="training context")
     p.add_argument("--hidden", type=int, default=128)
@@ -263,7 +263,9 @@ def main(argv: list[str] | None = None) -> dict:
               flush=True)
         report["models"][name] = stats
     report["load_average"] = [load_start, load_average()]
-    write_report(args.out, report, markdown, plot)
+    write_text(args.out + ".json", json.dumps(report, indent=1))
+    plot(report, args.out + ".png")
+    write_keeping_notes(args.out + ".md", markdown(report))
     print(markdown(report))
     return report
 
