@@ -28,7 +28,9 @@ from jaxserve import check, cli, parallel, sizing
 from jaxserve.buckets import Buckets
 from jaxserve.checkpoint import param_shapes
 from jaxserve.config import EngineConfig, ModelConfig
+from pallas_kernels.flash_attention import tpu as flash_tpu
 from pallas_kernels.flash_attention.tpu import flash_attention
+from pallas_kernels.paged_attention import tpu as paged_tpu
 from pallas_kernels.paged_attention.tpu import ragged_paged_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,18 +205,27 @@ BLOOM_560M = dict(architectures=["BloomForCausalLM"], model_type="bloom", hidden
 
 
 @pytest.mark.parametrize("topology, tp", [("v5e-1", 1), ("v6e-4", 4)])
-def test_bloom_alibi_steps_compile(topology, tp):
-    """An ALiBi family's engine step through the Pallas TPU kernels: the slopes f32[heads] reach
-    the paged kernel (decode) and the flash and paged kernels (prefill step), and under TP 4
-    each chip's kernels take their 4 heads' slopes. configs/tiny-cpu.yaml's quick shapes."""
+def test_bloom_alibi_steps_compile(topology, tp, monkeypatch):
+    """An ALiBi family's engine step through the Pallas TPU kernels: the slopes reach the paged
+    kernel (decode) and the flash and paged kernels (prefill step), each chip's kernels with
+    its own heads' (16 / tp). configs/tiny-cpu.yaml's quick shapes."""
+    slopes_seen = set()   # (kernel, slopes shape) as traced
+
+    def recording(name, kernel):
+        def call(*args, alibi_slopes=None, **kwargs):
+            slopes_seen.add((name, None if alibi_slopes is None else alibi_slopes.shape))
+            return kernel(*args, alibi_slopes=alibi_slopes, **kwargs)
+        return call
+    monkeypatch.setattr(paged_tpu, "ragged_paged_attention", recording("paged", ragged_paged_attention))
+    monkeypatch.setattr(flash_tpu, "flash_attention", recording("flash", flash_attention))
     ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "tiny-cpu.yaml"), mesh={"model": tp})
     tpu = check.tpu_slice(topology)
     cfg = with_ci_layers(ModelConfig.from_hf_dict(BLOOM_560M), ecfg, tpu, tp, "bloom-560m")
-    assert cfg.alibi_slopes is not None and len(cfg.alibi_slopes) == 16
     shapes = check.quick_shapes(Buckets(ecfg).warmup_shapes(False))
     report = check.check(ecfg, cfg, tpu, model_name="bloom-560m", dtype=jnp.bfloat16, shapes=shapes, samplers=False)
     assert len(report.results) == len(shapes) + 1   # the steps, the page copy
     assert_serves(report, f"bloom-560m ({CI_LAYERS} layers) on {topology}")
+    assert slopes_seen == {("paged", (16 // tp,)), ("flash", (16 // tp,))}, slopes_seen
 
 
 def test_llama3_8b_on_one_v5e_chip_is_refused(capsys):
