@@ -16,7 +16,7 @@ What else differs between the two families, as they are: Llama has RMSNorm and a
 MPT LayerNorm (no biases) and a GELU MLP; the Llama MLP width is chosen so that both have the
 same parameter count (within 1%).
 
-    JAX_PLATFORMS=cpu python -m benchmarks.position_extrapolation [--steps 400] [--out benchmarks/results/position_extrapolation]
+    JAX_PLATFORMS=cpu python -m benchmarks.position_extrapolation [--steps 800] [--out benchmarks/results/position_extrapolation]
 """
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ def plot(report: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=800)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--context", type=int, default=128, help="training context")
     p.add_argument("--hidden", type=int, default=128)
