@@ -5,8 +5,9 @@ libtpu is part of the test install (`make test`); without it these tests fail, t
   * the Pallas TPU kernels over a covering design of shapes (every pair of values of any two
     axes, generation included, appears in some compiled configuration);
   * the engine's step for the embedded model's default config (every warm-up bucket) and for
-    Llama-3-8B shapes on one chip and under tensor parallelism, through `jaxserve check`'s own
-    code; no step copies a whole KV pool;
+    Llama-3-8B shapes on one chip and under tensor parallelism, and for BLOOM-560m shapes
+    (ALiBi) on one chip and under TP 4, through `jaxserve check`'s own code; no step copies a
+    whole KV pool;
   * Llama-3-8B bf16 on one v5e chip is refused, with what would fit.
 """
 import dataclasses
@@ -27,7 +28,9 @@ from jaxserve import check, cli, parallel, sizing
 from jaxserve.buckets import Buckets
 from jaxserve.checkpoint import param_shapes
 from jaxserve.config import EngineConfig, ModelConfig
+from pallas_kernels.flash_attention import tpu as flash_tpu
 from pallas_kernels.flash_attention.tpu import flash_attention
+from pallas_kernels.paged_attention import tpu as paged_tpu
 from pallas_kernels.paged_attention.tpu import ragged_paged_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -165,18 +168,22 @@ LLAMA3_8B_TARGETS = [("v6e-1", 1), ("v5e-8", 8)]
 CI_LAYERS = 2   # of Llama-3-8B's 32: every layer compiles to the same ops, and 2 compile 16x faster
 
 
+def with_ci_layers(full: ModelConfig, ecfg: EngineConfig, tpu: check.Slice, tp: int, name: str) -> ModelConfig:
+    """`full` cut to CI_LAYERS layers, with ecfg's KV pool sized (in place) for all its layers."""
+    ecfg.num_pages = sizing.kv_pool_pages(full, ecfg, jnp.bfloat16, model_axis=tp, hbm_bytes=tpu.hbm_bytes,
+                                          used_bytes=sizing.weight_bytes_per_chip(full, jnp.bfloat16, tp),
+                                          tpu=True, chip=tpu.generation, name=name)
+    return dataclasses.replace(full, num_layers=CI_LAYERS, sliding_windows=())
+
+
 @pytest.mark.parametrize("topology, tp", LLAMA3_8B_TARGETS)
 def test_llama3_8b_steps_compile_without_whole_pool_copies(topology, tp):
     """decode-64, decode-1 and the largest prefill bucket of Llama-3-8B bf16 with the KV pool
     the runner would size for all 32 layers, compiled with CI_LAYERS of them (every bucket
     and every layer: `jaxserve check`, see the README)."""
     ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "llama3-8b-v5e-8.yaml"), mesh={"model": tp})
-    full = ModelConfig.from_pretrained(LLAMA3_8B)
     tpu = check.tpu_slice(topology)
-    ecfg.num_pages = sizing.kv_pool_pages(full, ecfg, jnp.bfloat16, model_axis=tp, hbm_bytes=tpu.hbm_bytes,
-                                          used_bytes=sizing.weight_bytes_per_chip(full, jnp.bfloat16, tp),
-                                          tpu=True, chip=tpu.generation, name="llama3-8b")
-    cfg = dataclasses.replace(full, num_layers=CI_LAYERS, sliding_windows=())
+    cfg = with_ci_layers(ModelConfig.from_pretrained(LLAMA3_8B), ecfg, tpu, tp, "llama3-8b")
     shapes = check.quick_shapes(Buckets(ecfg).warmup_shapes(False))
     assert [s.name for s in shapes] == ["decode-64", "decode-1", "prefill-512x2q512"]
     report = check.check(ecfg, cfg, tpu, model_name="llama3-8b", dtype=jnp.bfloat16, shapes=shapes, samplers=False)
@@ -190,6 +197,35 @@ def test_llama3_8b_steps_compile_without_whole_pool_copies(topology, tp):
     if topology == "v6e-1":
         decode_64 = next(r for r in report.results if r.name == "decode-64")
         assert decode_64.temp_bytes < 64 * 2**20, decode_64
+
+
+# BLOOM-560m's config.json (ALiBi: 16 heads of 64, stored in 128 lanes on TPU; vocab 250880).
+BLOOM_560M = dict(architectures=["BloomForCausalLM"], model_type="bloom", hidden_size=1024, n_head=16, n_layer=24,
+                  vocab_size=250880, layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("topology, tp", [("v5e-1", 1), ("v6e-4", 4)])
+def test_bloom_alibi_steps_compile(topology, tp, monkeypatch):
+    """An ALiBi family's engine step through the Pallas TPU kernels: the slopes reach the paged
+    kernel (decode) and the flash and paged kernels (prefill step), each chip's kernels with
+    its own heads' (16 / tp). configs/tiny-cpu.yaml's quick shapes."""
+    slopes_seen = set()   # (kernel, slopes shape) as traced
+
+    def recording(name, kernel):
+        def call(*args, alibi_slopes=None, **kwargs):
+            slopes_seen.add((name, None if alibi_slopes is None else alibi_slopes.shape))
+            return kernel(*args, alibi_slopes=alibi_slopes, **kwargs)
+        return call
+    monkeypatch.setattr(paged_tpu, "ragged_paged_attention", recording("paged", ragged_paged_attention))
+    monkeypatch.setattr(flash_tpu, "flash_attention", recording("flash", flash_attention))
+    ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "tiny-cpu.yaml"), mesh={"model": tp})
+    tpu = check.tpu_slice(topology)
+    cfg = with_ci_layers(ModelConfig.from_hf_dict(BLOOM_560M), ecfg, tpu, tp, "bloom-560m")
+    shapes = check.quick_shapes(Buckets(ecfg).warmup_shapes(False))
+    report = check.check(ecfg, cfg, tpu, model_name="bloom-560m", dtype=jnp.bfloat16, shapes=shapes, samplers=False)
+    assert len(report.results) == len(shapes) + 1   # the steps, the page copy
+    assert_serves(report, f"bloom-560m ({CI_LAYERS} layers) on {topology}")
+    assert slopes_seen == {("paged", (16 // tp,)), ("flash", (16 // tp,))}, slopes_seen
 
 
 def test_llama3_8b_on_one_v5e_chip_is_refused(capsys):
