@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_model_len=max_len, page_size=16,
                                     enable_prefix_caching=False, max_num_seqs=max(batches),
                                     num_pages=max(batches) * -(-max_len // 16), max_num_batched_tokens=512,
-                                    prefill_chunk_size=512, max_prefill_seqs=max(batches)))
+                                    prefill_chunk_size=512))
     engine.warmup()
     rows = []
     for b in batches:

@@ -31,7 +31,7 @@ from jaxserve.buckets import Buckets, StepShape, bucket
 from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
 from jaxserve.models import build_model
 from jaxserve.packing import pack
-from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for, sample, sampler_variants
+from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for, sample
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step import (copy_kv_pages, empty_sequence_parallel_prefill, fill_kv_pages, kv_pool, lower_step,
@@ -244,12 +244,11 @@ class ModelRunner:
             tokens, *arrays = shape.empty_batch(self.max_pages_per_seq, self.num_pages * self.page_size)
             # The reads of PENDING tokens, on the arrays serving gives them (a step's sampled tokens).
             tokens = read_pending_tokens(tokens, np.full(len(tokens), -1, np.int32), self._last_sampled)
-            logits, self.kv_caches, hidden = self._step(
+            _, self.kv_caches, hidden = self._step(
                 self.params, self.kv_caches, tokens, *arrays,
                 num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q)
-            plain = sampler_variants(shape.logit_rows, self.max_model_len, self.cfg.vocab_size)[0]
-            self._last_sampled = pad_tokens(sample(logits, plain, num_logprobs=MAX_LOGPROBS).tokens,
-                                            self._max_logit_rows)
+            sampled = jax.device_put(np.zeros(shape.logit_rows, np.int32), parallel.replicated(self.mesh))
+            self._last_sampled = pad_tokens(sampled, self._max_logit_rows)
             # Prompt logprobs: one variant per step token count (a 1-token prompt chunk, cut by the
             # token budget, rides in a decode-shaped step).
             empty = np.zeros(shape.tokens, np.int32)
