@@ -1,5 +1,8 @@
 """ModelRunner: packs a scheduled ragged batch into bucketed fixed-shape arrays and runs one
-jit-compiled step (KV write + paged attention + logits), then samples on device.
+jit-compiled step (KV write + paged attention + logits), then samples on device. `launch`
+returns as soon as the computations are dispatched, `collect` waits for their results (the
+engine plans the next step in between; decode inputs still PENDING on the host are read from the
+previous step's sampled tokens on the device).
 
 Rows of a step: prefill rows first (sequences bringing more than one new token), then decode
 rows (one new token each, or a verify row's last token and k proposals, every one sampled;
@@ -150,10 +153,6 @@ class ModelRunner:
                 results.setdefault(seq.seq_id, []).append(SampleResult(int(res.tokens[i]), float(res.logprobs[i]), top))
         return results
 
-    def execute(self, out: SchedulerOutput, seeds: dict[int, int]) -> dict[int, list[SampleResult]]:
-        """launch then collect."""
-        return self.collect(self.launch(out, seeds))
-
     def _sequence_parallel_op(self, s, seeds: dict[int, int]) -> "_Op":
         """One prefill chunk for sequence_parallel_prefill: its tokens padded to a token bucket
         (a multiple of the "seq" size), (new, cached) token counts, the full-width page row."""
@@ -170,7 +169,7 @@ class ModelRunner:
         """Launch one step's computations from its host arrays (see `_Op.message`): the page
         copies, then each op (a sequence-parallel prefill or the batched step) and its sampler.
         Every process of a multi-host mesh runs this with the same message, process 0 from
-        `execute`, the others from `follow`. Returns each op's samples (None: no row samples)."""
+        `launch`, the others from `follow`. Returns each op's samples (None: no row samples)."""
         copies, *rest = message
         if len(copies):
             self.copy_pages(copies)
