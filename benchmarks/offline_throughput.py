@@ -63,27 +63,34 @@ class KVPeak:
 
 class StepProfile:
     """Wraps one engine's runner (instance attributes only) to record, per step, the real and
-    bucket-padded token counts and the time spent inside runner.execute."""
+    bucket-padded token counts and the host time spent inside runner.launch and runner.collect
+    (with the overlapped loop, collect waits for the step while the next one is already queued)."""
 
     def __init__(self, engine: LLMEngine):
         self.runner = engine.runner
-        self.execute, self.jit_step = self.runner.execute, self.runner._step
-        self.runner.execute, self.runner._step = self._execute, self._jit_step
-        self.rows: list[tuple[bool, int, int, float]] = []   # (has prefill, tokens, padded, seconds)
+        self.launch, self.collect, self.jit_step = self.runner.launch, self.runner.collect, self.runner._step
+        self.runner.launch, self.runner.collect, self.runner._step = self._launch, self._collect, self._jit_step
+        self.rows: list[list] = []   # [has prefill, tokens, padded, seconds]
         self._padded = 0
 
     def _jit_step(self, params, kv_caches, tokens, *args, **kwargs):
         self._padded = len(tokens)
         return self.jit_step(params, kv_caches, tokens, *args, **kwargs)
 
-    def _execute(self, out, seeds):
+    def _launch(self, out, seeds):
         t0 = time.perf_counter()
-        res = self.execute(out, seeds)
-        self.rows.append((out.num_prefill_seqs > 0, out.num_tokens, self._padded, time.perf_counter() - t0))
+        launched = self.launch(out, seeds)
+        self.rows.append([out.num_prefill_seqs > 0, out.num_tokens, self._padded, time.perf_counter() - t0])
+        return launched, self.rows[-1]
+
+    def _collect(self, launched):
+        (launched, row), t0 = launched, time.perf_counter()
+        res = self.collect(launched)
+        row[3] += time.perf_counter() - t0
         return res
 
     def detach(self) -> None:
-        self.runner.execute, self.runner._step = self.execute, self.jit_step
+        self.runner.launch, self.runner.collect, self.runner._step = self.launch, self.collect, self.jit_step
 
     def summary(self, total_s: float) -> dict:
         rows = np.array([r[:3] for r in self.rows], dtype=np.int64).reshape(-1, 3)

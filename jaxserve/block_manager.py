@@ -181,13 +181,14 @@ class BlockManager:
         seq.page_table = []
         seq.page_hashes = []
 
-    def cache_full_pages(self, seq: Sequence) -> None:
-        """Register the sequence's full, computed pages in the prefix cache (call after a step)."""
+    def cache_full_pages(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the full pages among the sequence's first num_tokens tokens in the prefix cache
+        (call when a step that computed them is done: a later step may still be running)."""
         if not self.enable_prefix_caching:
             return
-        assert seq.num_computed_tokens <= seq.num_tokens, "computed past the known tokens: roll back rejected proposals first"
+        assert num_tokens <= seq.num_computed_tokens, "registering tokens not computed (roll back rejected proposals first)"
         ps = self.page_size
-        num_full = seq.num_computed_tokens // ps
+        num_full = num_tokens // ps
         if num_full <= len(seq.page_hashes):
             return
         tokens = seq.token_ids

@@ -11,8 +11,9 @@ offline API's final outputs, `jaxserve.engine_thread` streams them to the server
 A step that raises (a device error, an out-of-memory, a bug) raises StepError naming the requests
 it ran; the caller aborts them (which frees their pages) and the engine serves the rest. For
 tests, the environment variable JAXSERVE_FAULT_STEPS ("3,4") makes those model steps (counted
-from 1, warm-up excluded) raise InjectedFault inside the step, after scheduling, as a device
-error would.
+from 1, warm-up excluded) raise InjectedFault when launched, after scheduling, as a device
+error would. With the overlapped loop (`LLMEngine.step`) a step's error names the requests of the
+step still running too.
 """
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ from jaxserve import quantization as quant
 from jaxserve.checkpoint import load_params, param_shapes, saved_quantization
 from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingParams
 from jaxserve.block_manager import BlockManager
-from jaxserve.runner import ModelRunner, SampleResult
+from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
+from jaxserve.runner import Launched, ModelRunner, SampleResult
+from jaxserve.sampling import uses_penalties
 from jaxserve.scheduler import Scheduler, SchedulerOutput
-from jaxserve.sequence import Sequence
+from jaxserve.sequence import PENDING, Sequence
 from jaxserve.spec_decode import ngram
 from jaxserve.structured.grammar import Grammars
 from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -51,50 +54,6 @@ class StepError(RuntimeError):
     def __init__(self, request_ids: list[str], cause: Exception):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.request_ids = request_ids
-
-
-@dataclasses.dataclass
-class CompletionOutput:
-    """One choice. In a stream, text/token_ids/logprobs are the new part; `finish_reason` is set
-    on the choice's last output."""
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[SampleResult] | None = None
-    finish_reason: str | None = None
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = False
-    num_generated_tokens: int = 0      # over all choices, so far
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    first_scheduled_time: float | None = None
-    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache
-    # With params.prompt_logprobs, on the request's first output: per prompt token but the first.
-    prompt_logprobs: list[SampleResult] | None = None
-
-
-@dataclasses.dataclass
-class Request:
-    """A checked request (made by LLMEngine.new_request) and its state while it runs."""
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    seqs: list[Sequence]                # one per choice; seeds are set when it is added
-    detoks: list[IncrementalDetokenizer] = dataclasses.field(default_factory=list)
-    texts: list[str] = dataclasses.field(default_factory=list)    # each choice's text so far (stop search)
-    emitted: list[int] = dataclasses.field(default_factory=list)  # characters of each text already sent
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    num_generated: int = 0
-    prompt_logprobs_sent: bool = False
 
 
 class LLMEngine:
@@ -118,7 +77,7 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_pages, self.ecfg.page_size,
                                           self.ecfg.enable_prefix_caching, self.ecfg.poison_freed_pages)
-        self.scheduler = Scheduler(self.ecfg, self.block_manager)
+        self.scheduler = Scheduler(self.ecfg, self.block_manager, self.max_model_len)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_cfg.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
         self._requests: dict[str, Request] = {}
@@ -129,6 +88,10 @@ class LLMEngine:
                       "spec_accepted_tokens": 0}
         self._fault_steps = {int(n) for n in os.environ.get(FAULT_STEPS_ENV, "").split(",") if n.strip()}
         self.last_schedule = None   # the SchedulerOutput of the latest step (roofline accounting)
+        # Plan step N+1 while step N runs (see `step`); off: each step is collected before the next is planned.
+        self.overlap = True
+        self._inflight: tuple[SchedulerOutput, Launched] | None = None   # launched, not yet collected
+        self._launches = 0
 
     def warmup(self) -> int:
         return self.runner.warmup()
@@ -211,21 +174,52 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
-        """Run one step; raises StepError if it fails (the caller then aborts its requests)."""
+        """Plan and launch one step, and return the outputs of the step launched before it.
+
+        Overlapped (`overlap`): the previous step still runs on the device while this call plans
+        and launches the next one, whose decode rows read their input tokens (PENDING on the
+        host) from the previous step's sampled tokens on the device; only then are the previous
+        step's results collected, detokenized, checked for stops and returned, while the device
+        runs the new step. A stop found there is found one step late: the sequence's row in the
+        new step is discarded when that step is collected (its pages were freed when it
+        finished). Steps whose next plan needs the previous step's tokens on the host collect
+        it first (the synchronous order): structured output (the grammar's mask), penalties
+        (their history), speculative decoding (proposals, and the verify row's accepted run),
+        and sequence-parallel prefill (its samples are not the batched step's).
+        Raises StepError naming the requests of the steps involved when one fails (the caller
+        aborts them)."""
+        previous, self._inflight = self._inflight, None
+        outputs = []
+        if previous is not None and not self._can_overlap(previous[0]):
+            outputs, previous = self._guarded([previous[0]], lambda: self._collect(*previous)), None
         self._propose()
         out = self.last_schedule = self.scheduler.schedule()
-        if not out.scheduled and not out.page_copies:
-            return []
-        try:
-            return self._run(out)
-        except Exception as e:
-            self.stats["failed_steps"] += 1
-            raise StepError(sorted({s.seq.request_id for s in out.scheduled}), e) from e
+        running = [previous[0]] if previous is not None else []
+        if out.scheduled or out.page_copies:
+            self._inflight = out, self._guarded(running + [out], lambda: self._launch(out))
+        if previous is not None:
+            outputs += self._guarded(running + [out], lambda: self._collect(*previous))
+        return outputs
 
-    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
-        number = self.stats["steps"] + self.stats["failed_steps"] + 1
-        if number in self._fault_steps:
-            raise InjectedFault(f"step {number} fails ({FAULT_STEPS_ENV})")
+    def _guarded(self, steps: list[SchedulerOutput], run):
+        try:
+            return run()
+        except Exception as e:
+            self._inflight = None
+            self.stats["failed_steps"] += 1
+            raise StepError(sorted({s.seq.request_id for out in steps for s in out.scheduled}), e) from e
+
+    def _can_overlap(self, out: SchedulerOutput) -> bool:
+        """Whether the next step may be planned before `out`'s sampled tokens are on the host."""
+        if not self.overlap or self.ecfg.speculative is not None or self.runner.prefills_sequence_parallel:
+            return False
+        return not any(s.seq.grammar is not None or uses_penalties(s.seq.sampling)
+                       for s in out.scheduled if s.num_sampled)
+
+    def _launch(self, out: SchedulerOutput) -> Launched:
+        self._launches += 1
+        if self._launches in self._fault_steps:
+            raise InjectedFault(f"step {self._launches} fails ({FAULT_STEPS_ENV})")
         now = time.monotonic()
         for s in out.scheduled:
             req = self._requests[s.seq.request_id]
@@ -233,16 +227,22 @@ class LLMEngine:
                 req.first_scheduled_time = now
         if self.ecfg.poison_freed_pages:
             out = self._poison_stale_pages(out)
-        results = self.runner.execute(out, {s.seq.seq_id: s.seq.seed for s in out.scheduled})
-        accepted = {s.seq.seq_id: self._accept(s.seq.proposed_token_ids, results[s.seq.seq_id])
-                    for s in out.scheduled if s.seq.seq_id in results}
-        self.scheduler.postprocess(out, {k: [r.token for r in v] for k, v in accepted.items()})
+        launched = self.runner.launch(out, {s.seq.seq_id: s.seq.seed for s in out.scheduled})
+        self.scheduler.launched(out)
+        return launched
+
+    def _collect(self, out: SchedulerOutput, launched: Launched) -> list[RequestOutput]:
+        """The launched step's results: accepted tokens, detokenized deltas, stops, finished
+        requests. Rows of sequences that finished (a stop found late, an abort) are dropped."""
+        results = self.runner.collect(launched)
+        live = [s for s in out.scheduled if s.num_sampled and not s.seq.is_finished]
+        accepted = {s.seq.seq_id: self._accept(s.seq.proposed_token_ids, results[s.seq.seq_id]) for s in live}
+        before = {s.seq.seq_id: s.seq.output_token_ids.index(PENDING) for s in live}   # outputs before this step
+        self.scheduler.resolve(out, {k: [r.token for r in v] for k, v in accepted.items()})
         self.stats["steps"] += 1
         now = time.monotonic()
         deltas: dict[str, list[CompletionOutput]] = {}
-        for s in out.scheduled:
-            if s.seq.seq_id not in accepted:
-                continue
+        for s in live:
             seq, tokens = s.seq, accepted[s.seq.seq_id]
             req = self._requests[seq.request_id]
             if req.params.max_tokens == 0:   # the prompt is scored: its sampled token is dropped
@@ -251,15 +251,14 @@ class LLMEngine:
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
-            before = len(seq.output_token_ids) - len(tokens)   # outputs before this step
-            delta = None
+            delta, first = None, before[seq.seq_id]
             for i, res in enumerate(tokens):   # one, or a verify row's accepted run: cut where it ends
                 req.num_generated += 1
                 self.stats["generation_tokens"] += 1
-                d = self._advance(req, seq, res, before + i + 1)
-                delta = d if delta is None else _join(delta, d)
-                if seq.is_finished:
-                    del seq.output_token_ids[before + i + 1:]
+                d = self._advance(req, seq, res, first + i + 1)
+                delta = d if delta is None else join(delta, d)
+                if seq.is_finished:   # drops what followed, a later step's PENDING token too
+                    del seq.output_token_ids[first + i + 1:]
                     break
             deltas.setdefault(seq.request_id, []).append(delta)
         outputs = []
@@ -352,12 +351,6 @@ class LLMEngine:
             req.request_id, req.prompt_token_ids, outputs, finished, req.num_generated,
             req.arrival_time, req.first_token_time, time.monotonic() if finished else None,
             req.first_scheduled_time, req.seqs[0].num_cached_tokens or 0)
-
-
-def _join(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
-    """One choice's deltas of one step (a verify row's tokens) as one."""
-    logprobs = None if a.logprobs is None else a.logprobs + b.logprobs
-    return CompletionOutput(a.index, a.text + b.text, a.token_ids + b.token_ids, logprobs, b.finish_reason)
 
 
 def _resolve_dtype(name: str):

@@ -8,6 +8,7 @@ import numpy as np
 from jaxserve import prompt_logprobs
 from jaxserve.buckets import Buckets, bucket
 from jaxserve.scheduler import SchedulerOutput
+from jaxserve.sequence import PENDING
 
 
 class Batch(NamedTuple):
@@ -18,6 +19,7 @@ class Batch(NamedTuple):
     max_q: int
     decode_q: int
     prompt_logprobs: tuple | None   # prompt_logprobs.pack's (seqs, counts, arrays), None: no row asks
+    pending: list                   # (position in tokens, sequence) of each PENDING input token
 
 
 def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pages: int,
@@ -25,7 +27,8 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     """The scheduled rows as the step's fixed-shape host arrays (see the runner's docstring):
     prefill rows first, then decode rows (one token, or a verify row's 1 + k) longest context
     first, padded to `buckets`. A row sampling n tokens has its last n positions in
-    logits_index and its sequence n times in sampling_seqs."""
+    logits_index and its sequence n times in sampling_seqs. A PENDING input token (a decode row's
+    token sampled by the step still running) is left for the device to read (`pending`)."""
     prefill = [s for s in out.scheduled if s.is_prefill_row]
     decode = sorted((s for s in out.scheduled if not s.is_prefill_row),
                     key=lambda s: -s.seq.num_computed_tokens)
@@ -51,7 +54,7 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     seq_lens = np.zeros(sp + sd, np.int32)
     qsl = np.zeros(sp + sd + 1, np.int32)
     logits_index = np.zeros(sd * buckets.decode_q, np.int32)  # sampled positions first
-    sampling_seqs, starts = [], []
+    sampling_seqs, starts, pending = [], [], []
     cursor = 0
     for r, s in enumerate(rows):
         if s is not None:
@@ -59,7 +62,10 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
             start = seq.num_computed_tokens
             pos = np.arange(start, start + n)
             pages = np.asarray(seq.page_table, np.int32)
-            tokens[cursor:cursor + n] = s.query_token_ids
+            query = s.query_token_ids
+            tokens[cursor:cursor + n] = query
+            if query[-1] == PENDING:   # sampled by the step still running: only ever the last
+                pending.append((cursor + n - 1, seq))
             positions[cursor:cursor + n] = pos
             slots[cursor:cursor + n] = pages[pos // page_size] * page_size + pos % page_size
             used = -(-(start + n) // page_size)
@@ -72,4 +78,4 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
                 sampling_seqs.append(seq)
         qsl[r + 1] = cursor
     arrays = (tokens, positions, slots, page_table, seq_lens, qsl, logits_index)
-    return Batch(arrays, sampling_seqs, sp, max_q, buckets.decode_q, prompt_logprobs.pack(starts, t))
+    return Batch(arrays, sampling_seqs, sp, max_q, buckets.decode_q, prompt_logprobs.pack(starts, t), pending)

@@ -1,5 +1,8 @@
 """ModelRunner: packs a scheduled ragged batch into bucketed fixed-shape arrays and runs one
-jit-compiled step (KV write + paged attention + logits), then samples on device.
+jit-compiled step (KV write + paged attention + logits), then samples on device. `launch`
+returns as soon as the computations are dispatched, `collect` waits for their results (the
+engine plans the next step in between; decode inputs still PENDING on the host are read from the
+previous step's sampled tokens on the device).
 
 Rows of a step: prefill rows first (sequences bringing more than one new token), then decode
 rows (one new token each, or a verify row's last token and k proposals, every one sampled;
@@ -35,7 +38,7 @@ from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for, samp
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step import (copy_kv_pages, empty_sequence_parallel_prefill, fill_kv_pages, kv_pool, lower_step,
-                           make_step, page_copy_batches, sampler_lowerings)
+                           make_step, pad_tokens, page_copy_batches, read_pending_tokens, sampler_lowerings)
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,11 @@ class ModelRunner:
         self.buckets = Buckets(engine_cfg, self.mesh.shape["seq"])
         self.max_copies = engine_cfg.max_num_seqs
         self._step = make_step(self.model, cfg, self.mesh, self.backend)
+        # The latest batched step's sampled tokens on the device, padded to a fixed length, and
+        # (process 0) the row of each sequence it sampled: the next step's PENDING tokens.
+        self._max_logit_rows = self.buckets.decode[-1] * self.buckets.decode_q
+        self._last_sampled = jax.device_put(np.zeros(self._max_logit_rows, np.int32), parallel.replicated(self.mesh))
+        self._last_rows: dict[int, int] = {}
 
     @property
     def prefills_sequence_parallel(self) -> bool:
@@ -98,21 +106,25 @@ class ModelRunner:
             name=f"{self.cfg.architecture} ({self.cfg.num_params / 1e9:.1f}B parameters)")
 
     # ---- one step ----
-    def execute(self, out: SchedulerOutput, seeds: dict[int, int]) -> dict[int, list[SampleResult]]:
-        """Run the scheduled batch; returns seq_id -> the SampleResults of a sampling row's
-        positions, in order (one, or a verify row's k + 1). `seeds` gives each sampling
-        sequence's seed (the engine draws one when none is set)."""
-        if not out.scheduled and not out.page_copies:
-            return {}
+    def launch(self, out: SchedulerOutput, seeds: dict[int, int]) -> "Launched":
+        """Start the scheduled batch's computations (JAX dispatch returns before they finish);
+        `collect` waits for their results. `seeds` gives each sampling sequence's seed. A decode
+        row whose input token is PENDING reads it on the device from the batched step launched
+        just before, which must have sampled it (see jaxserve/engine.py)."""
         split = self.prefills_sequence_parallel
         ops = [self._sequence_parallel_op(s, seeds) for s in out.scheduled if split and s.is_prefill_row]
         rest = [s for s in out.scheduled if not (split and s.is_prefill_row)]
+        plp_counts = None
         if rest:
             batch = pack(dataclasses.replace(out, scheduled=rest), self.buckets, self.max_pages_per_seq,
                          self.num_pages, self.page_size)
             seqs = batch.sampling_seqs
-            ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q, batch.decode_q], batch.arrays, seqs,
-                           metadata_for(seqs, seeds, len(batch.arrays[-1]), self.max_model_len)))  # logits_index: the logits' rows
+            token_src = np.full(len(batch.arrays[0]), -1, np.int32)   # >= 0: the previous step's row
+            for position, seq in batch.pending:
+                token_src[position] = self._last_rows[seq.seq_id]
+            ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q, batch.decode_q], (*batch.arrays, token_src),
+                           seqs, metadata_for(seqs, seeds, len(batch.arrays[-1]), self.max_model_len)))  # logits_index: the logits' rows
+            self._last_rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
             if batch.prompt_logprobs is not None:   # scored from that step's hidden states
                 plp_seqs, plp_counts, plp_arrays = batch.prompt_logprobs
                 ops.append(_Op([_PROMPT_LOGPROBS], plp_arrays, plp_seqs, None))
@@ -121,15 +133,20 @@ class ModelRunner:
             message += op.message()
         if self.broadcaster is not None:
             message = self.broadcaster.send(message)
+        return Launched(ops, self.replay(message), plp_counts)
+
+    def collect(self, launched: "Launched") -> dict[int, list[SampleResult]]:
+        """Wait for a launched batch; returns seq_id -> the SampleResults of a sampling row's
+        positions, in order (one, or a verify row's k + 1)."""
         results = {}
-        for op, sampled in zip(ops, self.replay(message)):
+        for op, sampled in zip(launched.ops, launched.sampled):
             if not op.seqs:
                 continue
             if op.static[0] == _PROMPT_LOGPROBS:
-                prompt_logprobs.accumulate(op.seqs, plp_counts, op.arrays[1], multihost.local_value(sampled),
-                                           SampleResult)
+                prompt_logprobs.accumulate(op.seqs, launched.prompt_logprob_counts, op.arrays[1],
+                                           multihost.local_value(sampled), SampleResult)
                 continue
-            res: SampleOutput = multihost.local_value(sampled)
+            res: SampleOutput = jax.device_get(multihost.local_value(sampled))
             for i, seq in enumerate(op.seqs):
                 n = seq.sampling.logprobs or 0
                 top = list(zip(res.top_ids[i, :n].tolist(), res.top_logprobs[i, :n].tolist()))
@@ -152,7 +169,7 @@ class ModelRunner:
         """Launch one step's computations from its host arrays (see `_Op.message`): the page
         copies, then each op (a sequence-parallel prefill or the batched step) and its sampler.
         Every process of a multi-host mesh runs this with the same message, process 0 from
-        `execute`, the others from `follow`. Returns each op's samples (None: no row samples)."""
+        `launch`, the others from `follow`. Returns each op's samples (None: no row samples)."""
         copies, *rest = message
         if len(copies):
             self.copy_pages(copies)
@@ -164,7 +181,10 @@ class ModelRunner:
                 sampled.append(self._prompt_logprobs(hidden, *arrays))
                 continue
             if kind == _STEP:
-                logits, self.kv_caches, hidden = self._step(self.params, self.kv_caches, *arrays,
+                (tokens, *arrays), token_src = arrays[:-1], arrays[-1]
+                # Always on the device (one input placement for the step, one compilation per shape).
+                tokens = read_pending_tokens(tokens, token_src, self._last_sampled)
+                logits, self.kv_caches, hidden = self._step(self.params, self.kv_caches, tokens, *arrays,
                                                             num_prefill_rows=int(static[0]), max_q=int(static[1]),
                                                             decode_q=int(static[2]))
             else:
@@ -173,6 +193,8 @@ class ModelRunner:
                     self.model, self.mesh, self.params, self.kv_caches, tokens, num_tokens, num_cached,
                     row, backend=self.backend)
             sampled.append(sample(logits, SamplingMetadata(*md), num_logprobs=MAX_LOGPROBS) if md else None)
+            if kind == _STEP and md:
+                self._last_sampled = pad_tokens(sampled[-1].tokens, self._max_logit_rows)
         return sampled
 
     def _prompt_logprobs(self, hidden, index, targets):
@@ -218,9 +240,14 @@ class ModelRunner:
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
             list(pool.map(lambda lower: lower().compile(), lowerings))
         for shape in shapes:
+            tokens, *arrays = shape.empty_batch(self.max_pages_per_seq, self.num_pages * self.page_size)
+            # The reads of PENDING tokens, on the arrays serving gives them (a step's sampled tokens).
+            tokens = read_pending_tokens(tokens, np.full(len(tokens), -1, np.int32), self._last_sampled)
             _, self.kv_caches, hidden = self._step(
-                self.params, self.kv_caches, *shape.empty_batch(self.max_pages_per_seq, self.num_pages * self.page_size),
+                self.params, self.kv_caches, tokens, *arrays,
                 num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q)
+            sampled = jax.device_put(np.zeros(shape.logit_rows, np.int32), parallel.replicated(self.mesh))
+            self._last_sampled = pad_tokens(sampled, self._max_logit_rows)
             # Prompt logprobs: one variant per step token count (a 1-token prompt chunk, cut by the
             # token budget, rides in a decode-shaped step).
             empty = np.zeros(shape.tokens, np.int32)
@@ -244,11 +271,18 @@ class ModelRunner:
 _STEP, _SEQUENCE_PARALLEL, _PROMPT_LOGPROBS = 0, 1, 2
 
 
+class Launched(NamedTuple):
+    """A batch on its way (ModelRunner.launch): its computations and their device outputs."""
+    ops: list
+    sampled: list                       # per op: its SampleOutput, prompt logprobs or None, on device
+    prompt_logprob_counts: list | None
+
+
 class _Op(NamedTuple):
     """One computation of a step (the batched step, a sequence-parallel prefill, or the prompt
     logprobs of the batched step just before) and its sampler."""
     static: list            # kind, then the static args (step: num_prefill_rows, max_q, decode_q)
-    arrays: tuple           # the computation's host arrays
+    arrays: tuple           # the computation's host arrays (the step's: then where PENDING tokens are read)
     seqs: list              # the sequences it samples for, in row order
     md: SamplingMetadata | None
 

@@ -35,9 +35,15 @@ its last positions:
     (seq.proposed_token_ids): the last known token and k proposals in, k+1 sampled. k is cut to
     the token budget and to max_tokens (a step yields at most k+1 tokens, so proposals past
     max_tokens - 1 are useless and would take pages the request was not checked for).
-A verify row is not a prefill: it is not capped by max_prefill_seqs. After the step,
-`postprocess` takes each row's accepted tokens (1..num_sampled) and rolls the K/V of the
-rejected proposals back (BlockManager.rollback).
+A verify row is not a prefill: it is not capped by max_prefill_seqs.
+
+A step's life: `schedule` plans it; `launched` (once its computations are on their way) advances
+each row's computed tokens and gives each sampling row a PENDING output token, so the next step
+can be planned while this one runs (a decode row's input is then the PENDING token, read on the
+device); `resolve` (its results are back) puts the accepted tokens (1..num_sampled) in place of
+the PENDING one, rolls the K/V of rejected proposals back (BlockManager.rollback) and registers
+newly full pages in the prefix cache. A sequence is not scheduled while its outputs (PENDING ones
+included) reach max_tokens or its tokens max_model_len: its last token is on the way.
 """
 from __future__ import annotations
 
@@ -46,7 +52,7 @@ import dataclasses
 
 from jaxserve.config import EngineConfig
 from jaxserve.block_manager import BlockManager
-from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.sequence import PENDING, Sequence, SequenceStatus
 
 
 @dataclasses.dataclass
@@ -54,6 +60,7 @@ class ScheduledSeq:
     seq: Sequence
     num_query_tokens: int   # query_token_ids run this step, from position seq.num_computed_tokens
     num_sampled: int        # tokens sampled, at the row's last num_sampled positions
+    start: int = 0          # seq.num_computed_tokens when scheduled (the row's first position)
 
     @property
     def is_prefill(self) -> bool:
@@ -96,11 +103,12 @@ def _order(seq: Sequence):
 
 
 class Scheduler:
-    def __init__(self, engine_cfg: EngineConfig, block_manager: BlockManager):
+    def __init__(self, engine_cfg: EngineConfig, block_manager: BlockManager, max_model_len: int | None = None):
         if not 0.0 <= engine_cfg.admission_eagerness <= 1.0:
             raise ValueError(f"admission_eagerness must be in [0, 1], got {engine_cfg.admission_eagerness}")
         self.cfg = engine_cfg
         self.bm = block_manager
+        self.max_model_len = max_model_len or engine_cfg.max_model_len
         self.waiting: list[Sequence] = []    # sorted by _order
         self.running: list[Sequence] = []    # sorted by _order; the last one is preempted first
         self.requests: dict[str, list[Sequence]] = {}
@@ -167,7 +175,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:    # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or self._at_limit(seq):   # preempted in this loop
                 continue
             row = self._row(seq, budget)
             if row.is_prefill and out.num_prefill_seqs >= self.cfg.max_prefill_seqs:
@@ -213,27 +221,39 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_order)
-            out.scheduled.append(ScheduledSeq(seq, n, int(seq.num_computed_tokens + n == seq.num_tokens)))
+            out.scheduled.append(ScheduledSeq(seq, n, int(seq.num_computed_tokens + n == seq.num_tokens),
+                                              seq.num_computed_tokens))
             scheduled_ids.add(seq.seq_id)
         return out
 
-    def postprocess(self, output: SchedulerOutput, accepted: dict[int, list[int]]) -> None:
-        """After the step ran: advance computed tokens, append each sampling row's accepted tokens
-        (seq_id -> 1..num_sampled tokens), roll back the K/V of rejected proposals, register
-        newly full pages in the prefix cache."""
+    def launched(self, output: SchedulerOutput) -> None:
+        """The step is on its way: advance computed tokens; each sampling row gets a PENDING output."""
+        for s in output.scheduled:
+            s.seq.num_computed_tokens += s.num_query_tokens
+            if s.num_sampled:
+                s.seq.output_token_ids.append(PENDING)
+
+    def resolve(self, output: SchedulerOutput, accepted: dict[int, list[int]]) -> None:
+        """The step's results: each sampling row's accepted tokens (seq_id -> 1..num_sampled) take
+        the place of its PENDING output (the first: a later step's may follow), rejected proposals'
+        K/V are rolled back and the full pages this step computed enter the prefix cache. A
+        sequence finished meanwhile is skipped; one preempted meanwhile keeps its tokens."""
         for s in output.scheduled:
             seq = s.seq
             seq.proposed_token_ids = []
-            if seq.status is not SequenceStatus.RUNNING:     # aborted while the step ran
+            if seq.is_finished:                                  # aborted or stopped meanwhile
                 continue
-            seq.num_computed_tokens += s.num_query_tokens
+            rejected = 0
             if s.num_sampled:
                 tokens = accepted[seq.seq_id]
                 if not 1 <= len(tokens) <= s.num_sampled:
                     raise ValueError(f"{len(tokens)} accepted tokens from a row sampling {s.num_sampled}")
-                seq.output_token_ids += tokens
-                self.bm.rollback(seq, s.num_sampled - len(tokens))
-            self.bm.cache_full_pages(seq)
+                i = seq.output_token_ids.index(PENDING)
+                seq.output_token_ids[i:i + 1] = tokens
+                rejected = s.num_sampled - len(tokens)
+            if seq.status is SequenceStatus.RUNNING:
+                self.bm.rollback(seq, rejected)
+                self.bm.cache_full_pages(seq, s.start + s.num_query_tokens - rejected)
 
     # ---- internals ----
     def _row(self, seq: Sequence, budget: int) -> ScheduledSeq:
@@ -242,9 +262,14 @@ class Scheduler:
         if known == 1 and seq.proposed_token_ids:
             left = seq.sampling.max_tokens - len(seq.output_token_ids)
             n = min(1 + len(seq.proposed_token_ids), left, budget)
-            return ScheduledSeq(seq, n, n)
+            return ScheduledSeq(seq, n, n, seq.num_computed_tokens)
         n = min(known, self.cfg.prefill_chunk_size, budget)
-        return ScheduledSeq(seq, n, int(n == known))
+        return ScheduledSeq(seq, n, int(n == known), seq.num_computed_tokens)
+
+    def _at_limit(self, seq: Sequence) -> bool:
+        """Its last output is PENDING: nothing more to compute (the collection finishes it)."""
+        return (len(seq.output_token_ids) >= max(seq.sampling.max_tokens, 1)
+                or (self.max_model_len is not None and seq.num_tokens >= self.max_model_len))
 
     def _first_choice(self, seq: Sequence) -> Sequence | None:
         if seq.index == 0:

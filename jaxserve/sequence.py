@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from jaxserve.structured.grammar import Matcher
 
 _seq_ids = itertools.count()
+# An output token sampled by a step that is still running: its value is on the device (the next
+# step reads it there, see jaxserve/engine.py), the host learns it when that step is collected.
+PENDING = -1
 
 
 class SequenceStatus(enum.Enum):

@@ -52,6 +52,19 @@ def sampler_lowerings(shapes: list[StepShape], vocab_size: int, mesh, max_model_
         num_logprobs=MAX_LOGPROBS)) for r in rows for md in sampler_variants(r, max_model_len, vocab_size)]
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def pad_tokens(tokens, length: int):
+    """A step's sampled tokens, zero-padded to `length` (one shape for read_pending_tokens)."""
+    return jnp.zeros(length, jnp.int32).at[:tokens.shape[0]].set(tokens)
+
+
+@jax.jit
+def read_pending_tokens(tokens, token_src, last_sampled):
+    """The step's input tokens: token_src[i] >= 0 takes the previous step's sampled token of that
+    row (a PENDING token), the others keep the host's."""
+    return jnp.where(token_src >= 0, last_sampled[jnp.maximum(token_src, 0)], tokens)
+
+
 def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int) -> tuple:
     """sequence_parallel_prefill's arrays for no token (nothing written)."""
     return np.zeros(tokens, np.int32), np.int32(0), np.int32(0), np.zeros(max_pages_per_seq, np.int32)

@@ -45,7 +45,7 @@ class PagePool:
             self.slots[page * ps + p % ps] = tokens[p]
         seq.num_computed_tokens += n
         if not proposed:
-            self.bm.cache_full_pages(seq)
+            self.bm.cache_full_pages(seq, seq.num_computed_tokens)
 
     def read(self, page_table, num_tokens):
         ps = self.bm.page_size
@@ -119,7 +119,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         accepted = data.draw(st.integers(0, len(proposed)))
         seq.output_token_ids += proposed[:accepted] + [bonus]
         self.rollback_and_check(seq, len(proposed) - accepted)
-        self.bm.cache_full_pages(seq)
+        self.bm.cache_full_pages(seq, seq.num_computed_tokens)
 
     @precondition(lambda self: any(s.num_computed_tokens for s in self.live))
     @rule(data=st.data(), new=st.lists(st.integers(0, 3), max_size=3))

@@ -202,3 +202,32 @@ def test_no_compilation_after_warmup(setup):
     assert engine.scheduler.num_preemptions > 0  # the small pool forced preemption on the way
     assert CompileCounter.count == before
     assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def test_overlapped_loop_stops_found_late_and_aborts_in_flight(setup):
+    """Stop tokens found one step late (the sequence's next row already launched), max_tokens and
+    an abort while a step runs: outputs equal the reference, and every page comes back."""
+    d, _, prompts, ref = setup
+    engine = _engine(d)
+    assert engine.overlap
+    stops = {i: r[3] for i, r in enumerate(ref) if len(r) > 4 and r[3] not in r[:3]}
+    assert len(stops) > 4
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=len(r), ignore_eos=True,
+                                                stop_token_ids=[stops[i]] if i in stops else []))
+           for i, (p, r) in enumerate(zip(prompts, ref))]
+    out = {i: ([], None) for i in ids}
+    in_flight = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens, _ = out[o.request_id]
+            out[o.request_id] = (tokens + o.outputs[0].token_ids, o.outputs[0].finish_reason)
+        in_flight += engine._inflight is not None
+        if in_flight == 3:
+            engine.abort(ids[1])   # its row is in the step just launched
+    assert in_flight > 3   # steps were launched before the previous one was collected
+    for i, (rid, r) in enumerate(zip(ids, ref)):
+        if i == 1:
+            continue
+        expected = (r[:3], "stop") if i in stops else (r, "length")
+        assert out[rid] == expected, i
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.block_manager import BlockManager
 from jaxserve.scheduler import Scheduler
-from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.sequence import PENDING, Sequence, SequenceStatus
 
 VOCAB = 37
 
@@ -42,10 +42,15 @@ class FakeRunner:
     def __init__(self, bm):
         self.bm = bm
         self.slots = [None] * (bm.num_pages * bm.page_size)
+        self.last = {}   # the previous step's results
 
     def slot(self, seq, pos):
         ps = self.bm.page_size
         return seq.page_table[pos // ps] * ps + pos % ps
+
+    def known(self, seq):
+        """seq's tokens, a PENDING one read from the previous step's results (as the device does)."""
+        return [self.last[seq.seq_id][0] if t == PENDING else t for t in seq.token_ids]
 
     def execute(self, out):
         """Writes each row's query tokens, samples at its sampled positions and returns seq_id ->
@@ -57,7 +62,8 @@ class FakeRunner:
             self.slots[dst * ps:(dst + 1) * ps] = page
         for s in out.scheduled:
             start = s.seq.num_computed_tokens
-            for pos, token in zip(range(start, start + s.num_query_tokens), s.query_token_ids):
+            query = (self.known(s.seq) + s.seq.proposed_token_ids)[start:start + s.num_query_tokens]
+            for pos, token in zip(range(start, start + s.num_query_tokens), query):
                 page = s.seq.page_table[pos // ps]
                 assert self.bm.ref_counts[page] == 1 and page not in self.bm.page_key, "wrote a shared page"
                 self.slots[self.slot(s.seq, pos)] = token
@@ -65,7 +71,7 @@ class FakeRunner:
         for s in out.scheduled:
             seq, end = s.seq, s.seq.num_computed_tokens + s.num_query_tokens
             context = [self.slots[self.slot(seq, p)] for p in range(end)]
-            assert context == (seq.token_ids + seq.proposed_token_ids)[:end], \
+            assert context == (self.known(seq) + seq.proposed_token_ids)[:end], \
                 "context read through the page table is wrong"
             tokens = []
             for p in range(end - s.num_sampled, end):
@@ -74,6 +80,7 @@ class FakeRunner:
                     break
             if tokens:
                 accepted[seq.seq_id] = tokens
+        self.last = accepted
         return accepted
 
 def make(num_pages=64, page_size=4, **cfg):
@@ -126,7 +133,7 @@ def step(sched, runner, propose=None):
             seq.proposed_token_ids = propose(seq)
     out = sched.schedule()
     check_step(sched, out)
-    sched.postprocess(out, runner.execute(out))
+    resolve(sched, out, runner.execute(out))
     for seq in sched.running:   # no page past the computed tokens, rejected proposals included
         assert len(seq.page_table) == sched.bm.pages_for(seq.num_computed_tokens)
     assert all(not s.seq.proposed_token_ids for s in out.scheduled)
@@ -137,6 +144,43 @@ def step(sched, runner, propose=None):
         elif s.num_sampled and len(seq.output_token_ids) == seq.sampling.max_tokens:
             sched.finish(seq, "length")
     return out
+
+
+def resolve(sched, out, accepted):
+    """A step's life in the scheduler, in the synchronous order: launched, then resolved."""
+    sched.launched(out)
+    sched.resolve(out, accepted)
+
+
+def finish_late(sched, out, accepted):
+    """The overlapped order's collection of `out` (the next step already launched): resolve, then
+    stop checks as the engine makes them, dropping a finished sequence's later PENDING token."""
+    live = [s for s in out.scheduled if s.num_sampled and not s.seq.is_finished]
+    first = {s.seq.seq_id: s.seq.output_token_ids.index(PENDING) for s in live}
+    sched.resolve(out, accepted)
+    for s in live:
+        seq = s.seq
+        end = first[seq.seq_id] + 1
+        if seq.output_token_ids[end - 1] in seq.sampling.stop_token_ids or end == seq.sampling.max_tokens:
+            sched.finish(seq, "stop")
+            del seq.output_token_ids[end:]
+
+
+def run_overlapped(sched, runner, max_steps=10_000):
+    """The engine's overlapped loop: step N+1 is planned and run before step N is resolved."""
+    inflight, steps = None, 0
+    while sched.has_work():
+        out = sched.schedule()
+        check_step(sched, out)
+        accepted = runner.execute(out)
+        sched.launched(out)
+        if inflight is not None:
+            finish_late(sched, *inflight)
+        inflight = out, accepted
+        steps += 1
+        assert steps < max_steps, "scheduler made no progress"
+    if inflight is not None:
+        finish_late(sched, *inflight)
 
 
 def run(sched, runner, max_steps=10_000):
@@ -175,7 +219,7 @@ def test_budgets_hold_under_load_and_priorities_order_admission():
     online = [add(sched, request(f"o{i}", [i + 9] * 6, max_tokens=5, priority=0, arrival=10 + i))[0] for i in range(4)]
     first = sched.schedule()
     assert [s.seq for s in first.scheduled] == online[:3]     # later arrivals, but online first
-    sched.postprocess(first, runner.execute(first))
+    resolve(sched, first, runner.execute(first))
     admitted = list(online[:3])
     for out in run(sched, runner):
         admitted += [s.seq for s in out.scheduled if s.seq not in admitted]
@@ -246,7 +290,7 @@ def test_n_choices_fork_from_the_first_with_copy_on_write(prompt_len, copies):
     assert all(sched.bm.ref_counts[p] == 3 for p in seqs[0].page_table[:shared])
     last = seqs[0].page_table[shared] if copies else None     # the partial page holding token prompt_len - 2
     assert out.page_copies == [(last, seqs[1].page_table[shared]), (last, seqs[2].page_table[shared])][:copies]
-    sched.postprocess(out, runner.execute(out))
+    resolve(sched, out, runner.execute(out))
     run(sched, runner)
     outputs = [s.output_token_ids for s in seqs]
     assert outputs == [reference(prompt, 6, i) for i in range(3)]
@@ -375,7 +419,7 @@ def test_verify_rows_bring_k_plus_1_tokens_sample_all_and_are_not_prefills():
     assert rows == {"a": (4, 4, False), "b": (4, 4, False), "c": (10, 1, True)}   # max_prefill_seqs=1 holds
     assert out.num_prefill_seqs == 1 and out.num_tokens == 18
     assert len(b.page_table) == sched.bm.pages_for(b_len + 3)                      # pages for the proposals
-    sched.postprocess(out, runner.execute(out))
+    resolve(sched, out, runner.execute(out))
     assert a.num_tokens == a_len + 4 and b.num_tokens == b_len + 2                 # 3 + 1 and 1 + 1 tokens
     assert b.num_computed_tokens == b.num_tokens - 1 and len(b.page_table) == sched.bm.pages_for(b.num_tokens - 1)
     run(sched, runner)
@@ -392,7 +436,22 @@ def test_verify_rows_are_cut_to_the_token_budget_and_max_tokens():
     check_step(sched, out := sched.schedule())
     # a has 2 tokens to go: 1 proposal is all a step can use; b gets what is left of the budget.
     assert [(s.seq, s.num_query_tokens, s.num_sampled) for s in out.scheduled] == [(a, 2, 2), (b, 2, 2)]
-    sched.postprocess(out, runner.execute(out))
+    resolve(sched, out, runner.execute(out))
     run(sched, runner)
     assert (a.output_token_ids, b.output_token_ids) == (reference([5], 3), reference([6], 8))
+    assert_all_pages_back(sched)
+
+
+def test_overlapped_order_gives_the_same_outputs_and_all_pages_back():
+    """Steps planned while the previous one runs (PENDING inputs read from its results, stops
+    found one step late), with copy-on-write forks, prefix hits, preemption and stop tokens."""
+    sched, runner = make(num_pages=14, page_size=2, max_num_seqs=4, max_num_batched_tokens=12, prefill_chunk_size=5)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 8], [9, 10, 11], [12] * 9]
+    reqs = [add(sched, request(f"r{i}", p, max_tokens=6 + i, n=1 + i % 2, arrival=i, stop=(3, 7)))
+            for i, p in enumerate(prompts)]
+    run_overlapped(sched, runner)
+    assert sched.num_preemptions > 0
+    for seqs in reqs:
+        for seq in seqs:
+            assert seq.output_token_ids == reference(seq.prompt_token_ids, seq.sampling.max_tokens, seq.index, (3, 7))
     assert_all_pages_back(sched)

@@ -1,0 +1,59 @@
+"""What the engine hands back: each request's state while it runs and its RequestOutput deltas."""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.config import SamplingParams
+from jaxserve.runner import SampleResult
+from jaxserve.sequence import Sequence
+from jaxserve.tokenizer import IncrementalDetokenizer
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One choice. In a stream, text/token_ids/logprobs are the new part; `finish_reason` is set
+    on the choice's last output."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[SampleResult] | None = None
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_generated_tokens: int = 0      # over all choices, so far
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    first_scheduled_time: float | None = None
+    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache
+    # With params.prompt_logprobs, on the request's first output: per prompt token but the first.
+    prompt_logprobs: list[SampleResult] | None = None
+
+
+@dataclasses.dataclass
+class Request:
+    """A checked request (made by LLMEngine.new_request) and its state while it runs."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[Sequence]                # one per choice; seeds are set when it is added
+    detoks: list[IncrementalDetokenizer] = dataclasses.field(default_factory=list)
+    texts: list[str] = dataclasses.field(default_factory=list)    # each choice's text so far (stop search)
+    emitted: list[int] = dataclasses.field(default_factory=list)  # characters of each text already sent
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_generated: int = 0
+    prompt_logprobs_sent: bool = False
+
+
+def join(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
+    """One choice's deltas of one step (a verify row's tokens) as one."""
+    logprobs = None if a.logprobs is None else a.logprobs + b.logprobs
+    return CompletionOutput(a.index, a.text + b.text, a.token_ids + b.token_ids, logprobs, b.finish_reason)
