@@ -204,7 +204,9 @@ BLOOM_560M = dict(architectures=["BloomForCausalLM"], model_type="bloom", hidden
                   vocab_size=250880, layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2)
 
 
-@pytest.mark.parametrize("topology, tp", [("v5e-1", 1), ("v6e-4", 4)])
+# TP 4 only (suite time): the per-chip slopes are what one chip would not show; the kernels
+# with slopes compile for every generation in the kernel grid above.
+@pytest.mark.parametrize("topology, tp", [("v6e-4", 4)])
 def test_bloom_alibi_steps_compile(topology, tp, monkeypatch):
     """An ALiBi family's engine step through the Pallas TPU kernels: the slopes reach the paged
     kernel (decode) and the flash and paged kernels (prefill step), each chip's kernels with
