@@ -5,7 +5,7 @@ with JAX, on this machine's default device.
   decode   ragged paged attention, one token per sequence, over batch size,
            context length and page size                                     -> GB/s of K/V read
   mixed    prefill chunks and decodes in one ragged batch                   -> both
-  kv write the XLA scatter of new K/V into the page pool (jaxserve.attention.write_kv)
+  kv write the XLA scatter of new K/V into the page pool (jaxserve.kv_cache.LayerKV.write)
 
 Each figure stands beside the chip's datasheet peak. On CPU only the XLA path runs (no Pallas
 without interpret mode, which times nothing useful). Writes benchmarks/results/kernels_<device>.md.
@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a script: find benchmarks/
 from benchmarks.common import RESULTS_DIR, markdown_table, write_text  # noqa: E402
-from jaxserve.attention import write_kv  # noqa: E402
+from jaxserve.kv_cache import LayerKV  # noqa: E402
 from pallas_kernels.flash_attention.reference import causal_attention  # noqa: E402
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_xla  # noqa: E402
 
@@ -214,16 +214,16 @@ def bench_paged(platform, batches, heads, dtype, iters, peaks):
 def bench_write_kv(tokens, pool_pages, page_size, heads, dtype, iters, peak_gbs):
     """The scatter of T new K/V rows into a donated pool (in place, as in the engine)."""
     _, num_kv_heads, head_dim = heads
-    write = jax.jit(write_kv, donate_argnums=(0, 1))
+    write = jax.jit(LayerKV.write, donate_argnums=0)
     rows = []
     for t in tokens:
         shape = (pool_pages, num_kv_heads, page_size, head_dim)
-        pools = [jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)]
+        pools = [LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))]
         k = v = jnp.ones((t, num_kv_heads, head_dim), dtype)
         slots = jnp.asarray(np.random.default_rng(t).permutation(pool_pages * page_size)[:t], jnp.int32)
 
         def step():
-            pools[:] = write(*pools, k, v, slots)
+            pools[:] = [write(pools[0], k, v, slots)]
             return pools
 
         ms = time_ms(step, iters=iters)

@@ -73,9 +73,9 @@ class StepProfile:
         self.rows: list[list] = []   # [has prefill, tokens, padded, seconds]
         self._padded = 0
 
-    def _jit_step(self, params, kv_caches, tokens, *args, **kwargs):
+    def _jit_step(self, params, kv_cache, tokens, *args, **kwargs):
         self._padded = len(tokens)
-        return self.jit_step(params, kv_caches, tokens, *args, **kwargs)
+        return self.jit_step(params, kv_cache, tokens, *args, **kwargs)
 
     def _launch(self, out, seeds):
         t0 = time.perf_counter()

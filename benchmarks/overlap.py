@@ -49,7 +49,7 @@ class Timeline:
     def _replay(self, message):
         sampled = self.replay(message)
         self.launched.append(time.perf_counter())
-        self._pending.put([s for s in sampled if s is not None] or self.runner.kv_caches)
+        self._pending.put([s for s in sampled if s is not None] or self.runner.kv_cache)
         return sampled
 
     def _watch(self) -> None:

@@ -31,6 +31,7 @@ from benchmarks.hlo_collectives import hlo_collectives  # noqa: E402
 from jaxserve import parallel  # noqa: E402
 from jaxserve.checkpoint import param_shapes  # noqa: E402
 from jaxserve.config import ModelConfig  # noqa: E402
+from jaxserve.kv_cache import KVCache  # noqa: E402
 from jaxserve.models import build_model  # noqa: E402
 from jaxserve.sequence_parallel import sequence_parallel_prefill  # noqa: E402
 from jaxserve.step import model_step  # noqa: E402
@@ -54,11 +55,7 @@ def inputs(cfg: ModelConfig, mesh):
     shapes = param_shapes(cfg, DTYPE)
     params = jax.tree.map(lambda s, sh: abstract(s.shape, s.dtype, sh), shapes,
                           parallel.param_shardings(shapes, mesh, cfg))
-    kv_sharding = parallel.kv_cache_sharding(cfg, mesh)
-    page = (NUM_PAGES, cfg.num_kv_heads, PAGE_SIZE, cfg.head_dim)
-    kv = [(abstract(page, DTYPE, kv_sharding), abstract(page, DTYPE, kv_sharding))
-          for _ in range(cfg.num_layers)]
-    return params, kv
+    return params, KVCache.spec(cfg, mesh, NUM_PAGES, PAGE_SIZE, DTYPE)
 
 
 def int32s(mesh, *shape):

@@ -29,6 +29,7 @@ from jaxserve.buckets import StepShape  # noqa: E402
 from jaxserve.checkpoint import load_params  # noqa: E402
 from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
 from jaxserve.engine import TINY_MODEL_DIR  # noqa: E402
+from jaxserve.kv_cache import LayerKV  # noqa: E402
 from jaxserve.models.layers import RMSNorm  # noqa: E402
 from jaxserve.models.llama import DecoderLayer  # noqa: E402
 from jaxserve.runner import ModelRunner  # noqa: E402
@@ -51,14 +52,15 @@ def scanned_step(runner: ModelRunner, kv_in: str):
         if kv_in == "xs":
             def body(x, xs):
                 p, k, v = xs
-                return layer.apply({"params": p}, x, positions, (k, v), meta)
+                x, layer_kv = layer.apply({"params": p}, x, positions, LayerKV(k, v), meta)
+                return x, (layer_kv.k, layer_kv.v)
             x, kv = jax.lax.scan(body, x, (params["layers"], *kv))
         else:
             def body(carry, xs):
                 x, k_all, v_all = carry
                 p, i = xs
-                x, (k, v) = layer.apply({"params": p}, x, positions, (k_all[i], v_all[i]), meta)
-                return (x, k_all.at[i].set(k), v_all.at[i].set(v)), None
+                x, layer_kv = layer.apply({"params": p}, x, positions, LayerKV(k_all[i], v_all[i]), meta)
+                return (x, k_all.at[i].set(layer_kv.k), v_all.at[i].set(layer_kv.v)), None
             (x, *kv), _ = jax.lax.scan(body, (x, *kv), (params["layers"], jnp.arange(cfg.num_layers)))
         hidden = norm.apply({"params": params["model"]["norm"]}, x[logits_index])
         logits = runner.model.apply({"params": runner.params}, hidden, method=runner.model.logits)
@@ -77,14 +79,14 @@ def main():
     runner = ModelRunner(cfg, load_params(TINY_MODEL_DIR, cfg), ecfg)
     layers = [runner.params["model"][f"layers_{i}"] for i in range(cfg.num_layers)]
     stacked = {"model": runner.params["model"], "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
-    pool = runner.kv_caches[0][0]
+    pool = runner.kv_cache.layers[0].k
     mp, padding_slot = runner.max_pages_per_seq, runner.num_pages * runner.page_size
     steps = {kv_in: scanned_step(runner, kv_in) for kv_in in ("xs", "carry")}
     stacked_kv = {kv_in: tuple(jnp.zeros((cfg.num_layers, *pool.shape), pool.dtype) for _ in "kv") for kv_in in steps}
 
     for shape in (StepShape(16, 16, 0, 1), StepShape(128, 16, 2, 128)):
         static = dict(num_prefill_rows=shape.prefill_rows, max_q=shape.max_q)
-        lowerings = {"unrolled": lambda: runner._lower_step(runner.kv_caches, shape)}
+        lowerings = {"unrolled": lambda: runner._lower_step(runner.kv_cache, shape)}
         for kv_in, step in steps.items():
             lowerings[f"scan/{kv_in}"] = functools.partial(step.lower, stacked, stacked_kv[kv_in],
                                                            *shape.empty_batch(mp, padding_slot), **static)
@@ -106,7 +108,7 @@ def main():
               page_table[:, ctx // runner.page_size - 1] * runner.page_size + runner.page_size - 1, page_table,
               np.full(rows, ctx, np.int32), np.arange(rows + 1, dtype=np.int32), np.arange(rows, dtype=np.int32))
     static = dict(num_prefill_rows=0, max_q=1)
-    caches = {"unrolled": runner.kv_caches, **stacked_kv}
+    caches = {"unrolled": runner.kv_cache, **stacked_kv}
 
     def run(name: str, n: int):
         for _ in range(n):

@@ -14,13 +14,7 @@ head_dim a multiple of 64), chosen at run time: when no prefill row has a cached
 prefill tokens attend with flash over the packed flat batch (one segment per row) and only the
 decode rows go through the paged kernel; otherwise the paged kernel takes the whole batch.
 
-KV layout (shared by every kernel, described here only): pages [num_pages, num_kv_heads,
-page_size, head_dim] for K and for V, one pair per layer; page_table int32[S, pages_per_seq];
-seq_lens int32[S]. Heads before page slots so that one KV head of one page is a contiguous
-[page_size, head_dim] slab: whole (8, 128) tiles on TPU, which its page DMAs require (a head
-picked out of [page_size, num_kv_heads, head_dim] slices a tiled dimension, and Mosaic refuses).
-Sharded over KV heads (parallel.kv_cache_sharding), axis 1. On TPU head_dim is stored padded
-to whole 128 lanes (pool_head_dim; `attend` pads q/k/v and cuts the output back).
+KV layout: jaxserve/kv_cache.py (the one place it is described).
 """
 from __future__ import annotations
 
@@ -33,6 +27,7 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.kv_cache import LayerKV
 from jaxserve.parallel import gather_tokens
 from pallas_kernels.flash_attention.reference import causal_attention
 from pallas_kernels.paged_attention import xla as paged_xla
@@ -92,50 +87,28 @@ def _hopper_or_newer() -> bool:
     return float(capability) >= 9.0
 
 
-def attend(q, k, v, kv_cache, meta: AttentionMetadata | None, *, sliding_window: int | None,
+def attend(q, k, v, kv: LayerKV | None, meta: AttentionMetadata | None, *, sliding_window: int | None,
            sm_scale: float, soft_cap: float | None = None, alibi_slopes=None):
-    """q [.., H, D], k/v [.., KVH, D]. Returns (output like q, updated (k_pages, v_pages) or None).
-    soft_cap: scores become soft_cap * tanh(scores / soft_cap) (Gemma 2). alibi_slopes: f32[H]
-    for all H query heads (BLOOM, MPT), or None: slope * key position is added to the scores
-    (pallas_kernels/scores.py)."""
-    if kv_cache is None:
+    """q [.., H, D], k/v [.., KVH, D]; kv: this layer's pages (None: dense attention, no cache).
+    Returns (output like q, the updated LayerKV or None). soft_cap: scores become
+    soft_cap * tanh(scores / soft_cap) (Gemma 2). alibi_slopes: f32[H] for all H query heads
+    (BLOOM, MPT), or None: slope * key position is added to the scores (pallas_kernels/scores.py)."""
+    if kv is None:
         return causal_attention(q, k, v, sliding_window=sliding_window, sm_scale=sm_scale, soft_cap=soft_cap,
                                 alibi_slopes=alibi_slopes), None
     head_dim = q.shape[-1]
-    if kv_cache[0].shape[-1] > head_dim:   # a TPU pool's padded lanes (pool_head_dim): zeros in q,
+    if kv.k.shape[-1] > head_dim:   # a TPU pool's padded lanes (pool_head_dim): zeros in q,
         # k and v leave every score unchanged and give zero output lanes, sliced off below.
-        q, k, v = (jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, kv_cache[0].shape[-1] - head_dim),))
+        q, k, v = (jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, kv.k.shape[-1] - head_dim),))
                    for x in (q, k, v))
     if meta.seq_axis is not None:
         k, v = (gather_tokens(x, meta.seq_axis, meta.kv_sharding) for x in (k, v))
-    k_pages, v_pages = write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+    kv = kv.write(k, v, meta.slot_mapping)
     if meta.kv_sharding is not None:
-        k_pages, v_pages = (jax.lax.with_sharding_constraint(x, meta.kv_sharding)
-                            for x in (k_pages, v_pages))
-    out = paged_attention(q, k_pages, v_pages, meta, sliding_window=sliding_window, sm_scale=sm_scale,
+        kv = kv.constrain(meta.kv_sharding)
+    out = paged_attention(q, kv.k, kv.v, meta, sliding_window=sliding_window, sm_scale=sm_scale,
                           soft_cap=soft_cap, alibi_slopes=alibi_slopes, k=k, v=v)
-    return out[..., :head_dim], (k_pages, v_pages)
-
-
-def pool_head_dim(head_dim: int, platform: str) -> int:
-    """The head_dim a page pool stores. On TPU, whole 128-lane tiles: for a smaller head_dim XLA
-    lays the pool out with the page index innermost, and every page read then relayouts the
-    whole pool (measured: 24-48 whole-pool copies per step of the embedded model, head_dim 32).
-    The padding costs memory (4x at head_dim 32, 2x at 64), which the pool sizing counts."""
-    return -(-head_dim // 128) * 128 if platform == "tpu" else head_dim
-
-
-def write_kv(k_pages, v_pages, k, v, slot_mapping):
-    """Scatter new K/V [T, KVH, D] into their page slots; out-of-range slots (padding) are dropped."""
-    ps = k_pages.shape[2]
-    # Indexed as (page, offset), not through a flat reshape: for T = 1 XLA CPU turns the flat
-    # form into a dynamic-update-slice that copies the whole pool several times per step.
-    page, offset = slot_mapping // ps, slot_mapping % ps
-
-    def put(pages, x):
-        return pages.at[page, :, offset].set(x.astype(pages.dtype), mode="drop")
-
-    return put(k_pages, k), put(v_pages, v)
+    return out[..., :head_dim], kv
 
 
 def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_window, sm_scale,

@@ -28,8 +28,9 @@ from jaxserve.attention import resolve_backend
 from jaxserve.buckets import Buckets, StepShape
 from jaxserve.checkpoint import param_shapes, saved_quantization
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.kv_cache import KVCache, page_bytes_per_chip
 from jaxserve.models import build_model
-from jaxserve.step import (copy_kv_pages, empty_sequence_parallel_prefill, kv_pool, lower_step, make_step,
+from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, make_step,
                            page_copy_batches, sampler_lowerings)
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step_cost import step_cost
@@ -134,16 +135,15 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
                                                            tpu=True, chip=tpu.generation, name=model_name)
     except sizing.PoolDoesNotFit as e:
         return Report(weight_bytes, 0, 0, tpu.hbm_bytes, [], str(e))
-    page_bytes = sizing.page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=True)
+    page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=True)
     # one layer's K (or V) on one chip, as HLO shapes count it (without the tiles' padding)
-    pool_bytes = sizing.page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=False) * num_pages // (
+    pool_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=False) * num_pages // (
         2 * cfg.num_layers)
 
     unsharded = param_shapes(cfg, dtype, ecfg.quantization)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           unsharded, parallel.param_shardings(unsharded, mesh, cfg))
-    pool = kv_pool(cfg, mesh, num_pages, ecfg.page_size, dtype)
-    kv = [(pool, pool) for _ in range(cfg.num_layers)]
+    kv = KVCache.spec(cfg, mesh, num_pages, ecfg.page_size, dtype)
     model = build_model(cfg, dtype)
     backend = resolve_backend(backend or ecfg.attention_backend, parallel.platform(mesh))
     step = make_step(model, cfg, mesh, backend)
@@ -160,7 +160,7 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
             model, mesh, params, kv, *empty_sequence_parallel_prefill(t, max_pages), backend=backend))
             for t in buckets.tokens]
     src, dst = next(page_copy_batches([(0, 0)], ecfg.max_num_seqs, num_pages))
-    work.append(("page-copy", lambda: copy_kv_pages.lower(kv, src, dst)))
+    work.append(("page-copy", lambda: KVCache.copy_pages.lower(kv, src, dst)))
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as executor:   # XLA compiles without the GIL
         results = list(executor.map(lambda w: _compile(*w, pool_bytes), work))
     return Report(weight_bytes, num_pages, num_pages * page_bytes, tpu.hbm_bytes, results, None)

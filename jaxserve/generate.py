@@ -1,7 +1,7 @@
 """Reference generation: one static batch, prefill then greedy decode, contiguous KV cache.
 
 Each sequence owns one contiguous cache row: a single page of size max_len (the KV layout of
-jaxserve/attention.py), so nothing is shared, chunked or scheduled. It is the baseline the parity tests
+jaxserve/kv_cache.py), so nothing is shared, chunked or scheduled. It is the baseline the parity tests
 use and the engine must beat.
 """
 from __future__ import annotations
@@ -14,17 +14,18 @@ import numpy as np
 
 from jaxserve.attention import AttentionMetadata
 from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import KVCache, LayerKV
 from jaxserve.models import build_model
 
 
 def contiguous_kv_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32):
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+    return KVCache(tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)))
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_q"), donate_argnames=("kv",))
 def _step(model, params, kv, tokens, positions, seq_lens, query_start_loc, last_index, *, max_q):
-    batch, _, max_len, _ = kv[0][0].shape
+    batch, max_len = kv.num_pages, kv.page_size
     seq_of_token = jnp.searchsorted(query_start_loc[1:], jnp.arange(tokens.shape[0]), side="right")
     meta = AttentionMetadata(
         positions=positions,

@@ -49,7 +49,7 @@ LOGICAL_RULES = {
 }
 # A parameter's logical axes come from its family's rules (jaxserve.models.registry).
 
-KV_CACHE_AXES = ("pages", "kv_heads", "page_slots", "head_dim")  # the KV layout: jaxserve/attention.py
+KV_CACHE_AXES = ("pages", "kv_heads", "page_slots", "head_dim")  # the KV layout: jaxserve/kv_cache.py
 
 
 def make_mesh(mesh_shape: dict[str, int] | None = None, devices=None) -> Mesh:

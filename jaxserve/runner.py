@@ -32,13 +32,14 @@ from jaxserve.compilations import CompileCounter
 from jaxserve.attention import resolve_backend
 from jaxserve.buckets import Buckets, StepShape, bucket
 from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
+from jaxserve.kv_cache import KVCache, page_bytes_per_chip
 from jaxserve.models import build_model
 from jaxserve.packing import pack
 from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for, sample
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
-from jaxserve.step import (copy_kv_pages, empty_sequence_parallel_prefill, fill_kv_pages, kv_pool, lower_step,
-                           make_step, pad_tokens, page_copy_batches, read_pending_tokens, sampler_lowerings)
+from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, make_step, pad_tokens, page_copy_batches,
+                           read_pending_tokens, sampler_lowerings)
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +75,7 @@ class ModelRunner:
                 [np.array([self.num_pages], np.int32)] if multihost.is_leader() else None)[0][0])
             multihost.warmup()
             self.broadcaster = multihost.Broadcaster() if multihost.is_leader() else None
-        pool = kv_pool(cfg, self.mesh, self.num_pages, self.page_size, dtype)
-        zeros = jax.jit(lambda: jnp.zeros(pool.shape, dtype), out_shardings=pool.sharding)
-        self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+        self.kv_cache = KVCache.zeros(cfg, self.mesh, self.num_pages, self.page_size, dtype)
         self.buckets = Buckets(engine_cfg, self.mesh.shape["seq"])
         self.max_copies = engine_cfg.max_num_seqs
         self._step = make_step(self.model, cfg, self.mesh, self.backend)
@@ -96,7 +95,7 @@ class ModelRunner:
         device = self.mesh.local_devices[0]
         stats = device.memory_stats() or {}
         if "bytes_limit" not in stats:   # CPU: kv_cache_mb, and at least one full-length sequence
-            page_bytes = sizing.page_bytes_per_chip(self.cfg, self.dtype, self.page_size, 1, tpu=False)
+            page_bytes = page_bytes_per_chip(self.cfg, self.dtype, self.page_size, 1, tpu=False)
             return max(self.ecfg.kv_cache_mb * 2**20 // page_bytes, self.max_pages_per_seq)
         # an accelerator: a share of what the (placed) weights leave free, or a clear refusal
         return sizing.kv_pool_pages(
@@ -184,13 +183,13 @@ class ModelRunner:
                 (tokens, *arrays), token_src = arrays[:-1], arrays[-1]
                 # Always on the device (one input placement for the step, one compilation per shape).
                 tokens = read_pending_tokens(tokens, token_src, self._last_sampled)
-                logits, self.kv_caches, hidden = self._step(self.params, self.kv_caches, tokens, *arrays,
+                logits, self.kv_cache, hidden = self._step(self.params, self.kv_cache, tokens, *arrays,
                                                             num_prefill_rows=int(static[0]), max_q=int(static[1]),
                                                             decode_q=int(static[2]))
             else:
                 tokens, (num_tokens, num_cached), row = arrays
-                logits, self.kv_caches = sequence_parallel_prefill(
-                    self.model, self.mesh, self.params, self.kv_caches, tokens, num_tokens, num_cached,
+                logits, self.kv_cache = sequence_parallel_prefill(
+                    self.model, self.mesh, self.params, self.kv_cache, tokens, num_tokens, num_cached,
                     row, backend=self.backend)
             sampled.append(sample(logits, SamplingMetadata(*md), num_logprobs=MAX_LOGPROBS) if md else None)
             if kind == _STEP and md:
@@ -218,14 +217,14 @@ class ModelRunner:
     def copy_pages(self, copies) -> None:
         """copies: (src, dst) page pairs, a list or an int32 [n, 2] array."""
         for src, dst in page_copy_batches(copies, self.max_copies, self.num_pages):
-            self.kv_caches = copy_kv_pages(self.kv_caches, src, dst)
+            self.kv_cache = self.kv_cache.copy_pages(src, dst)
 
     def poison_pages(self, pages: list[int]) -> None:
         """Overwrite these pages' K/V with NaN in every layer (a test build: see
         EngineConfig.poison_freed_pages), in one fixed-size batch padded with page num_pages (dropped)."""
         batch = np.full(self.num_pages, self.num_pages, np.int32)
         batch[:len(pages)] = pages
-        self.kv_caches = fill_kv_pages(self.kv_caches, batch, np.float32("nan"))
+        self.kv_cache = self.kv_cache.fill_pages(batch, np.float32("nan"))
 
     # ---- warm-up ----
     def warmup(self) -> int:
@@ -234,7 +233,7 @@ class ModelRunner:
         shapes = self.buckets.warmup_shapes(self.prefills_sequence_parallel)
         # XLA compiles with the GIL released: the step shapes and sampler variants compile side by
         # side (abstract KV caches, so nothing is donated); the step calls and serving find them compiled.
-        kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_caches)
+        kv = self.kv_cache.abstract()
         lowerings = [functools.partial(self._lower_step, kv, shape) for shape in shapes] + [
             lower for _, lower in sampler_lowerings(shapes, self.cfg.vocab_size, self.mesh, self.max_model_len)]
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
@@ -243,8 +242,8 @@ class ModelRunner:
             tokens, *arrays = shape.empty_batch(self.max_pages_per_seq, self.num_pages * self.page_size)
             # The reads of PENDING tokens, on the arrays serving gives them (a step's sampled tokens).
             tokens = read_pending_tokens(tokens, np.full(len(tokens), -1, np.int32), self._last_sampled)
-            _, self.kv_caches, hidden = self._step(
-                self.params, self.kv_caches, tokens, *arrays,
+            _, self.kv_cache, hidden = self._step(
+                self.params, self.kv_cache, tokens, *arrays,
                 num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q)
             sampled = jax.device_put(np.zeros(shape.logit_rows, np.int32), parallel.replicated(self.mesh))
             self._last_sampled = pad_tokens(sampled, self._max_logit_rows)
@@ -254,17 +253,17 @@ class ModelRunner:
             jax.block_until_ready(self._prompt_logprobs(hidden, empty, empty))
         if self.prefills_sequence_parallel:   # the sequence-parallel prefill of each token bucket
             for t in self.buckets.tokens:
-                _, self.kv_caches = sequence_parallel_prefill(
-                    self.model, self.mesh, self.params, self.kv_caches,
+                _, self.kv_cache = sequence_parallel_prefill(
+                    self.model, self.mesh, self.params, self.kv_cache,
                     *empty_sequence_parallel_prefill(t, self.max_pages_per_seq), backend=self.backend)
         self.copy_pages([(0, 0)])
-        jax.block_until_ready(self.kv_caches)
+        jax.block_until_ready(self.kv_cache)
         n = CompileCounter.count - before
         log.info("warm-up: %d compilations (%d step shapes) in %.1fs", n, len(shapes), time.perf_counter() - t0)
         return n
 
-    def _lower_step(self, kv_caches, shape: StepShape):
-        return lower_step(self._step, self.params, kv_caches, shape, self.max_pages_per_seq,
+    def _lower_step(self, kv_cache, shape: StepShape):
+        return lower_step(self._step, self.params, kv_cache, shape, self.max_pages_per_seq,
                           self.num_pages * self.page_size)
 
 

@@ -28,15 +28,15 @@ from jaxserve.config import ModelConfig
 
 
 @functools.partial(jax.jit, static_argnames=("model", "mesh", "backend"),
-                   donate_argnames=("kv_caches",))
-def sequence_parallel_prefill(model, mesh, params, kv_caches, tokens, num_tokens, num_cached,
+                   donate_argnames=("kv_cache",))
+def sequence_parallel_prefill(model, mesh, params, kv_cache, tokens, num_tokens, num_cached,
                               page_table_row, *, backend: str = "xla"):
     """Prefill one sequence's `num_tokens` new tokens split over the "seq" axis.
 
     tokens: int32[T], T a multiple of the "seq" size, real tokens first then padding;
     num_cached: tokens of this sequence already in the cache (the new ones follow them);
     page_table_row: int32[P], the sequence's pages (covering num_cached + num_tokens).
-    Returns (float32[1, vocab] logits of the last new token, updated kv_caches).
+    Returns (float32[1, vocab] logits of the last new token, updated kv_cache).
     """
     cfg: ModelConfig = model.cfg
     n = mesh.shape["seq"]
@@ -44,10 +44,10 @@ def sequence_parallel_prefill(model, mesh, params, kv_caches, tokens, num_tokens
     if t % n:
         raise ValueError(f"prefill length {t} is not a multiple of the seq axis size {n}")
     chunk = t // n
-    num_pages, _, page_size, _ = kv_caches[0][0].shape
+    num_pages, page_size = kv_cache.num_pages, kv_cache.page_size
     kv_spec = parallel.kv_cache_sharding(cfg, mesh).spec
 
-    def shard(params, kv_caches, tokens, num_tokens, num_cached, page_table_row):
+    def shard(params, kv_cache, tokens, num_tokens, num_cached, page_table_row):
         s = jax.lax.axis_index("seq")
         # Every shard writes all T tokens' K/V (gathered in attention), so it needs all slots.
         idx = jnp.arange(t)
@@ -64,19 +64,19 @@ def sequence_parallel_prefill(model, mesh, params, kv_caches, tokens, num_tokens
             query_start_loc=jnp.array([0, chunk], jnp.int32),
             max_q=chunk, backend=backend, seq_axis="seq", kv_sharding=kv_spec,
             platform=parallel.platform(mesh))
-        hidden, kv_caches = model.apply({"params": params}, tokens, positions, kv_caches, meta)
+        hidden, kv_cache = model.apply({"params": params}, tokens, positions, kv_cache, meta)
         last = num_tokens - 1
         h = jnp.where(last // chunk == s, hidden[last % chunk], 0)
         # In float32: XLA CPU's all-reduce promotion pass crashes on this bf16 psum (jax 0.10).
-        return jax.lax.psum(h.astype(jnp.float32), "seq").astype(h.dtype), kv_caches
+        return jax.lax.psum(h.astype(jnp.float32), "seq").astype(h.dtype), kv_cache
 
-    h, kv_caches = jax.shard_map(
+    h, kv_cache = jax.shard_map(
         shard, mesh=mesh, in_specs=(P(), P(), P("seq"), P(), P(), P()), out_specs=(P(), P()),
         # check_vma off: all_gather's result is typed as varying over "seq" although every shard
         # holds the same values, so the (truly replicated) cache output could not be declared P().
-        axis_names={"seq"}, check_vma=False)(params, kv_caches, tokens, num_tokens, num_cached,
+        axis_names={"seq"}, check_vma=False)(params, kv_cache, tokens, num_tokens, num_cached,
                                              page_table_row)
     logits = model.apply({"params": params}, h[None], method=model.logits)
     # As in the runner's step: vocab-split lm_head, then one gather of the logits.
     logits = jax.lax.with_sharding_constraint(logits, parallel.logits_sharding(cfg, mesh))
-    return jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh)), kv_caches
+    return jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh)), kv_cache

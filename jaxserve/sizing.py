@@ -17,6 +17,7 @@ from jax.sharding import AbstractMesh
 from jaxserve import parallel
 from jaxserve.checkpoint import param_shapes
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.kv_cache import page_bytes_per_chip
 
 GiB = 2**30
 # HBM per chip that XLA:TPU lets a program use (16, 95 and 32 GiB chips, as libtpu 0.0.42's
@@ -51,18 +52,6 @@ def weight_bytes_per_chip(cfg: ModelConfig, dtype, model_axis: int, quantization
     sizes = jax.tree.map(shard_bytes, shapes, parallel.param_logical_axes(shapes, cfg),
                          is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
     return sum(jax.tree.leaves(sizes))
-
-
-def page_bytes_per_chip(cfg: ModelConfig, dtype, page_size: int, model_axis: int, tpu: bool) -> int:
-    """K and V of one page in every layer, on one chip (KV heads split over "model" when they
-    divide). On TPU the pool's two minor dims (page slots, head_dim: see jaxserve/attention.py)
-    are stored in whole (sublanes, 128 lanes) tiles, so a head_dim of 32 takes 128 lanes."""
-    itemsize = jnp.dtype(dtype).itemsize
-    slots, dim = page_size, cfg.head_dim
-    if tpu:
-        slots, dim = -(-slots // (32 // itemsize)) * (32 // itemsize), -(-dim // 128) * 128
-    split = model_axis if "model" in parallel.kv_cache_sharding(cfg, _mesh(model_axis)).spec else 1
-    return 2 * cfg.num_layers * slots * cfg.num_kv_heads * dim * itemsize // split
 
 
 def pages_per_seq(cfg: ModelConfig, ecfg: EngineConfig) -> int:

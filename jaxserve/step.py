@@ -1,6 +1,6 @@
 """The computations warm-up compiles, as pieces that `jaxserve check` (check.py) lowers the same
-way for compile-only TPU devices, with ShapeDtypeStructs for the weights and the KV pools:
-the model step (KV write + paged attention + logits), the sampler variants, the page copy.
+way for compile-only TPU devices, with ShapeDtypeStructs for the weights and the KV cache:
+the model step (KV write + paged attention + logits) and the sampler variants.
 
 Module-level jits with the model as a static argument: engines with the same model and shapes
 share compilations within a process.
@@ -15,28 +15,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import parallel
-from jaxserve.attention import AttentionMetadata, pool_head_dim
+from jaxserve.attention import AttentionMetadata
 from jaxserve.buckets import StepShape
 from jaxserve.config import MAX_LOGPROBS, ModelConfig
 from jaxserve.sampling import sample, sampler_variants
 
 def make_step(model, cfg: ModelConfig, mesh, backend: str):
-    """The step with its static arguments for `mesh`: call it as (params, kv_caches, *arrays,
+    """The step with its static arguments for `mesh`: call it as (params, kv_cache, *arrays,
     num_prefill_rows=, max_q=, decode_q=)."""
     return functools.partial(model_step, model, backend=backend, kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
                              logits_sharding=parallel.logits_sharding(cfg, mesh))
 
 
-def kv_pool(cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype) -> jax.ShapeDtypeStruct:
-    """One layer's K (or V) page pool (the layout: see jaxserve/attention.py)."""
-    head_dim = pool_head_dim(cfg.head_dim, parallel.platform(mesh))
-    return jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size, head_dim), dtype,
-                                sharding=parallel.kv_cache_sharding(cfg, mesh))
-
-
-def lower_step(step, params, kv_caches, shape: StepShape, max_pages_per_seq: int, padding_slot: int):
+def lower_step(step, params, kv_cache, shape: StepShape, max_pages_per_seq: int, padding_slot: int):
     """`step` (from make_step) lowered for `shape` over an empty batch."""
-    return step.func.lower(*step.args, params, kv_caches, *shape.empty_batch(max_pages_per_seq, padding_slot),
+    return step.func.lower(*step.args, params, kv_cache, *shape.empty_batch(max_pages_per_seq, padding_slot),
                            num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q,
                            **step.keywords)
 
@@ -71,7 +64,7 @@ def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int) -> tupl
 
 
 def page_copy_batches(copies, max_copies: int, num_pages: int):
-    """(src, dst) page pairs as copy_kv_pages' fixed-size (src, dst) arrays, padded with
+    """(src, dst) page pairs as KVCache.copy_pages' fixed-size (src, dst) arrays, padded with
     copies to page num_pages (out of range: dropped)."""
     copies = np.asarray(copies, np.int32).reshape(-1, 2)
     for start in range(0, len(copies), max_copies):
@@ -84,31 +77,18 @@ def page_copy_batches(copies, max_copies: int, num_pages: int):
 
 @functools.partial(jax.jit, static_argnames=("model", "backend", "num_prefill_rows", "max_q", "decode_q",
                                              "kv_sharding", "logits_sharding"),
-                   donate_argnames=("kv_caches",))
-def model_step(model, params, kv_caches, tokens, positions, slot_mapping, page_table, seq_lens,
+                   donate_argnames=("kv_cache",))
+def model_step(model, params, kv_cache, tokens, positions, slot_mapping, page_table, seq_lens,
                query_start_loc, logits_index, *, backend, num_prefill_rows, max_q, kv_sharding,
                logits_sharding, decode_q=1):
     meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_table=page_table,
                              seq_lens=seq_lens, query_start_loc=query_start_loc, max_q=max_q,
                              num_prefill_rows=num_prefill_rows, decode_q=decode_q, backend=backend,
                              kv_sharding=kv_sharding, platform=parallel.platform(kv_sharding.mesh))
-    hidden, kv_caches = model.apply({"params": params}, tokens, positions, kv_caches, meta)
+    hidden, kv_cache = model.apply({"params": params}, tokens, positions, kv_cache, meta)
     logits = model.apply({"params": params}, hidden[logits_index], method=model.logits)
     # Under tensor parallelism: keep the lm_head matmul vocab-split, then gather the logits
     # once for the sampler (see parallel.logits_sharding). No-ops on one device.
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
     logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(logits_sharding.mesh))
-    return logits, kv_caches, hidden   # hidden [T, H]: prompt logprobs read it, nothing else
-
-
-@functools.partial(jax.jit, donate_argnames=("kv_caches",))
-def copy_kv_pages(kv_caches, src, dst):
-    # Copy-on-write: page dst takes page src's K/V in every layer; dst out of range = no-op.
-    return [(k.at[dst].set(k[src], mode="drop"), v.at[dst].set(v[src], mode="drop")) for k, v in kv_caches]
-
-
-@functools.partial(jax.jit, donate_argnames=("kv_caches",))
-def fill_kv_pages(kv_caches, pages, value):
-    # Every listed page takes `value` in K and V of every layer; pages out of range = no-op.
-    return [(k.at[pages].set(value.astype(k.dtype), mode="drop"), v.at[pages].set(value.astype(v.dtype), mode="drop"))
-            for k, v in kv_caches]
+    return logits, kv_cache, hidden   # hidden [T, H]: prompt logprobs read it, nothing else

@@ -22,6 +22,7 @@ from jaxserve.step import model_step
 from jaxserve.compilations import CompileCounter
 from jaxserve.config import ModelConfig
 from jaxserve.generate import greedy_generate
+from jaxserve.kv_cache import KVCache
 from jaxserve.models import build_model
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 
@@ -83,10 +84,7 @@ def make_step(model, mesh, cfg, backend="xla", num_prefill_rows=None):
 
 
 def empty_cache(cfg, mesh):
-    sharding = parallel.kv_cache_sharding(cfg, mesh)
-    shape = (NUM_PAGES, cfg.num_kv_heads, PAGE_SIZE, cfg.head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)
-    return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+    return KVCache.zeros(cfg, mesh, NUM_PAGES, PAGE_SIZE, jnp.float32)
 
 
 def step_args(new_tokens: list[list[int]], starts: list[int], rows: np.ndarray):

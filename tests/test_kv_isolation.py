@@ -43,7 +43,7 @@ def _run(backend, poison):
         step += 1
     assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.prefix_hit_rate > 0
-    k, v = (np.asarray(x) for x in engine.runner.kv_caches[0])
+    k, v = (np.asarray(x) for x in (engine.runner.kv_cache.layers[0].k, engine.runner.kv_cache.layers[0].v))
     nan_pages = int(np.isnan(k).all(axis=(1, 2, 3)).sum() + np.isnan(v).all(axis=(1, 2, 3)).sum())
     keys = sorted(out)
     return ([out[key][0] for key in keys], np.array([out[key][1] for key in keys], np.float32)), nan_pages

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxserve import attention
+from jaxserve import attention, kv_cache
 from pallas_kernels.paged_attention import gpu, reference, tpu, xla
 
 TOL = {"float32": 2e-3, "bfloat16": 2e-2}
@@ -253,7 +253,7 @@ CACHED = [(20, 20), (5, 37), (0, 0), (1, 40), (1, 1), (0, 0)]  # row 1: 32 token
 def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, **mods):
     """attend() on a runner-style step (prefill rows first): returns (output, case with the
     written pages), for the naive oracle. pool_head_dim > 64: pools with zero lanes past head_dim
-    64, as TPU pools store them (attention.pool_head_dim); the returned pages are cut back to 64."""
+    64, as TPU pools store them (kv_cache.pool_head_dim); the returned pages are cut back to 64."""
     case = make_case(2, seqs=seqs, num_kv_heads=2, group=2, head_dim=64, page_size=16,
                      dtype="float32", pad_tokens=5, sliding_window=sliding_window, **mods)
     rng = np.random.default_rng(3)
@@ -269,10 +269,11 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, **mods):
         seq_lens=case["seq_lens"], query_start_loc=case["query_start_loc"], max_q=32,
         num_prefill_rows=3, backend=backend)
     lanes = ((0, 0),) * 3 + ((0, pool_head_dim - 64),)
-    pools = tuple(jnp.pad(case[name], lanes) for name in ("k_pages", "v_pages"))
-    out, (k_pages, v_pages) = attention.attend(case["q"], k, v, pools, meta, sliding_window=sliding_window,
+    pools = kv_cache.LayerKV(*(jnp.pad(case[name], lanes) for name in ("k_pages", "v_pages")))
+    out, written = attention.attend(case["q"], k, v, pools, meta, sliding_window=sliding_window,
                                                sm_scale=case["sm_scale"], soft_cap=case["soft_cap"],
                                                alibi_slopes=case["alibi_slopes"])
+    k_pages, v_pages = written.k, written.v
     assert k_pages.shape[-1] == pool_head_dim and not np.asarray(k_pages[..., 64:]).any()
     return out, dict(case, k_pages=k_pages[..., :64], v_pages=v_pages[..., :64])
 
@@ -295,8 +296,8 @@ def test_attend_through_lane_padded_pools_matches_oracle(backend):
 
 
 def test_pool_head_dim_pads_only_on_tpu():
-    assert [attention.pool_head_dim(d, "tpu") for d in (32, 64, 96, 128, 256)] == [128, 128, 128, 128, 256]
-    assert [attention.pool_head_dim(d, p) for d in (32, 96) for p in ("cpu", "gpu")] == [32, 32, 96, 96]
+    assert [kv_cache.pool_head_dim(d, "tpu") for d in (32, 64, 96, 128, 256)] == [128, 128, 128, 128, 256]
+    assert [kv_cache.pool_head_dim(d, p) for d in (32, 96) for p in ("cpu", "gpu")] == [32, 32, 96, 96]
 
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])

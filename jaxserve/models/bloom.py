@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxserve import attention
 from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import KVCache
 from jaxserve.models import llama
 from jaxserve.models.layers import ACTIVATIONS, LayerNorm, Linear
 
@@ -80,7 +81,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, kv_cache, meta):
+    def __call__(self, x, layer_kv, meta):
         c = self.cfg
         dense = functools.partial(Linear, use_bias=c.qkv_bias, dtype=self.dtype)
         lead = x.shape[:-1]
@@ -92,10 +93,10 @@ class Attention(nn.Module):
                        for name, n in (("q_proj", c.num_heads), ("k_proj", c.num_kv_heads), ("v_proj", c.num_kv_heads)))
         if c.clip_qkv is not None:
             q, k, v = (jnp.clip(t, -c.clip_qkv, c.clip_qkv) for t in (q, k, v))
-        out, kv_cache = attention.attend(
-            q, k, v, kv_cache, meta, sliding_window=None, sm_scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim),
+        out, layer_kv = attention.attend(
+            q, k, v, layer_kv, meta, sliding_window=None, sm_scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim),
             alibi_slopes=jnp.asarray(c.alibi_slopes, jnp.float32))
-        return Linear(c.hidden_size, c.o_bias, self.dtype, name="o_proj")(out.reshape(*lead, -1)), kv_cache
+        return Linear(c.hidden_size, c.o_bias, self.dtype, name="o_proj")(out.reshape(*lead, -1)), layer_kv
 
 
 class MLP(nn.Module):
@@ -114,14 +115,14 @@ class Block(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, kv_cache, meta):
+    def __call__(self, x, layer_kv, meta):
         c = self.cfg
 
         def norm(name):
             return LayerNorm(c.rms_norm_eps, c.norm_bias, self.dtype, name=name)
-        h, kv_cache = Attention(c, self.dtype, name="self_attn")(norm("input_layernorm")(x), kv_cache, meta)
+        h, layer_kv = Attention(c, self.dtype, name="self_attn")(norm("input_layernorm")(x), layer_kv, meta)
         x = x + h
-        return x + MLP(c, self.dtype, name="mlp")(norm("post_attention_layernorm")(x)), kv_cache
+        return x + MLP(c, self.dtype, name="mlp")(norm("post_attention_layernorm")(x)), layer_kv
 
 
 class AlibiDecoder(nn.Module):
@@ -138,15 +139,15 @@ class AlibiDecoder(nn.Module):
         self.layers = [Block(c, self.dtype) for _ in range(c.num_layers)]
         self.norm = LayerNorm(c.rms_norm_eps, c.norm_bias, self.dtype)
 
-    def __call__(self, tokens, positions, kv_caches=None, meta=None):
+    def __call__(self, tokens, positions, kv_cache: KVCache | None = None, meta=None):
         x = self.embed_tokens(tokens)
         if self.cfg.embed_norm:
             x = self.embed_norm(x)
-        new_caches = []
+        new_layers = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, None if kv_caches is None else kv_caches[i], meta)
-            new_caches.append(kv)
-        return self.norm(x), (None if kv_caches is None else new_caches)
+            x, kv = layer(x, None if kv_cache is None else kv_cache.layers[i], meta)
+            new_layers.append(kv)
+        return self.norm(x), (None if kv_cache is None else KVCache(tuple(new_layers)))
 
     def attend_embeddings(self, hidden):
         return self.embed_tokens.attend(hidden)

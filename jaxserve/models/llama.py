@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxserve import attention
 from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import KVCache
 from jaxserve.models.layers import ACTIVATIONS, GatedMLP, Linear, RMSNorm, apply_rope, rope_from_hf, rope_inv_freq
 
 
@@ -123,7 +124,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, positions, kv_cache, meta):
+    def __call__(self, x, positions, layer_kv, meta):
         c = self.cfg
         dense = functools.partial(Linear, dtype=self.dtype)
         q = dense(c.num_heads * c.head_dim, c.qkv_bias, name="q_proj")(x)
@@ -138,11 +139,11 @@ class Attention(nn.Module):
             k = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name="k_norm")(k)
         inv_freq = jnp.asarray(rope_inv_freq(c, local=c.sliding_windows[self.layer] is not None))
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out, kv_cache = attention.attend(
-            q, k, v, kv_cache, meta, sliding_window=c.sliding_windows[self.layer],
+        out, layer_kv = attention.attend(
+            q, k, v, layer_kv, meta, sliding_window=c.sliding_windows[self.layer],
             sm_scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim), soft_cap=c.attn_soft_cap)
         out = dense(c.hidden_size, c.o_bias, name="o_proj")(out.reshape(*lead, -1))
-        return out, kv_cache
+        return out, layer_kv
 
 
 class DecoderLayer(nn.Module):
@@ -151,20 +152,20 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, positions, kv_cache, meta):
+    def __call__(self, x, positions, layer_kv, meta):
         c = self.cfg
 
         def norm(name):
             return RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name=name)
-        h, kv_cache = Attention(c, self.layer, self.dtype, name="self_attn")(
-            norm("input_layernorm")(x), positions, kv_cache, meta)
+        h, layer_kv = Attention(c, self.layer, self.dtype, name="self_attn")(
+            norm("input_layernorm")(x), positions, layer_kv, meta)
         mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, ACTIVATIONS[c.hidden_act], self.dtype,
                        name="mlp")
         if c.sandwich_norms:   # Gemma: each branch's output normed too (HF names these four)
             x = x + norm("post_attention_layernorm")(h)
-            return x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x))), kv_cache
+            return x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x))), layer_kv
         x = x + h
-        return x + mlp(norm("post_attention_layernorm")(x)), kv_cache
+        return x + mlp(norm("post_attention_layernorm")(x)), layer_kv
 
 
 class LlamaModel(nn.Module):
@@ -178,24 +179,24 @@ class LlamaModel(nn.Module):
         self.layers = [DecoderLayer(c, i, self.dtype) for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset)
 
-    def __call__(self, tokens, positions, kv_caches=None, meta=None):
+    def __call__(self, tokens, positions, kv_cache: KVCache | None = None, meta=None):
         x = self.embed_tokens(tokens)
         if self.cfg.scale_embeddings:   # by sqrt(hidden) rounded to the model dtype, as HF does
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, self.dtype)
-        new_caches = []
+        new_layers = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, positions, None if kv_caches is None else kv_caches[i], meta)
-            new_caches.append(kv)
-        return self.norm(x), (None if kv_caches is None else new_caches)
+            x, kv = layer(x, positions, None if kv_cache is None else kv_cache.layers[i], meta)
+            new_layers.append(kv)
+        return self.norm(x), (None if kv_cache is None else KVCache(tuple(new_layers)))
 
     def attend_embeddings(self, hidden):
         return self.embed_tokens.attend(hidden)
 
 
 class LlamaForCausalLM(nn.Module):
-    """tokens/positions: [B, T] without a KV cache, or flat [T] with paged `kv_caches` and `meta`.
+    """tokens/positions: [B, T] without a KV cache, or flat [T] with the paged `kv_cache` (a KVCache) and `meta`.
 
-    Returns final hidden states and the updated caches; `logits` projects chosen hidden states.
+    Returns final hidden states and the updated cache; `logits` projects chosen hidden states.
     Other families subclass it with their own `body` (models/bloom.py)."""
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
@@ -206,8 +207,8 @@ class LlamaForCausalLM(nn.Module):
         if not self.cfg.tie_word_embeddings:
             self.lm_head = Linear(self.cfg.vocab_size, False, self.dtype)
 
-    def __call__(self, tokens, positions, kv_caches=None, meta=None):
-        return self.model(tokens, positions, kv_caches, meta)
+    def __call__(self, tokens, positions, kv_cache: KVCache | None = None, meta=None):
+        return self.model(tokens, positions, kv_cache, meta)
 
     def logits(self, hidden):
         if self.cfg.tie_word_embeddings:

@@ -1,0 +1,120 @@
+"""KVCache: the serving KV cache on the device, every layer's K and V pages in one pytree.
+
+Layout (shared by every attention kernel, described here only): per layer, K and V each
+[num_pages, num_kv_heads, page_size, head_dim]. Heads come before page slots so that one KV head
+of one page is a contiguous [page_size, head_dim] slab: whole (8, 128) tiles on TPU, which its
+page DMAs require (a head picked out of [page_size, num_kv_heads, head_dim] slices a tiled
+dimension, and Mosaic refuses). A token's slot is page * page_size + offset (slot_mapping); a
+sequence's pages are a row of the page table. Sharded over KV heads (parallel.kv_cache_sharding,
+axis 1). On TPU head_dim is stored padded to whole 128 lanes (`pool_head_dim`; attention pads
+q/k/v to it and cuts the output back).
+
+The cache is one argument of the jitted step, donated and updated in place: a layer writes its
+new K/V with `LayerKV.write` and the step returns the new cache. Which page holds what is the
+block manager's business (jaxserve/block_manager.py); this module holds the arrays, their size
+in pages and bytes, and the whole-page operations (copy-on-write copies, poisoning).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxserve import parallel
+from jaxserve.config import ModelConfig
+
+
+@struct.dataclass
+class LayerKV:
+    """One layer's page pools."""
+    k: jax.Array   # [num_pages, num_kv_heads, page_size, head_dim]
+    v: jax.Array
+
+    def write(self, k, v, slot_mapping) -> "LayerKV":
+        """Scatter new K/V [T, KVH, D] into their slots; out-of-range slots (padding) are dropped."""
+        ps = self.k.shape[2]
+        # Indexed as (page, offset), not through a flat reshape: for T = 1 XLA CPU turns the flat
+        # form into a dynamic-update-slice that copies the whole pool several times per step.
+        page, offset = slot_mapping // ps, slot_mapping % ps
+
+        def put(pages, x):
+            return pages.at[page, :, offset].set(x.astype(pages.dtype), mode="drop")
+
+        return LayerKV(put(self.k, k), put(self.v, v))
+
+    def constrain(self, sharding) -> "LayerKV":
+        """Re-assert the pools' sharding (after the write: left alone, XLA may reshard the cache
+        to suit the attention math, which costs a cache all-gather)."""
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), self)
+
+
+@struct.dataclass
+class KVCache:
+    layers: tuple[LayerKV, ...]
+
+    @classmethod
+    def spec(cls, cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype) -> "KVCache":
+        """The cache as ShapeDtypeStructs with their shardings (to lower a step without memory)."""
+        head_dim = pool_head_dim(cfg.head_dim, parallel.platform(mesh))
+        pool = jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size, head_dim), dtype,
+                                    sharding=parallel.kv_cache_sharding(cfg, mesh))
+        return cls(tuple(LayerKV(pool, pool) for _ in range(cfg.num_layers)))
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype) -> "KVCache":
+        """A zeroed cache, each pool created on its devices already sharded."""
+        pool = cls.spec(cfg, mesh, num_pages, page_size, dtype).layers[0].k
+        zeros = jax.jit(lambda: jnp.zeros(pool.shape, pool.dtype), out_shardings=pool.sharding)
+        return cls(tuple(LayerKV(zeros(), zeros()) for _ in range(cfg.num_layers)))
+
+    @property
+    def num_pages(self) -> int:
+        return self.layers[0].k.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.layers[0].k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every pool (all devices together, without any TPU tile padding)."""
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+    def abstract(self) -> "KVCache":
+        """The same cache as ShapeDtypeStructs (lowering with it donates nothing)."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def copy_pages(self, src, dst) -> "KVCache":
+        """Page dst[i] takes page src[i]'s K/V in every layer (copy-on-write); dst out of range: no-op.
+        The cache is donated: use the returned one."""
+        return jax.tree.map(lambda x: x.at[dst].set(x[src], mode="drop"), self)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def fill_pages(self, pages, value) -> "KVCache":
+        """Every listed page takes `value` in K and V of every layer; pages out of range: no-op.
+        The cache is donated: use the returned one."""
+        return jax.tree.map(lambda x: x.at[pages].set(value.astype(x.dtype), mode="drop"), self)
+
+
+def pool_head_dim(head_dim: int, platform: str) -> int:
+    """The head_dim a page pool stores. On TPU, whole 128-lane tiles: for a smaller head_dim XLA
+    lays the pool out with the page index innermost, and every page read then relayouts the
+    whole pool (measured: 24-48 whole-pool copies per step of the embedded model, head_dim 32).
+    The padding costs memory (4x at head_dim 32, 2x at 64), which `page_bytes_per_chip` counts."""
+    return -(-head_dim // 128) * 128 if platform == "tpu" else head_dim
+
+
+def page_bytes_per_chip(cfg: ModelConfig, dtype, page_size: int, model_axis: int, tpu: bool) -> int:
+    """K and V of one page in every layer, on one chip (KV heads split over "model" when they
+    divide). On TPU the pool's two minor dims (page slots, head_dim) are stored in whole
+    (sublanes, 128 lanes) tiles, so a head_dim of 32 takes 128 lanes."""
+    itemsize = jnp.dtype(dtype).itemsize
+    slots, dim = page_size, cfg.head_dim
+    if tpu:
+        slots, dim = -(-slots // (32 // itemsize)) * (32 // itemsize), pool_head_dim(dim, "tpu")
+    mesh = jax.sharding.AbstractMesh((1, 1, model_axis), parallel.MESH_AXES)
+    split = model_axis if "model" in parallel.kv_cache_sharding(cfg, mesh).spec else 1
+    return 2 * cfg.num_layers * slots * cfg.num_kv_heads * dim * itemsize // split

@@ -1,0 +1,70 @@
+"""KVCache against numpy: the write of new K/V into slots, whole-page copies and fills, and its
+size in bytes against the sizing arithmetic the runner and `jaxserve check` use."""
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve import parallel
+from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import KVCache, LayerKV, page_bytes_per_chip
+
+CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                  num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+NUM_PAGES, PAGE_SIZE = 6, 4
+
+
+def random_cache(seed: int) -> KVCache:
+    rng = np.random.default_rng(seed)
+    cache = KVCache.zeros(CFG, parallel.make_mesh({}), NUM_PAGES, PAGE_SIZE, jnp.float32)
+    return KVCache(tuple(LayerKV(*(jnp.asarray(rng.standard_normal(kv.k.shape), jnp.float32) for _ in "kv"))
+                         for kv in cache.layers))
+
+
+def as_numpy(cache: KVCache) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(np.array(kv.k), np.array(kv.v)) for kv in cache.layers]
+
+
+def test_zeros_has_the_layout_and_the_bytes_sizing_counts():
+    cache = KVCache.zeros(CFG, parallel.make_mesh({}), NUM_PAGES, PAGE_SIZE, jnp.float32)
+    assert len(cache.layers) == CFG.num_layers
+    assert cache.layers[0].k.shape == (NUM_PAGES, CFG.num_kv_heads, PAGE_SIZE, CFG.head_dim)
+    assert (cache.num_pages, cache.page_size) == (NUM_PAGES, PAGE_SIZE)
+    assert cache.nbytes == NUM_PAGES * page_bytes_per_chip(CFG, jnp.float32, PAGE_SIZE, 1, tpu=False)
+    assert cache.nbytes == 2 * CFG.num_layers * NUM_PAGES * CFG.num_kv_heads * PAGE_SIZE * CFG.head_dim * 4
+    assert not any(np.asarray(x).any() for kv in cache.layers for x in (kv.k, kv.v))
+
+
+def test_write_puts_each_token_at_its_slot_and_drops_padding():
+    layer = random_cache(0).layers[0]
+    before_k, before_v = np.array(layer.k), np.array(layer.v)
+    rng = np.random.default_rng(1)
+    k, v = (rng.standard_normal((5, CFG.num_kv_heads, CFG.head_dim)).astype(np.float32) for _ in "kv")
+    slots = np.array([0, 7, 13, 23, NUM_PAGES * PAGE_SIZE], np.int32)   # the last is padding
+    written = layer.write(jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
+    for want, got, new in ((before_k, written.k, k), (before_v, written.v, v)):
+        for t, slot in enumerate(slots[:-1]):
+            want[slot // PAGE_SIZE, :, slot % PAGE_SIZE] = new[t]
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_copy_and_fill_pages_touch_only_the_listed_pages_in_every_layer():
+    cache = random_cache(2)
+    want = as_numpy(cache)
+    src, dst = np.array([1, 4, 0], np.int32), np.array([3, 5, NUM_PAGES], np.int32)   # dst NUM_PAGES: no-op
+    cache = cache.copy_pages(jnp.asarray(src), jnp.asarray(dst))
+    for k, v in want:
+        k[[3, 5]], v[[3, 5]] = k[[1, 4]], v[[1, 4]]
+    for (wk, wv), kv in zip(want, cache.layers):
+        np.testing.assert_array_equal(np.asarray(kv.k), wk)
+        np.testing.assert_array_equal(np.asarray(kv.v), wv)
+    cache = cache.fill_pages(jnp.asarray([2, NUM_PAGES], jnp.int32), np.float32("nan"))
+    for (wk, wv), kv in zip(want, cache.layers):
+        wk[2], wv[2] = np.nan, np.nan
+        np.testing.assert_array_equal(np.asarray(kv.k), wk)
+        np.testing.assert_array_equal(np.asarray(kv.v), wv)
+
+
+def test_abstract_keeps_shapes_dtypes_and_shardings():
+    cache = KVCache.zeros(CFG, parallel.make_mesh({}), NUM_PAGES, PAGE_SIZE, jnp.bfloat16)
+    spec = KVCache.spec(CFG, parallel.make_mesh({}), NUM_PAGES, PAGE_SIZE, jnp.bfloat16)
+    for a, s in zip(cache.abstract().layers, spec.layers):
+        assert (a.k.shape, a.k.dtype, a.k.sharding) == (s.k.shape, s.k.dtype, s.k.sharding)
