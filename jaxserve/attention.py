@@ -33,6 +33,7 @@ from pallas_kernels.flash_attention.reference import causal_attention
 from pallas_kernels.paged_attention import xla as paged_xla
 
 BACKENDS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
+QUANTIZED_KV_BACKENDS = "kv_cache_dtype int8 and fp8 run on attention_backend xla only so far"
 # XLA path: decode rows attend in groups of this many, each group reading K/V only up to its own
 # longest row (the runner orders decode rows longest first, so groups hold similar lengths).
 DECODE_GROUP_ROWS = 16
@@ -106,21 +107,23 @@ def attend(q, k, v, kv: LayerKV | None, meta: AttentionMetadata | None, *, slidi
     kv = kv.write(k, v, meta.slot_mapping)
     if meta.kv_sharding is not None:
         kv = kv.constrain(meta.kv_sharding)
-    out = paged_attention(q, kv.k, kv.v, meta, sliding_window=sliding_window, sm_scale=sm_scale,
+    out = paged_attention(q, kv, meta, sliding_window=sliding_window, sm_scale=sm_scale,
                           soft_cap=soft_cap, alibi_slopes=alibi_slopes, k=k, v=v)
     return out[..., :head_dim], kv
 
 
-def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_window, sm_scale,
+def paged_attention(q, kv: LayerKV, meta: AttentionMetadata, *, sliding_window, sm_scale,
                     soft_cap=None, alibi_slopes=None, k=None, v=None):
-    """Ragged paged attention of q [T, H, D] through the page table. The Pallas backends run in
-    interpret mode when the arrays live on CPU (tests). k, v [T, KVH, D]: this step's new K/V (already
-    in the pages), which let the Pallas backends run fresh prefill rows through the flash kernel.
-    alibi_slopes: f32[H] of all query heads; under tensor parallelism each device gets its heads'."""
+    """Ragged paged attention of q [T, H, D] through the page table to a layer's pages. The
+    Pallas backends run in interpret mode when the arrays live on CPU (tests). k, v [T, KVH, D]:
+    this step's new K/V (already in the pages), which let the Pallas backends run fresh prefill
+    rows through the flash kernel. alibi_slopes: f32[H] of all query heads; under tensor
+    parallelism each device gets its heads'."""
     tables = (meta.page_table, meta.seq_lens, meta.query_start_loc)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    k_pages, v_pages = kv.k, kv.v
     if meta.backend == "xla":
-        kwargs["alibi_slopes"] = alibi_slopes
+        kwargs.update(alibi_slopes=alibi_slopes, k_scale=kv.k_scale, v_scale=kv.v_scale)
         p = meta.num_prefill_rows
         if p is None:
             return paged_xla.ragged_paged_attention(q, k_pages, v_pages, *tables, max_q=meta.max_q, **kwargs)
@@ -134,6 +137,8 @@ def paged_attention(q, k_pages, v_pages, meta: AttentionMetadata, *, sliding_win
         return out
     if meta.backend not in ("pallas_gpu", "pallas_tpu"):
         raise ValueError(f"attention backend {meta.backend!r} is not available")
+    if kv.k_scale is not None:
+        raise NotImplementedError(QUANTIZED_KV_BACKENDS)
     # Imported on first use: the Pallas Triton / Mosaic modules cost a fraction of a second.
     kernels = meta.backend.removeprefix("pallas_")
     interpret = (meta.platform or jax.default_backend()) == "cpu"

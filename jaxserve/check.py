@@ -28,7 +28,7 @@ from jaxserve.attention import resolve_backend
 from jaxserve.buckets import Buckets, StepShape
 from jaxserve.checkpoint import param_shapes, saved_quantization
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.kv_cache import KVCache, page_bytes_per_chip
+from jaxserve.kv_cache import KVCache, page_bytes_per_chip, storage_dtype
 from jaxserve.models import build_model
 from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, make_step,
                            page_copy_batches, sampler_lowerings)
@@ -135,15 +135,15 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
                                                            tpu=True, chip=tpu.generation, name=model_name)
     except sizing.PoolDoesNotFit as e:
         return Report(weight_bytes, 0, 0, tpu.hbm_bytes, [], str(e))
-    page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=True)
-    # one layer's K (or V) on one chip, as HLO shapes count it (without the tiles' padding)
-    pool_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=False) * num_pages // (
-        2 * cfg.num_layers)
+    page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=True, kv_cache_dtype=ecfg.kv_cache_dtype)
+    # one layer's K (or V) on one chip, as HLO shapes count it (without the tiles' padding or scales)
+    pool_bytes = page_bytes_per_chip(cfg, storage_dtype(ecfg.kv_cache_dtype, dtype), ecfg.page_size, model_axis,
+                                     tpu=False) * num_pages // (2 * cfg.num_layers)
 
     unsharded = param_shapes(cfg, dtype, ecfg.quantization)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           unsharded, parallel.param_shardings(unsharded, mesh, cfg))
-    kv = KVCache.spec(cfg, mesh, num_pages, ecfg.page_size, dtype)
+    kv = KVCache.spec(cfg, mesh, num_pages, ecfg.page_size, dtype, ecfg.kv_cache_dtype)
     model = build_model(cfg, dtype)
     backend = resolve_backend(backend or ecfg.attention_backend, parallel.platform(mesh))
     step = make_step(model, cfg, mesh, backend)

@@ -16,7 +16,7 @@ import sys
 import yaml
 
 from jaxserve import check_cli
-from jaxserve.config import QUANTIZATION_MODES, DistributedConfig, EngineConfig
+from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, DistributedConfig, EngineConfig
 
 # configs/tiny-cpu.yaml of a source checkout (`pip install -e .`): the default for the embedded model.
 TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -24,7 +24,7 @@ TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 
 def engine_config(args) -> EngineConfig:
-    """--config YAML (with --model, --tp/--sp/--dp and --quantization on top); with neither,
+    """--config YAML (with --model, --tp/--sp/--dp, --quantization and --kv-cache-dtype on top); with neither,
     configs/tiny-cpu.yaml when present."""
     path = args.config or (TINY_CPU_CONFIG if args.model is None and os.path.exists(TINY_CPU_CONFIG) else None)
     cfg = EngineConfig.from_yaml(path, model=args.model) if path else EngineConfig(model=args.model)
@@ -34,6 +34,8 @@ def engine_config(args) -> EngineConfig:
         cfg = dataclasses.replace(cfg, speculative=json.loads(args.speculative_config))
     if args.quantization:
         cfg = dataclasses.replace(cfg, quantization=args.quantization)
+    if args.kv_cache_dtype:
+        cfg = dataclasses.replace(cfg, kv_cache_dtype=args.kv_cache_dtype)
     return cfg
 
 
@@ -47,6 +49,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, help="data-parallel replicas (mesh 'data' axis; `serve` only)")
     p.add_argument("--quantization", choices=QUANTIZATION_MODES,
                    help="weight-only quantization of the Linear weights at load time (overrides the config)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3) with per-token scales")
     p.add_argument("--speculative-config", help='speculative decoding as JSON (the engine config key '
                                                 '`speculative`), e.g. \'{"method": "ngram", "num_tokens": 4}\'')
 

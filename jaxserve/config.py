@@ -16,6 +16,7 @@ MAX_LOGPROBS = 20                      # top-N logprobs per sampled token (the r
 MAX_LOGIT_BIAS = 300                   # logit_bias entries per request
 MAX_STOP_TOKEN_IDS = 64
 QUANTIZATION_MODES = ("int8", "int4")   # weight-only (jaxserve/quantization.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")   # KV cache storage (jaxserve/kv_cache.py)
 
 
 class InvalidRequest(ValueError):
@@ -186,6 +187,9 @@ class EngineConfig:
     # Weight-only quantization of the Linear weights at load time (jaxserve/quantization.py):
     # None | int8 | int4. An orbax checkpoint written quantized (`jaxserve convert --quantization`) loads as it is.
     quantization: str | None = None
+    # KV cache storage: auto (the model dtype) | int8 | fp8 (e4m3), with a scale per token and KV head
+    # (jaxserve/kv_cache.py). Quantized caches hold about twice the pages (4x from float32).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.distributed, dict):
@@ -211,6 +215,9 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATION_MODES):
             raise ValueError(f"engine config: quantization must be one of {', '.join(QUANTIZATION_MODES)} "
                              f"or null, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"engine config: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.distributed is not None and self.mesh.get("data", 1) > 1:
             raise ValueError("engine config: data-parallel replicas (mesh data > 1) run in one process; "
                              "a multi-host engine is one engine over all hosts' devices")

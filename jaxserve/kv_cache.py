@@ -9,6 +9,13 @@ sequence's pages are a row of the page table. Sharded over KV heads (parallel.kv
 axis 1). On TPU head_dim is stored padded to whole 128 lanes (`pool_head_dim`; attention pads
 q/k/v to it and cuts the output back).
 
+Quantized caches (`kv_cache_dtype` int8 or fp8, e4m3): K and V are stored in that dtype with one
+float32 scale per (page slot, KV head), k_scale / v_scale [num_pages, num_kv_heads, page_size]:
+each token's head vector is scaled so its largest magnitude is the dtype's largest value, which
+keeps outliers of one token from costing the precision of the others. The attention backends
+read the pools as they are and apply the scales to the scores (K) and to the weights (V), so a
+dequantized copy of the cache is never made. Scales add 4 bytes per head_dim values.
+
 The cache is one argument of the jitted step, donated and updated in place: a layer writes its
 new K/V with `LayerKV.write` and the step returns the new cache. Which page holds what is the
 block manager's business (jaxserve/block_manager.py); this module holds the arrays, their size
@@ -21,16 +28,28 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from jaxserve import parallel
 from jaxserve.config import ModelConfig
 
 
+KV_CACHE_DTYPES = {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+_LARGEST = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+def storage_dtype(kv_cache_dtype: str, model_dtype):
+    """The dtype the pools hold: the model's for "auto", else int8 or float8_e4m3fn."""
+    return jnp.dtype(KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype)
+
+
 @struct.dataclass
 class LayerKV:
-    """One layer's page pools."""
+    """One layer's page pools (and, quantized, their scales)."""
     k: jax.Array   # [num_pages, num_kv_heads, page_size, head_dim]
     v: jax.Array
+    k_scale: jax.Array | None = None   # float32 [num_pages, num_kv_heads, page_size]; None: not quantized
+    v_scale: jax.Array | None = None
 
     def write(self, k, v, slot_mapping) -> "LayerKV":
         """Scatter new K/V [T, KVH, D] into their slots; out-of-range slots (padding) are dropped."""
@@ -40,14 +59,17 @@ class LayerKV:
         page, offset = slot_mapping // ps, slot_mapping % ps
 
         def put(pages, x):
-            return pages.at[page, :, offset].set(x.astype(pages.dtype), mode="drop")
+            return pages.at[page, :, offset].set(x, mode="drop")
 
-        return LayerKV(put(self.k, k), put(self.v, v))
+        if self.k_scale is None:
+            return LayerKV(put(self.k, k.astype(self.k.dtype)), put(self.v, v.astype(self.v.dtype)))
+        (k, k_scale), (v, v_scale) = quantize(k, self.k.dtype), quantize(v, self.v.dtype)
+        return LayerKV(put(self.k, k), put(self.v, v), put(self.k_scale, k_scale), put(self.v_scale, v_scale))
 
     def constrain(self, sharding) -> "LayerKV":
         """Re-assert the pools' sharding (after the write: left alone, XLA may reshard the cache
         to suit the attention math, which costs a cache all-gather)."""
-        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), self)
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, _leading(sharding, x.ndim)), self)
 
 
 @struct.dataclass
@@ -55,19 +77,28 @@ class KVCache:
     layers: tuple[LayerKV, ...]
 
     @classmethod
-    def spec(cls, cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype) -> "KVCache":
-        """The cache as ShapeDtypeStructs with their shardings (to lower a step without memory)."""
+    def spec(cls, cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype,
+             kv_cache_dtype: str = "auto") -> "KVCache":
+        """The cache as ShapeDtypeStructs with their shardings (to lower a step without memory).
+        dtype: the model's; kv_cache_dtype: "auto" (the model's), "int8" or "fp8"."""
         head_dim = pool_head_dim(cfg.head_dim, parallel.platform(mesh))
-        pool = jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size, head_dim), dtype,
-                                    sharding=parallel.kv_cache_sharding(cfg, mesh))
-        return cls(tuple(LayerKV(pool, pool) for _ in range(cfg.num_layers)))
+        sharding = parallel.kv_cache_sharding(cfg, mesh)
+        shape = (num_pages, cfg.num_kv_heads, page_size, head_dim)
+        pool = jax.ShapeDtypeStruct(shape, storage_dtype(kv_cache_dtype, dtype), sharding=sharding)
+        scale = None
+        if kv_cache_dtype != "auto":
+            scale = jax.ShapeDtypeStruct(shape[:3], jnp.float32, sharding=_leading(sharding, 3))
+        return cls(tuple(LayerKV(pool, pool, scale, scale) for _ in range(cfg.num_layers)))
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype) -> "KVCache":
-        """A zeroed cache, each pool created on its devices already sharded."""
-        pool = cls.spec(cfg, mesh, num_pages, page_size, dtype).layers[0].k
-        zeros = jax.jit(lambda: jnp.zeros(pool.shape, pool.dtype), out_shardings=pool.sharding)
-        return cls(tuple(LayerKV(zeros(), zeros()) for _ in range(cfg.num_layers)))
+    def zeros(cls, cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype,
+              kv_cache_dtype: str = "auto") -> "KVCache":
+        """A zeroed cache (scales of 1), each array created on its devices already sharded."""
+        spec = cls.spec(cfg, mesh, num_pages, page_size, dtype, kv_cache_dtype)
+
+        def make(x, value):
+            return jax.jit(lambda: jnp.full(x.shape, value, x.dtype), out_shardings=x.sharding)()
+        return jax.tree.map(lambda x: make(x, 1 if x.ndim == 3 else 0), spec)
 
     @property
     def num_pages(self) -> int:
@@ -99,6 +130,25 @@ class KVCache:
         return jax.tree.map(lambda x: x.at[pages].set(value.astype(x.dtype), mode="drop"), self)
 
 
+def _leading(sharding, ndim: int):
+    """A pool's sharding (a NamedSharding, or a PartitionSpec inside shard_map) for its scales:
+    the same over their leading `ndim` axes."""
+    if isinstance(sharding, P):
+        return P(*sharding[:ndim])
+    return jax.sharding.NamedSharding(sharding.mesh, P(*sharding.spec[:ndim]))
+
+
+def quantize(x, dtype):
+    """x [T, KVH, D] -> (x in `dtype`, float32 [T, KVH] scales) with x ~= stored * scale: each
+    head vector's largest magnitude maps to the dtype's largest value (an all-zero one: scale 1)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    scale = jnp.where(amax > 0, amax / _LARGEST[jnp.dtype(dtype)], 1.0)
+    scaled = x.astype(jnp.float32) / scale[..., None]
+    if jnp.issubdtype(dtype, jnp.integer):
+        scaled = jnp.round(scaled)
+    return scaled.astype(dtype), scale
+
+
 def pool_head_dim(head_dim: int, platform: str) -> int:
     """The head_dim a page pool stores. On TPU, whole 128-lane tiles: for a smaller head_dim XLA
     lays the pool out with the page index innermost, and every page read then relayouts the
@@ -107,14 +157,16 @@ def pool_head_dim(head_dim: int, platform: str) -> int:
     return -(-head_dim // 128) * 128 if platform == "tpu" else head_dim
 
 
-def page_bytes_per_chip(cfg: ModelConfig, dtype, page_size: int, model_axis: int, tpu: bool) -> int:
-    """K and V of one page in every layer, on one chip (KV heads split over "model" when they
-    divide). On TPU the pool's two minor dims (page slots, head_dim) are stored in whole
-    (sublanes, 128 lanes) tiles, so a head_dim of 32 takes 128 lanes."""
-    itemsize = jnp.dtype(dtype).itemsize
+def page_bytes_per_chip(cfg: ModelConfig, dtype, page_size: int, model_axis: int, tpu: bool,
+                        kv_cache_dtype: str = "auto") -> int:
+    """K and V of one page in every layer (with their scales when quantized), on one chip (KV
+    heads split over "model" when they divide). On TPU the pool's two minor dims (page slots,
+    head_dim) are stored in whole (sublanes, 128 lanes) tiles, so a head_dim of 32 takes 128 lanes."""
+    itemsize = storage_dtype(kv_cache_dtype, dtype).itemsize
     slots, dim = page_size, cfg.head_dim
     if tpu:
         slots, dim = -(-slots // (32 // itemsize)) * (32 // itemsize), pool_head_dim(dim, "tpu")
+    per_slot = dim * itemsize + (4 if kv_cache_dtype != "auto" else 0)
     mesh = jax.sharding.AbstractMesh((1, 1, model_axis), parallel.MESH_AXES)
     split = model_axis if "model" in parallel.kv_cache_sharding(cfg, mesh).spec else 1
-    return 2 * cfg.num_layers * slots * cfg.num_kv_heads * dim * itemsize // split
+    return 2 * cfg.num_layers * slots * cfg.num_kv_heads * per_slot // split

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxserve import multihost, parallel, prompt_logprobs, sizing
 from jaxserve.compilations import CompileCounter
-from jaxserve.attention import resolve_backend
+from jaxserve.attention import QUANTIZED_KV_BACKENDS, resolve_backend
 from jaxserve.buckets import Buckets, StepShape, bucket
 from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
 from jaxserve.kv_cache import KVCache, page_bytes_per_chip
@@ -58,6 +58,8 @@ class ModelRunner:
         self.cfg, self.ecfg, self.dtype = cfg, engine_cfg, dtype
         self.mesh = mesh if mesh is not None else parallel.make_mesh(engine_cfg.mesh)
         self.backend = resolve_backend(engine_cfg.attention_backend, parallel.platform(self.mesh))
+        if engine_cfg.kv_cache_dtype != "auto" and self.backend != "xla":
+            raise ValueError(f"{QUANTIZED_KV_BACKENDS} (the {parallel.platform(self.mesh)} backend here is {self.backend})")
         self.model = build_model(cfg, dtype)
         self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
         self.page_size = engine_cfg.page_size
@@ -75,7 +77,7 @@ class ModelRunner:
                 [np.array([self.num_pages], np.int32)] if multihost.is_leader() else None)[0][0])
             multihost.warmup()
             self.broadcaster = multihost.Broadcaster() if multihost.is_leader() else None
-        self.kv_cache = KVCache.zeros(cfg, self.mesh, self.num_pages, self.page_size, dtype)
+        self.kv_cache = KVCache.zeros(cfg, self.mesh, self.num_pages, self.page_size, dtype, engine_cfg.kv_cache_dtype)
         self.buckets = Buckets(engine_cfg, self.mesh.shape["seq"])
         self.max_copies = engine_cfg.max_num_seqs
         self._step = make_step(self.model, cfg, self.mesh, self.backend)
@@ -95,7 +97,8 @@ class ModelRunner:
         device = self.mesh.local_devices[0]
         stats = device.memory_stats() or {}
         if "bytes_limit" not in stats:   # CPU: kv_cache_mb, and at least one full-length sequence
-            page_bytes = page_bytes_per_chip(self.cfg, self.dtype, self.page_size, 1, tpu=False)
+            page_bytes = page_bytes_per_chip(self.cfg, self.dtype, self.page_size, 1, tpu=False,
+                                             kv_cache_dtype=self.ecfg.kv_cache_dtype)
             return max(self.ecfg.kv_cache_mb * 2**20 // page_bytes, self.max_pages_per_seq)
         # an accelerator: a share of what the (placed) weights leave free, or a clear refusal
         return sizing.kv_pool_pages(

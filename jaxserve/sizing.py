@@ -66,7 +66,8 @@ def kv_pool_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, *, model_axis: in
     would fit, when that is fewer pages than one max_model_len sequence needs."""
     def pages(model_axis: int, used: int) -> int:
         free = max(hbm_bytes - used, 0)
-        return int(free * ecfg.kv_memory_fraction) // page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu)
+        page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu, ecfg.kv_cache_dtype)
+        return int(free * ecfg.kv_memory_fraction) // page_bytes
 
     need, got = pages_per_seq(cfg, ecfg), pages(model_axis, used_bytes)
     if got >= need:

@@ -1,10 +1,14 @@
-"""KVCache against numpy: the write of new K/V into slots, whole-page copies and fills, and its
-size in bytes against the sizing arithmetic the runner and `jaxserve check` use."""
+"""KVCache against numpy: the write of new K/V into slots (quantized too), whole-page copies and
+fills, and its size in bytes against the sizing arithmetic the runner and `jaxserve check` use;
+int8 / fp8 caches through the engine: held-out perplexity and pages at the same memory."""
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jaxserve import parallel
-from jaxserve.config import ModelConfig
+from benchmarks import kv_quantization as kv_bench
+from jaxserve import LLM, cli, parallel
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine import LLMEngine
 from jaxserve.kv_cache import KVCache, LayerKV, page_bytes_per_chip
 
 CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
@@ -68,3 +72,53 @@ def test_abstract_keeps_shapes_dtypes_and_shardings():
     spec = KVCache.spec(CFG, parallel.make_mesh({}), NUM_PAGES, PAGE_SIZE, jnp.bfloat16)
     for a, s in zip(cache.abstract().layers, spec.layers):
         assert (a.k.shape, a.k.dtype, a.k.sharding) == (s.k.shape, s.k.dtype, s.k.sharding)
+
+
+def test_quantized_write_stores_each_head_vector_with_its_scale():
+    cache = KVCache.zeros(CFG, parallel.make_mesh({}), NUM_PAGES, PAGE_SIZE, jnp.float32, "int8")
+    layer = cache.layers[0]
+    assert layer.k.dtype == jnp.int8 and layer.k_scale.shape == (NUM_PAGES, CFG.num_kv_heads, PAGE_SIZE)
+    rng = np.random.default_rng(3)
+    k, v = (rng.standard_normal((3, CFG.num_kv_heads, CFG.head_dim)).astype(np.float32) for _ in "kv")
+    k[1, 0] = 0   # an all-zero head vector: scale 1, stored zeros
+    slots = np.array([2, 9, 22], np.int32)
+    written = layer.write(jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
+    for new, stored, scales in ((k, written.k, written.k_scale), (v, written.v, written.v_scale)):
+        for t, slot in enumerate(slots):
+            page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
+            amax = np.abs(new[t]).max(axis=-1)
+            want_scale = np.where(amax > 0, amax / 127, 1).astype(np.float32)
+            np.testing.assert_allclose(np.asarray(scales[page, :, offset]), want_scale, rtol=1e-6)
+            np.testing.assert_array_equal(np.asarray(stored[page, :, offset]),
+                                          np.round(new[t] / want_scale[:, None]).astype(np.int8))
+    assert cache.nbytes == NUM_PAGES * page_bytes_per_chip(CFG, jnp.float32, PAGE_SIZE, 1, tpu=False,
+                                                          kv_cache_dtype="int8")
+
+
+def test_kv_cache_dtype_is_checked_and_reaches_the_engine_config():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8"):
+        EngineConfig(kv_cache_dtype="int4")
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--kv-cache-dtype", "fp8"])
+    assert cli.engine_config(args).kv_cache_dtype == "fp8"
+
+
+def test_quantized_kv_on_a_pallas_backend_is_refused_clearly():
+    with pytest.raises(ValueError, match="kv_cache_dtype int8 and fp8 run on attention_backend xla only"):
+        LLMEngine(EngineConfig(attention_backend="pallas_tpu", kv_cache_dtype="int8", max_model_len=64,
+                               max_num_seqs=2, compilation_cache_dir=None))
+
+
+def test_quantized_caches_hold_more_pages_and_keep_perplexity_within_one_percent():
+    """The embedded model's held-out perplexity through the engine's prefill (prompt logprobs
+    read back from the pages) on 8 windows, and the pool at the same kv_cache_mb."""
+    windows = kv_bench.heldout_windows(8)
+    engine = dict(max_num_seqs=4, max_model_len=256, kv_cache_mb=4, compilation_cache_dir=None)
+    ppl, pages = {}, {}
+    for kv in kv_bench.KV_DTYPES:
+        llm = LLM(kv_cache_dtype=kv, **engine)
+        ppl[kv], pages[kv] = kv_bench.engine_perplexity(llm, windows), llm.llm_engine.runner.num_pages
+    for kv in ("int8", "fp8"):
+        assert abs(ppl[kv] / ppl["auto"] - 1) < 0.01, ppl
+        # float32 head_dim 32: 128 bytes per head and slot against 32 + a 4-byte scale
+        assert pages[kv] == 4 * 2**20 // page_bytes_per_chip(llm.llm_engine.model_cfg, jnp.float32, 16, 1, False, kv)
+        assert pages[kv] >= 3.5 * pages["auto"], pages

@@ -26,10 +26,10 @@ def _arrivals():
             3: [(shared + rng.randint(0, 256, 6).tolist(), 1), (rng.randint(0, 256, 20).tolist(), 1)]}
 
 
-def _run(backend, poison):
+def _run(backend, poison, kv_cache_dtype="auto"):
     engine = LLMEngine(EngineConfig(attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=16,
                                     prefill_chunk_size=16, max_prefill_seqs=1, max_model_len=128, num_pages=6,
-                                    poison_freed_pages=poison))
+                                    poison_freed_pages=poison, kv_cache_dtype=kv_cache_dtype))
     arrivals, ids, out, step = _arrivals(), [], {}, 0
     while engine.has_unfinished() or arrivals:
         for prompt, n in arrivals.pop(step, []):
@@ -43,8 +43,9 @@ def _run(backend, poison):
         step += 1
     assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.prefix_hit_rate > 0
-    k, v = (np.asarray(x) for x in (engine.runner.kv_cache.layers[0].k, engine.runner.kv_cache.layers[0].v))
-    nan_pages = int(np.isnan(k).all(axis=(1, 2, 3)).sum() + np.isnan(v).all(axis=(1, 2, 3)).sum())
+    layer = engine.runner.kv_cache.layers[0]   # a quantized cache's poison shows in its scales
+    k, v = (np.asarray(x) for x in ((layer.k, layer.v) if layer.k_scale is None else (layer.k_scale, layer.v_scale)))
+    nan_pages = sum(int(np.isnan(x.reshape(len(x), -1)).all(axis=1).sum()) for x in (k, v))
     keys = sorted(out)
     return ([out[key][0] for key in keys], np.array([out[key][1] for key in keys], np.float32)), nan_pages
 
@@ -66,3 +67,13 @@ def test_poisoned_free_pages_leave_outputs_unchanged(backend):
         assert np.array_equal(poisoned_logprobs, logprobs)
     else:   # another request's live page would move logprobs far more than this
         np.testing.assert_allclose(poisoned_logprobs, logprobs, rtol=0, atol=ATOL)
+
+
+def test_poisoned_free_pages_leave_quantized_kv_outputs_unchanged():
+    """An int8 cache (NaN reaches it through the scales) gives the same tokens and logprobs, bit
+    for bit, poisoned or not."""
+    (tokens, logprobs), clean_nan_pages = _run("xla", poison=False, kv_cache_dtype="int8")
+    (poisoned_tokens, poisoned_logprobs), nan_pages = _run("xla", poison=True, kv_cache_dtype="int8")
+    assert clean_nan_pages == 0 and nan_pages > 0
+    assert poisoned_tokens == tokens and np.isfinite(logprobs).all()
+    assert np.array_equal(poisoned_logprobs, logprobs)

@@ -122,7 +122,7 @@ def dispatch(case, backend, **meta):
     meta = attention.AttentionMetadata(
         positions=None, slot_mapping=None, page_table=case["page_table"], seq_lens=case["seq_lens"],
         query_start_loc=case["query_start_loc"], max_q=case["max_q"], backend=backend, **meta)
-    return attention.paged_attention(case["q"], case["k_pages"], case["v_pages"], meta,
+    return attention.paged_attention(case["q"], kv_cache.LayerKV(case["k_pages"], case["v_pages"]), meta,
                                      sliding_window=case["sliding_window"], sm_scale=case["sm_scale"],
                                      soft_cap=case["soft_cap"], alibi_slopes=case["alibi_slopes"])
 
@@ -314,3 +314,41 @@ def test_flash_runs_only_for_fresh_prefill_rows(monkeypatch, backend):
     assert np.abs(np.asarray(out[prefill:]) - want[prefill:]).max() < TOL["float32"]
     out, case = attend_case(CACHED, backend)
     assert_close(out, case)
+
+
+def quantized(pages, dtype):
+    """A [N, KVH, ps, D] pool through kv_cache.quantize (per slot and head): (stored, scales, the
+    dequantized pool in float64 for the oracle)."""
+    n, kvh, ps, d = pages.shape
+    stored, scale = kv_cache.quantize(pages.transpose(0, 2, 1, 3).reshape(n * ps, kvh, d), dtype)
+    stored = stored.reshape(n, ps, kvh, d).transpose(0, 2, 1, 3)
+    scale = scale.reshape(n, ps, kvh).transpose(0, 2, 1)
+    return stored, scale, np.asarray(stored, np.float64) * np.asarray(scale, np.float64)[..., None]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: "g{}-kvh{}-d{}-ps{}-{}-w{}".format(*c))
+def test_xla_path_reads_quantized_pools_through_their_scales(kv_dtype, config):
+    """Int8 / fp8 pools with per-slot scales give the attention of the dequantized pools (naive
+    oracle), and NaN scales in pages no row may read (a freed page) change nothing."""
+    group, kvh, head_dim, page_size, dtype, window = config
+    case = make_case(5, seqs=mixed_batch(page_size), num_kv_heads=kvh, group=group, head_dim=head_dim,
+                     page_size=page_size, dtype=dtype, pad_tokens=3, sliding_window=window)
+    storage = kv_cache.KV_CACHE_DTYPES[kv_dtype]
+    (k, k_scale, k_deq), (v, v_scale, v_deq) = (quantized(case[name], storage) for name in ("k_pages", "v_pages"))
+    lens, table = np.asarray(case["seq_lens"]), np.asarray(case["page_table"])
+    read = {int(table[s, p]) for s in range(len(lens)) for p in range(-(-int(lens[s]) // page_size))}
+    unread = np.array(sorted(set(range(k.shape[0])) - read))
+    k_scale, v_scale = (x.at[unread].set(np.nan) for x in (k_scale, v_scale))
+    meta = attention.AttentionMetadata(
+        positions=None, slot_mapping=None, page_table=case["page_table"], seq_lens=case["seq_lens"],
+        query_start_loc=case["query_start_loc"], max_q=case["max_q"], backend="xla")
+    out = attention.paged_attention(case["q"], kv_cache.LayerKV(k, v, k_scale, v_scale), meta,
+                                    sliding_window=window, sm_scale=case["sm_scale"])
+    assert_close(out, dict(case, k_pages=k_deq, v_pages=v_deq))
+    # and the quantization itself is as fine as the dtype allows: int8 half a step of the scale;
+    # e4m3 half a unit in the last of 3 mantissa bits, or half its subnormal step (2^-9 x scale)
+    pages, step = np.asarray(case["k_pages"], np.float64), np.asarray(k_scale, np.float64)[..., None]
+    bound = step / 2 if kv_dtype == "int8" else np.abs(pages) * 2.0 ** -4 + step * 2.0 ** -10
+    used = np.array(sorted(read))
+    assert np.all(np.abs(k_deq - pages)[used] <= bound[used] * (1 + 1e-6) + 1e-7)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve import attention, parallel
+from jaxserve.kv_cache import LayerKV
 
 pytest.importorskip("libtpu")
 # Compile-only use: other processes holding libtpu (parallel test workers) do not conflict.
@@ -66,7 +67,7 @@ def test_dispatch_reaches_mosaic_for_tpu_arrays():
             positions=None, slot_mapping=None, page_table=table, seq_lens=lens, query_start_loc=qsl,
             max_q=BATCHES["mixed"][2], backend="pallas_tpu",
             platform=parallel.platform(parallel.make_mesh(None, [device])))
-        return attention.paged_attention(q, k_pages, v_pages, meta, sliding_window=None, sm_scale=0.1,
+        return attention.paged_attention(q, LayerKV(k_pages, v_pages), meta, sliding_window=None, sm_scale=0.1,
                                          soft_cap=30.0, alibi_slopes=slopes)
 
     lowered = jax.jit(step).lower(q, k_pages, v_pages, table, lens, qsl, slopes)

@@ -21,11 +21,15 @@ MASK_VALUE = -1e30
 
 @functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "soft_cap", "block_tokens"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *, max_q,
-                           sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None, block_tokens=128):
+                           sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None, k_scale=None,
+                           v_scale=None, block_tokens=128):
     """q [T, H, D] flat ragged batch; sequence s owns tokens query_start_loc[s]:[s+1], the last
     of its seq_lens[s] positions. Tokens outside query_start_loc[0]:[-1] come back as 0.
     soft_cap: scores become soft_cap * tanh(scores / soft_cap) (Gemma 2), before the mask.
     alibi_slopes: f32 [H] or None: ALiBi, slope * key position added (pallas_kernels/scores.py).
+    k_scale, v_scale: f32 [num_pages, KVH, page_size] or None: quantized pools (int8, fp8) hold
+    K / scale and V / scale per (slot, KV head); the scales multiply the scores and the
+    attention weights, so no dequantized K or V is formed.
     Pages are gathered whole from the pool as it is: no 2-D view of it, which on TPU (tiled
     dimensions merged) or under KV-head sharding (sharded axis merged) would cost a copy or an
     all-gather of the whole pool per read, and on CPU measured no faster in this layout."""
@@ -62,19 +66,23 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         start_block = jnp.minimum(jnp.maximum(lowest, 0) // bt, end_block)
 
     def gather(pool, pages):
-        """[S, bp] pages -> their K or V as [S, KVH, bt, D]."""
-        return pool[pages].transpose(0, 2, 1, 3, 4).reshape(s_max, kvh, bt, d)
+        """[S, bp] pages -> their K or V as [S, KVH, bt, D] (a scale pool: [S, KVH, bt])."""
+        x = pool[pages]
+        return x.transpose(0, 2, 1, 3, *range(4, x.ndim)).reshape(s_max, kvh, bt, *x.shape[4:])
 
     def block(j, carry):
         m, l, acc = carry
         pages = lax.dynamic_slice_in_dim(page_table, j * bp, bp, axis=1)  # [S, bp]
-        k, v = (gather(x, pages) for x in (k_pages, v_pages))
+        k, v = (gather(x, pages).astype(q.dtype) for x in (k_pages, v_pages))
         s = jnp.einsum("skrd,skjd->skrj", qp, k, preferred_element_type=jnp.float32) * sm_scale
+        if k_scale is not None:
+            s = s * gather(k_scale, pages)[:, :, None, :]
         kv_pos = j * bt + jnp.arange(bt)
         s = modify_scores(s, kv_pos, soft_cap=soft_cap, slopes=slopes)
         # Slots past a row's length hold another request's K/V or nothing (a free page, a page
         # table's padding): a zero weight does not cancel an inf or NaN there, a zeroed V does.
-        v = jnp.where((kv_pos[None, :] < seq_lens[:, None])[:, None, :, None], v, 0)
+        in_seq = (kv_pos[None, :] < seq_lens[:, None])[:, None, :]   # [S, 1, bt]
+        v = jnp.where(in_seq[..., None], v, 0)
         mask = kv_pos[None, None, :] <= q_pos[:, :, None]
         if sliding_window is not None:
             mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
@@ -83,7 +91,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         probs = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         scale = jnp.exp(m - m_new)
         l = l * scale + probs.sum(-1)
-        acc = acc * scale[..., None] + jnp.einsum("skrj,skjd->skrd", probs.astype(v.dtype), v,
+        weights = probs if v_scale is None else probs * jnp.where(in_seq, gather(v_scale, pages), 0)[:, :, None, :]
+        acc = acc * scale[..., None] + jnp.einsum("skrj,skjd->skrd", weights.astype(v.dtype), v,
                                                   preferred_element_type=jnp.float32)
         return m_new, l, acc
 
