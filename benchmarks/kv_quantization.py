@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import numpy as np
 
 from benchmarks.common import RESULTS_DIR, command_line, markdown_table, write_keeping_notes
-from benchmarks.quantization import AGREEMENT_TOKENS, MACHINE, agreement, greedy_tokens, training_script
+from benchmarks.quantization import (AGREEMENT_TOKENS, MACHINE, agreement, decode_step_seconds, greedy_tokens,
+                                     training_script)
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine import TINY_MODEL_DIR
 from jaxserve.kv_cache import page_bytes_per_chip
@@ -68,28 +68,6 @@ def most_running(llm: LLM, num_requests: int = 32, prompt_tokens: int = 384, max
     return most
 
 
-def step_seconds(llms: dict[str, LLM], batch: int, rounds: int) -> dict[str, float]:
-    """Median seconds of a decode step with `batch` sequences per engine, in alternating rounds."""
-    params = SamplingParams(temperature=0.0, max_tokens=rounds + 32, ignore_eos=True)
-    prompt = load_tokenizer(TINY_MODEL_DIR).encode(training_script().SAMPLE_PROMPTS[0])
-    ids = {kv: [llm.llm_engine.add_request(prompt, params) for _ in range(batch)] for kv, llm in llms.items()}
-    for llm in llms.values():
-        for _ in range(8):   # the prefills, then decodes until the pipeline is full
-            llm.llm_engine.step()
-    times = {kv: [] for kv in llms}
-    for _ in range(rounds):
-        for kv, llm in llms.items():
-            start = time.perf_counter()
-            llm.llm_engine.step()
-            times[kv].append(time.perf_counter() - start)
-    for kv, llm in llms.items():
-        for request_id in ids[kv]:
-            llm.llm_engine.abort(request_id)
-        while llm.llm_engine.has_unfinished():
-            llm.llm_engine.step()
-    return {kv: float(np.median(t)) for kv, t in times.items()}
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rounds", type=int, default=100)
@@ -101,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     ppl = {kv: engine_perplexity(llm, windows) for kv, llm in llms.items()}
     tokens = {kv: greedy_tokens(llm) for kv, llm in llms.items()}
     running = {kv: most_running(llm) for kv, llm in llms.items()}
-    steps = {b: step_seconds(llms, b, args.rounds) for b in (1, 16)}
+    steps = {b: decode_step_seconds(llms, args.rounds, b) for b in (1, 16)}
     cfg = llms["auto"].llm_engine.model_cfg
     quality, memory = [], []
     for kv, llm in llms.items():

@@ -85,14 +85,16 @@ def linear_weight_bytes(params) -> int:
     return total
 
 
-def decode_step_seconds(engines: dict, rounds: int) -> dict:
-    """Median seconds of a batch-1 decode step per engine, taken in alternating rounds."""
-    params = SamplingParams(temperature=0.0, max_tokens=rounds + 8, ignore_eos=True)
+def decode_step_seconds(engines: dict, rounds: int, batch: int = 1) -> dict:
+    """Median seconds of a decode step with `batch` sequences per engine (LLMs keyed by mode),
+    taken in alternating rounds."""
+    params = SamplingParams(temperature=0.0, max_tokens=rounds + 32, ignore_eos=True)
     ids = {}
     for mode, llm in engines.items():
         engine = llm.llm_engine
-        ids[mode] = engine.add_request(engine.tokenizer.encode(training_script().SAMPLE_PROMPTS[0]), params)
-        for _ in range(3):   # the prefill, then decode steps until the pipeline is full
+        prompt = engine.tokenizer.encode(training_script().SAMPLE_PROMPTS[0])
+        ids[mode] = [engine.add_request(prompt, params) for _ in range(batch)]
+        for _ in range(8):   # the prefills, then decode steps until the pipeline is full
             engine.step()
     times = {mode: [] for mode in engines}
     for _ in range(rounds):
@@ -101,7 +103,10 @@ def decode_step_seconds(engines: dict, rounds: int) -> dict:
             llm.llm_engine.step()
             times[mode].append(time.perf_counter() - start)
     for mode, llm in engines.items():
-        llm.llm_engine.abort(ids[mode])
+        for request_id in ids[mode]:
+            llm.llm_engine.abort(request_id)
+        while llm.llm_engine.has_unfinished():
+            llm.llm_engine.step()
     return {mode: float(np.median(t)) for mode, t in times.items()}
 
 
