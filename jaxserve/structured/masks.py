@@ -16,7 +16,7 @@ def token_masks(seqs: list, aheads: list[list[int]], pad_to: int) -> np.ndarray 
     padding, and for finished sequences (a deferred sampler's rows of sequences that stopped
     meanwhile: discarded). None when no row has a grammar (the sampler then skips the mask: a
     static shape)."""
-    grammars = [None if s.is_finished else s.grammar for s in seqs]
+    grammars = [s.grammar if s.grammar is not None and not s.is_finished else None for s in seqs]
     words = next((g.words for g in grammars if g is not None), None)
     if words is None:
         return None
