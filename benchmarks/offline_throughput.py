@@ -77,9 +77,9 @@ class StepProfile:
         self._padded = len(tokens)
         return self.jit_step(params, kv_cache, tokens, *args, **kwargs)
 
-    def _launch(self, out, seeds):
+    def _launch(self, out, seeds, sample_later=False):   # its workload never defers a sampler
         t0 = time.perf_counter()
-        launched = self.launch(out, seeds)
+        launched = self.launch(out, seeds, sample_later)
         self.rows.append([out.num_prefill_seqs > 0, out.num_tokens, self._padded, time.perf_counter() - t0])
         return launched, self.rows[-1]
 

@@ -10,8 +10,11 @@ busy over [max(launched_k, done_{k-1}), done_k]; everything else is idle:
   * host ms on the critical path per step = mean of max(0, launched_k - done_{k-1}): how long the
     device waited for the host between two steps.
 Outputs of the two modes are compared token for token. Writes benchmarks/results/overlap.md.
+With --regex every request is constrained to it (structured output; the model's tokenizer must
+spell it: --model tiny): the overlapped loop then launches each step's sampler on its own, after
+the previous step's collection (a launch of its own in the timeline, part of its step in the figures).
 
-  python -m benchmarks.overlap [--batches 1,16,64] [--output-len 32] [--rounds 2]
+  python -m benchmarks.overlap [--batches 1,16,64] [--output-len 32] [--rounds 2] [--regex RE]
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from benchmarks.common import (RESULTS_DIR, command_line, load_average, machine_
                                markdown_table, model_summary, prepare_model, write_keeping_notes)
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine import LLMEngine
+from jaxserve.structured import StructuredOutput
 
 RESULTS = os.path.join(RESULTS_DIR, "overlap.md")
 
@@ -49,7 +53,10 @@ class Timeline:
     def _replay(self, message):
         sampled = self.replay(message)
         self.launched.append(time.perf_counter())
-        self._pending.put([s for s in sampled if s is not None] or self.runner.kv_cache)
+        # A model whose sampler comes later: its logits (the KV cache is donated to the next step).
+        unsampled = self.runner._unsampled_logits
+        self._pending.put([s for s in sampled if s is not None]
+                          or (self.runner.kv_cache if unsampled is None else unsampled))
         return sampled
 
     def _watch(self) -> None:
@@ -57,7 +64,8 @@ class Timeline:
             jax.block_until_ready(arrays)
             self.done.append(time.perf_counter())
 
-    def close(self) -> dict:
+    def close(self, steps: int) -> dict:
+        """The figures over the engine's `steps` (a deferred sampler's replay is part of its step)."""
         self._pending.put(None)
         self._watcher.join()
         self.runner.replay = self.replay
@@ -69,22 +77,24 @@ class Timeline:
             busy += done - start
             last_done = done
         wall = self.done[-1] - self.launched[0]
-        return {"steps": len(self.done), "wall_s": wall, "idle": 1 - busy / wall,
-                "host_ms_critical": 1e3 * sum(waits) / max(len(waits), 1), "device_ms_per_step": 1e3 * busy / len(self.done)}
+        return {"steps": steps, "wall_s": wall, "idle": 1 - busy / wall,
+                "host_ms_critical": 1e3 * sum(waits) / max(steps - 1, 1), "device_ms_per_step": 1e3 * busy / steps}
 
 
-def run(engine: LLMEngine, requests, overlap: bool) -> tuple[dict, list[list[int]]]:
+def run(engine: LLMEngine, requests, overlap: bool, regex: str | None = None) -> tuple[dict, list[list[int]]]:
     engine.overlap = overlap
+    constraint = StructuredOutput("regex", regex) if regex else None
     ids = [engine.add_request(r.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
-                                                                 ignore_eos=True)) for r in requests]
+                                                                 ignore_eos=True, structured_output=constraint))
+           for r in requests]
     outputs: dict[str, list[int]] = {i: [] for i in ids}
-    timeline = Timeline(engine)
+    timeline, steps = Timeline(engine), engine.stats["steps"]
     t0 = time.perf_counter()
     while engine.has_unfinished():
         for out in engine.step():
             outputs[out.request_id] += out.outputs[0].token_ids
     seconds = time.perf_counter() - t0
-    stats = timeline.close()
+    stats = timeline.close(engine.stats["steps"] - steps)
     stats["tokens_per_s"] = sum(map(len, outputs.values())) / seconds
     return stats, [outputs[i] for i in ids]
 
@@ -98,6 +108,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds of overlap off / on (best counts)")
     p.add_argument("--modes", default="off,on", help="overlap off, on, or both")
     p.add_argument("--work-dir", default="/tmp/jaxserve_bench", help="where the 100m model is built")
+    p.add_argument("--regex", help="constrain every request to this regex (structured output)")
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
     # The watcher thread must get the GIL soon after a step is done for its timestamp to be right.
@@ -119,7 +130,7 @@ def main(argv=None) -> None:
         best, outputs = {}, {}
         for _ in range(args.rounds):
             for overlap in modes:
-                stats, outputs[overlap] = run(engine, requests, overlap)
+                stats, outputs[overlap] = run(engine, requests, overlap, args.regex)
                 print(f"batch {b} overlap {'on' if overlap else 'off'}: {stats}", flush=True)
                 if overlap not in best or stats["tokens_per_s"] > best[overlap]["tokens_per_s"]:
                     best[overlap] = stats
@@ -133,7 +144,8 @@ def main(argv=None) -> None:
              f"Command: `{command_line('overlap', argv)}`  ", machine_line(machine) + " (2-core CPU dev box, shared)", "",
              f"Model: {args.model} ({model_summary(model_dir)}), float32. Per batch size B: B requests of "
              f"{args.prompt_len} random prompt tokens, {args.output_len} greedy output tokens (ignore_eos), all "
-             f"submitted at once; best of {args.rounds} alternating rounds (overlap off, on) by tokens/s.", "",
+             f"submitted at once{f', constrained to the regex `{args.regex}`' if args.regex else ''}; best of "
+             f"{args.rounds} alternating rounds (overlap off, on) by tokens/s.", "",
              "Idle share: the share of wall time (first launch to last step done) in which no step's "
              "computations were executing; host ms on the critical path: per step, how long the device "
              "waited for the host to launch it (see the module docstring of benchmarks/overlap.py).", ""]

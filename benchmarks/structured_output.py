@@ -4,8 +4,12 @@ against the same batch unconstrained, side by side in one process (alternating r
 The embedded tiny model; each mode runs 16 requests of `--max-tokens` tokens (the schema asks for
 a long array, so no row ends early; unconstrained rows ignore eos) and times the engine steps
 that decode all 16 rows (no prefill in them). Modes: free text; free text with a logit bias (the
-sampler variant with penalties and a bias, which a constrained batch also takes); JSON schema.
-Also timed: the host's mask fill (`token_masks`, inside the step's time), per step.
+sampler variant with penalties and a bias, which a constrained batch also takes); JSON schema in
+the overlapped loop (a constrained step's model launched before the previous step is collected,
+its sampler after: the masks are filled while the model runs); JSON schema in the synchronous
+loop (`engine.overlap` off: each step collected before the next is planned, the mask filled
+before the step is launched, as constrained steps ran before the overlap). Also timed: the
+host's mask fill (`token_masks`, inside the step's time), per step.
 
     python -m benchmarks.structured_output [--rounds 3] [--max-tokens 64]
 """
@@ -31,8 +35,10 @@ SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems"
                                      "qty": {"type": "integer", "minimum": 0, "maximum": 999},
                                      "kind": {"enum": ["tool", "part", "kit"]}},
     "required": ["name", "qty", "kind"]}}}, "required": ["items"]}
-MODES = {"free": {}, "free + logit bias": {"logit_bias": {7: 0.5}},
-         "JSON schema": {"structured_output": StructuredOutput.json_schema(SCHEMA)}}
+JSON = {"structured_output": StructuredOutput.json_schema(SCHEMA)}
+# mode: (sampling settings, engine.overlap)
+MODES = {"free": ({}, True), "free + logit bias": ({"logit_bias": {7: 0.5}}, True), "JSON schema": (JSON, True),
+         "JSON schema, synchronous loop": (JSON, False)}
 
 
 class FillTimer:
@@ -50,9 +56,10 @@ class FillTimer:
             self.seconds += time.perf_counter() - start
 
 
-def run(llm: LLM, params: SamplingParams, fill: FillTimer) -> tuple[list[float], float]:
+def run(llm: LLM, params: SamplingParams, fill: FillTimer, overlap: bool = True) -> tuple[list[float], float]:
     """Times of the steps that decode the whole batch, and the mask fill's seconds in them."""
     engine = llm.llm_engine
+    engine.overlap = overlap
     for i in range(BATCH):
         engine.add_request(engine.tokenizer.encode(f"Inventory list {i} as JSON:"),
                            dataclasses.replace(params, seed=i))
@@ -83,8 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         fills = dict.fromkeys(MODES, 0.0)
         run(llm, SamplingParams(**base), fill)   # a round first to settle caches and allocations
         for _ in range(args.rounds):
-            for mode, extra in MODES.items():
-                t, f = run(llm, SamplingParams(**base, **extra), fill)
+            for mode, (extra, overlap) in MODES.items():
+                t, f = run(llm, SamplingParams(**base, **extra), fill, overlap)
                 times[mode] += t
                 fills[mode] += f
         free = np.mean(times["free"])

@@ -33,7 +33,7 @@ from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingP
 from jaxserve.block_manager import BlockManager
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
 from jaxserve.runner import Launched, ModelRunner, SampleResult
-from jaxserve.sampling import uses_penalties
+from jaxserve.sampling import reads_outputs
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import PENDING, Sequence
 from jaxserve.spec_decode import ngram
@@ -182,23 +182,30 @@ class LLMEngine:
         step's results collected, detokenized, checked for stops and returned, while the device
         runs the new step. A stop found there is found one step late: the sequence's row in the
         new step is discarded when that step is collected (its pages were freed when it
-        finished). Steps whose next plan needs the previous step's tokens on the host collect
-        it first (the synchronous order): structured output (the grammar's mask), penalties
-        (their history), speculative decoding (proposals, and the verify row's accepted run),
-        and sequence-parallel prefill (its samples are not the batched step's).
+        finished). A row whose sampler reads its outputs' values (a grammar's mask, penalties'
+        history) needs the previous step's token on the host, but the model does not: such a
+        step's model runs at once and its sampler, its logits waiting on the device, is launched
+        after the previous step's collection (the grammars took its tokens), while the device
+        still runs the model. Speculative decoding (proposals, and the verify row's accepted run)
+        and sequence-parallel prefill (its samples are not the batched step's) collect the
+        previous step first (the synchronous order).
         Raises StepError naming the requests of the steps involved when one fails (the caller
         aborts them)."""
         previous, self._inflight = self._inflight, None
         outputs = []
-        if previous is not None and not self._can_overlap(previous[0]):
+        if previous is not None and not self._can_overlap():
             outputs, previous = self._guarded([previous[0]], lambda: self._collect(*previous)), None
         self._propose()
         out = self.last_schedule = self.scheduler.schedule()
         running = [previous[0]] if previous is not None else []
+        sample_later = previous is not None and any(reads_outputs(s.seq) for s in out.scheduled if s.num_sampled)
         if out.scheduled or out.page_copies:
-            self._inflight = out, self._guarded(running + [out], lambda: self._launch(out))
+            self._inflight = out, self._guarded(running + [out], lambda: self._launch(out, sample_later))
         if previous is not None:
             outputs += self._guarded(running + [out], lambda: self._collect(*previous))
+        if sample_later:
+            launched = self._inflight[1]
+            self._inflight = out, self._guarded([out], lambda: self.runner.sample(launched))
         return outputs
 
     def _guarded(self, steps: list[SchedulerOutput], run):
@@ -209,14 +216,11 @@ class LLMEngine:
             self.stats["failed_steps"] += 1
             raise StepError(sorted({s.seq.request_id for out in steps for s in out.scheduled}), e) from e
 
-    def _can_overlap(self, out: SchedulerOutput) -> bool:
-        """Whether the next step may be planned before `out`'s sampled tokens are on the host."""
-        if not self.overlap or self.ecfg.speculative is not None or self.runner.prefills_sequence_parallel:
-            return False
-        return not any(s.seq.grammar is not None or uses_penalties(s.seq.sampling)
-                       for s in out.scheduled if s.num_sampled)
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be planned before the previous one's sampled tokens are on the host."""
+        return self.overlap and self.ecfg.speculative is None and not self.runner.prefills_sequence_parallel
 
-    def _launch(self, out: SchedulerOutput) -> Launched:
+    def _launch(self, out: SchedulerOutput, sample_later: bool) -> Launched:
         self._launches += 1
         if self._launches in self._fault_steps:
             raise InjectedFault(f"step {self._launches} fails ({FAULT_STEPS_ENV})")
@@ -227,7 +231,7 @@ class LLMEngine:
                 req.first_scheduled_time = now
         if self.ecfg.poison_freed_pages:
             out = self._poison_stale_pages(out)
-        launched = self.runner.launch(out, {s.seq.seq_id: s.seq.seed for s in out.scheduled})
+        launched = self.runner.launch(out, {s.seq.seq_id: s.seq.seed for s in out.scheduled}, sample_later)
         self.scheduler.launched(out)
         return launched
 

@@ -21,7 +21,7 @@ import functools
 import logging
 import os
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +86,7 @@ class ModelRunner:
         self._max_logit_rows = self.buckets.decode[-1] * self.buckets.decode_q
         self._last_sampled = jax.device_put(np.zeros(self._max_logit_rows, np.int32), parallel.replicated(self.mesh))
         self._last_rows: dict[int, int] = {}
+        self._unsampled_logits = None   # the batched step's, while its sampler waits (`sample`)
 
     @property
     def prefills_sequence_parallel(self) -> bool:
@@ -108,15 +109,16 @@ class ModelRunner:
             name=f"{self.cfg.architecture} ({self.cfg.num_params / 1e9:.1f}B parameters)")
 
     # ---- one step ----
-    def launch(self, out: SchedulerOutput, seeds: dict[int, int]) -> "Launched":
+    def launch(self, out: SchedulerOutput, seeds: dict[int, int], sample_later: bool = False) -> "Launched":
         """Start the scheduled batch's computations (JAX dispatch returns before they finish);
         `collect` waits for their results. `seeds` gives each sampling sequence's seed. A decode
         row whose input token is PENDING reads it on the device from the batched step launched
-        just before, which must have sampled it (see jaxserve/engine.py)."""
+        just before, which must have sampled it (see jaxserve/engine.py). `sample_later`: the
+        batched step's sampler waits, its logits on the device, for `sample`."""
         split = self.prefills_sequence_parallel
         ops = [self._sequence_parallel_op(s, seeds) for s in out.scheduled if split and s.is_prefill_row]
         rest = [s for s in out.scheduled if not (split and s.is_prefill_row)]
-        plp_counts = None
+        plp_counts = metadata = None
         if rest:
             batch = pack(dataclasses.replace(out, scheduled=rest), self.buckets, self.max_pages_per_seq,
                          self.num_pages, self.page_size)
@@ -124,8 +126,10 @@ class ModelRunner:
             token_src = np.full(len(batch.arrays[0]), -1, np.int32)   # >= 0: the previous step's row
             for position, seq in batch.pending:
                 token_src[position] = self._last_rows[seq.seq_id]
-            ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q, batch.decode_q], (*batch.arrays, token_src),
-                           seqs, metadata_for(seqs, seeds, len(batch.arrays[-1]), self.max_model_len)))  # logits_index: the logits' rows
+            # logits_index (the last array): the logits' rows
+            metadata = functools.partial(metadata_for, seqs, seeds, len(batch.arrays[-1]), self.max_model_len)
+            ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q, batch.decode_q, int(sample_later)],
+                           (*batch.arrays, token_src), seqs, None if sample_later else metadata()))
             self._last_rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
             if batch.prompt_logprobs is not None:   # scored from that step's hidden states
                 plp_seqs, plp_counts, plp_arrays = batch.prompt_logprobs
@@ -135,7 +139,21 @@ class ModelRunner:
             message += op.message()
         if self.broadcaster is not None:
             message = self.broadcaster.send(message)
-        return Launched(ops, self.replay(message), plp_counts)
+        later = functools.partial(metadata, launched=True) if sample_later else None
+        return Launched(ops, self.replay(message), plp_counts, later)
+
+    def sample(self, launched: "Launched") -> "Launched":
+        """Launch the sampler that `launch(sample_later=True)` left waiting, its arrays built now
+        (grammar masks and penalty history from the sequences' outputs as the host knows them now:
+        the engine collected the step before first), as a message of its own (multi-host)."""
+        md = launched.sampler_arrays()
+        message = [np.zeros((0, 2), np.int32), *_Op([_SAMPLE], (), [], md).message()]
+        if self.broadcaster is not None:
+            message = self.broadcaster.send(message)
+        [sampled] = self.replay(message)
+        step = next(i for i, op in enumerate(launched.ops) if op.static[0] == _STEP)
+        return launched._replace(sampled=[sampled if i == step else s for i, s in enumerate(launched.sampled)],
+                                 sampler_arrays=None)
 
     def collect(self, launched: "Launched") -> dict[int, list[SampleResult]]:
         """Wait for a launched batch; returns seq_id -> the SampleResults of a sampling row's
@@ -182,20 +200,24 @@ class ModelRunner:
             if kind == _PROMPT_LOGPROBS:   # over the hidden states of the step just before
                 sampled.append(self._prompt_logprobs(hidden, *arrays))
                 continue
-            if kind == _STEP:
+            if kind == _SAMPLE:   # the sampler of the batched step before, sent on its own (`sample`)
+                logits, self._unsampled_logits = self._unsampled_logits, None
+            elif kind == _STEP:
                 (tokens, *arrays), token_src = arrays[:-1], arrays[-1]
                 # Always on the device (one input placement for the step, one compilation per shape).
                 tokens = read_pending_tokens(tokens, token_src, self._last_sampled)
                 logits, self.kv_cache, hidden = self._step(self.params, self.kv_cache, tokens, *arrays,
                                                             num_prefill_rows=int(static[0]), max_q=int(static[1]),
                                                             decode_q=int(static[2]))
+                if static[3]:   # its sampler comes later
+                    self._unsampled_logits = logits
             else:
                 tokens, (num_tokens, num_cached), row = arrays
                 logits, self.kv_cache = sequence_parallel_prefill(
                     self.model, self.mesh, self.params, self.kv_cache, tokens, num_tokens, num_cached,
                     row, backend=self.backend)
             sampled.append(sample(logits, SamplingMetadata(*md), num_logprobs=MAX_LOGPROBS) if md else None)
-            if kind == _STEP and md:
+            if kind in (_STEP, _SAMPLE) and md:
                 self._last_sampled = pad_tokens(sampled[-1].tokens, self._max_logit_rows)
         return sampled
 
@@ -270,7 +292,7 @@ class ModelRunner:
                           self.num_pages * self.page_size)
 
 
-_STEP, _SEQUENCE_PARALLEL, _PROMPT_LOGPROBS = 0, 1, 2
+_STEP, _SEQUENCE_PARALLEL, _PROMPT_LOGPROBS, _SAMPLE = 0, 1, 2, 3
 
 
 class Launched(NamedTuple):
@@ -278,12 +300,13 @@ class Launched(NamedTuple):
     ops: list
     sampled: list                       # per op: its SampleOutput, prompt logprobs or None, on device
     prompt_logprob_counts: list | None
+    sampler_arrays: Callable[[], SamplingMetadata] | None = None   # the batched step's sampler waits for `sample`
 
 
 class _Op(NamedTuple):
-    """One computation of a step (the batched step, a sequence-parallel prefill, or the prompt
-    logprobs of the batched step just before) and its sampler."""
-    static: list            # kind, then the static args (step: num_prefill_rows, max_q, decode_q)
+    """One computation of a step (the batched step, a sequence-parallel prefill, the prompt
+    logprobs of the batched step just before, or the batched step's deferred sampler) and its sampler."""
+    static: list            # kind, then the static args (step: num_prefill_rows, max_q, decode_q, sample later)
     arrays: tuple           # the computation's host arrays (the step's: then where PENDING tokens are read)
     seqs: list              # the sequences it samples for, in row order
     md: SamplingMetadata | None

@@ -38,6 +38,12 @@ def uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+def reads_outputs(seq) -> bool:
+    """Whether the sampler's arrays for `seq` read its output tokens' values (its grammar's mask,
+    the penalty history), not only their count: they wait for its previous token on the host."""
+    return seq.grammar is not None or uses_penalties(seq.sampling)
+
+
 @struct.dataclass
 class SamplingMetadata:
     temperature: jax.Array         # f32[S]; 0 = greedy
@@ -150,20 +156,23 @@ class SamplingMetadata:
         )
 
 
-def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: int) -> SamplingMetadata | None:
+def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: int,
+                 launched: bool = False) -> SamplingMetadata | None:
     """The sampler's arrays for the sequences that sample in a step, in row order (None: none).
     A sequence listed n times is a verify row: its j-th listing samples the position after
     proposal j, as if the first j proposals were its outputs (its step count, penalty history
     and min_tokens), so a seeded request draws the same randomness with and without
     speculation. A batch with penalties or a bias gets both at full width (the context's history,
-    BIAS_WIDTH): one compiled variant besides the plain one; with a grammar's mask, one more."""
+    BIAS_WIDTH): one compiled variant besides the plain one; with a grammar's mask, one more.
+    `launched`: the step is already on its way (its sampler deferred), so each sequence's last
+    output is the step's own PENDING token, not one it samples after."""
     if not seqs:
         return None
     params = [s.sampling for s in seqs]
     outputs, aheads, listed = [], [], collections.Counter()
     for s in seqs:
         aheads.append(s.proposed_token_ids[:listed[s.seq_id]])
-        outputs.append(s.output_token_ids + aheads[-1])
+        outputs.append(s.output_token_ids[:-1 if launched else None] + aheads[-1])
         listed[s.seq_id] += 1
     return SamplingMetadata.build(
         params, [s.prompt_token_ids for s in seqs], outputs,

@@ -5,8 +5,10 @@ tensor parallel over the 4 global devices), run by tests/test_multihost.py:
 Both processes build their engine client through jaxserve.factory from the same EngineConfig
 (but for the process id) and warm it up: process 0 gets an EngineThread and serves WAVES
 (idle between the waves, so the follower is parked and woken once), then shuts it down;
-process 1 gets a Follower. Each prints one JSON line: the steps it ran, and on process 0 every
-request's tokens and logprobs."""
+process 1 gets a Follower. Each prints one JSON line: the steps it ran, and on process 0 the
+samplers it sent on their own (structured output in the overlapped loop) and every request's
+tokens and logprobs."""
+import dataclasses
 import json
 import os
 import sys
@@ -18,6 +20,7 @@ import jax
 from jaxserve import factory
 from jaxserve.config import DistributedConfig, EngineConfig, SamplingParams
 from jaxserve.engine_thread import EngineThread
+from jaxserve.structured import StructuredOutput
 
 # Small buckets: warm-up compiles 12 shapes (3 steps, 8 samplers, the page copy), kept between runs
 # in the persistent cache the server tests use.
@@ -30,6 +33,7 @@ def _greedy(max_tokens: int, n: int = 1) -> SamplingParams:
     return SamplingParams(n=n, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=3)
 
 
+REGEX = "[a-c]{6}"   # six bytes among three: transformers' greedy over those three is the oracle
 # (request id, prompt token ids, params) per wave. Prompt lengths 3 to 40 (prefills of up to 3
 # chunks beside decodes); the n=2 request forks its prompt's pages (copy-on-write).
 WAVES = [
@@ -37,7 +41,9 @@ WAVES = [
      ("b", [(7 * i) % 250 for i in range(40)], _greedy(6)),
      ("c", list(range(100, 111)), _greedy(12)),
      ("d", [5, 9, 200, 31, 77, 3, 150, 8, 64, 19, 222, 47, 90, 11, 4, 180, 33, 71, 2, 160, 99, 13],
-      _greedy(7, n=2))],
+      _greedy(7, n=2)),
+     # constrained: its samplers wait for the step before (a message of their own, replayed too)
+     ("g", list(range(30, 44)), dataclasses.replace(_greedy(12), structured_output=StructuredOutput("regex", REGEX)))],
     [("e", [(13 * i + 5) % 256 for i in range(29)], _greedy(8)),
      ("f", list(range(60, 67)), _greedy(10))],
 ]
@@ -65,14 +71,17 @@ def main(model_dir: str, coordinator_address: str, process_id: str) -> None:
         print(json.dumps({"steps": client.steps}))
         return
     assert isinstance(client, EngineThread)
+    runner, samplers = client.engine.runner, []
+    sample = runner.sample
+    runner.sample = lambda launched: (samplers.append(1), sample(launched))[1]   # sent on their own
     results = {}
     for wave in WAVES:
         streams = {rid: client.submit(ids, params, rid) for rid, ids, params in wave}
         results.update({rid: collect(s) for rid, s in streams.items()})
         time.sleep(0.3)   # the engine thread idles: the follower is parked until the next wave
     client.shutdown()
-    print(json.dumps({"steps": client.engine.stats["steps"], "pauses": client.engine.runner.broadcaster.pauses,
-                      "results": results}))
+    print(json.dumps({"steps": client.engine.stats["steps"], "samplers": len(samplers),
+                      "pauses": client.engine.runner.broadcaster.pauses, "results": results}))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 
 from jaxserve import multihost
 from jaxserve.config import DistributedConfig
+from jaxserve.tokenizer import load_tokenizer
 from tests.hf_models import save_engine_model
 from tests.multihost_worker import WAVES
 
@@ -63,15 +64,16 @@ def run_workers(model_dir: str) -> list[dict]:
     return outs
 
 
-def hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], list[list[tuple[int, float]]]]:
-    """n greedy tokens after `ids` in transformers, with each step's top-3 (id, logprob)."""
+def hf_greedy(hf, ids: list[int], n: int, allowed: list[int] | None = None) -> tuple[list[int], list[list[tuple[int, float]]]]:
+    """n greedy tokens after `ids` in transformers (the most likely of `allowed` where given), with
+    each step's top-3 (id, logprob) of the model's distribution."""
     ids, out, tops = list(ids), [], []
     with torch.no_grad():
         for _ in range(n):
             logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)
             top = torch.topk(logp, 3)
             tops.append(list(zip(top.indices.tolist(), top.values.tolist())))
-            ids.append(tops[-1][0][0])
+            ids.append(tops[-1][0][0] if allowed is None else max(allowed, key=lambda t: logp[t]))
             out.append(ids[-1])
     return out, tops
 
@@ -79,12 +81,17 @@ def hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], list[list[tuple[in
 def test_engine_on_two_processes_matches_one_process(tmp_path):
     hf = save_engine_model(str(tmp_path))
     leader, follower = run_workers(str(tmp_path))
-    assert leader["steps"] == follower["steps"] > 0   # the follower replayed every step
+    assert leader["samplers"] > 0   # the constrained request's steps overlapped
+    assert leader["steps"] + leader["samplers"] == follower["steps"] > 0   # the follower replayed every message
     assert leader["pauses"] >= len(WAVES) - 1         # parked between waves, then woken
     requests = [r for wave in WAVES for r in wave]
     assert sorted(leader["results"]) == sorted(rid for rid, _, _ in requests)
+    abc = [load_tokenizer(str(tmp_path)).encode(c, add_special_tokens=False)[0] for c in "abc"]
     for rid, ids, params in requests:
-        want_tokens, want_top = hf_greedy(hf, ids, params.max_tokens)
+        if params.structured_output is not None:   # REGEX: six of "abc", then the grammar is complete
+            want_tokens, want_top = hf_greedy(hf, ids, 6, allowed=abc)
+        else:
+            want_tokens, want_top = hf_greedy(hf, ids, params.max_tokens)
         got = leader["results"][rid]
         assert got["tokens"] == [want_tokens] * params.n, rid
         for top in got["top"]:

@@ -13,8 +13,10 @@ def mask_words(vocab_size: int) -> int:
 def token_masks(seqs: list, aheads: list[list[int]], pad_to: int) -> np.ndarray | None:
     """int32[pad_to, words]: row i holds the tokens seqs[i]'s grammar allows after aheads[i] (the
     proposals before a verify row's position); every bit set for rows without a grammar and for
-    padding. None when no row has a grammar (the sampler then skips the mask: a static shape)."""
-    grammars = [s.grammar for s in seqs]
+    padding, and for finished sequences (a deferred sampler's rows of sequences that stopped
+    meanwhile: discarded). None when no row has a grammar (the sampler then skips the mask: a
+    static shape)."""
+    grammars = [s.grammar if s.grammar is not None and not s.is_finished else None for s in seqs]
     words = next((g.words for g in grammars if g is not None), None)
     if words is None:
         return None
