@@ -189,7 +189,8 @@ class ModelRunner:
             if kind == _STEP:
                 (tokens, *arrays), token_src = arrays[:-1], arrays[-1]
                 # Always on the device (one input placement for the step, one compilation per shape).
-                tokens = self._run("read_pending_tokens", read_pending_tokens, (), (tokens, token_src, self._last_sampled))
+                tokens = self._run("read_pending_tokens", read_pending_tokens, (),
+                                   (tokens, token_src, self._last_sampled))
                 logits, self.kv_caches, hidden = self._run(
                     "step", self._step, (self.params, self.kv_caches), (tokens, *arrays),
                     num_prefill_rows=int(static[0]), max_q=int(static[1]), decode_q=int(static[2]))
@@ -277,6 +278,8 @@ class ModelRunner:
             tokens = _outputs(self.executables.get(key("sample", args))).tokens
             work.append(self._lowering("pad_tokens", pad_tokens, (), (tokens,), length=self._max_logit_rows))
         self.executables.build(dict(work))
+        # One run of each step shape: an XLA:CPU executable's first run costs ~0.2-0.3 s more than
+        # the next ones (measured on the tiny model, compiled or loaded alike), paid here, not by a request.
         for shape in shapes:
             (tokens, *arrays), static = self._step_args(shape)
             # The reads of PENDING tokens, on the arrays serving gives them (a step's sampled tokens).
