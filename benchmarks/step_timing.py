@@ -1,5 +1,6 @@
 """Step speed of the embedded tiny model with configs/tiny-cpu.yaml, after warm-up: decode steps
-with 16 and with 1 running sequence(s), and 128-token prefill steps (the median of each, ms).
+with 16 and with 1 running sequence(s), a 128-token prompt's prefill, and a burst of 16 short
+prompts to their first tokens (the median of each, ms).
 Uses only the engine's public API, so it times any jaxserve tree: run it once per tree, in
 alternating order, for a side-by-side comparison (benchmarks/results/startup.md).
 
@@ -48,6 +49,20 @@ def prefill_ms(engine: LLMEngine, rounds: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def burst_ms(engine: LLMEngine, rounds: int) -> float:
+    """Median time until 16 prompts of 24 tokens, submitted together, all have their first token."""
+    times = []
+    for r in range(rounds):
+        for i in range(16):
+            engine.add_request([1 + (11 * r + 5 * i + j) % 4000 for j in range(24)],
+                               SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "tiny-cpu.yaml"))
@@ -60,6 +75,7 @@ def main():
                       "decode16_ms": round(decode_ms(engine, 16, args.steps), 3),
                       "decode1_ms": round(decode_ms(engine, 1, args.steps), 3),
                       "prefill128_ms": round(prefill_ms(engine, 20), 3),
+                      "burst16x24_ms": round(burst_ms(engine, 10), 3),
                       "load": os.getloadavg()[0]}))
 
 

@@ -13,7 +13,8 @@ Stale entries must be impossible: an entry's file name hashes its key (function,
 shapes and dtypes, static arguments) with the context (`context_digest`: the jaxserve and
 pallas_kernels sources, jax/jaxlib/flax versions, JAX's config and XLA flags, the devices, and
 what the caller adds: the model and engine configs, the abstract weights and KV cache). A miss
-or an unreadable entry compiles; a failed write only logs.
+or an unreadable entry compiles; a failed write only logs. Loading unpickles: the store is
+trusted as JAX's own cache beside it is.
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def context_digest(devices, *parts) -> str:
     platform = [(d.platform, d.device_kind, d.id, d.process_index, d.client.platform_version) for d in devices]
     env = [os.environ.get(v, "") for v in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")]
     config = sorted(jax.config.values.items())
-    text = repr((source_digest(), versions, platform, jax.process_count(), env, config, parts))
+    # This process's index too: an executable serialized by one host names devices as it sees them.
+    text = repr((source_digest(), versions, platform, jax.process_count(), jax.process_index(), env, config, parts))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -97,8 +99,11 @@ class Executables:
                 self.loaded += loaded
                 self.compiled += not loaded
         if self.directory is not None and os.path.isdir(self.directory):
-            os.utime(self.directory)   # most recently used: kept by _prune
-            _prune(os.path.dirname(self.directory), KEEP_CONTEXTS)
+            try:   # another process may be pruning the same store
+                os.utime(self.directory)   # most recently used: kept by _prune
+                _prune(os.path.dirname(self.directory), KEEP_CONTEXTS)
+            except OSError as e:
+                log.warning("executable store: pruning %s failed (%s)", os.path.dirname(self.directory), e)
 
     def _load_or_compile(self, item):
         k, lower = item
