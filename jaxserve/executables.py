@@ -14,7 +14,12 @@ shapes and dtypes, static arguments) with the context (`context_digest`: the jax
 pallas_kernels sources, jax/jaxlib/flax versions, JAX's config and XLA flags, the devices, and
 what the caller adds: the model and engine configs, the abstract weights and KV cache). A miss
 or an unreadable entry compiles; a failed write only logs. Loading unpickles: the store is
-trusted as JAX's own cache beside it is.
+trusted as a compilation cache is.
+
+The store replaces JAX's persistent cache (the engine no longer enables it): an XLA:CPU
+executable that JAX's cache deserialized serializes again without its kernels ("Function ...
+not found" when the stored copy runs; jax 0.10.2). So only fresh compilations are stored: one
+that came from JAX's cache anyway (JAX_COMPILATION_CACHE_DIR set by the user) serves, unstored.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import pathlib
 import pickle
 import shutil
 import tempfile
+import threading
 from typing import Any, Callable, Hashable
 
 import jax
@@ -38,6 +44,17 @@ log = logging.getLogger(__name__)
 
 # Context directories kept in the store (the most recently used): each source change makes a new one.
 KEEP_CONTEXTS = 8
+
+
+_jax_cache_hits = threading.local()   # this thread's hits in JAX's persistent cache
+
+
+def _count_jax_cache_hit(event: str, *args, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _jax_cache_hits.count = getattr(_jax_cache_hits, "count", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_jax_cache_hit)
 
 
 def shapes(args) -> tuple:
@@ -116,8 +133,11 @@ class Executables:
                                                                  execution_devices=self.devices), True
             except Exception as e:   # a damaged or foreign file: compile instead
                 log.warning("executable store: %s unreadable (%s: %s), compiling", path, type(e).__name__, e)
+        hits = getattr(_jax_cache_hits, "count", 0)
         executable = lower().compile()
-        if path is not None:
+        if getattr(_jax_cache_hits, "count", 0) > hits:
+            log.info("executable store: %s came from JAX's persistent cache: not stored", k[0])
+        elif path is not None:
             try:
                 _write(path, pickle.dumps(serialize_executable.serialize(executable)))
             except Exception as e:   # e.g. a backend that cannot serialize, a read-only disk
