@@ -196,9 +196,8 @@ class ModelRunner:
                     num_prefill_rows=int(static[0]), max_q=int(static[1]), decode_q=int(static[2]))
             else:
                 tokens, (num_tokens, num_cached), row = arrays
-                logits, self.kv_caches = sequence_parallel_prefill(
-                    self.model, self.mesh, self.params, self.kv_caches, tokens, num_tokens, num_cached,
-                    row, backend=self.backend)
+                logits, self.kv_caches = self._run("sequence_parallel_prefill", self._sp_prefill,
+                                                   (self.params, self.kv_caches), (tokens, num_tokens, num_cached, row))
             sampled.append(self._sample(logits, SamplingMetadata(*md)) if md else None)
             if kind == _STEP and md:
                 self._last_sampled = self._pad_tokens(sampled[-1].tokens)
@@ -218,6 +217,10 @@ class ModelRunner:
 
     def _prompt_logprobs(self, hidden, index, targets):
         return self._run("prompt_logprobs", self._scorer, (self.params,), (hidden, index, targets))
+
+    @property
+    def _sp_prefill(self):
+        return functools.partial(sequence_parallel_prefill, self.model, self.mesh, backend=self.backend)
 
     @property
     def _scorer(self):
@@ -262,6 +265,10 @@ class ModelRunner:
         work = [self._lowering("copy_kv_pages", copy_kv_pages, (kv,),
                                next(page_copy_batches([(0, 0)], self.max_copies, self.num_pages)))]
         work += [self._lowering("sample", _SAMPLE, (), args) for args in samplers]
+        if self.prefills_sequence_parallel:   # the sequence-parallel prefill of each token bucket
+            work += [self._lowering("sequence_parallel_prefill", self._sp_prefill, (self.params, kv),
+                                    empty_sequence_parallel_prefill(t, self.max_pages_per_seq))
+                     for t in self.buckets.tokens]
         for shape in shapes:
             args, static = self._step_args(shape)
             work.append((key("step", args, **static), functools.partial(self._lower_step, kv, shape)))
@@ -294,9 +301,9 @@ class ModelRunner:
             jax.block_until_ready(self._prompt_logprobs(hidden, empty, empty))
         if self.prefills_sequence_parallel:   # the sequence-parallel prefill of each token bucket
             for t in self.buckets.tokens:
-                _, self.kv_caches = sequence_parallel_prefill(
-                    self.model, self.mesh, self.params, self.kv_caches,
-                    *empty_sequence_parallel_prefill(t, self.max_pages_per_seq), backend=self.backend)
+                _, self.kv_caches = self._run("sequence_parallel_prefill", self._sp_prefill,
+                                              (self.params, self.kv_caches),
+                                              empty_sequence_parallel_prefill(t, self.max_pages_per_seq))
         self.copy_pages([(0, 0)])
         jax.block_until_ready(self.kv_caches)
         n = CompileCounter.count - before
