@@ -175,7 +175,7 @@ class EngineConfig:
     max_queue_size: int = 256               # requests in flight beyond max_num_seqs; more get 429
     max_failed_steps: int = 3               # consecutive failed steps that mean a lost device: the server exits
     request_timeout_s: float | None = None  # the server's deadline per request (a request's `timeout` may lower it)
-    compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
+    compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"   # warm-up's executables, stored (executables.py)
     seed: int = 0
     poison_freed_pages: bool = False        # tests: NaN into every freed or newly taken page (tests/test_kv_isolation.py)
     mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"data": 1, "model": 1, "seq": 1})

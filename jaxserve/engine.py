@@ -59,7 +59,6 @@ class StepError(RuntimeError):
 class LLMEngine:
     def __init__(self, engine_cfg: EngineConfig | None = None, *, params=None, mesh=None):
         self.ecfg = engine_cfg or EngineConfig()
-        _enable_compilation_cache(self.ecfg.compilation_cache_dir)
         model_dir = self.ecfg.model or TINY_MODEL_DIR
         self.model_dir = model_dir
         self.model_cfg = ModelConfig.from_pretrained(model_dir)
@@ -361,9 +360,3 @@ def _resolve_dtype(name: str):
     if name == "auto":
         return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
-
-
-def _enable_compilation_cache(path: str | None) -> None:
-    if path:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

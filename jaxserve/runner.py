@@ -15,7 +15,6 @@ so padded rows and unused page-table columns cost next to nothing.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -30,6 +29,7 @@ import numpy as np
 from jaxserve import multihost, parallel, prompt_logprobs, sizing
 from jaxserve.compilations import CompileCounter
 from jaxserve.attention import QUANTIZED_KV_BACKENDS, resolve_backend
+from jaxserve.executables import Executables, abstract, context_digest, key, lower
 from jaxserve.buckets import Buckets, StepShape, bucket
 from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
 from jaxserve.kv_cache import KVCache, page_bytes_per_chip
@@ -39,7 +39,7 @@ from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for, samp
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, make_step, pad_tokens, page_copy_batches,
-                           read_pending_tokens, sampler_lowerings)
+                           read_pending_tokens, sampler_args)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,12 @@ class ModelRunner:
         self._last_sampled = jax.device_put(np.zeros(self._max_logit_rows, np.int32), parallel.replicated(self.mesh))
         self._last_rows: dict[int, int] = {}
         self._unsampled_logits = None   # the batched step's, while its sampler waits (`sample`)
+        # Warm-up's executables, called by argument shapes (`_run`), stored beside JAX's cache.
+        store = engine_cfg.compilation_cache_dir and os.path.join(engine_cfg.compilation_cache_dir, "executables")
+        devices = list(self.mesh.devices.flat)
+        self.executables = Executables(store, devices, context_digest(
+            devices, cfg, engine_cfg, jnp.dtype(dtype).name, self.mesh, self.backend, abstract(self.params),
+            abstract(self.kv_cache)))
 
     @property
     def prefills_sequence_parallel(self) -> bool:
@@ -205,25 +211,45 @@ class ModelRunner:
             elif kind == _STEP:
                 (tokens, *arrays), token_src = arrays[:-1], arrays[-1]
                 # Always on the device (one input placement for the step, one compilation per shape).
-                tokens = read_pending_tokens(tokens, token_src, self._last_sampled)
-                logits, self.kv_cache, hidden = self._step(self.params, self.kv_cache, tokens, *arrays,
-                                                            num_prefill_rows=int(static[0]), max_q=int(static[1]),
-                                                            decode_q=int(static[2]))
+                tokens = self._run("read_pending_tokens", read_pending_tokens, (),
+                                   (tokens, token_src, self._last_sampled))
+                logits, self.kv_cache, hidden = self._run(
+                    "step", self._step, (self.params, self.kv_cache), (tokens, *arrays),
+                    num_prefill_rows=int(static[0]), max_q=int(static[1]), decode_q=int(static[2]))
                 if static[3]:   # its sampler comes later
                     self._unsampled_logits = logits
             else:
                 tokens, (num_tokens, num_cached), row = arrays
-                logits, self.kv_cache = sequence_parallel_prefill(
-                    self.model, self.mesh, self.params, self.kv_cache, tokens, num_tokens, num_cached,
-                    row, backend=self.backend)
-            sampled.append(sample(logits, SamplingMetadata(*md), num_logprobs=MAX_LOGPROBS) if md else None)
+                logits, self.kv_cache = self._run("sequence_parallel_prefill", self._sp_prefill,
+                                                  (self.params, self.kv_cache), (tokens, num_tokens, num_cached, row))
+            sampled.append(self._sample(logits, SamplingMetadata(*md)) if md else None)
             if kind in (_STEP, _SAMPLE) and md:
-                self._last_sampled = pad_tokens(sampled[-1].tokens, self._max_logit_rows)
+                self._last_sampled = self._pad_tokens(sampled[-1].tokens)
         return sampled
 
+    def _run(self, name: str, fn, fixed: tuple, args: tuple, **static):
+        """fn(*fixed, *args, **static) through warm-up's executable for the shapes of `args` (see
+        jaxserve/executables.py), else through fn (jit). `fixed`: the weights, the KV cache."""
+        executable = self.executables.get(key(name, args, **static))
+        return executable(*fixed, *args) if executable is not None else fn(*fixed, *args, **static)
+
+    def _sample(self, logits, md: SamplingMetadata) -> SampleOutput:
+        return self._run("sample", _SAMPLER, (), (logits, md))
+
+    def _pad_tokens(self, tokens):
+        return self._run("pad_tokens", pad_tokens, (), (tokens,), length=self._max_logit_rows)
+
     def _prompt_logprobs(self, hidden, index, targets):
-        return prompt_logprobs.compute(self.model, self.params, hidden, index, targets, num_top=MAX_LOGPROBS,
-                                       logits_sharding=self._step.keywords["logits_sharding"])
+        return self._run("prompt_logprobs", self._scorer, (self.params,), (hidden, index, targets))
+
+    @property
+    def _sp_prefill(self):
+        return functools.partial(sequence_parallel_prefill, self.model, self.mesh, backend=self.backend)
+
+    @property
+    def _scorer(self):
+        return functools.partial(prompt_logprobs.compute, self.model, num_top=MAX_LOGPROBS,
+                                 logits_sharding=self._step.keywords["logits_sharding"])
 
     def follow(self) -> int:
         """The loop of processes other than 0 (multi-host): replay process 0's steps until it
@@ -242,7 +268,7 @@ class ModelRunner:
     def copy_pages(self, copies) -> None:
         """copies: (src, dst) page pairs, a list or an int32 [n, 2] array."""
         for src, dst in page_copy_batches(copies, self.max_copies, self.num_pages):
-            self.kv_cache = self.kv_cache.copy_pages(src, dst)
+            self.kv_cache = self._run("copy_kv_pages", KVCache.copy_pages, (self.kv_cache,), (src, dst))
 
     def poison_pages(self, pages: list[int]) -> None:
         """Overwrite these pages' K/V with NaN in every layer (a test build: see
@@ -253,43 +279,87 @@ class ModelRunner:
 
     # ---- warm-up ----
     def warmup(self) -> int:
-        """Compile every bucket and sampler variant before serving; returns the compilations it took."""
+        """Build every bucket's step, the sampler variants and what runs beside them before serving
+        (compiled side by side, or loaded from the executable store), then run each step shape
+        once; returns the compilations it took."""
         before, t0 = CompileCounter.count, time.perf_counter()
         shapes = self.buckets.warmup_shapes(self.prefills_sequence_parallel)
-        # XLA compiles with the GIL released: the step shapes and sampler variants compile side by
-        # side (abstract KV caches, so nothing is donated); the step calls and serving find them compiled.
+        samplers = [args for _, args in sampler_args(shapes, self.cfg.vocab_size, self.mesh, self.max_model_len)]
         kv = self.kv_cache.abstract()
-        lowerings = [functools.partial(self._lower_step, kv, shape) for shape in shapes] + [
-            lower for _, lower in sampler_lowerings(shapes, self.cfg.vocab_size, self.mesh, self.max_model_len)]
-        with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
-            list(pool.map(lambda lower: lower().compile(), lowerings))
+        work = [self._lowering("copy_kv_pages", KVCache.copy_pages, (kv,),
+                               next(page_copy_batches([(0, 0)], self.max_copies, self.num_pages)))]
+        work += [self._lowering("sample", _SAMPLER, (), args) for args in samplers]
+        if self.prefills_sequence_parallel:   # the sequence-parallel prefill of each token bucket
+            work += [self._lowering("sequence_parallel_prefill", self._sp_prefill, (self.params, kv),
+                                    empty_sequence_parallel_prefill(t, self.max_pages_per_seq))
+                     for t in self.buckets.tokens]
         for shape in shapes:
-            tokens, *arrays = shape.empty_batch(self.max_pages_per_seq, self.num_pages * self.page_size)
+            args, static = self._step_args(shape)
+            work.append((key("step", args, **static), functools.partial(self._lower_step, kv, shape)))
+            work.append(self._lowering("read_pending_tokens", read_pending_tokens, (), self._pending_args(args[0])))
+        self.executables.build(dict(work))
+        # Then what takes their outputs, lowered for those outputs' shardings: the prompt-logprobs
+        # scorer of each step token count (a step's hidden states), pad_tokens (a sampler's tokens).
+        work = []
+        for shape in shapes:
+            args, static = self._step_args(shape)
+            hidden = _outputs(self.executables.get(key("step", args, **static)))[2]
+            work.append(self._lowering("prompt_logprobs", self._scorer, (self.params,), (hidden, args[0], args[0])))
+        for args in samplers:
+            tokens = _outputs(self.executables.get(key("sample", args))).tokens
+            work.append(self._lowering("pad_tokens", pad_tokens, (), (tokens,), length=self._max_logit_rows))
+        self.executables.build(dict(work))
+        # One run of each step shape: an XLA:CPU executable's first run costs ~0.2-0.3 s more than
+        # the next ones (measured on the tiny model, compiled or loaded alike), paid here, not by a request.
+        for shape in shapes:
+            (tokens, *arrays), static = self._step_args(shape)
             # The reads of PENDING tokens, on the arrays serving gives them (a step's sampled tokens).
-            tokens = read_pending_tokens(tokens, np.full(len(tokens), -1, np.int32), self._last_sampled)
-            _, self.kv_cache, hidden = self._step(
-                self.params, self.kv_cache, tokens, *arrays,
-                num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q)
-            sampled = jax.device_put(np.zeros(shape.logit_rows, np.int32), parallel.replicated(self.mesh))
-            self._last_sampled = pad_tokens(sampled, self._max_logit_rows)
+            tokens = self._run("read_pending_tokens", read_pending_tokens, (), self._pending_args(tokens))
+            _, self.kv_cache, hidden = self._run("step", self._step, (self.params, self.kv_cache), (tokens, *arrays),
+                                                  **static)
+            self._last_sampled = self._pad_tokens(
+                jax.device_put(np.zeros(shape.logit_rows, np.int32), parallel.replicated(self.mesh)))
             # Prompt logprobs: one variant per step token count (a 1-token prompt chunk, cut by the
             # token budget, rides in a decode-shaped step).
             empty = np.zeros(shape.tokens, np.int32)
             jax.block_until_ready(self._prompt_logprobs(hidden, empty, empty))
         if self.prefills_sequence_parallel:   # the sequence-parallel prefill of each token bucket
             for t in self.buckets.tokens:
-                _, self.kv_cache = sequence_parallel_prefill(
-                    self.model, self.mesh, self.params, self.kv_cache,
-                    *empty_sequence_parallel_prefill(t, self.max_pages_per_seq), backend=self.backend)
+                _, self.kv_cache = self._run("sequence_parallel_prefill", self._sp_prefill,
+                                              (self.params, self.kv_cache),
+                                              empty_sequence_parallel_prefill(t, self.max_pages_per_seq))
         self.copy_pages([(0, 0)])
         jax.block_until_ready(self.kv_cache)
         n = CompileCounter.count - before
-        log.info("warm-up: %d compilations (%d step shapes) in %.1fs", n, len(shapes), time.perf_counter() - t0)
+        log.info("warm-up: %d compilations, %d executables loaded from the store (%d step shapes) in %.1fs",
+                 n, self.executables.loaded, len(shapes), time.perf_counter() - t0)
         return n
+
+    def _lowering(self, name: str, fn, fixed: tuple, args: tuple, **static):
+        """(`_run`'s key, a function lowering the call) for fn(*fixed, *args, **static)."""
+        return key(name, args, **static), functools.partial(lower, fn, *fixed, *args, **static)
+
+    def _step_args(self, shape: StepShape) -> tuple[tuple, dict]:
+        """The step's arrays for an empty batch of `shape`, and its static arguments."""
+        return (shape.empty_batch(self.max_pages_per_seq, self.num_pages * self.page_size),
+                dict(num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q))
+
+    def _pending_args(self, tokens) -> tuple:
+        """read_pending_tokens' arguments for `tokens`, none pending."""
+        return tokens, np.full(len(tokens), -1, np.int32), self._last_sampled
 
     def _lower_step(self, kv_cache, shape: StepShape):
         return lower_step(self._step, self.params, kv_cache, shape, self.max_pages_per_seq,
                           self.num_pages * self.page_size)
+
+
+_SAMPLER = functools.partial(sample, num_logprobs=MAX_LOGPROBS)
+
+
+def _outputs(executable):
+    """An executable's outputs as ShapeDtypeStructs with their shardings."""
+    return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s),
+                        executable.out_info, executable.output_shardings)
 
 
 _STEP, _SEQUENCE_PARALLEL, _PROMPT_LOGPROBS, _SAMPLE = 0, 1, 2, 3

@@ -34,15 +34,21 @@ def lower_step(step, params, kv_cache, shape: StepShape, max_pages_per_seq: int,
                            **step.keywords)
 
 
-def sampler_lowerings(shapes: list[StepShape], vocab_size: int, mesh, max_model_len: int) -> list[tuple[str, Any]]:
-    """(name, lower) of the sampler variants the steps of `shapes` feed (their logits: replicated)."""
+def sampler_args(shapes: list[StepShape], vocab_size: int, mesh, max_model_len: int) -> list[tuple[str, tuple]]:
+    """(name, (logits, metadata)) of the sampler variants the steps of `shapes` feed (their
+    logits: replicated); `sample` takes them with num_logprobs=MAX_LOGPROBS."""
     rows = sorted({s.logit_rows for s in shapes})
 
     def name(r, md):
         return f"sampler-{r}{'-penalties-bias' if md.use_penalties else ''}{'-mask' if md.use_mask else ''}"
-    return [(name(r, md), functools.partial(
-        sample.lower, jax.ShapeDtypeStruct((r, vocab_size), jnp.float32, sharding=parallel.replicated(mesh)), md,
-        num_logprobs=MAX_LOGPROBS)) for r in rows for md in sampler_variants(r, max_model_len, vocab_size)]
+    return [(name(r, md), (jax.ShapeDtypeStruct((r, vocab_size), jnp.float32, sharding=parallel.replicated(mesh)), md))
+            for r in rows for md in sampler_variants(r, max_model_len, vocab_size)]
+
+
+def sampler_lowerings(shapes: list[StepShape], vocab_size: int, mesh, max_model_len: int) -> list[tuple[str, Any]]:
+    """(name, lower) of the sampler variants (sampler_args)."""
+    return [(name, functools.partial(sample.lower, *args, num_logprobs=MAX_LOGPROBS))
+            for name, args in sampler_args(shapes, vocab_size, mesh, max_model_len)]
 
 
 @functools.partial(jax.jit, static_argnums=1)
