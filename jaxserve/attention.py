@@ -27,13 +27,13 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.kv_cache import LayerKV
+from jaxserve.kv_cache import LayerKV, dequantized
 from jaxserve.parallel import gather_tokens
 from pallas_kernels.flash_attention.reference import causal_attention
 from pallas_kernels.paged_attention import xla as paged_xla
 
 BACKENDS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
-QUANTIZED_KV_BACKENDS = "kv_cache_dtype int8 and fp8 run on attention_backend xla only so far"
+QUANTIZED_KV_BACKENDS = "kv_cache_dtype int8 and fp8 run on attention_backend xla and pallas_tpu, not pallas_gpu (yet)"
 # XLA path: decode rows attend in groups of this many, each group reading K/V only up to its own
 # longest row (the runner orders decode rows longest first, so groups hold similar lengths).
 DECODE_GROUP_ROWS = 16
@@ -121,37 +121,43 @@ def paged_attention(q, kv: LayerKV, meta: AttentionMetadata, *, sliding_window, 
     parallelism each device gets its heads'."""
     tables = (meta.page_table, meta.seq_lens, meta.query_start_loc)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    k_pages, v_pages = kv.k, kv.v
     if meta.backend == "xla":
         kwargs.update(alibi_slopes=alibi_slopes, k_scale=kv.k_scale, v_scale=kv.v_scale)
         p = meta.num_prefill_rows
         if p is None:
-            return paged_xla.ragged_paged_attention(q, k_pages, v_pages, *tables, max_q=meta.max_q, **kwargs)
+            return paged_xla.ragged_paged_attention(q, kv.k, kv.v, *tables, max_q=meta.max_q, **kwargs)
         # Prefill rows pad to max_q tokens, decode rows to decode_q; each call zeroes the others' tokens.
         page_table, seq_lens, qsl = tables
-        out = _decode_rows_in_groups(q, k_pages, v_pages, page_table[p:], seq_lens[p:], qsl[p:],
+        out = _decode_rows_in_groups(q, kv.k, kv.v, page_table[p:], seq_lens[p:], qsl[p:],
                                      max_q=meta.decode_q, **kwargs)
         if p:
-            out += paged_xla.ragged_paged_attention(q, k_pages, v_pages, page_table[:p], seq_lens[:p], qsl[:p + 1],
+            out += paged_xla.ragged_paged_attention(q, kv.k, kv.v, page_table[:p], seq_lens[:p], qsl[:p + 1],
                                                     max_q=meta.max_q, **kwargs)
         return out
     if meta.backend not in ("pallas_gpu", "pallas_tpu"):
         raise ValueError(f"attention backend {meta.backend!r} is not available")
-    if kv.k_scale is not None:
+    if kv.k_scale is not None and meta.backend == "pallas_gpu":
         raise NotImplementedError(QUANTIZED_KV_BACKENDS)
     # Imported on first use: the Pallas Triton / Mosaic modules cost a fraction of a second.
     kernels = meta.backend.removeprefix("pallas_")
     interpret = (meta.platform or jax.default_backend()) == "cpu"
     kernel = importlib.import_module(f"pallas_kernels.paged_attention.{kernels}")
-    paged = functools.partial(kernel.ragged_paged_attention, **kwargs, interpret=interpret)
+    paged = functools.partial(_paged_kernel, kernel.ragged_paged_attention, **kwargs, interpret=interpret)
     head_axis = _kv_head_axis(meta.kv_sharding)
-    heads, pages = P(None, head_axis, None), P(None, head_axis, None, None)
-    args, specs = (q, k_pages, v_pages, *tables), (heads, pages, pages, P(), P(), P())
+    heads = P(None, head_axis, None)
+    pools = jax.tree.map(lambda x: P(None, head_axis, *(None,) * (x.ndim - 2)), kv)   # pages and scales
+    args, specs = (q, kv, *tables), (heads, pools, P(), P(), P())
     if _flash_fits(meta, q, k, interpret):
         flash = importlib.import_module(f"pallas_kernels.flash_attention.{kernels}").flash_attention
         call = functools.partial(_fresh_prefill_or_paged, paged=paged, num_prefill_rows=meta.num_prefill_rows,
                                  max_q=meta.max_q, decode_q=meta.decode_q, flash=functools.partial(flash, interpret=interpret, **kwargs))
-        args, specs = args + (k.astype(k_pages.dtype), v.astype(v_pages.dtype)), specs + (heads, heads)
+        # The fresh K/V as the pools hold them: a row gets the same attention from flash as
+        # from the pages (quantized pools: rounded through their dtype, in q's dtype for flash).
+        if kv.k_scale is None:
+            fresh = k.astype(kv.k.dtype), v.astype(kv.v.dtype)
+        else:
+            fresh = dequantized(k, kv.k.dtype), dequantized(v, kv.v.dtype)
+        args, specs = args + fresh, specs + (heads, heads)
     else:
         call = functools.partial(paged, max_q=meta.max_q)
     if alibi_slopes is not None:   # the last argument, split with the query heads
@@ -208,7 +214,12 @@ def _flash_fits(meta: AttentionMetadata, q, k, interpret: bool) -> bool:
     return importlib.import_module("pallas_kernels.flash_attention.gpu").fits(q.shape[-1], q.dtype)
 
 
-def _fresh_prefill_or_paged(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k, v, *,
+def _paged_kernel(kernel, q, kv: LayerKV, *tables, **kwargs):
+    """A paged kernel's call with a layer's pools (and their scales, None unless quantized)."""
+    return kernel(q, kv.k, kv.v, *tables, k_scale=kv.k_scale, v_scale=kv.v_scale, **kwargs)
+
+
+def _fresh_prefill_or_paged(q, kv, page_table, seq_lens, query_start_loc, k, v, *,
                             paged, flash, num_prefill_rows, max_q, decode_q, alibi_slopes=None):
     """Chosen at run time (both branches live in one compiled step): when no prefill row has a
     cached prefix, the prefill tokens go through the flash kernel and the decode rows through
@@ -230,12 +241,12 @@ def _fresh_prefill_or_paged(q, k_pages, v_pages, page_table, seq_lens, query_sta
         prefill = flash(q[None], k[None], v[None], segment_ids=seg[None])[0]
         # Prefill rows emptied (no tokens, no KV): the paged kernel does the decode rows only.
         rows = jnp.arange(qsl.shape[0])
-        decode = paged(q, k_pages, v_pages, page_table, jnp.where(rows[:-1] < p, 0, seq_lens),
+        decode = paged(q, kv, page_table, jnp.where(rows[:-1] < p, 0, seq_lens),
                        jnp.where(rows < p, end, qsl), max_q=decode_q)
         return jnp.where(((tok >= qsl[0]) & (tok < end))[:, None, None], prefill, decode)
 
     return lax.cond(fresh, flash_then_paged,
-                    lambda: paged(q, k_pages, v_pages, page_table, seq_lens, qsl, max_q=max_q))
+                    lambda: paged(q, kv, page_table, seq_lens, qsl, max_q=max_q))
 
 
 def _kv_head_axis(kv_sharding):

@@ -149,6 +149,12 @@ def quantize(x, dtype):
     return scaled.astype(dtype), scale
 
 
+def dequantized(x, dtype):
+    """x [T, KVH, D] as a pool of `dtype` gives it back (stored * scale), in x's dtype."""
+    stored, scale = quantize(x, dtype)
+    return (stored.astype(jnp.float32) * scale[..., None]).astype(x.dtype)
+
+
 def pool_head_dim(head_dim: int, platform: str) -> int:
     """The head_dim a page pool stores. On TPU, whole 128-lane tiles: for a smaller head_dim XLA
     lays the pool out with the page index innermost, and every page read then relayouts the

@@ -102,9 +102,9 @@ def test_kv_cache_dtype_is_checked_and_reaches_the_engine_config():
     assert cli.engine_config(args).kv_cache_dtype == "fp8"
 
 
-def test_quantized_kv_on_a_pallas_backend_is_refused_clearly():
-    with pytest.raises(ValueError, match="kv_cache_dtype int8 and fp8 run on attention_backend xla only"):
-        LLMEngine(EngineConfig(attention_backend="pallas_tpu", kv_cache_dtype="int8", max_model_len=64,
+def test_quantized_kv_on_the_gpu_backend_is_refused_clearly():
+    with pytest.raises(ValueError, match="kv_cache_dtype int8 and fp8 run on attention_backend xla and pallas_tpu, not pallas_gpu"):
+        LLMEngine(EngineConfig(attention_backend="pallas_gpu", kv_cache_dtype="int8", max_model_len=64,
                                max_num_seqs=2, compilation_cache_dir=None))
 
 

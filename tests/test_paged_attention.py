@@ -250,10 +250,11 @@ FRESH = [(20, 20), (5, 5), (0, 0), (1, 40), (1, 1), (0, 0)]   # 3 prefill rows (
 CACHED = [(20, 20), (5, 37), (0, 0), (1, 40), (1, 1), (0, 0)]  # row 1: 32 tokens already cached
 
 
-def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, **mods):
+def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="auto", **mods):
     """attend() on a runner-style step (prefill rows first): returns (output, case with the
     written pages), for the naive oracle. pool_head_dim > 64: pools with zero lanes past head_dim
-    64, as TPU pools store them (kv_cache.pool_head_dim); the returned pages are cut back to 64."""
+    64, as TPU pools store them (kv_cache.pool_head_dim); the returned pages are cut back to 64.
+    kv_dtype int8 / fp8: quantized pools; the returned pages are the written ones dequantized."""
     case = make_case(2, seqs=seqs, num_kv_heads=2, group=2, head_dim=64, page_size=16,
                      dtype="float32", pad_tokens=5, sliding_window=sliding_window, **mods)
     rng = np.random.default_rng(3)
@@ -270,10 +271,17 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, **mods):
         num_prefill_rows=3, backend=backend)
     lanes = ((0, 0),) * 3 + ((0, pool_head_dim - 64),)
     pools = kv_cache.LayerKV(*(jnp.pad(case[name], lanes) for name in ("k_pages", "v_pages")))
+    if kv_dtype != "auto":
+        (k_pool, k_scale, _), (v_pool, v_scale, _) = (quantized(x, kv_cache.KV_CACHE_DTYPES[kv_dtype])
+                                                      for x in (pools.k, pools.v))
+        pools = kv_cache.LayerKV(k_pool, v_pool, k_scale, v_scale)
     out, written = attention.attend(case["q"], k, v, pools, meta, sliding_window=sliding_window,
                                                sm_scale=case["sm_scale"], soft_cap=case["soft_cap"],
                                                alibi_slopes=case["alibi_slopes"])
     k_pages, v_pages = written.k, written.v
+    if kv_dtype != "auto":
+        k_pages, v_pages = (np.asarray(x, np.float64) * np.asarray(scale, np.float64)[..., None]
+                            for x, scale in ((k_pages, written.k_scale), (v_pages, written.v_scale)))
     assert k_pages.shape[-1] == pool_head_dim and not np.asarray(k_pages[..., 64:]).any()
     return out, dict(case, k_pages=k_pages[..., :64], v_pages=v_pages[..., :64])
 
@@ -284,6 +292,16 @@ def test_attend_fresh_prefill_rows_match_oracle(backend, mods):
     """The flash kernel (prefill rows) and the paged one (decode rows), with soft cap and ALiBi too."""
     out, case = attend_case(FRESH, backend, sliding_window=7, **SCORE_MODS.get(mods, {}))
     assert_close(out, case)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_attend_into_quantized_pools_matches_their_dequantized_oracle(backend, kv_dtype):
+    """A step writing into quantized pools, fresh rows (flash on pallas_tpu: fed the new K/V as
+    the pools hold them) and cached ones, against the written pools dequantized."""
+    for seqs in (FRESH, CACHED):
+        out, case = attend_case(seqs, backend, kv_dtype=kv_dtype)
+        assert_close(out, case)
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
@@ -326,9 +344,10 @@ def quantized(pages, dtype):
     return stored, scale, np.asarray(stored, np.float64) * np.asarray(scale, np.float64)[..., None]
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: "g{}-kvh{}-d{}-ps{}-{}-w{}".format(*c))
-def test_xla_path_reads_quantized_pools_through_their_scales(kv_dtype, config):
+def test_paged_paths_read_quantized_pools_through_their_scales(kv_dtype, config, backend):
     """Int8 / fp8 pools with per-slot scales give the attention of the dequantized pools (naive
     oracle), and NaN scales in pages no row may read (a freed page) change nothing."""
     group, kvh, head_dim, page_size, dtype, window = config
@@ -342,7 +361,7 @@ def test_xla_path_reads_quantized_pools_through_their_scales(kv_dtype, config):
     k_scale, v_scale = (x.at[unread].set(np.nan) for x in (k_scale, v_scale))
     meta = attention.AttentionMetadata(
         positions=None, slot_mapping=None, page_table=case["page_table"], seq_lens=case["seq_lens"],
-        query_start_loc=case["query_start_loc"], max_q=case["max_q"], backend="xla")
+        query_start_loc=case["query_start_loc"], max_q=case["max_q"], backend=backend)
     out = attention.paged_attention(case["q"], kv_cache.LayerKV(k, v, k_scale, v_scale), meta,
                                     sliding_window=window, sm_scale=case["sm_scale"])
     assert_close(out, dict(case, k_pages=k_deq, v_pages=v_deq))

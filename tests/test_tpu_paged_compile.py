@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve import attention, parallel
+from jaxserve import attention, kv_cache, parallel
 from jaxserve.kv_cache import LayerKV
 
 pytest.importorskip("libtpu")
@@ -32,16 +32,19 @@ def tpu_device(request):
     return topologies.get_topology_desc(platform="tpu", topology_name=GENERATIONS[request.param]).devices[0]
 
 
-def abstract_case(device, head_dim, kv_heads, group, page_size, dtype, batch):
-    """ShapeDtypeStructs on `device` for (q, k_pages, v_pages, page_table, seq_lens, qsl)."""
-    def on_device(shape, dt):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=jax.sharding.SingleDeviceSharding(device))
+def on_device(device, shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+
+
+def abstract_case(device, head_dim, kv_heads, group, page_size, dtype, batch, pool_dtype=None):
+    """ShapeDtypeStructs on `device` for (q, k_pages, v_pages, page_table, seq_lens, qsl); the
+    pools in pool_dtype (default: dtype)."""
     tokens, seqs, _, max_len = BATCHES[batch]
     pages_per_seq = max_len // page_size
-    pool = on_device((seqs * pages_per_seq, kv_heads, page_size, head_dim), dtype)
-    return (on_device((tokens, kv_heads * group, head_dim), dtype), pool, pool,
-            on_device((seqs, pages_per_seq), jnp.int32), on_device((seqs,), jnp.int32),
-            on_device((seqs + 1,), jnp.int32))
+    pool = on_device(device, (seqs * pages_per_seq, kv_heads, page_size, head_dim), pool_dtype or dtype)
+    return (on_device(device, (tokens, kv_heads * group, head_dim), dtype), pool, pool,
+            on_device(device, (seqs, pages_per_seq), jnp.int32), on_device(device, (seqs,), jnp.int32),
+            on_device(device, (seqs + 1,), jnp.int32))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "d{}-kvh{}-g{}-ps{}-{}-w{}-{}".format(*c))
@@ -71,5 +74,25 @@ def test_dispatch_reaches_mosaic_for_tpu_arrays():
                                          soft_cap=30.0, alibi_slopes=slopes)
 
     lowered = jax.jit(step).lower(q, k_pages, v_pages, table, lens, qsl, slopes)
+    assert "tpu_custom_call" in lowered.as_text()
+    lowered.compile()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8"])
+def test_paged_kernel_reads_quantized_pools_on_tpu(tpu_device, kv_dtype):
+    # int8 pools with their f32 scales [N, KVH, page_size] (jaxserve/kv_cache.py), bf16 q, GQA,
+    # the mixed batch, through the engine's dispatch: the scale DMAs and the kernel's int8 reads.
+    q, k_pages, v_pages, table, lens, qsl = abstract_case(tpu_device, 128, 2, 4, 32, "bfloat16", "mixed",
+                                                          pool_dtype=kv_cache.KV_CACHE_DTYPES[kv_dtype])
+    scales = on_device(tpu_device, k_pages.shape[:3], jnp.float32)
+
+    def step(q, kv, table, lens, qsl):
+        meta = attention.AttentionMetadata(
+            positions=None, slot_mapping=None, page_table=table, seq_lens=lens, query_start_loc=qsl,
+            max_q=BATCHES["mixed"][2], backend="pallas_tpu",
+            platform=parallel.platform(parallel.make_mesh(None, [tpu_device])))
+        return attention.paged_attention(q, kv, meta, sliding_window=100, sm_scale=0.1)
+
+    lowered = jax.jit(step).lower(q, LayerKV(k_pages, v_pages, scales, scales), table, lens, qsl)
     assert "tpu_custom_call" in lowered.as_text()
     lowered.compile()

@@ -116,15 +116,18 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
                                              "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
                            max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None,
-                           kv_block=64, interpret=False):
+                           k_scale=None, v_scale=None, kv_block=64, interpret=False):
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len (sets the grid).
     Returns [T, H, D], 0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
-    soft_cap, alibi_slopes (f32[H] or None): pallas_kernels/scores.py.
+    soft_cap, alibi_slopes (f32[H] or None): pallas_kernels/scores.py. k_scale, v_scale: quantized
+    pools' scales (the TPU kernel's signature); this kernel reads no quantized pool yet.
 
     kv_block: keys per tile, a multiple of 64 and of page_size (or page_size itself when larger).
     Needs D a multiple of 16 up to 256, H / KVH at most 64, 16-bit inputs on a GPU (f32 too when
     interpreting). interpret=True runs in Mosaic GPU interpret mode (CPU), race detector on."""
+    if k_scale is not None or v_scale is not None:
+        raise NotImplementedError("the GPU paged kernel does not read quantized (int8, fp8) pools yet")
     t, num_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     num_seqs = page_table.shape[0]

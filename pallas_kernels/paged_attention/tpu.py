@@ -42,9 +42,14 @@ def _lanes(x, n):
 
 def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  # SMEM
             q_ref, k_hbm, v_hbm,  # q block [g * block_q, D]; pages [N, KVH, ps, D] in HBM
-            *refs,  # [slopes [g * block_q, 128] with ALiBi], out, scratch
-            block_q, pages_per_chunk, pages_per_seq, sm_scale, sliding_window, soft_cap, alibi):
-    slope_ref, (o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if alibi else (None, refs)
+            *refs,  # [slopes [g * block_q, 128] with ALiBi], [k/v scales in HBM], out, scratch
+            block_q, pages_per_chunk, pages_per_seq, sm_scale, sliding_window, soft_cap, alibi, quantized):
+    slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
+    if quantized:   # scales [N, KVH, ps] in HBM, and their chunk buffers [2, pages, KVH, ps]
+        ks_hbm, vs_hbm, o_ref, ks_buf, vs_buf, *refs = refs
+    else:
+        o_ref, *refs = refs
+    k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
     h, i = pl.program_id(0), pl.program_id(1)
     page_size = k_hbm.shape[2]
     chunk = k_buf.shape[1]
@@ -74,10 +79,12 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
             page = page_lo + c * pages_per_chunk + j
             phys = page_table_ref[s * pages_per_seq + jnp.minimum(page, pages_per_seq - 1)]
             rows_j = pl.ds(pl.multiple_of(j * page_size, page_size), page_size)
-            for kind, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
-                # Page phys of KV head h: one contiguous [page_size, D] slab, whole tiles.
-                dma = pltpu.make_async_copy(hbm.at[phys, h], buf.at[slot, rows_j],
-                                            sems.at[kind, slot])
+            # Page phys of KV head h: one contiguous [page_size, D] slab, whole tiles.
+            copies = [(k_hbm.at[phys, h], k_buf.at[slot, rows_j]), (v_hbm.at[phys, h], v_buf.at[slot, rows_j])]
+            if quantized:   # the page's scales of every KV head: [KVH, page_size], whole minor dims
+                copies += [(ks_hbm.at[phys], ks_buf.at[slot, j]), (vs_hbm.at[phys], vs_buf.at[slot, j])]
+            for kind, (src, dst) in enumerate(copies):
+                dma = pltpu.make_async_copy(src, dst, sems.at[kind, slot])
                 pl.when(page < page_end)(getattr(dma, action))
 
         lax.fori_loop(0, pages_per_chunk, page_copy, None)
@@ -90,13 +97,16 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
     def compute(s, c, slot):
         offset, page_lo, page_end, _ = span(s)
         kv0 = (page_lo + c * pages_per_chunk) * page_size
-        k, v = k_buf[slot], v_buf[slot]
+        k, v = k_buf[slot].astype(q_ref.dtype), v_buf[slot].astype(q_ref.dtype)
         # Buffer rows past the sequence's last page, and its last page's slots past its length,
         # hold stale (maybe inf or NaN) data, which a zero weight does not cancel: zero them in v.
+        kv_end = jnp.minimum(page_end * page_size, seq_lens_ref[s])
         kv_row = kv0 + lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        v = jnp.where(kv_row < jnp.minimum(page_end * page_size, seq_lens_ref[s]), v, jnp.zeros_like(v))
+        v = jnp.where(kv_row < kv_end, v, jnp.zeros_like(v))
         scores = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32) * sm_scale
+        if quantized:
+            scores *= _scale_row(ks_buf, slot, h, kv0, kv_end, chunk)
         tok = tok0 + (lax.broadcasted_iota(jnp.int32, scores.shape, 0) & (block_q - 1))
         q_pos = tok + offset
         kv_pos = kv0 + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
@@ -112,7 +122,8 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
         p = jnp.where(mask, jnp.exp(scores - _lanes(m_next, chunk)), 0.0)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         m_ref[...] = m_next
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        weights = p * _scale_row(vs_buf, slot, h, kv0, kv_end, chunk) if quantized else p
+        pv = jnp.dot(weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
         acc_ref[...] = acc_ref[...] * _lanes(alpha, acc_ref.shape[1]) + pv
 
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
@@ -137,6 +148,26 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
     o_ref[...] = (acc_ref[...] * _lanes(inv, acc_ref.shape[1])).astype(o_ref.dtype)
 
 
+def _scale_row(buf, slot, h, kv0, kv_end, chunk):
+    """KV head h's scales of the chunk in buffer `slot` ([pages, KVH, page_size]) as one [1, chunk]
+    row of keys along lanes, 0 past kv_end. A page's page_size scales land at lane offset
+    j * page_size, which no DMA or lane slice can do for a page under 128 slots: each page's
+    [KVH, page_size] slab is spread over the chunk's lanes by a matmul with a 0/1 placement
+    matrix (exact at HIGHEST precision). Stale slots (maybe NaN) are zeroed before it, since the
+    matmul would spread a NaN over every lane."""
+    num_pages, num_heads, page_size = buf.shape[1:]
+    slab_shape, place_shape = (num_heads, page_size), (page_size, chunk)
+    lane = lax.broadcasted_iota(jnp.int32, place_shape, 1)
+    row = jnp.zeros((num_heads, chunk), jnp.float32)
+    for j in range(num_pages):
+        slab = buf[slot, j]
+        slab = jnp.where(kv0 + j * page_size + lax.broadcasted_iota(jnp.int32, slab_shape, 1) < kv_end, slab, 0.0)
+        place = (lane == j * page_size + lax.broadcasted_iota(jnp.int32, place_shape, 0)).astype(jnp.float32)
+        row += jnp.dot(slab, place, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    head = lax.broadcasted_iota(jnp.int32, row.shape, 0) == h
+    return jnp.sum(jnp.where(head, row, 0.0), axis=0, keepdims=True)
+
+
 def _pow2_at_most(n):
     return 1 << (max(n, 1).bit_length() - 1)
 
@@ -149,11 +180,13 @@ def _pow2_at_least(n):
     "max_q", "sm_scale", "sliding_window", "soft_cap", "block_rows", "kv_block", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
                            max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None,
-                           block_rows=256, kv_block=256, interpret=False):
+                           k_scale=None, v_scale=None, block_rows=256, kv_block=256, interpret=False):
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len. Returns [T, H, D],
     0 for tokens outside [query_start_loc[0], query_start_loc[-1]). soft_cap, alibi_slopes (f32[H]
-    or None): pallas_kernels/scores.py.
+    or None): pallas_kernels/scores.py. k_scale, v_scale: f32 [N, KVH, page_size] or None: quantized
+    pools (int8, fp8; jaxserve/kv_cache.py), read as they are; the scales multiply the scores and
+    the attention weights, as on the XLA path.
 
     block_rows: most (head, token) rows per program. block_q, the tokens per q block, is max_q
     rounded up to a power of two within that cap, and at least MIN_BLOCK_TOKENS and one tile of
@@ -198,9 +231,16 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         slopes = jnp.repeat(alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group), block_q, axis=1)
         inputs.append(jnp.broadcast_to(slopes[:, :, None], (num_kv_heads, rows, LANES)))
         in_specs.append(pl.BlockSpec((None, rows, LANES), lambda h, i, *_: (h, 0, 0)))
+    quantized = k_scale is not None
+    scale_bufs = []
+    if quantized:
+        inputs += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+        in_specs += [pl.BlockSpec(memory_space=pl.ANY)] * 2
+        scale_bufs = [pltpu.VMEM((2, pages_per_chunk, num_kv_heads, page_size), jnp.float32)] * 2
     kernel = functools.partial(
         _kernel, block_q=block_q, pages_per_chunk=pages_per_chunk, pages_per_seq=pages_per_seq,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi_slopes is not None)
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi_slopes is not None,
+        quantized=quantized)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -208,10 +248,10 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
             grid=(num_kv_heads, num_blocks),
             in_specs=in_specs,
             out_specs=block,
-            scratch_shapes=[
+            scratch_shapes=scale_bufs + [
                 pltpu.VMEM((2, pages_per_chunk * page_size, head_dim), k_pages.dtype),
                 pltpu.VMEM((2, pages_per_chunk * page_size, head_dim), v_pages.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.SemaphoreType.DMA((4 if quantized else 2, 2)),
                 pltpu.VMEM((rows, LANES), jnp.float32),
                 pltpu.VMEM((rows, LANES), jnp.float32),
                 pltpu.VMEM((rows, head_dim), jnp.float32),
