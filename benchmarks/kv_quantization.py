@@ -26,7 +26,7 @@ from jaxserve.kv_cache import page_bytes_per_chip
 from jaxserve.tokenizer import load_tokenizer
 
 KV_DTYPES = ("auto", "int8", "fp8")
-ENGINE = dict(max_num_seqs=32, max_model_len=512, kv_cache_mb=2, compilation_cache_dir=None)
+ENGINE = dict(max_num_seqs=16, max_model_len=512, kv_cache_mb=2, compilation_cache_dir=None)
 WINDOW = 128
 
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         *markdown_table(["KV cache", "held-out ppl", "vs float32", "greedy agreement to first difference",
                          "greedy agreement, all positions"], quality, right_aligned=(1, 2, 3, 4)), "",
         "Memory at the same kv_cache_mb, and speed. Most running: 32 requests of 384 prompt tokens + 8 "
-        "output tokens submitted at once (max_num_seqs 32).", "",
+        "output tokens submitted at once (max_num_seqs 16).", "",
         *markdown_table(["KV cache", "bytes per page (all layers, K+V, scales)", "pages", "pages vs float32",
                          "most running", "decode step, batch 1", "decode step, batch 16"], memory,
                         right_aligned=(1, 2, 3, 4, 5, 6)), ""])
