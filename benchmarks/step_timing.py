@@ -36,25 +36,13 @@ def decode_ms(engine: LLMEngine, rows: int, steps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def prefill_ms(engine: LLMEngine, rounds: int) -> float:
-    """Median time of a 128-token prompt's prefill step and its first token, one prompt at a time."""
+def first_tokens_ms(engine: LLMEngine, rounds: int, prompts: int, prompt_len: int) -> float:
+    """Median time until `prompts` prompts of `prompt_len` tokens, submitted together, all have
+    their first token."""
     times = []
     for r in range(rounds):
-        engine.add_request([1 + (13 * r + j) % 4000 for j in range(128)],
-                           SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-        t = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
-
-
-def burst_ms(engine: LLMEngine, rounds: int) -> float:
-    """Median time until 16 prompts of 24 tokens, submitted together, all have their first token."""
-    times = []
-    for r in range(rounds):
-        for i in range(16):
-            engine.add_request([1 + (11 * r + 5 * i + j) % 4000 for j in range(24)],
+        for i in range(prompts):
+            engine.add_request([1 + (11 * r + 5 * i + j) % 4000 for j in range(prompt_len)],
                                SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         t = time.perf_counter()
         while engine.has_unfinished():
@@ -74,8 +62,8 @@ def main():
     print(json.dumps({"tree": os.path.dirname(os.path.dirname(jaxserve.__file__)),
                       "decode16_ms": round(decode_ms(engine, 16, args.steps), 3),
                       "decode1_ms": round(decode_ms(engine, 1, args.steps), 3),
-                      "prefill128_ms": round(prefill_ms(engine, 20), 3),
-                      "burst16x24_ms": round(burst_ms(engine, 10), 3),
+                      "prefill128_ms": round(first_tokens_ms(engine, 20, 1, 128), 3),
+                      "burst16x24_ms": round(first_tokens_ms(engine, 10, 16, 24), 3),
                       "load": os.getloadavg()[0]}))
 
 
