@@ -11,6 +11,13 @@ HEAVY_FIRST = ["test_tpu_compile.py", "test_kv_isolation.py", "test_parallel.py"
                "test_family_engine.py"]
 
 
+def pytest_configure(config):
+    # xdist sorts the files by their number of tests (most first) unless told not to, which put
+    # the heavy files, with few tests each, last: keep the order below.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items):
     def rank(item):
         name = item.path.name
