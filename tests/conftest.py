@@ -8,7 +8,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_
 # loadfile` hands out whole files in collection order, and one of these collected last would run
 # alone at the end while the other worker idles.
 HEAVY_FIRST = ["test_tpu_compile.py", "test_kv_isolation.py", "test_parallel.py", "test_shutdown.py",
-               "test_family_engine.py"]
+               "test_family_engine.py", "test_quantized_engine.py", "test_spec_decode.py", "test_soak.py"]
+
+
+def pytest_configure(config):
+    # xdist sorts the files by their number of tests (most first) unless told not to, which put
+    # the heavy files, with few tests each, last: keep the order below.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items):

@@ -1,7 +1,10 @@
 """The real server (`python -m jaxserve.cli serve`) in a subprocess, for server tests."""
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,29 +16,46 @@ import openai
 import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from jaxserve.executables import source_digest
 from tests.hf_models import save_engine_model
 
 # Few buckets: 4 decode shapes (1-8 sequences, one page bucket) + 2 prefill shapes to compile.
-# The XLA cache is shared by the test servers of all test processes and kept between runs.
+# The executable store is shared by the test servers of all test processes and kept between runs.
 TEST_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, prefill_chunk_size=32, max_prefill_seqs=1,
                    max_model_len=128, page_size=32, num_pages=64,
                    compilation_cache_dir=os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache"))
 READY_TIMEOUT_S = 900   # a cold compilation cache on a busy 2-core machine
 
-# The API tests' server (test_server.py, test_server_extras.py: same settings, so the second
-# finds its compilations cached): a byte-level model, every id a byte or <s> / </s>, with a
+# The API tests' server (test_server.py, test_server_extras.py: same model path and settings, so
+# the second loads the first one's executables): a byte-level model, every id a byte or <s> / </s>, with a
 # context long enough that a batch of requests runs for seconds even on a quiet machine.
 BYTES_MAX_LEN = 2048
 BYTES_ENGINE = dict(max_queue_size=64, max_model_len=BYTES_MAX_LEN,
                     num_pages=TEST_ENGINE["max_num_seqs"] * BYTES_MAX_LEN // TEST_ENGINE["page_size"])
 
 
-def save_bytes_model(path: str):
-    """(path, the transformers model, its tokenizer) of a seeded byte-level model saved at path."""
-    hf = save_engine_model(path, vocab_size=258, max_position_embeddings=BYTES_MAX_LEN)
-    return path, hf, AutoTokenizer.from_pretrained(path)
+def shared_model(tmp_path_factory, name: str, **overrides) -> str:
+    """save_engine_model(**overrides) saved once per test session, at one path for every xdist
+    worker: the executable store's key holds the model's path, so servers of the same model and
+    settings in any test file then load what the first one compiled."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    if not path.exists():
+        tmp = tmp_path_factory.mktemp(name)
+        save_engine_model(str(tmp), **overrides)
+        try:
+            os.rename(tmp, path)
+        except OSError:   # another worker saved it first
+            shutil.rmtree(tmp)
+    return str(path)
+
+
+def bytes_model(tmp_path_factory):
+    """(path, the transformers model, its tokenizer) of the seeded byte-level model, shared."""
+    path = shared_model(tmp_path_factory, "bytes-model", vocab_size=258, max_position_embeddings=BYTES_MAX_LEN)
+    return path, AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
 def free_port() -> int:
@@ -88,6 +108,11 @@ class ServerProcess:
         with open(self.log_path, "rb") as f:
             return f.read().decode(errors="replace")[-n:]
 
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.stop()
+
     def stop(self, timeout: float = 120) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -100,11 +125,33 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def start(workdir, model_dir: str, *args: str, **engine) -> ServerProcess:
+    """A ready server. The first server of a model and engine settings in the store compiles and
+    stores its executables alone, holding a lock file there; servers of the same model and
+    settings, from any test process, wait for it and then load them (at once, in parallel).
+    `args` are not in the lock's key: one that changes the engine (--tp) at worst starts cold."""
+    store = os.path.join(TEST_ENGINE["compilation_cache_dir"], "test-starts")
+    os.makedirs(store, exist_ok=True)
+    marker = os.path.join(store, hashlib.sha256(repr(
+        (source_digest(), model_dir, sorted({**TEST_ENGINE, **engine}.items()))).encode()).hexdigest())
+    with open(marker + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(marker):   # stored: no need to wait for one another
+            fcntl.flock(lock, fcntl.LOCK_UN)
+        server = ServerProcess(workdir, model_dir, *args, **engine)
+        try:
+            server.wait_ready()
+        except BaseException:
+            server.kill()
+            raise
+        open(marker, "w").close()
+    return server
+
+
 def serving(workdir, model_dir: str, *args: str, **engine):
     """A module fixture's body (`yield from serving(...)`): the server once ready, and at teardown
     a clean stop, exit 0."""
-    s = ServerProcess(workdir, model_dir, *args, **engine)
-    s.wait_ready()
+    s = start(workdir, model_dir, *args, **engine)
     yield s
     assert s.stop() == 0, s.log_tail()
 

@@ -11,6 +11,7 @@ import pytest
 
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine import LLMEngine
+from tests.hf_models import save_engine_model
 
 MAX_TOKENS = 6
 ATOL = 1e-4
@@ -26,10 +27,20 @@ def _arrivals():
             3: [(shared + rng.randint(0, 256, 6).tolist(), 1), (rng.randint(0, 256, 20).tolist(), 1)]}
 
 
-def _run(backend, poison, kv_cache_dtype="auto"):
-    engine = LLMEngine(EngineConfig(attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=16,
-                                    prefill_chunk_size=16, max_prefill_seqs=1, max_model_len=128, num_pages=6,
-                                    poison_freed_pages=poison, kv_cache_dtype=kv_cache_dtype))
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A 2-layer model (the embedded one has 6): the Pallas kernels run in interpret mode, inlined
+    once per layer, and isolation does not depend on depth."""
+    path = str(tmp_path_factory.mktemp("model"))
+    save_engine_model(path)
+    return path
+
+
+def _run(model, backend, poison, kv_cache_dtype="auto"):
+    engine = LLMEngine(EngineConfig(model=model, attention_backend=backend, max_num_seqs=4,
+                                    max_num_batched_tokens=16, prefill_chunk_size=16, max_prefill_seqs=1,
+                                    max_model_len=128, num_pages=6, poison_freed_pages=poison,
+                                    kv_cache_dtype=kv_cache_dtype))
     arrivals, ids, out, step = _arrivals(), [], {}, 0
     while engine.has_unfinished() or arrivals:
         for prompt, n in arrivals.pop(step, []):
@@ -51,14 +62,14 @@ def _run(backend, poison, kv_cache_dtype="auto"):
 
 
 @functools.cache
-def _clean_xla_run():
-    return _run("xla", poison=False)
+def _clean_xla_run(model):
+    return _run(model, "xla", poison=False)
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
-def test_poisoned_free_pages_leave_outputs_unchanged(backend):
-    (tokens, logprobs), clean_nan_pages = _clean_xla_run()
-    (poisoned_tokens, poisoned_logprobs), nan_pages = _run(backend, poison=True)
+def test_poisoned_free_pages_leave_outputs_unchanged(model, backend):
+    (tokens, logprobs), clean_nan_pages = _clean_xla_run(model)
+    (poisoned_tokens, poisoned_logprobs), nan_pages = _run(model, backend, poison=True)
     assert clean_nan_pages == 0 and nan_pages > 0      # the poison was there to be read
     assert [len(t) for t in tokens] == [MAX_TOKENS] * 4
     assert poisoned_tokens == tokens
@@ -69,11 +80,11 @@ def test_poisoned_free_pages_leave_outputs_unchanged(backend):
         np.testing.assert_allclose(poisoned_logprobs, logprobs, rtol=0, atol=ATOL)
 
 
-def test_poisoned_free_pages_leave_quantized_kv_outputs_unchanged():
+def test_poisoned_free_pages_leave_quantized_kv_outputs_unchanged(model):
     """An int8 cache (NaN reaches it through the scales) gives the same tokens and logprobs, bit
     for bit, poisoned or not."""
-    (tokens, logprobs), clean_nan_pages = _run("xla", poison=False, kv_cache_dtype="int8")
-    (poisoned_tokens, poisoned_logprobs), nan_pages = _run("xla", poison=True, kv_cache_dtype="int8")
+    (tokens, logprobs), clean_nan_pages = _run(model, "xla", poison=False, kv_cache_dtype="int8")
+    (poisoned_tokens, poisoned_logprobs), nan_pages = _run(model, "xla", poison=True, kv_cache_dtype="int8")
     assert clean_nan_pages == 0 and nan_pages > 0
     assert poisoned_tokens == tokens and np.isfinite(logprobs).all()
     assert np.array_equal(poisoned_logprobs, logprobs)

@@ -6,8 +6,7 @@ import os
 import pytest
 
 from benchmarks import serve_bench
-from tests.hf_models import save_engine_model
-from tests.server_harness import serving
+from tests.server_harness import serving, shared_model
 
 NUM_PROMPTS = 12
 ARGS = ["--num-prompts", str(NUM_PROMPTS), "--request-rate", "20", "--seed", "3", "--prompt-kind", "ids",
@@ -18,9 +17,7 @@ ARGS = ["--num-prompts", str(NUM_PROMPTS), "--request-rate", "20", "--seed", "3"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = str(tmp_path_factory.mktemp("model"))
-    save_engine_model(model, vocab_size=258)
-    yield from serving(tmp_path_factory.mktemp("server"), model)
+    yield from serving(tmp_path_factory.mktemp("server"), shared_model(tmp_path_factory, "model-258", vocab_size=258))
 
 
 def test_report_matches_server_metrics(server, tmp_path):
@@ -71,8 +68,7 @@ def small_model(tmp_path_factory):
     from jaxserve.checkpoint import load_params
     from jaxserve.config import ModelConfig
 
-    d = str(tmp_path_factory.mktemp("roofline_model"))
-    save_engine_model(d, vocab_size=258)
+    d = shared_model(tmp_path_factory, "model-258", vocab_size=258)
     cfg = ModelConfig.from_pretrained(d)
     return d, cfg, load_params(d, cfg, jnp.float32)
 

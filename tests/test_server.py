@@ -14,7 +14,7 @@ import pytest
 import requests
 import torch
 
-from tests.server_harness import BYTES_ENGINE, BYTES_MAX_LEN, openai_client, save_bytes_model, serving
+from tests.server_harness import BYTES_ENGINE, BYTES_MAX_LEN, bytes_model, openai_client, serving
 
 NAME = "jaxserve-tiny"   # served under the embedded model's name, so the README examples run as written
 MAX_LEN = BYTES_MAX_LEN
@@ -23,7 +23,7 @@ README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return save_bytes_model(str(tmp_path_factory.mktemp("model")))
+    return bytes_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

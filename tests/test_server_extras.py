@@ -11,7 +11,7 @@ import pytest
 import requests
 import torch
 
-from tests.server_harness import BYTES_ENGINE, BYTES_MAX_LEN, TEST_ENGINE, openai_client, save_bytes_model, serving
+from tests.server_harness import BYTES_ENGINE, BYTES_MAX_LEN, TEST_ENGINE, bytes_model, openai_client, serving
 
 NAME = "tiny-extras"
 MAX_LEN = BYTES_MAX_LEN
@@ -22,7 +22,7 @@ PREFIX = 512     # shared prompt tokens: 16 pages of TEST_ENGINE's 32
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return save_bytes_model(str(tmp_path_factory.mktemp("model")))
+    return bytes_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from tests.hf_models import save_engine_model
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, start
 
 # Long enough (about 3 s on a quiet 2-core box) that all requests are still in flight when the
 # signal lands, though the test process may stall for seconds while the box runs four servers
@@ -82,9 +82,8 @@ def _stream_tokens(lines) -> int:
 
 
 def _drain_run(model, workdir, signals: list[tuple[bool, int]]) -> None:
-    server = ServerProcess(workdir, model, **ENGINE)
+    server = start(workdir, model, **ENGINE)
     try:
-        server.wait_ready()
         with concurrent.futures.ThreadPoolExecutor(STREAMS + 1) as pool:
             streams, plain = _start_requests(server, pool)
             for to_group, sig in signals:
@@ -101,14 +100,13 @@ def _drain_run(model, workdir, signals: list[tuple[bool, int]]) -> None:
         assert log.count("draining") == 1   # later signals change nothing
         assert log[log.index("draining"):].count("finish=length") == STREAMS + 1   # in flight at the signal
     finally:
-        _kill(server)
+        server.kill()
 
 
 def _interrupt_run(model, workdir) -> None:
     """Ctrl-C twice in a terminal: SIGINT to the group, then again during the drain."""
-    server = ServerProcess(workdir, model, **ENGINE)
+    server = start(workdir, model, **ENGINE)
     try:
-        server.wait_ready()
         with concurrent.futures.ThreadPoolExecutor(STREAMS + 1) as pool:
             streams, plain = _start_requests(server, pool)
             t0 = time.monotonic()
@@ -124,13 +122,7 @@ def _interrupt_run(model, workdir) -> None:
         assert "Traceback" not in log, log
         assert log.count("second SIGINT") == 1
     finally:
-        _kill(server)
-
-
-def _kill(server: ServerProcess) -> None:
-    if server.proc.poll() is None:
-        server.proc.kill()
-    server.stop()
+        server.kill()
 
 
 DRAIN_PATHS = {
@@ -150,7 +142,7 @@ def _times(path: str) -> int:
 @pytest.fixture(scope="module")
 def runs(model, tmp_path_factory):
     """{path: [each run's future]}, each run with a fresh server, PARALLEL servers at a time
-    (start-up dominates)."""
+    (start-up dominates; the first compiles alone, the others load its executables)."""
     def run(path, i):
         workdir = tmp_path_factory.mktemp(f"{path}-{i}")
         if path == "int-twice":

@@ -10,8 +10,7 @@ import pytest
 
 from jaxserve.server import asgi
 from jaxserve.server.http_server import HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_BYTES
-from tests.hf_models import save_engine_model
-from tests.server_harness import serving
+from tests.server_harness import serving, shared_model
 from tests.slow_clients import probe, raise_fd_limit, run_load, stream
 
 SLOW = IDLE = 1000
@@ -19,8 +18,7 @@ SLOW = IDLE = 1000
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("model") / "tiny")
-    save_engine_model(path, vocab_size=258)
+    path = shared_model(tmp_path_factory, "model-258", vocab_size=258)
     yield from serving(tmp_path_factory.mktemp("server"), path, "--served-model-name", "jaxserve-tiny")
 
 
