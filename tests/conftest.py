@@ -2,7 +2,7 @@ import os
 
 # Keep each xdist worker to its share of the 2 cores and never pick up an accelerator.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
 
 # The heaviest files first (1.5 to 4 minutes each on the 2-core box): `-n 2 --dist
 # loadfile` hands out whole files in collection order, and one of these collected last would run
