@@ -8,6 +8,8 @@ Decode rows bring one token each, or with speculative decoding up to 1 + k (a ve
 last token and k proposals; a plain decode among them uses one of its slots), and every token
 of a decode row is sampled: the logits come for decode rows x tokens per decode row.
 The runner packs each step into one of them; warm-up and `jaxserve check` compile all of them.
+While warm-up still builds the smaller ones in the background, a step pads up into the smallest
+shape already built that holds it (`cover`; see jaxserve/warmup.py).
 """
 from __future__ import annotations
 
@@ -94,3 +96,23 @@ class Buckets:
             shapes += [StepShape(t, self.decode[-1], sp, max_q, dq) for t in self.tokens
                        for sp in self.prefill_rows for max_q in self.max_q_options(t)]
         return shapes
+
+
+def largest(shapes: list[StepShape]) -> list[StepShape]:
+    """The largest decode shape and the largest shape with prefill rows among `shapes` (every
+    shape of warmup_shapes fits one of them: `cover`)."""
+    families = [[s for s in shapes if not s.prefill_rows], [s for s in shapes if s.prefill_rows]]
+    return [max(f, key=lambda s: (s.tokens, s.prefill_rows, s.max_q, s.decode_rows)) for f in families if f]
+
+
+def cover(shape: StepShape, ready: frozenset[StepShape] | None) -> StepShape:
+    """The smallest shape of `ready` that holds a batch packed for `shape` (as many or more
+    tokens, rows and max_q, of the same family); `shape` itself when `ready` is None (no limit)."""
+    if ready is None or shape in ready:
+        return shape
+    fits = [s for s in ready if bool(s.prefill_rows) == bool(shape.prefill_rows) and s.decode_q == shape.decode_q
+            and s.tokens >= shape.tokens and s.decode_rows >= shape.decode_rows
+            and s.prefill_rows >= shape.prefill_rows and s.max_q >= shape.max_q]
+    if not fits:
+        raise ValueError(f"no step shape built yet holds {shape.name}")
+    return min(fits, key=lambda s: (s.tokens, s.decode_rows, s.prefill_rows, s.max_q))

@@ -34,6 +34,10 @@ def lower_step(step, params, kv_cache, shape: StepShape, max_pages_per_seq: int,
                            **step.keywords)
 
 
+# The sampler as serving calls it: the top MAX_LOGPROBS always computed (returned when a row asks).
+SAMPLER = functools.partial(sample, num_logprobs=MAX_LOGPROBS)
+
+
 def sampler_args(shapes: list[StepShape], vocab_size: int, mesh, max_model_len: int) -> list[tuple[str, tuple]]:
     """(name, (logits, metadata)) of the sampler variants the steps of `shapes` feed (their
     logits: replicated); `sample` takes them with num_logprobs=MAX_LOGPROBS."""

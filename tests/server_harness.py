@@ -74,6 +74,15 @@ class ServerProcess:
             time.sleep(0.25)
         raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
 
+    def wait_warm(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """After wait_ready: until warm-up has built every step shape in the background (from then
+        on serving compiles nothing at all, which tests read in jaxserve_xla_compilations_total)."""
+        deadline = time.monotonic() + timeout
+        while self.metrics()["jaxserve_warmup_pending_step_shapes"] > 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"warm-up not finished after {timeout}s:\n{self.log_tail()}")
+            time.sleep(0.25)
+
     def metrics(self) -> dict[str, float]:
         """Prometheus samples by name ('name{label="value"}' for labelled ones)."""
         text = requests.get(self.url + "/metrics", timeout=30).text
@@ -101,10 +110,11 @@ class ServerProcess:
 
 
 def serving(workdir, model_dir: str, *args: str, **engine):
-    """A module fixture's body (`yield from serving(...)`): the server once ready, and at teardown
+    """A module fixture's body (`yield from serving(...)`): the server once warm, and at teardown
     a clean stop, exit 0."""
     s = ServerProcess(workdir, model_dir, *args, **engine)
     s.wait_ready()
+    s.wait_warm()
     yield s
     assert s.stop() == 0, s.log_tail()
 
