@@ -83,6 +83,10 @@ class Buckets:
             raise ValueError(f"token buckets {self.tokens} must be multiples of the mesh's seq size "
                              f"{seq_size} (set max_num_batched_tokens to one)")
 
+    @property
+    def max_logit_rows(self) -> int:
+        return self.decode[-1] * self.decode_q
+
     def max_q_options(self, t: int) -> list[int]:
         """The static bounds on one sequence's new tokens in a prefill step of t tokens."""
         return sorted({max(min(t, SHORT_PREFILL_Q), self.decode_q), min(t, self.ecfg.prefill_chunk_size)})

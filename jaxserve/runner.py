@@ -37,7 +37,7 @@ from jaxserve.packing import pack
 from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
-from jaxserve.step import SAMPLER, make_step, pad_tokens, page_copy_batches, read_pending_tokens
+from jaxserve.step import make_step, page_copy_batches, serving_sample
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,7 @@ class ModelRunner:
         self._step = make_step(self.model, cfg, self.mesh, self.backend)
         # The latest batched step's sampled tokens on the device, padded to a fixed length, and
         # (process 0) the row of each sequence it sampled: the next step's PENDING tokens.
-        self._max_logit_rows = self.buckets.decode[-1] * self.buckets.decode_q
-        self._last_sampled = jax.device_put(np.zeros(self._max_logit_rows, np.int32), parallel.replicated(self.mesh))
+        self._last_sampled = self.no_sampled_tokens()
         self._last_rows: dict[int, int] = {}
         self._unsampled_logits = None   # the batched step's, while its sampler waits (`sample`)
         # The step shapes a batch may run in while warm-up builds the others in the background
@@ -210,13 +209,9 @@ class ModelRunner:
                 continue
             if kind == _SAMPLE:   # the sampler of the batched step before, sent on its own (`sample`)
                 logits, self._unsampled_logits = self._unsampled_logits, None
-            elif kind == _STEP:
-                (tokens, *arrays), token_src = arrays[:-1], arrays[-1]
-                # Always on the device (one input placement for the step, one compilation per shape).
-                tokens = self._run("read_pending_tokens", read_pending_tokens, (),
-                                   (tokens, token_src, self._last_sampled))
+            elif kind == _STEP:   # its arrays end with token_src: PENDING tokens are read from _last_sampled
                 logits, self.kv_cache, hidden = self._run(
-                    "step", self._step, (self.params, self.kv_cache), (tokens, *arrays),
+                    "step", self._step, (self.params, self.kv_cache), (*arrays, self._last_sampled),
                     num_prefill_rows=int(static[0]), max_q=int(static[1]), decode_q=int(static[2]))
                 if static[3]:   # its sampler comes later
                     self._unsampled_logits = logits
@@ -224,9 +219,10 @@ class ModelRunner:
                 tokens, (num_tokens, num_cached), row = arrays
                 logits, self.kv_cache = self._run("sequence_parallel_prefill", self._sp_prefill,
                                                   (self.params, self.kv_cache), (tokens, num_tokens, num_cached, row))
-            sampled.append(self._sample(logits, SamplingMetadata(*md)) if md else None)
+            out, padded = self._sample(logits, SamplingMetadata(*md)) if md else (None, None)
+            sampled.append(out)
             if kind in (_STEP, _SAMPLE) and md:
-                self._last_sampled = self._pad_tokens(sampled[-1].tokens)
+                self._last_sampled = padded
         return sampled
 
     def _run(self, name: str, fn, fixed: tuple, args: tuple, **static):
@@ -235,11 +231,13 @@ class ModelRunner:
         executable = self.executables.get(key(name, args, **static))
         return executable(*fixed, *args) if executable is not None else fn(*fixed, *args, **static)
 
-    def _sample(self, logits, md: SamplingMetadata) -> SampleOutput:
-        return self._run("sample", SAMPLER, (), (logits, md))
+    def no_sampled_tokens(self) -> jax.Array:
+        """_last_sampled before any step has sampled: zeros, replicated."""
+        return jax.device_put(np.zeros(self.buckets.max_logit_rows, np.int32), parallel.replicated(self.mesh))
 
-    def _pad_tokens(self, tokens):
-        return self._run("pad_tokens", pad_tokens, (), (tokens,), length=self._max_logit_rows)
+    def _sample(self, logits, md: SamplingMetadata) -> tuple[SampleOutput, jax.Array]:
+        """The samples, and their tokens padded to max_logit_rows (the next _last_sampled)."""
+        return self._run("sample", serving_sample, (), (logits, md), length=self.buckets.max_logit_rows)
 
     def _prompt_logprobs(self, hidden, index, targets):
         return self._run("prompt_logprobs", self._scorer, (self.params,), (hidden, index, targets))

@@ -8,8 +8,8 @@ only what serves every batch: the largest decode shape and the largest prefill s
 (buckets.largest), the samplers of their logit rows, and what runs beside them. Until the others
 are built, a batch pads up into the smallest shape built that holds it (buckets.cover over
 `runner.ready_shapes`), so serving never compiles. A thread then builds the other step shapes a
-few at a time, each joining `runner.ready_shapes` once its step, sampler variants, PENDING-token
-read, `pad_tokens` and prompt-logprobs scorer are all built (and, on a CPU, run once on a scratch
+few at a time, each joining `runner.ready_shapes` once its step, sampler variants and
+prompt-logprobs scorer are all built (and, on a CPU, run once on a scratch
 KV pool of its own: serving holds the real one; an accelerator's pool fills its memory, so there
 the first request of a shape pays its first run).
 
@@ -32,8 +32,8 @@ from jaxserve.buckets import StepShape, largest
 from jaxserve.compilations import CompileCounter
 from jaxserve.executables import key, lower
 from jaxserve.kv_cache import KVCache
-from jaxserve.step import (SAMPLER, empty_sequence_parallel_prefill, lower_step, pad_tokens, page_copy_batches,
-                           read_pending_tokens, sampler_args)
+from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, page_copy_batches, sampler_args,
+                           serving_sample, step_arrays)
 
 log = logging.getLogger(__name__)
 
@@ -81,53 +81,24 @@ class Background:
         self._stop = True
         self._thread.join(timeout)
 
-    def _build(self, runner, shapes: list[StepShape], kv) -> None:
-        before, t0 = CompileCounter.count, time.perf_counter()
-        try:
-            # A scratch pool on a CPU (see the module docstring): serving holds the real one.
-            scratch = (KVCache.zeros(runner.cfg, runner.mesh, runner.num_pages, runner.page_size, runner.dtype,
-                                     runner.ecfg.kv_cache_dtype)
-                       if parallel.platform(runner.mesh) == "cpu" else None)
-            step = os.cpu_count() or 1
-            for i in range(0, len(shapes), step):
-                if self._stop:
-                    return
-                batch = shapes[i:i + step]
-                _build(runner, batch, kv, beside=False)
-                if scratch is not None:
-                    scratch = _run_once(runner, batch, scratch)
-                    jax.block_until_ready(scratch)
-                runner.ready_shapes = runner.ready_shapes | frozenset(batch)
-                self.pending -= len(batch)
-            runner.ready_shapes = None
-            log.info("warm-up in the background: %d more step shapes in %.1fs (%d compilations)", len(shapes),
-                     time.perf_counter() - t0, CompileCounter.count - before)
-        except Exception:   # serving goes on in the shapes built
-            log.exception("warm-up in the background failed; serving goes on in %d step shape(s)",
-                          len(runner.ready_shapes))
-        finally:
-            self.done.set()
-
-
-def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
-    """Build the executables of `shapes`: each step, its PENDING-token read, the sampler variants
-    of its logit rows, then what takes their outputs, lowered for those outputs' shardings: the
-    prompt-logprobs scorer of its token count (the step's hidden states) and pad_tokens (a
-    sampler's tokens). `beside`: also the page copy and the sequence-parallel prefills."""
-    samplers = [args for _, args in sampler_args(shapes, runner.cfg.vocab_size, runner.mesh, runner.max_model_len)]
+    def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
+    """Build the executables of `shapes`: each step and the sampler variants of its logit rows,
+    then the prompt-logprobs scorer of its token count, lowered for the step's hidden states'
+    sharding. `beside`: also the page copy and the sequence-parallel prefills (and the samplers
+    of their one row)."""
+    rows = [s.logit_rows for s in shapes] + ([1] if beside and runner.prefills_sequence_parallel else [])
     work = []   # the longest compilations first (steps, the most tokens first): the threads end together
     for shape in sorted(shapes, key=lambda s: -s.tokens):
         args, static = _step_args(runner, shape)
         work.append((key("step", args, **static), functools.partial(
             lower_step, runner._step, runner.params, kv, shape, runner.max_pages_per_seq,
-            runner.num_pages * runner.page_size)))
+            runner.num_pages * runner.page_size, args[-1])))
     if beside and runner.prefills_sequence_parallel:
         work += [_lowering("sequence_parallel_prefill", runner._sp_prefill, (runner.params, kv),
                            empty_sequence_parallel_prefill(t, runner.max_pages_per_seq))
                  for t in runner.buckets.tokens]
-    work += [_lowering("sample", SAMPLER, (), args) for args in samplers]
-    work += [_lowering("read_pending_tokens", read_pending_tokens, (), _pending_args(runner, np.zeros(t, np.int32)))
-             for t in sorted({s.tokens for s in shapes})]
+    work += [_lowering("sample", serving_sample, (), args, length=runner.buckets.max_logit_rows)
+             for _, args in sampler_args(rows, runner.cfg.vocab_size, runner.mesh, runner.max_model_len)]
     if beside:
         work.append(_lowering("copy_kv_pages", KVCache.copy_pages, (kv,),
                               next(page_copy_batches([(0, 0)], runner.max_copies, runner.num_pages))))
@@ -137,21 +108,15 @@ def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
         args, static = _step_args(runner, shape)
         hidden = _outputs(runner.executables.get(key("step", args, **static)))[2]
         work.append(_lowering("prompt_logprobs", runner._scorer, (runner.params,), (hidden, args[0], args[0])))
-    for args in samplers:
-        tokens = _outputs(runner.executables.get(key("sample", args))).tokens
-        work.append(_lowering("pad_tokens", pad_tokens, (), (tokens,), length=runner._max_logit_rows))
     runner.executables.build(dict(work))
 
 
 def _run_once(runner, shapes: list[StepShape], kv_cache):
-    """Run each step shape once on `kv_cache` (writing nothing), with its PENDING-token read,
-    pad_tokens and prompt-logprobs scorer, on the arrays serving gives them; returns the pool."""
+    """Run each step shape once on `kv_cache` (writing nothing), and its prompt-logprobs scorer,
+    on the arrays serving gives them; returns the pool."""
     for shape in shapes:
-        (tokens, *arrays), static = _step_args(runner, shape)
-        tokens = runner._run("read_pending_tokens", read_pending_tokens, (), _pending_args(runner, tokens))
-        _, kv_cache, hidden = runner._run("step", runner._step, (runner.params, kv_cache), (tokens, *arrays),
-                                          **static)
-        runner._pad_tokens(jax.device_put(np.zeros(shape.logit_rows, np.int32), parallel.replicated(runner.mesh)))
+        args, static = _step_args(runner, shape)
+        _, kv_cache, hidden = runner._run("step", runner._step, (runner.params, kv_cache), args, **static)
         # Prompt logprobs: one scorer per step token count (a 1-token prompt chunk, cut by the
         # token budget, rides in a decode-shaped step).
         empty = np.zeros(shape.tokens, np.int32)
@@ -165,16 +130,11 @@ def _lowering(name: str, fn, fixed: tuple, args: tuple, **static):
 
 
 def _step_args(runner, shape: StepShape) -> tuple[tuple, dict]:
-    """The step's arrays for an empty batch of `shape`, and its static arguments."""
-    return (shape.empty_batch(runner.max_pages_per_seq, runner.num_pages * runner.page_size),
+    """The step's arrays for an empty batch of `shape` (the latest sampled tokens: zeros, as the
+    runner starts with; not the runner's own, which serving may be replacing), its static arguments."""
+    return (step_arrays(shape, runner.max_pages_per_seq, runner.num_pages * runner.page_size,
+                        runner.no_sampled_tokens()),
             dict(num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q))
-
-
-def _pending_args(runner, tokens) -> tuple:
-    """read_pending_tokens' arguments for `tokens`, none pending (the latest sampled tokens:
-    zeros, as the runner starts with; not the runner's own: serving may be replacing it)."""
-    last_sampled = jax.device_put(np.zeros(runner._max_logit_rows, np.int32), parallel.replicated(runner.mesh))
-    return tokens, np.full(len(tokens), -1, np.int32), last_sampled
 
 
 def _outputs(executable):
