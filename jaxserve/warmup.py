@@ -37,6 +37,7 @@ from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, page_cop
 
 log = logging.getLogger(__name__)
 
+
 def warm_up(runner, background: bool = False) -> int:
     """Build what serves every batch (everything, unless `background`: then the other step
     shapes follow on a thread, see the module docstring); returns the compilations it took."""
@@ -72,7 +73,7 @@ class Background:
         self.pending = len(shapes)   # step shapes not built yet
         self.done = threading.Event()
         self._stop = False
-        self._thread = threading.Thread(target=self._build, args=(runner, shapes, kv), name="jaxserve-warmup",
+        self._thread = threading.Thread(target=self._run, args=(runner, shapes, kv), name="jaxserve-warmup",
                                         daemon=True)
         self._thread.start()
 
@@ -81,7 +82,35 @@ class Background:
         self._stop = True
         self._thread.join(timeout)
 
-    def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
+    def _run(self, runner, shapes: list[StepShape], kv) -> None:
+        before, t0 = CompileCounter.count, time.perf_counter()
+        try:
+            # A scratch pool on a CPU (see the module docstring): serving holds the real one.
+            scratch = (KVCache.zeros(runner.cfg, runner.mesh, runner.num_pages, runner.page_size, runner.dtype,
+                                     runner.ecfg.kv_cache_dtype)
+                       if parallel.platform(runner.mesh) == "cpu" else None)
+            step = os.cpu_count() or 1
+            for i in range(0, len(shapes), step):
+                if self._stop:
+                    return
+                batch = shapes[i:i + step]
+                _build(runner, batch, kv, beside=False)
+                if scratch is not None:
+                    scratch = _run_once(runner, batch, scratch)
+                    jax.block_until_ready(scratch)
+                runner.ready_shapes = runner.ready_shapes | frozenset(batch)
+                self.pending -= len(batch)
+            runner.ready_shapes = None
+            log.info("warm-up in the background: %d more step shapes in %.1fs (%d compilations)", len(shapes),
+                     time.perf_counter() - t0, CompileCounter.count - before)
+        except Exception:   # serving goes on in the shapes built
+            log.exception("warm-up in the background failed; serving goes on in %d step shape(s)",
+                          len(runner.ready_shapes))
+        finally:
+            self.done.set()
+
+
+def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
     """Build the executables of `shapes`: each step and the sampler variants of its logit rows,
     then the prompt-logprobs scorer of its token count, lowered for the step's hidden states'
     sharding. `beside`: also the page copy and the sequence-parallel prefills (and the samplers
