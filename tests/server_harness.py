@@ -76,9 +76,11 @@ class ServerProcess:
 
     def wait_warm(self, timeout: float = READY_TIMEOUT_S) -> None:
         """After wait_ready: until warm-up has built every step shape in the background (from then
-        on serving compiles nothing at all, which tests read in jaxserve_xla_compilations_total)."""
+        on serving compiles nothing at all, which tests read in jaxserve_xla_compilations_total)
+        and the roofline gauges, measured after it, are there."""
         deadline = time.monotonic() + timeout
-        while self.metrics()["jaxserve_warmup_pending_step_shapes"] > 0:
+        while (m := self.metrics())["jaxserve_warmup_pending_step_shapes"] > 0 \
+                or "jaxserve_model_bandwidth_utilization" not in m:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"warm-up not finished after {timeout}s:\n{self.log_tail()}")
             time.sleep(0.25)
