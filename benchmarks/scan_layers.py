@@ -33,6 +33,7 @@ from jaxserve.kv_cache import LayerKV  # noqa: E402
 from jaxserve.models.layers import RMSNorm  # noqa: E402
 from jaxserve.models.llama import DecoderLayer  # noqa: E402
 from jaxserve.runner import ModelRunner  # noqa: E402
+from jaxserve.step import lower_step  # noqa: E402
 from jaxserve.step_cost import step_cost  # noqa: E402
 
 
@@ -86,7 +87,8 @@ def main():
 
     for shape in (StepShape(16, 16, 0, 1), StepShape(128, 16, 2, 128)):
         static = dict(num_prefill_rows=shape.prefill_rows, max_q=shape.max_q)
-        lowerings = {"unrolled": lambda: runner._lower_step(runner.kv_cache, shape)}
+        lowerings = {"unrolled": lambda: lower_step(runner._step, runner.params, runner.kv_cache, shape, mp,
+                                                    padding_slot, runner._last_sampled)}
         for kv_in, step in steps.items():
             lowerings[f"scan/{kv_in}"] = functools.partial(step.lower, stacked, stacked_kv[kv_in],
                                                            *shape.empty_batch(mp, padding_slot), **static)
@@ -113,7 +115,8 @@ def main():
     def run(name: str, n: int):
         for _ in range(n):
             if name == "unrolled":
-                logits, caches[name] = runner._step(runner.params, caches[name], *arrays, **static)
+                logits, caches[name], _ = runner._step(runner.params, caches[name], *arrays,
+                                                       np.full(rows, -1, np.int32), runner._last_sampled, **static)
             else:
                 logits, caches[name] = steps[name](stacked, caches[name], *arrays, **static)
         return jax.block_until_ready(logits)

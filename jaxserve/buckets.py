@@ -8,6 +8,8 @@ Decode rows bring one token each, or with speculative decoding up to 1 + k (a ve
 last token and k proposals; a plain decode among them uses one of its slots), and every token
 of a decode row is sampled: the logits come for decode rows x tokens per decode row.
 The runner packs each step into one of them; warm-up and `jaxserve check` compile all of them.
+While warm-up still builds the smaller ones in the background, a step pads up into the smallest
+shape already built that holds it (`cover`; see jaxserve/warmup.py).
 """
 from __future__ import annotations
 
@@ -81,6 +83,10 @@ class Buckets:
             raise ValueError(f"token buckets {self.tokens} must be multiples of the mesh's seq size "
                              f"{seq_size} (set max_num_batched_tokens to one)")
 
+    @property
+    def max_logit_rows(self) -> int:
+        return self.decode[-1] * self.decode_q
+
     def max_q_options(self, t: int) -> list[int]:
         """The static bounds on one sequence's new tokens in a prefill step of t tokens."""
         return sorted({max(min(t, SHORT_PREFILL_Q), self.decode_q), min(t, self.ecfg.prefill_chunk_size)})
@@ -94,3 +100,23 @@ class Buckets:
             shapes += [StepShape(t, self.decode[-1], sp, max_q, dq) for t in self.tokens
                        for sp in self.prefill_rows for max_q in self.max_q_options(t)]
         return shapes
+
+
+def largest(shapes: list[StepShape]) -> list[StepShape]:
+    """The largest decode shape and the largest shape with prefill rows among `shapes` (every
+    shape of warmup_shapes fits one of them: `cover`)."""
+    families = [[s for s in shapes if not s.prefill_rows], [s for s in shapes if s.prefill_rows]]
+    return [max(f, key=lambda s: (s.tokens, s.prefill_rows, s.max_q, s.decode_rows)) for f in families if f]
+
+
+def cover(shape: StepShape, ready: frozenset[StepShape] | None) -> StepShape:
+    """The smallest shape of `ready` that holds a batch packed for `shape` (as many or more
+    tokens, rows and max_q, of the same family); `shape` itself when `ready` is None (no limit)."""
+    if ready is None or shape in ready:
+        return shape
+    fits = [s for s in ready if bool(s.prefill_rows) == bool(shape.prefill_rows) and s.decode_q == shape.decode_q
+            and s.tokens >= shape.tokens and s.decode_rows >= shape.decode_rows
+            and s.prefill_rows >= shape.prefill_rows and s.max_q >= shape.max_q]
+    if not fits:
+        raise ValueError(f"no step shape built yet holds {shape.name}")
+    return min(fits, key=lambda s: (s.tokens, s.decode_rows, s.prefill_rows, s.max_q))

@@ -30,7 +30,7 @@ from jaxserve.checkpoint import param_shapes, saved_quantization
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kv_cache import KVCache, page_bytes_per_chip, storage_dtype
 from jaxserve.models import build_model
-from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, make_step,
+from jaxserve.step import (empty_sequence_parallel_prefill, last_sampled_spec, lower_step, make_step,
                            page_copy_batches, sampler_lowerings)
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step_cost import step_cost
@@ -151,10 +151,12 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
     buckets = Buckets(ecfg, mesh.shape["seq"])
     shapes = shapes or buckets.warmup_shapes(mesh.shape["seq"] > 1)
 
-    work = [(s.name, lambda s=s: lower_step(step, params, kv, s, max_pages, num_pages * ecfg.page_size))
+    last_sampled = last_sampled_spec(mesh, buckets.max_logit_rows)
+    work = [(s.name, lambda s=s: lower_step(step, params, kv, s, max_pages, num_pages * ecfg.page_size, last_sampled))
             for s in shapes]
     if samplers:
-        work += sampler_lowerings(shapes, cfg.vocab_size, mesh, ecfg.max_model_len or cfg.max_position_embeddings)
+        work += sampler_lowerings([s.logit_rows for s in shapes], cfg.vocab_size, mesh,
+                                  ecfg.max_model_len or cfg.max_position_embeddings, buckets.max_logit_rows)
     if mesh.shape["seq"] > 1:
         work += [(f"sequence-parallel-prefill-{t}", lambda t=t: sequence_parallel_prefill.lower(
             model, mesh, params, kv, *empty_sequence_parallel_prefill(t, max_pages), backend=backend))

@@ -92,8 +92,8 @@ class LLMEngine:
         self._inflight: tuple[SchedulerOutput, Launched] | None = None   # launched, not yet collected
         self._launches = 0
 
-    def warmup(self) -> int:
-        return self.runner.warmup()
+    def warmup(self, background: bool = False) -> int:
+        return self.runner.warmup(background)
 
     # ---- requests ----
     def new_request(self, prompt_token_ids: list[int], params: SamplingParams,

@@ -104,8 +104,10 @@ class EngineThread:
         self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
 
     def start(self, warmup: bool = True) -> "EngineThread":
+        """Warm up what serves every request, then serve (the other step shapes are built in the
+        background meanwhile: jaxserve/warmup.py)."""
         if warmup:
-            self.engine.warmup()
+            self.engine.warmup(background=True)
         self._thread.start()
         return self
 
@@ -149,6 +151,7 @@ class EngineThread:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        self.engine.runner.stop_warmup()
 
     @property
     def num_pending(self) -> int:

@@ -28,7 +28,8 @@ class EngineClient(Protocol):
     step_listeners: list         # called with (RequestOutput list, step seconds) after each step
 
     def start(self, warmup: bool = True) -> "EngineClient":
-        """Warm up (compile every step shape), then run."""
+        """Warm up, then run (an EngineThread serves once what serves every request is built, and
+        builds the other step shapes in the background: jaxserve/warmup.py)."""
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                request_id: str | None = None) -> RequestStream:

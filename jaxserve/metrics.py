@@ -93,7 +93,12 @@ class _EngineCollector:
         yield CounterMetricFamily("jaxserve_num_preemptions", "Sequences preempted (recomputed later).",
                                   value=sum(s.num_preemptions for s in scheds))
         yield CounterMetricFamily("jaxserve_xla_compilations",
-                                  "XLA compilations in this process (flat after warm-up: none while serving).",
-                                  value=CompileCounter.count)
+                                  "XLA compilations in this process (flat once warm-up has finished; the "
+                                  "serving thread never compiles).", value=CompileCounter.count)
+        yield GaugeMetricFamily("jaxserve_warmup_pending_step_shapes",
+                                "Step shapes warm-up still builds in the background (their batches pad up "
+                                "into larger ones meanwhile), all replicas.",
+                                value=sum(e.runner.background_warmup.pending for e in engines
+                                          if e.runner.background_warmup is not None))
         if self.metrics.roofline is not None:
             yield from self.metrics.roofline.metric_families()

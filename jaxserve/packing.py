@@ -6,7 +6,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxserve import prompt_logprobs
-from jaxserve.buckets import Buckets, bucket
+from jaxserve.buckets import Buckets, StepShape, bucket, cover
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence import PENDING
 
@@ -23,10 +23,11 @@ class Batch(NamedTuple):
 
 
 def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pages: int,
-         page_size: int) -> Batch:
+         page_size: int, ready: frozenset[StepShape] | None = None) -> Batch:
     """The scheduled rows as the step's fixed-shape host arrays (see the runner's docstring):
     prefill rows first, then decode rows (one token, or a verify row's 1 + k) longest context
-    first, padded to `buckets`. A row sampling n tokens has its last n positions in
+    first, padded to `buckets` (to the smallest `ready` shape that holds them while warm-up
+    builds the others: buckets.cover). A row sampling n tokens has its last n positions in
     logits_index and its sequence n times in sampling_seqs. A PENDING input token (a decode row's
     token sampled by the step still running) is left for the device to read (`pending`)."""
     prefill = [s for s in out.scheduled if s.is_prefill_row]
@@ -45,6 +46,8 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
         sd = bucket(len(decode), buckets.decode)
         t = sd * buckets.decode_q
         max_q = buckets.decode_q
+    shape = cover(StepShape(t, sd, sp, max_q, buckets.decode_q), ready)
+    t, sd, sp, max_q = shape.tokens, shape.decode_rows, shape.prefill_rows, shape.max_q
     p = max_pages_per_seq
     rows: list = prefill + [None] * (sp - len(prefill)) + decode + [None] * (sd - len(decode))
     tokens = np.zeros(t, np.int32)

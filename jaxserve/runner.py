@@ -19,27 +19,25 @@ import dataclasses
 import functools
 import logging
 import os
-import time
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import multihost, parallel, prompt_logprobs, sizing
+from jaxserve import multihost, parallel, prompt_logprobs, sizing, warmup
 from jaxserve.compilations import CompileCounter
 from jaxserve.attention import QUANTIZED_KV_BACKENDS, resolve_backend
-from jaxserve.executables import Executables, abstract, context_digest, key, lower
-from jaxserve.buckets import Buckets, StepShape, bucket
+from jaxserve.executables import Executables, abstract, context_digest, key
+from jaxserve.buckets import Buckets, bucket
 from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
 from jaxserve.kv_cache import KVCache, page_bytes_per_chip
 from jaxserve.models import build_model
 from jaxserve.packing import pack
-from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for, sample
+from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
-from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, make_step, pad_tokens, page_copy_batches,
-                           read_pending_tokens, sampler_args)
+from jaxserve.step import make_step, page_copy_batches, serving_sample
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +81,13 @@ class ModelRunner:
         self._step = make_step(self.model, cfg, self.mesh, self.backend)
         # The latest batched step's sampled tokens on the device, padded to a fixed length, and
         # (process 0) the row of each sequence it sampled: the next step's PENDING tokens.
-        self._max_logit_rows = self.buckets.decode[-1] * self.buckets.decode_q
-        self._last_sampled = jax.device_put(np.zeros(self._max_logit_rows, np.int32), parallel.replicated(self.mesh))
+        self._last_sampled = self.no_sampled_tokens()
         self._last_rows: dict[int, int] = {}
         self._unsampled_logits = None   # the batched step's, while its sampler waits (`sample`)
+        # The step shapes a batch may run in while warm-up builds the others in the background
+        # (jaxserve/warmup.py); None: any (all built, or no warm-up: the jit compiles).
+        self.ready_shapes: frozenset | None = None
+        self.background_warmup = None
         # Warm-up's executables, called by argument shapes (`_run`), stored beside JAX's cache.
         store = engine_cfg.compilation_cache_dir and os.path.join(engine_cfg.compilation_cache_dir, "executables")
         devices = list(self.mesh.devices.flat)
@@ -127,7 +128,7 @@ class ModelRunner:
         plp_counts = metadata = None
         if rest:
             batch = pack(dataclasses.replace(out, scheduled=rest), self.buckets, self.max_pages_per_seq,
-                         self.num_pages, self.page_size)
+                         self.num_pages, self.page_size, self.ready_shapes)
             seqs = batch.sampling_seqs
             token_src = np.full(len(batch.arrays[0]), -1, np.int32)   # >= 0: the previous step's row
             for position, seq in batch.pending:
@@ -208,13 +209,9 @@ class ModelRunner:
                 continue
             if kind == _SAMPLE:   # the sampler of the batched step before, sent on its own (`sample`)
                 logits, self._unsampled_logits = self._unsampled_logits, None
-            elif kind == _STEP:
-                (tokens, *arrays), token_src = arrays[:-1], arrays[-1]
-                # Always on the device (one input placement for the step, one compilation per shape).
-                tokens = self._run("read_pending_tokens", read_pending_tokens, (),
-                                   (tokens, token_src, self._last_sampled))
+            elif kind == _STEP:   # its arrays end with token_src: PENDING tokens are read from _last_sampled
                 logits, self.kv_cache, hidden = self._run(
-                    "step", self._step, (self.params, self.kv_cache), (tokens, *arrays),
+                    "step", self._step, (self.params, self.kv_cache), (*arrays, self._last_sampled),
                     num_prefill_rows=int(static[0]), max_q=int(static[1]), decode_q=int(static[2]))
                 if static[3]:   # its sampler comes later
                     self._unsampled_logits = logits
@@ -222,9 +219,10 @@ class ModelRunner:
                 tokens, (num_tokens, num_cached), row = arrays
                 logits, self.kv_cache = self._run("sequence_parallel_prefill", self._sp_prefill,
                                                   (self.params, self.kv_cache), (tokens, num_tokens, num_cached, row))
-            sampled.append(self._sample(logits, SamplingMetadata(*md)) if md else None)
+            out, padded = self._sample(logits, SamplingMetadata(*md)) if md else (None, None)
+            sampled.append(out)
             if kind in (_STEP, _SAMPLE) and md:
-                self._last_sampled = self._pad_tokens(sampled[-1].tokens)
+                self._last_sampled = padded
         return sampled
 
     def _run(self, name: str, fn, fixed: tuple, args: tuple, **static):
@@ -233,11 +231,13 @@ class ModelRunner:
         executable = self.executables.get(key(name, args, **static))
         return executable(*fixed, *args) if executable is not None else fn(*fixed, *args, **static)
 
-    def _sample(self, logits, md: SamplingMetadata) -> SampleOutput:
-        return self._run("sample", _SAMPLER, (), (logits, md))
+    def no_sampled_tokens(self) -> jax.Array:
+        """_last_sampled before any step has sampled: zeros, replicated."""
+        return jax.device_put(np.zeros(self.buckets.max_logit_rows, np.int32), parallel.replicated(self.mesh))
 
-    def _pad_tokens(self, tokens):
-        return self._run("pad_tokens", pad_tokens, (), (tokens,), length=self._max_logit_rows)
+    def _sample(self, logits, md: SamplingMetadata) -> tuple[SampleOutput, jax.Array]:
+        """The samples, and their tokens padded to max_logit_rows (the next _last_sampled)."""
+        return self._run("sample", serving_sample, (), (logits, md), length=self.buckets.max_logit_rows)
 
     def _prompt_logprobs(self, hidden, index, targets):
         return self._run("prompt_logprobs", self._scorer, (self.params,), (hidden, index, targets))
@@ -277,89 +277,21 @@ class ModelRunner:
         batch[:len(pages)] = pages
         self.kv_cache = self.kv_cache.fill_pages(batch, np.float32("nan"))
 
-    # ---- warm-up ----
-    def warmup(self) -> int:
-        """Build every bucket's step, the sampler variants and what runs beside them before serving
-        (compiled side by side, or loaded from the executable store), then run each step shape
-        once; returns the compilations it took."""
-        before, t0 = CompileCounter.count, time.perf_counter()
-        shapes = self.buckets.warmup_shapes(self.prefills_sequence_parallel)
-        samplers = [args for _, args in sampler_args(shapes, self.cfg.vocab_size, self.mesh, self.max_model_len)]
-        kv = self.kv_cache.abstract()
-        work = [self._lowering("copy_kv_pages", KVCache.copy_pages, (kv,),
-                               next(page_copy_batches([(0, 0)], self.max_copies, self.num_pages)))]
-        work += [self._lowering("sample", _SAMPLER, (), args) for args in samplers]
-        if self.prefills_sequence_parallel:   # the sequence-parallel prefill of each token bucket
-            work += [self._lowering("sequence_parallel_prefill", self._sp_prefill, (self.params, kv),
-                                    empty_sequence_parallel_prefill(t, self.max_pages_per_seq))
-                     for t in self.buckets.tokens]
-        for shape in shapes:
-            args, static = self._step_args(shape)
-            work.append((key("step", args, **static), functools.partial(self._lower_step, kv, shape)))
-            work.append(self._lowering("read_pending_tokens", read_pending_tokens, (), self._pending_args(args[0])))
-        self.executables.build(dict(work))
-        # Then what takes their outputs, lowered for those outputs' shardings: the prompt-logprobs
-        # scorer of each step token count (a step's hidden states), pad_tokens (a sampler's tokens).
-        work = []
-        for shape in shapes:
-            args, static = self._step_args(shape)
-            hidden = _outputs(self.executables.get(key("step", args, **static)))[2]
-            work.append(self._lowering("prompt_logprobs", self._scorer, (self.params,), (hidden, args[0], args[0])))
-        for args in samplers:
-            tokens = _outputs(self.executables.get(key("sample", args))).tokens
-            work.append(self._lowering("pad_tokens", pad_tokens, (), (tokens,), length=self._max_logit_rows))
-        self.executables.build(dict(work))
-        # One run of each step shape: an XLA:CPU executable's first run costs ~0.2-0.3 s more than
-        # the next ones (measured on the tiny model, compiled or loaded alike), paid here, not by a request.
-        for shape in shapes:
-            (tokens, *arrays), static = self._step_args(shape)
-            # The reads of PENDING tokens, on the arrays serving gives them (a step's sampled tokens).
-            tokens = self._run("read_pending_tokens", read_pending_tokens, (), self._pending_args(tokens))
-            _, self.kv_cache, hidden = self._run("step", self._step, (self.params, self.kv_cache), (tokens, *arrays),
-                                                  **static)
-            self._last_sampled = self._pad_tokens(
-                jax.device_put(np.zeros(shape.logit_rows, np.int32), parallel.replicated(self.mesh)))
-            # Prompt logprobs: one variant per step token count (a 1-token prompt chunk, cut by the
-            # token budget, rides in a decode-shaped step).
-            empty = np.zeros(shape.tokens, np.int32)
-            jax.block_until_ready(self._prompt_logprobs(hidden, empty, empty))
-        if self.prefills_sequence_parallel:   # the sequence-parallel prefill of each token bucket
-            for t in self.buckets.tokens:
-                _, self.kv_cache = self._run("sequence_parallel_prefill", self._sp_prefill,
-                                              (self.params, self.kv_cache),
-                                              empty_sequence_parallel_prefill(t, self.max_pages_per_seq))
-        self.copy_pages([(0, 0)])
-        jax.block_until_ready(self.kv_cache)
-        n = CompileCounter.count - before
-        log.info("warm-up: %d compilations, %d executables loaded from the store (%d step shapes) in %.1fs",
-                 n, self.executables.loaded, len(shapes), time.perf_counter() - t0)
-        return n
+    # ---- warm-up (jaxserve/warmup.py) ----
+    def warmup(self, background: bool = False) -> int:
+        """Build every step shape's executables and what runs beside them (compiled side by side,
+        or loaded from the executable store), and run each step shape once; with `background`,
+        only what serves every batch before returning, the rest on a thread (`wait_warm`).
+        Returns the compilations it took before returning."""
+        return warmup.warm_up(self, background)
 
-    def _lowering(self, name: str, fn, fixed: tuple, args: tuple, **static):
-        """(`_run`'s key, a function lowering the call) for fn(*fixed, *args, **static)."""
-        return key(name, args, **static), functools.partial(lower, fn, *fixed, *args, **static)
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait for the background warm-up, if any; True once every step shape is built."""
+        return self.background_warmup is None or self.background_warmup.done.wait(timeout)
 
-    def _step_args(self, shape: StepShape) -> tuple[tuple, dict]:
-        """The step's arrays for an empty batch of `shape`, and its static arguments."""
-        return (shape.empty_batch(self.max_pages_per_seq, self.num_pages * self.page_size),
-                dict(num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q))
-
-    def _pending_args(self, tokens) -> tuple:
-        """read_pending_tokens' arguments for `tokens`, none pending."""
-        return tokens, np.full(len(tokens), -1, np.int32), self._last_sampled
-
-    def _lower_step(self, kv_cache, shape: StepShape):
-        return lower_step(self._step, self.params, kv_cache, shape, self.max_pages_per_seq,
-                          self.num_pages * self.page_size)
-
-
-_SAMPLER = functools.partial(sample, num_logprobs=MAX_LOGPROBS)
-
-
-def _outputs(executable):
-    """An executable's outputs as ShapeDtypeStructs with their shardings."""
-    return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s),
-                        executable.out_info, executable.output_shardings)
+    def stop_warmup(self) -> None:
+        if self.background_warmup is not None:
+            self.background_warmup.stop()
 
 
 _STEP, _SEQUENCE_PARALLEL, _PROMPT_LOGPROBS, _SAMPLE = 0, 1, 2, 3

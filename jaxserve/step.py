@@ -27,41 +27,49 @@ def make_step(model, cfg: ModelConfig, mesh, backend: str):
                              logits_sharding=parallel.logits_sharding(cfg, mesh))
 
 
-def lower_step(step, params, kv_cache, shape: StepShape, max_pages_per_seq: int, padding_slot: int):
-    """`step` (from make_step) lowered for `shape` over an empty batch."""
-    return step.func.lower(*step.args, params, kv_cache, *shape.empty_batch(max_pages_per_seq, padding_slot),
+def step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled) -> tuple:
+    """The step's arrays for an empty batch of `shape`, none of its tokens PENDING (see model_step)."""
+    batch = shape.empty_batch(max_pages_per_seq, padding_slot)
+    return *batch, np.full(shape.tokens, -1, np.int32), last_sampled
+
+
+def last_sampled_spec(mesh, rows: int) -> jax.ShapeDtypeStruct:
+    """The step's last_sampled argument (the previous step's sampled tokens: replicated)."""
+    return jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=parallel.replicated(mesh))
+
+
+def lower_step(step, params, kv_cache, shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled):
+    """`step` (from make_step) lowered for `shape` over an empty batch; `last_sampled`: an array
+    or last_sampled_spec."""
+    return step.func.lower(*step.args, params, kv_cache,
+                           *step_arrays(shape, max_pages_per_seq, padding_slot, last_sampled),
                            num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q,
                            **step.keywords)
 
 
-def sampler_args(shapes: list[StepShape], vocab_size: int, mesh, max_model_len: int) -> list[tuple[str, tuple]]:
-    """(name, (logits, metadata)) of the sampler variants the steps of `shapes` feed (their
-    logits: replicated); `sample` takes them with num_logprobs=MAX_LOGPROBS."""
-    rows = sorted({s.logit_rows for s in shapes})
+@functools.partial(jax.jit, static_argnames=("length",))
+def serving_sample(logits, md, *, length: int):
+    """The sampler as serving runs it: the top MAX_LOGPROBS always computed (returned when a row
+    asks), and the sampled tokens also zero-padded to `length` (one shape for the next step's
+    last_sampled, where it reads its PENDING tokens: model_step)."""
+    out = sample(logits, md, num_logprobs=MAX_LOGPROBS)
+    return out, jnp.zeros(length, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
 
+
+def sampler_args(rows: list[int], vocab_size: int, mesh, max_model_len: int) -> list[tuple[str, tuple]]:
+    """(name, (logits, metadata)) of the sampler variants for each count of logit rows (a step
+    shape's logit_rows; the logits: replicated)."""
     def name(r, md):
         return f"sampler-{r}{'-penalties-bias' if md.use_penalties else ''}{'-mask' if md.use_mask else ''}"
     return [(name(r, md), (jax.ShapeDtypeStruct((r, vocab_size), jnp.float32, sharding=parallel.replicated(mesh)), md))
-            for r in rows for md in sampler_variants(r, max_model_len, vocab_size)]
+            for r in sorted(set(rows)) for md in sampler_variants(r, max_model_len, vocab_size)]
 
 
-def sampler_lowerings(shapes: list[StepShape], vocab_size: int, mesh, max_model_len: int) -> list[tuple[str, Any]]:
-    """(name, lower) of the sampler variants (sampler_args)."""
-    return [(name, functools.partial(sample.lower, *args, num_logprobs=MAX_LOGPROBS))
-            for name, args in sampler_args(shapes, vocab_size, mesh, max_model_len)]
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def pad_tokens(tokens, length: int):
-    """A step's sampled tokens, zero-padded to `length` (one shape for read_pending_tokens)."""
-    return jnp.zeros(length, jnp.int32).at[:tokens.shape[0]].set(tokens)
-
-
-@jax.jit
-def read_pending_tokens(tokens, token_src, last_sampled):
-    """The step's input tokens: token_src[i] >= 0 takes the previous step's sampled token of that
-    row (a PENDING token), the others keep the host's."""
-    return jnp.where(token_src >= 0, last_sampled[jnp.maximum(token_src, 0)], tokens)
+def sampler_lowerings(rows: list[int], vocab_size: int, mesh, max_model_len: int,
+                      length: int) -> list[tuple[str, Any]]:
+    """(name, lower) of serving_sample's variants (sampler_args); `length`: Buckets.max_logit_rows."""
+    return [(name, functools.partial(serving_sample.lower, *args, length=length))
+            for name, args in sampler_args(rows, vocab_size, mesh, max_model_len)]
 
 
 def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int) -> tuple:
@@ -85,8 +93,12 @@ def page_copy_batches(copies, max_copies: int, num_pages: int):
                                              "kv_sharding", "logits_sharding"),
                    donate_argnames=("kv_cache",))
 def model_step(model, params, kv_cache, tokens, positions, slot_mapping, page_table, seq_lens,
-               query_start_loc, logits_index, *, backend, num_prefill_rows, max_q, kv_sharding,
-               logits_sharding, decode_q=1):
+               query_start_loc, logits_index, token_src, last_sampled, *, backend, num_prefill_rows, max_q,
+               kv_sharding, logits_sharding, decode_q=1):
+    """The arrays: packing.py's, then where PENDING tokens are: token_src[i] >= 0 makes tokens[i]
+    the previous step's sampled token last_sampled[token_src[i]] (sampled on the device while
+    this step was planned: see jaxserve/engine.py)."""
+    tokens = jnp.where(token_src >= 0, last_sampled[jnp.maximum(token_src, 0)], tokens)
     meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_table=page_table,
                              seq_lens=seq_lens, query_start_loc=query_start_loc, max_q=max_q,
                              num_prefill_rows=num_prefill_rows, decode_q=decode_q, backend=backend,

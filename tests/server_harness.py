@@ -94,6 +94,17 @@ class ServerProcess:
             time.sleep(0.25)
         raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
 
+    def wait_warm(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """After wait_ready: until warm-up has built every step shape in the background (from then
+        on serving compiles nothing at all, which tests read in jaxserve_xla_compilations_total)
+        and the roofline gauges, measured after it, are there."""
+        deadline = time.monotonic() + timeout
+        while (m := self.metrics())["jaxserve_warmup_pending_step_shapes"] > 0 \
+                or "jaxserve_model_bandwidth_utilization" not in m:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"warm-up not finished after {timeout}s:\n{self.log_tail()}")
+            time.sleep(0.25)
+
     def metrics(self) -> dict[str, float]:
         """Prometheus samples by name ('name{label="value"}' for labelled ones)."""
         text = requests.get(self.url + "/metrics", timeout=30).text
@@ -126,8 +137,9 @@ class ServerProcess:
 
 
 def start(workdir, model_dir: str, *args: str, **engine) -> ServerProcess:
-    """A ready server. The first server of a model and engine settings in the store compiles and
-    stores its executables alone, holding a lock file there; servers of the same model and
+    """A warm server (every step shape built, see ServerProcess.wait_warm). The first server of a
+    model and engine settings in the store compiles and stores its executables alone, holding a
+    lock file there until its background warm-up is done too; servers of the same model and
     settings, from any test process, wait for it and then load them (at once, in parallel).
     `args` are not in the lock's key: one that changes the engine (--tp) at worst starts cold."""
     store = os.path.join(TEST_ENGINE["compilation_cache_dir"], "test-starts")
@@ -141,6 +153,7 @@ def start(workdir, model_dir: str, *args: str, **engine) -> ServerProcess:
         server = ServerProcess(workdir, model_dir, *args, **engine)
         try:
             server.wait_ready()
+            server.wait_warm()
         except BaseException:
             server.kill()
             raise
@@ -149,7 +162,7 @@ def start(workdir, model_dir: str, *args: str, **engine) -> ServerProcess:
 
 
 def serving(workdir, model_dir: str, *args: str, **engine):
-    """A module fixture's body (`yield from serving(...)`): the server once ready, and at teardown
+    """A module fixture's body (`yield from serving(...)`): the server once warm, and at teardown
     a clean stop, exit 0."""
     s = start(workdir, model_dir, *args, **engine)
     yield s

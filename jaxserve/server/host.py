@@ -47,12 +47,16 @@ class EngineHost:
             # Warm-up before anything else: multi-host followers warm up at the same time.
             client.start(warmup=True)
             self.metrics.engines = client.engines
-            self.metrics.roofline = RooflineMeter(client.engine, device_peaks())
-            client.step_listeners.append(self.metrics.roofline.on_step)
             self.engine_thread = client
             log.info("ready: %s (max_model_len %d, %d KV pages, %d replica(s)) after %.1fs", self.model_name,
                      client.engine.max_model_len, client.engine.block_manager.num_pages, len(client.engines),
                      time.monotonic() - t0)
+            # The roofline gauges' peaks (measured on a CPU: seconds) after start-up, once warm-up
+            # has finished in the background: its compilations would share the cores.
+            for engine in client.engines:
+                engine.runner.wait_warm()
+            self.metrics.roofline = RooflineMeter(client.engine, device_peaks())
+            client.step_listeners.append(self.metrics.roofline.on_step)
         except Exception as e:
             log.exception("the engine failed to load")
             self.load_error = e

@@ -1,0 +1,120 @@
+"""Warm-up in the background (jaxserve/warmup.py): before the smaller step shapes are built, every
+batch runs padded into the largest ones; before, while and after the background thread builds
+them, greedy outputs equal the reference forward's (itself checked against transformers in
+test_engine.py), seeded sampling draws the same tokens, and the serving thread compiles nothing."""
+import threading
+
+import numpy as np
+import pytest
+
+from jaxserve import warmup
+from jaxserve.buckets import Buckets, cover, largest
+from jaxserve.checkpoint import load_params
+from jaxserve.compilations import CompileCounter
+from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
+from jaxserve.engine import LLMEngine
+from jaxserve.generate import greedy_generate
+from tests.hf_models import save_engine_model
+
+# 5 step shapes: decode 1, 2 and 4 rows, prefill 16 and 32 tokens; built first: decode-4 and prefill-32.
+SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=32, max_prefill_seqs=1,
+             max_model_len=128, num_pages=64, page_size=8, compilation_cache_dir=None)
+LENGTHS = [5, 40, 17, 9, 60, 3]   # six prompts, four running at most: 1 to 4 decode rows, chunked prefills
+MAX_TOKENS = [8, 12, 6, 10, 5, 9]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("warmup_model"))
+    save_engine_model(d)
+    rng = np.random.RandomState(1)
+    prompts = [rng.randint(0, 256, n).tolist() for n in LENGTHS]
+    cfg = ModelConfig.from_pretrained(d)
+    ref = greedy_generate(cfg, load_params(d, cfg), prompts, max(MAX_TOKENS))
+    return d, prompts, [r[:m] for r, m in zip(ref, MAX_TOKENS)]
+
+
+def _serve(engine, prompts):
+    """Each prompt greedy and seeded-sampled (with logprobs), all at once; (greedy token ids,
+    sampled (token id, SampleResult) pairs) per prompt."""
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    params += [SamplingParams(temperature=1.0, seed=i, max_tokens=m, logprobs=1, ignore_eos=True)
+               for i, m in enumerate(MAX_TOKENS)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts + prompts, params)]
+    out = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            for c in o.outputs:
+                out[o.request_id] += list(zip(c.token_ids, c.logprobs or [None] * len(c.token_ids)))
+    greedy = [[t for t, _ in out[i]] for i in ids[:len(prompts)]]
+    return greedy, [out[i] for i in ids[len(prompts):]]
+
+
+def _step_tokens(runner) -> list[int]:
+    """Records the token count of every step the runner runs from now on."""
+    seen, get = [], runner.executables.get
+
+    def recording(k):
+        if k[0] == "step":
+            seen.append(k[1][0][0][0])   # the tokens array's length
+        return get(k)
+    runner.executables.get = recording
+    return seen
+
+
+def test_serving_while_warm_up_builds_in_the_background(setup, monkeypatch):
+    d, prompts, ref = setup
+    gate = threading.Event()   # holds the background thread until the first round is served
+    build = warmup._build
+
+    def gated(*args, **kwargs):
+        if threading.current_thread().name == "jaxserve-warmup":
+            gate.wait()
+        return build(*args, **kwargs)
+    monkeypatch.setattr(warmup, "_build", gated)
+    engine = LLMEngine(EngineConfig(model=d, **SMALL))
+    runner = engine.runner
+    shapes = runner.buckets.warmup_shapes(False)
+    assert [s.name for s in largest(shapes)] == ["decode-4", "prefill-32x1q32"] and len(shapes) == 5
+
+    engine.warmup(background=True)
+    assert runner.ready_shapes == frozenset(largest(shapes)) and runner.background_warmup.pending == 3
+    serving_compiles = CompileCounter.on_this_thread()
+    steps = _step_tokens(runner)
+    greedy, sampled = _serve(engine, prompts)
+    assert greedy == ref
+    assert set(steps) == {4, 32}   # everything padded into the two shapes built
+    assert CompileCounter.on_this_thread() == serving_compiles
+
+    gate.set()   # the other three shapes are built while this round runs
+    during, sampled_during = _serve(engine, prompts)
+    assert runner.wait_warm(timeout=600) and runner.ready_shapes is None
+    assert runner.background_warmup.pending == 0
+    steps.clear()
+    after, sampled_after = _serve(engine, prompts)
+    assert during == after == ref
+    assert {1, 2, 16} <= set(steps)   # the smaller shapes now run
+    for a, b, c in zip(sampled, sampled_during, sampled_after):
+        assert [t for t, _ in a] == [t for t, _ in b] == [t for t, _ in c]
+        np.testing.assert_allclose([r.logprob for _, r in a], [r.logprob for _, r in c], rtol=1e-4, atol=1e-5)
+    assert CompileCounter.on_this_thread() == serving_compiles   # the background thread compiled them all
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def test_cover_picks_the_smallest_ready_shape_that_holds_the_batch():
+    buckets = Buckets(EngineConfig(model=None, max_num_seqs=16, max_num_batched_tokens=128, prefill_chunk_size=128,
+                                   max_prefill_seqs=2))
+    shapes = buckets.warmup_shapes(False)
+    first = frozenset(largest(shapes))
+    assert {s.name for s in first} == {"decode-16", "prefill-128x2q128"}
+    for s in shapes:   # every shape fits the largest of its family, and is itself once built
+        assert cover(s, first) == max((f for f in first if bool(f.prefill_rows) == bool(s.prefill_rows)))
+        assert cover(s, first | {s}) == s and cover(s, None) == s
+    by_name = {s.name: s for s in shapes}
+    ready = first | {by_name["decode-4"], by_name["prefill-64x1q32"], by_name["prefill-64x2q64"]}
+    assert cover(by_name["decode-2"], ready).name == "decode-4"
+    assert cover(by_name["decode-8"], ready).name == "decode-16"
+    assert cover(by_name["prefill-32x1q32"], ready).name == "prefill-64x1q32"
+    assert cover(by_name["prefill-64x2q32"], ready).name == "prefill-64x2q64"
+    assert cover(by_name["prefill-64x1q64"], ready).name == "prefill-64x2q64"
+    assert cover(by_name["prefill-128x1q32"], ready).name == "prefill-128x2q128"
