@@ -222,6 +222,17 @@ class EngineConfig:
             raise ValueError("engine config: data-parallel replicas (mesh data > 1) run in one process; "
                              "a multi-host engine is one engine over all hosts' devices")
 
+    # Settings only the host reads: never part of a compiled program (the pool's size reaches the
+    # programs as num_pages, the model's shapes as the ModelConfig and the weights).
+    HOST_ONLY = ("model", "kv_cache_mb", "kv_memory_fraction", "enable_prefix_caching", "admission_eagerness",
+                 "max_queue_size", "max_failed_steps", "request_timeout_s", "compilation_cache_dir", "seed",
+                 "poison_freed_pages")
+
+    def program_settings(self) -> dict[str, Any]:
+        """The settings that may decide a compiled program: what the executable store is keyed on,
+        so that engines differing only in host settings share their executables."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self.HOST_ONLY}
+
     @classmethod
     def from_yaml(cls, path: str, **overrides: Any) -> "EngineConfig":
         with open(path) as f:

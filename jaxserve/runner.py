@@ -92,7 +92,7 @@ class ModelRunner:
         store = engine_cfg.compilation_cache_dir and os.path.join(engine_cfg.compilation_cache_dir, "executables")
         devices = list(self.mesh.devices.flat)
         self.executables = Executables(store, devices, context_digest(
-            devices, cfg, engine_cfg, jnp.dtype(dtype).name, self.mesh, self.backend, abstract(self.params),
+            devices, cfg, engine_cfg.program_settings(), jnp.dtype(dtype).name, self.mesh, self.backend, abstract(self.params),
             abstract(self.kv_cache)))
 
     @property

@@ -28,9 +28,9 @@ def model_dir(tmp_path_factory):
     return d
 
 
-def _warm_engine(model_dir, cache_dir):
+def _warm_engine(model_dir, cache_dir, **host_settings):
     jax.clear_caches()   # nothing compiled by an engine before: a compilation here is counted
-    engine = LLMEngine(EngineConfig(model=model_dir, compilation_cache_dir=str(cache_dir), **SMALL))
+    engine = LLMEngine(EngineConfig(model=model_dir, compilation_cache_dir=str(cache_dir), **SMALL, **host_settings))
     before = CompileCounter.count
     engine.warmup()
     return engine, CompileCounter.count - before
@@ -59,7 +59,11 @@ def test_second_engine_loads_instead_of_compiling(model_dir, tmp_path):
     assert first_compiles >= built
     expected = _generate(first)
 
-    second, second_compiles = _warm_engine(model_dir, tmp_path)
+    # The same model at another path, with other settings that only the host reads: the same store.
+    copy = str(tmp_path / "model_copy")
+    shutil.copytree(model_dir, copy)
+    second, second_compiles = _warm_engine(copy, tmp_path, seed=5, max_queue_size=3, max_failed_steps=9,
+                                           request_timeout_s=30.0)
     assert second.runner.executables.loaded == built and second.runner.executables.compiled == 0
     assert second_compiles == 0
     before = CompileCounter.count
@@ -96,5 +100,8 @@ def test_context_covers_sources_and_engine_config(model_dir, monkeypatch):
     digest = executables.context_digest(devices, ecfg)
     assert executables.context_digest(devices, ecfg) == digest
     assert executables.context_digest(devices, dataclasses.replace(ecfg, max_num_seqs=4)) != digest
+    programs = ecfg.program_settings()
+    assert "max_num_seqs" in programs and "kv_cache_dtype" in programs and "quantization" in programs
+    assert not set(EngineConfig.HOST_ONLY) & set(programs)
     monkeypatch.setattr(executables, "source_digest", lambda: "a changed jaxserve source")
     assert executables.context_digest(devices, ecfg) != digest
