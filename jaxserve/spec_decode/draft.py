@@ -22,7 +22,7 @@ proposer keeps how many leading tokens have their draft K/V in the pages (`_Writ
 Each engine step with verify rows: the scheduler reserved 1 + n pages' slots per verify row (the
 last known token and n placeholder proposals, PENDING); then the draft runs on the host's
 tokens, batched over the rows: catch-up chunks (the tokens not yet in the draft's pages, split
-as the engine's budget allows: prefill_chunk_size, max_num_batched_tokens, max_prefill_seqs)
+as the engine's budget allows: prefill_chunk_size, max_num_batched_tokens, one prefill row)
 ending at the last known token, whose logits give the first proposal, then n - 1 one-token
 steps, each writing the K/V of the proposal before and giving the next. Every shape is one of
 the draft runner's warm-up buckets. The draft writes positions up to start + n - 1, inside the
@@ -66,11 +66,12 @@ class DraftProposer:
         if cfg.vocab_size != target_cfg.vocab_size:
             raise ValueError(f"engine config: the draft model's vocabulary ({cfg.vocab_size} tokens) is not the "
                              f"target's ({target_cfg.vocab_size}); a draft must share the target's tokenizer")
+        # One prefill row per draft step: the catch-up is long only a sequence's first time (or
+        # after a preemption), and half the prefill shapes to compile at warm-up.
         draft_ecfg = dataclasses.replace(ecfg, model=draft_dir, speculative=None, num_pages=num_pages,
-                                         max_model_len=max_model_len)
+                                         max_model_len=max_model_len, max_prefill_seqs=1)
         params = load_for_mesh(draft_dir, cfg, dtype, ecfg.quantization, mesh)
         self.runner = ModelRunner(cfg, params, draft_ecfg, mesh=mesh, dtype=dtype)
-        self.ecfg = ecfg
         self.num_tokens = ecfg.speculative.num_tokens
         self._written: weakref.WeakKeyDictionary[Sequence, _Written] = weakref.WeakKeyDictionary()
 
@@ -130,9 +131,9 @@ class DraftProposer:
 
     def _catch_up(self, views: list[Sequence]) -> int:
         """Run each view's tokens not yet in the draft's pages, through its last known token
-        (which samples its first proposal), in steps within the engine's token budget. Returns
+        (which samples its first proposal), in steps within the engine's token budget (one prefill row a step). Returns
         the steps run."""
-        cfg, steps = self.ecfg, 0
+        cfg, steps = self.runner.ecfg, 0
         while behind := [v for v in views if not v.output_token_ids]:
             rows, budget, prefill_rows = [], cfg.max_num_batched_tokens, 0
             for v in behind:
