@@ -67,9 +67,10 @@ def _record_proposals(engine, monkeypatch) -> list:
 def _check_greedy_continuations(hf_draft, records):
     """Each run of proposals is the draft model's greedy continuation of the tokens before it
     (transformers, float32, one forward over the tokens and the proposals); where it is not,
-    the two best tokens were within float error of each other."""
+    the two best tokens were within float error of each other. Every third verify row: a few
+    hundred forwards would take minutes on the shared 2-core box."""
     assert records
-    for tokens, proposals in records:
+    for tokens, proposals in records[::3]:
         with torch.no_grad():
             logits = hf_draft(torch.tensor([tokens + proposals[:-1]])).logits[0, len(tokens) - 1:].double().numpy()
         for row, proposal in zip(logits, proposals):
