@@ -23,10 +23,10 @@ Each engine step with verify rows: the scheduler reserved 1 + n pages' slots per
 last known token and n placeholder proposals, PENDING); then the draft runs on the host's
 tokens, batched over the rows: catch-up chunks (the tokens not yet in the draft's pages, split
 as the engine's budget allows: prefill_chunk_size, max_num_batched_tokens, one prefill row)
-ending at the last known token, whose logits give the first proposal, then n - 1 one-token
-steps, each writing the K/V of the proposal before and giving the next. Every shape is one of
-the draft runner's warm-up buckets. The draft writes positions up to start + n - 1, inside the
-verify row's reservation.
+ending at the last known token, whose logits give the first proposal, then one-token steps,
+each writing the K/V of the proposal before and giving the next; all rows in the same steps (a
+short catch-up rides as one-token rows). Every shape is one of the draft runner's warm-up
+buckets. The draft writes positions up to start + n - 1, inside the verify row's reservation.
 """
 from __future__ import annotations
 
@@ -98,10 +98,9 @@ class DraftProposer:
         if not wanted:
             return 0
         views = {seq: self._view(seq) for seq in wanted}
-        steps = self._catch_up(list(views.values()))
-        while rows := [ScheduledSeq(v, 1, 1, v.num_computed_tokens) for seq, v in views.items()
-                       if len(v.output_token_ids) < wanted[seq]]:
-            self._step(rows)
+        steps = 0
+        while active := [v for seq, v in views.items() if len(v.output_token_ids) < wanted[seq]]:
+            self._step(self._rows(active))
             steps += 1
         for seq, view in views.items():
             seq.proposed_token_ids = view.output_token_ids
@@ -129,26 +128,24 @@ class DraftProposer:
             valid += 1
         return min(valid, seq.num_computed_tokens)
 
-    def _catch_up(self, views: list[Sequence]) -> int:
-        """Run each view's tokens not yet in the draft's pages, through its last known token
-        (which samples its first proposal), in steps within the engine's token budget (one prefill row a step). Returns
-        the steps run."""
-        cfg, steps = self.runner.ecfg, 0
-        while behind := [v for v in views if not v.output_token_ids]:
-            rows, budget, prefill_rows = [], cfg.max_num_batched_tokens, 0
-            for v in behind:
-                left = v.num_tokens - v.num_computed_tokens
-                n = min(left, cfg.prefill_chunk_size, budget)
-                if n == 0:
-                    break
-                if n > 1 and prefill_rows == cfg.max_prefill_seqs:
-                    continue
-                prefill_rows += n > 1
-                budget -= n
-                rows.append(ScheduledSeq(v, n, int(n == left), v.num_computed_tokens))
-            self._step(rows)
-            steps += 1
-        return steps
+    def _rows(self, views: list[Sequence]) -> list[ScheduledSeq]:
+        """The next draft step's rows: each view's next tokens not yet in the draft's pages,
+        through its last one (which samples a proposal): a catch-up chunk as the engine's budget
+        allows (prefill_chunk_size, max_num_batched_tokens, one prefill row a step; other rows
+        take one token, riding as decode rows), else the last proposal."""
+        cfg = self.runner.ecfg
+        rows, budget, prefill_rows = [], cfg.max_num_batched_tokens, 0
+        for v in views:
+            left = v.num_tokens - v.num_computed_tokens
+            n = min(left, cfg.prefill_chunk_size, budget)
+            if n > 1 and prefill_rows == cfg.max_prefill_seqs:
+                n = 1
+            if n == 0:
+                break
+            prefill_rows += n > 1
+            budget -= n
+            rows.append(ScheduledSeq(v, n, int(n == left), v.num_computed_tokens))
+        return rows
 
     def _step(self, rows: list[ScheduledSeq]) -> None:
         """One draft step: its rows' tokens into the draft's pages, greedy tokens sampled."""
