@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxserve import prequantized, quantization as quant
+from jaxserve import parallel, prequantized, quantization as quant
 from jaxserve.config import ModelConfig
 from jaxserve.models import init_params
 from jaxserve.models.registry import architecture
@@ -111,6 +111,15 @@ def _read_sharding(shardings: Any, keys: tuple[str, ...], quantize: bool):
     if shardings is None:
         return None
     return quant.node(shardings, keys[:-1])["qweight"] if quantize else quant.node(shardings, keys)
+
+
+def load_for_mesh(model_dir: str, cfg: ModelConfig, dtype, quantization: str | None, mesh) -> dict:
+    """The params of `model_dir` placed on `mesh`, quantized as `quantization` asks (None: as the
+    checkpoint was saved); each device reads only its own slice of every weight."""
+    quantization = quantization or saved_quantization(model_dir)
+    shapes = param_shapes(cfg, dtype, quantization)
+    return load_params(model_dir, cfg, dtype, quantization=quantization,
+                       shardings=parallel.param_shardings(shapes, mesh, cfg))
 
 
 def saved_quantization(model_dir: str) -> str | None:

@@ -52,7 +52,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3) with per-token scales")
     p.add_argument("--speculative-config", help='speculative decoding as JSON (the engine config key '
-                                                '`speculative`), e.g. \'{"method": "ngram", "num_tokens": 4}\'')
+                                                '`speculative`), e.g. \'{"method": "ngram", "num_tokens": 4}\' or '
+                                                '\'{"method": "draft", "model": DIR, "num_tokens": 4}\'')
 
 
 def _add_serve(sub) -> None:

@@ -133,25 +133,34 @@ class DistributedConfig:
         return self.process_id == 0
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
 @dataclasses.dataclass
 class SpeculativeConfig:
     """Speculative decoding (jaxserve/spec_decode/): `num_tokens` proposals per running sequence
     and step, verified by the model in the same step. method "ngram": prompt lookup, the
     continuation of the latest earlier occurrence of the last n tokens (n from ngram_max down
-    to ngram_min)."""
+    to ngram_min). method "draft": the greedy continuation of a smaller model sharing the
+    target's tokenizer, `model` (an HF directory; None: the embedded model's draft, for the
+    embedded model only)."""
     method: str = "ngram"
     num_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
+    model: str | None = None
 
     def __post_init__(self):
-        if self.method != "ngram":
-            raise ValueError(f"engine config: speculative method {self.method!r} is not available (supported: ngram)")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"engine config: speculative method {self.method!r} is not available "
+                             f"(supported: {', '.join(SPECULATIVE_METHODS)})")
         if not 1 <= self.num_tokens <= 15:
             raise ValueError(f"engine config: speculative num_tokens must be in [1, 15], got {self.num_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"engine config: speculative needs 1 <= ngram_min <= ngram_max, got "
                              f"{self.ngram_min} and {self.ngram_max}")
+        if self.model is not None and self.method != "draft":
+            raise ValueError(f"engine config: speculative model is for method draft, not {self.method!r}")
 
 
 @dataclasses.dataclass
@@ -218,6 +227,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"engine config: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.distributed is not None and self.speculative is not None and self.speculative.method == "draft":
+            raise ValueError("engine config: a draft model (speculative method draft) runs in one process, "
+                             "not in a multi-host engine (its steps are not broadcast to the followers)")
         if self.distributed is not None and self.mesh.get("data", 1) > 1:
             raise ValueError("engine config: data-parallel replicas (mesh data > 1) run in one process; "
                              "a multi-host engine is one engine over all hosts' devices")

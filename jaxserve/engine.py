@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxserve import parallel
 from jaxserve import quantization as quant
-from jaxserve.checkpoint import load_params, param_shapes, saved_quantization
+from jaxserve.checkpoint import load_for_mesh, saved_quantization
 from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingParams
 from jaxserve.block_manager import BlockManager
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
@@ -37,6 +37,7 @@ from jaxserve.sampling import reads_outputs
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import PENDING, Sequence
 from jaxserve.spec_decode import ngram
+from jaxserve.spec_decode.draft import DraftProposer, default_draft_dir
 from jaxserve.structured.grammar import Grammars
 from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -65,15 +66,17 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         self.dtype = _resolve_dtype(self.ecfg.dtype)
         mesh = mesh if mesh is not None else parallel.make_mesh(self.ecfg.mesh)
-        quantization = self.ecfg.quantization or saved_quantization(model_dir)   # a quantized orbax copy: as written
-        if params is None:  # each device reads only its own slice of every weight
-            shapes = param_shapes(self.model_cfg, self.dtype, quantization)
-            params = load_params(model_dir, self.model_cfg, self.dtype, quantization=quantization,
-                                 shardings=parallel.param_shardings(shapes, mesh, self.model_cfg))
+        if params is None:
+            params = load_for_mesh(model_dir, self.model_cfg, self.dtype, self.ecfg.quantization, mesh)
         else:   # given full-precision params (tests, benchmarks) are quantized as loaded ones are
-            params = quant.quantize_params(params, quantization)
+            params = quant.quantize_params(params, self.ecfg.quantization or saved_quantization(model_dir))
         self.runner = ModelRunner(self.model_cfg, params, self.ecfg, mesh=mesh, dtype=self.dtype)
         self.max_model_len = self.runner.max_model_len
+        spec = self.ecfg.speculative
+        self.draft = None   # the draft-model proposer (speculative method draft)
+        if spec is not None and spec.method == "draft":
+            self.draft = DraftProposer(spec.model or default_draft_dir(model_dir, TINY_MODEL_DIR), self.model_cfg,
+                                       self.ecfg, self.runner.num_pages, self.max_model_len, mesh, self.dtype)
         self.block_manager = BlockManager(self.runner.num_pages, self.ecfg.page_size,
                                           self.ecfg.enable_prefix_caching, self.ecfg.poison_freed_pages)
         self.scheduler = Scheduler(self.ecfg, self.block_manager, self.max_model_len)
@@ -84,7 +87,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "failed_steps": 0,
                       "requests_finished": 0, "spec_verify_rows": 0, "spec_proposed_tokens": 0,
-                      "spec_accepted_tokens": 0}
+                      "spec_accepted_tokens": 0, "spec_draft_steps": 0}
         self._fault_steps = {int(n) for n in os.environ.get(FAULT_STEPS_ENV, "").split(",") if n.strip()}
         self.last_schedule = None   # the SchedulerOutput of the latest step (roofline accounting)
         # Plan step N+1 while step N runs (see `step`); off: each step is collected before the next is planned.
@@ -93,7 +96,9 @@ class LLMEngine:
         self._launches = 0
 
     def warmup(self, background: bool = False) -> int:
-        return self.runner.warmup(background)
+        """Build the step executables (the target's smaller shapes on a thread when `background`;
+        the draft's all at once)."""
+        return self.runner.warmup(background) + (self.draft.warmup() if self.draft is not None else 0)
 
     # ---- requests ----
     def new_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -197,6 +202,8 @@ class LLMEngine:
         self._propose()
         out = self.last_schedule = self.scheduler.schedule()
         running = [previous[0]] if previous is not None else []
+        if self.draft is not None:   # (speculation is never overlapped: nothing is running)
+            self.stats["spec_draft_steps"] += self._guarded([out], lambda: self.draft.propose(out))
         sample_later = previous is not None and any(reads_outputs(s.seq) for s in out.scheduled if s.num_sampled)
         if out.scheduled or out.page_copies:
             self._inflight = out, self._guarded(running + [out], lambda: self._launch(out, sample_later))
@@ -289,13 +296,15 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Speculative decoding: proposals for every running sequence whose tokens are all
-        computed but the last (the scheduler turns it into a verify row)."""
+        computed but the last (the scheduler turns it into a verify row). A draft model's are
+        placeholders until the schedule has reserved their pages (DraftProposer.propose)."""
         spec = self.ecfg.speculative
         if spec is None:
             return
         for seq in self.scheduler.running:
             if seq.num_tokens - seq.num_computed_tokens == 1:
-                seq.proposed_token_ids = ngram.propose(seq.token_ids, spec.num_tokens, spec.ngram_min, spec.ngram_max)
+                seq.proposed_token_ids = (self.draft.placeholders() if self.draft is not None else
+                                          ngram.propose(seq.token_ids, spec.num_tokens, spec.ngram_min, spec.ngram_max))
 
     def _accept(self, proposals: list[int], sampled: list[SampleResult]) -> list[SampleResult]:
         """A verify row's accepted run: the sampled tokens while they equal the proposals, then

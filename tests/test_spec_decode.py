@@ -53,7 +53,7 @@ def test_config_is_checked():
     cfg = cli.engine_config(args.parse_args(["--speculative-config", json.dumps(SPEC)]))
     assert cfg.speculative == EngineConfig(speculative=SPEC).speculative
     with pytest.raises(ValueError, match="not available"):
-        EngineConfig(speculative={"method": "draft"})
+        EngineConfig(speculative={"method": "eagle"})
     with pytest.raises(ValueError, match="ngram_min <= ngram_max"):
         EngineConfig(speculative={"ngram_min": 3, "ngram_max": 2})
 

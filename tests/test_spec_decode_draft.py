@@ -1,0 +1,133 @@
+"""Speculative decoding with a draft model (jaxserve/spec_decode/draft.py) on the embedded pair:
+outputs identical with the draft on and off (greedy through preemption and prefix-cache hits,
+seeded sampling with n = 2 forks), greedy equal to transformers, every proposal the draft
+model's own greedy continuation of the sequence (transformers' draft model over the known
+tokens: the draft's paged KV kept in step through rollback, preemption, forks and prefix hits),
+and sampled tokens that follow the target's distribution."""
+import collections
+import os
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.compilations import CompileCounter
+from jaxserve.config import EngineConfig
+from jaxserve.engine import TINY_MODEL_DIR
+from jaxserve.spec_decode.draft import default_draft_dir
+from tests.test_spec_decode import CHOICES, DRAWS, ENGINE, PROMPTS, _chi_square_p, _exact_triples, _run
+
+DRAFT = {"method": "draft", "num_tokens": 3}
+DRAFT_DIR = os.path.join(TINY_MODEL_DIR, "draft")
+
+
+def test_config_is_checked():
+    spec = EngineConfig(speculative=DRAFT).speculative
+    assert (spec.method, spec.model, spec.num_tokens) == ("draft", None, 3)
+    assert default_draft_dir(TINY_MODEL_DIR, TINY_MODEL_DIR) == DRAFT_DIR
+    with pytest.raises(ValueError, match="needs `model`"):
+        default_draft_dir("/models/other", TINY_MODEL_DIR)
+    with pytest.raises(ValueError, match="is for method draft"):
+        EngineConfig(speculative={"method": "ngram", "model": DRAFT_DIR})
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """(plain, draft-speculating) LLMs on the embedded model, both warmed up."""
+    plain = LLM(**ENGINE, enable_prefix_caching=True)
+    draft = LLM(**ENGINE, enable_prefix_caching=True, speculative=DRAFT)
+    for llm in (plain, draft):
+        llm.llm_engine.warmup()
+    return plain, draft
+
+
+def _hf(model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype="float32").eval()
+
+
+@pytest.fixture(scope="module")
+def hf_draft():
+    return _hf(DRAFT_DIR)
+
+
+def _record_proposals(engine, monkeypatch) -> list:
+    """Every verify row's (known tokens, proposals) as the draft proposer fills them."""
+    records, propose = [], engine.draft.propose
+
+    def spy(out):
+        steps = propose(out)
+        records.extend((s.seq.token_ids, list(s.seq.proposed_token_ids)) for s in out.scheduled if s.num_sampled > 1)
+        return steps
+    monkeypatch.setattr(engine.draft, "propose", spy)
+    return records
+
+
+def _check_greedy_continuations(hf_draft, records):
+    """Each run of proposals is the draft model's greedy continuation of the tokens before it
+    (transformers, float32, one forward over the tokens and the proposals); where it is not,
+    the two best tokens were within float error of each other. Every third verify row: a few
+    hundred forwards would take minutes on the shared 2-core box."""
+    assert records
+    for tokens, proposals in records[::3]:
+        with torch.no_grad():
+            logits = hf_draft(torch.tensor([tokens + proposals[:-1]])).logits[0, len(tokens) - 1:].double().numpy()
+        for row, proposal in zip(logits, proposals):
+            assert proposal == int(np.argmax(row)) or row.max() - row[proposal] < 1e-4, (tokens, proposals)
+
+
+@pytest.mark.parametrize("case", ["greedy", "max_tokens", "stop", "seeded_n2"])
+def test_same_outputs_with_and_without_the_draft(engines, hf_draft, monkeypatch, case):
+    plain, draft = engines
+    params = {
+        "greedy": SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True),
+        "max_tokens": SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True),
+        "stop": SamplingParams(temperature=0.0, max_tokens=120, stop=["\n\n", "list"]),
+        "seeded_n2": SamplingParams(temperature=0.8, top_p=0.9, max_tokens=60, n=2, seed=7, ignore_eos=True),
+    }[case]
+    engine = draft.llm_engine
+    stats, before = engine.stats, dict(engine.stats)
+    preemptions, hits = engine.scheduler.num_preemptions, engine.block_manager.prefix_hit_tokens
+    records = _record_proposals(engine, monkeypatch)
+    compiles = CompileCounter.count
+    assert _run(draft, params) == _run(plain, params)
+    assert CompileCounter.count == compiles   # every draft and verify shape was compiled at warm-up
+    accepted = stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert 0 < accepted < stats["spec_proposed_tokens"] - before["spec_proposed_tokens"]
+    assert stats["spec_draft_steps"] > before["spec_draft_steps"]
+    _check_greedy_continuations(hf_draft, records)
+    if case == "greedy":   # 6 x 160 tokens in 24 pages of 16: preempted, then re-admitted on cached pages
+        assert engine.scheduler.num_preemptions > preemptions
+        assert engine.block_manager.prefix_hit_tokens > hits
+
+
+def test_greedy_equals_transformers(engines):
+    _, draft = engines
+    target = _hf(TINY_MODEL_DIR)
+    for prompt in PROMPTS[:3]:
+        ids = draft.get_tokenizer().encode(prompt)
+        with torch.no_grad():
+            expected = target.generate(torch.tensor([ids]), max_new_tokens=48, min_new_tokens=48, do_sample=False)
+        [out] = draft.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=48,
+                                                                          ignore_eos=True), use_tqdm=False)
+        assert out.outputs[0].token_ids == expected[0, len(ids):].tolist()
+
+
+def test_sampled_tokens_follow_the_targets_distribution(engines):
+    """As tests/test_spec_decode.py's test of the same name, with the draft model's proposals
+    (greedy: a certain proposal, q one-hot) and top-k and top-p set."""
+    _, draft = engines
+    filters = dict(top_k=6, top_p=0.8)
+    prompt = draft.get_tokenizer().encode("The with statement")
+    stats = draft.llm_engine.stats
+    before = dict(stats)
+    params = [SamplingParams(temperature=1.0, n=CHOICES, seed=i * CHOICES, max_tokens=3, ignore_eos=True, **filters)
+              for i in range(DRAWS // CHOICES)]
+    outs = draft.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
+    counts = collections.Counter(tuple(c.token_ids) for o in outs for c in o.outputs)
+    assert stats["spec_proposed_tokens"] - before["spec_proposed_tokens"] >= DRAWS
+    assert stats["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    target = _hf(TINY_MODEL_DIR)
+    assert _chi_square_p(counts, _exact_triples(target, prompt, 1.0, **filters), DRAWS) > 1e-3
+    assert _chi_square_p(counts, _exact_triples(target, prompt, 2.0, **filters), DRAWS) < 1e-6
