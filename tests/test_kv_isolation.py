@@ -14,6 +14,9 @@ from jaxserve.engine import LLMEngine
 
 MAX_TOKENS = 6
 ATOL = 1e-4
+# An int8 cache on the GPU kernel: dequantized before its dot, scaled after it on the XLA path;
+# the rounding differs by up to 1.04e-4 over these 6 tokens (a leaked page moves far more).
+ATOL_QUANTIZED = 3e-4
 
 
 # Arrival step -> (prompt, n). Prompts are longer than prefill_chunk_size (chunked prefill); the
@@ -68,4 +71,5 @@ def test_poisoned_free_pages_leave_outputs_unchanged(backend, kv_cache_dtype):
     if backend == "xla":
         assert np.array_equal(poisoned_logprobs, logprobs)
     else:   # another request's live page would move logprobs far more than this
-        np.testing.assert_allclose(poisoned_logprobs, logprobs, rtol=0, atol=ATOL)
+        np.testing.assert_allclose(poisoned_logprobs, logprobs, rtol=0,
+                                   atol=ATOL if kv_cache_dtype == "auto" else ATOL_QUANTIZED)
