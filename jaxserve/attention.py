@@ -27,13 +27,12 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.kv_cache import LayerKV, dequantized
+from jaxserve.kv_cache import LayerKV
 from jaxserve.parallel import gather_tokens
 from pallas_kernels.flash_attention.reference import causal_attention
 from pallas_kernels.paged_attention import xla as paged_xla
 
 BACKENDS = ("auto", "xla", "pallas_gpu", "pallas_tpu")
-QUANTIZED_KV_BACKENDS = "kv_cache_dtype int8 and fp8 run on attention_backend xla and pallas_tpu, not pallas_gpu (yet)"
 # XLA path: decode rows attend in groups of this many, each group reading K/V only up to its own
 # longest row (the runner orders decode rows longest first, so groups hold similar lengths).
 DECODE_GROUP_ROWS = 16
@@ -104,7 +103,7 @@ def attend(q, k, v, kv: LayerKV | None, meta: AttentionMetadata | None, *, slidi
                    for x in (q, k, v))
     if meta.seq_axis is not None:
         k, v = (gather_tokens(x, meta.seq_axis, meta.kv_sharding) for x in (k, v))
-    kv = kv.write(k, v, meta.slot_mapping)
+    kv, (k, v) = kv.write(k, v, meta.slot_mapping)   # k, v from here on: as the pools hold them
     if meta.kv_sharding is not None:
         kv = kv.constrain(meta.kv_sharding)
     out = paged_attention(q, kv, meta, sliding_window=sliding_window, sm_scale=sm_scale,
@@ -116,9 +115,10 @@ def paged_attention(q, kv: LayerKV, meta: AttentionMetadata, *, sliding_window, 
                     soft_cap=None, alibi_slopes=None, k=None, v=None):
     """Ragged paged attention of q [T, H, D] through the page table to a layer's pages. The
     Pallas backends run in interpret mode when the arrays live on CPU (tests). k, v [T, KVH, D]:
-    this step's new K/V (already in the pages), which let the Pallas backends run fresh prefill
-    rows through the flash kernel. alibi_slopes: f32[H] of all query heads; under tensor
-    parallelism each device gets its heads'."""
+    this step's new K/V, already in the pages and as the pools give them back (LayerKV.write:
+    a quantized pool's rounding included), which let the Pallas backends run fresh prefill rows
+    through the flash kernel with the attention the pages would give. alibi_slopes: f32[H] of
+    all query heads; under tensor parallelism each device gets its heads'."""
     tables = (meta.page_table, meta.seq_lens, meta.query_start_loc)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if meta.backend == "xla":
@@ -136,8 +136,6 @@ def paged_attention(q, kv: LayerKV, meta: AttentionMetadata, *, sliding_window, 
         return out
     if meta.backend not in ("pallas_gpu", "pallas_tpu"):
         raise ValueError(f"attention backend {meta.backend!r} is not available")
-    if kv.k_scale is not None and meta.backend == "pallas_gpu":
-        raise NotImplementedError(QUANTIZED_KV_BACKENDS)
     # Imported on first use: the Pallas Triton / Mosaic modules cost a fraction of a second.
     kernels = meta.backend.removeprefix("pallas_")
     interpret = (meta.platform or jax.default_backend()) == "cpu"
@@ -151,13 +149,7 @@ def paged_attention(q, kv: LayerKV, meta: AttentionMetadata, *, sliding_window, 
         flash = importlib.import_module(f"pallas_kernels.flash_attention.{kernels}").flash_attention
         call = functools.partial(_fresh_prefill_or_paged, paged=paged, num_prefill_rows=meta.num_prefill_rows,
                                  max_q=meta.max_q, decode_q=meta.decode_q, flash=functools.partial(flash, interpret=interpret, **kwargs))
-        # The fresh K/V as the pools hold them: a row gets the same attention from flash as
-        # from the pages (quantized pools: rounded through their dtype, in q's dtype for flash).
-        if kv.k_scale is None:
-            fresh = k.astype(kv.k.dtype), v.astype(kv.v.dtype)
-        else:
-            fresh = dequantized(k, kv.k.dtype), dequantized(v, kv.v.dtype)
-        args, specs = args + fresh, specs + (heads, heads)
+        args, specs = args + (k, v), specs + (heads, heads)
     else:
         call = functools.partial(paged, max_q=meta.max_q)
     if alibi_slopes is not None:   # the last argument, split with the query heads

@@ -12,9 +12,10 @@ q/k/v to it and cuts the output back).
 Quantized caches (`kv_cache_dtype` int8 or fp8, e4m3): K and V are stored in that dtype with one
 float32 scale per (page slot, KV head), k_scale / v_scale [num_pages, num_kv_heads, page_size]:
 each token's head vector is scaled so its largest magnitude is the dtype's largest value, which
-keeps outliers of one token from costing the precision of the others. The attention backends
-read the pools as they are and apply the scales to the scores (K) and to the weights (V), so a
-dequantized copy of the cache is never made. Scales add 4 bytes per head_dim values.
+keeps outliers of one token from costing the precision of the others. The XLA path and the TPU
+kernel read the pools as they are and apply the scales to the scores (K) and to the weights (V);
+the GPU kernel dequantizes each K/V tile in shared memory once its copy is in. A dequantized copy
+of the cache is never made. Scales add 4 bytes per head_dim values.
 
 The cache is one argument of the jitted step, donated and updated in place: a layer writes its
 new K/V with `LayerKV.write` and the step returns the new cache. Which page holds what is the
@@ -51,8 +52,11 @@ class LayerKV:
     k_scale: jax.Array | None = None   # float32 [num_pages, num_kv_heads, page_size]; None: not quantized
     v_scale: jax.Array | None = None
 
-    def write(self, k, v, slot_mapping) -> "LayerKV":
-        """Scatter new K/V [T, KVH, D] into their slots; out-of-range slots (padding) are dropped."""
+    def write(self, k, v, slot_mapping) -> tuple["LayerKV", tuple[jax.Array, jax.Array]]:
+        """Scatter new K/V [T, KVH, D] into their slots; out-of-range slots (padding) are dropped.
+        Returns the updated pools and the new K/V as the pools give them back: in the pools'
+        dtype, or for quantized pools stored * scale in k's dtype (what a kernel that takes
+        this step's K/V directly, the flash path, must see to agree with the pages)."""
         ps = self.k.shape[2]
         # Indexed as (page, offset), not through a flat reshape: for T = 1 XLA CPU turns the flat
         # form into a dynamic-update-slice that copies the whole pool several times per step.
@@ -62,9 +66,12 @@ class LayerKV:
             return pages.at[page, :, offset].set(x, mode="drop")
 
         if self.k_scale is None:
-            return LayerKV(put(self.k, k.astype(self.k.dtype)), put(self.v, v.astype(self.v.dtype)))
-        (k, k_scale), (v, v_scale) = quantize(k, self.k.dtype), quantize(v, self.v.dtype)
-        return LayerKV(put(self.k, k), put(self.v, v), put(self.k_scale, k_scale), put(self.v_scale, v_scale))
+            k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
+            return LayerKV(put(self.k, k), put(self.v, v)), (k, v)
+        (k_stored, k_scale), (v_stored, v_scale) = quantize(k, self.k.dtype), quantize(v, self.v.dtype)
+        written = LayerKV(put(self.k, k_stored), put(self.v, v_stored), put(self.k_scale, k_scale),
+                          put(self.v_scale, v_scale))
+        return written, (_dequantize(k_stored, k_scale, k.dtype), _dequantize(v_stored, v_scale, v.dtype))
 
     def constrain(self, sharding) -> "LayerKV":
         """Re-assert the pools' sharding (after the write: left alone, XLA may reshard the cache
@@ -153,10 +160,9 @@ def quantize(x, dtype):
     return scaled.astype(dtype), scale
 
 
-def dequantized(x, dtype):
-    """x [T, KVH, D] as a pool of `dtype` gives it back (stored * scale), in x's dtype."""
-    stored, scale = quantize(x, dtype)
-    return (stored.astype(jnp.float32) * scale[..., None]).astype(x.dtype)
+def _dequantize(stored, scale, dtype):
+    """quantize's (stored [T, KVH, D], scale [T, KVH]) back to values in `dtype`."""
+    return (stored.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
 def pool_head_dim(head_dim: int, platform: str) -> int:

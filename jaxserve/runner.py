@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxserve import multihost, parallel, prompt_logprobs, sizing, warmup
 from jaxserve.compilations import CompileCounter
-from jaxserve.attention import QUANTIZED_KV_BACKENDS, resolve_backend
+from jaxserve.attention import resolve_backend
 from jaxserve.executables import Executables, abstract, context_digest, key
 from jaxserve.buckets import Buckets, bucket
 from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
@@ -56,8 +56,6 @@ class ModelRunner:
         self.cfg, self.ecfg, self.dtype = cfg, engine_cfg, dtype
         self.mesh = mesh if mesh is not None else parallel.make_mesh(engine_cfg.mesh)
         self.backend = resolve_backend(engine_cfg.attention_backend, parallel.platform(self.mesh))
-        if engine_cfg.kv_cache_dtype != "auto" and self.backend == "pallas_gpu":
-            raise ValueError(f"{QUANTIZED_KV_BACKENDS} (the {parallel.platform(self.mesh)} backend here is {self.backend})")
         self.model = build_model(cfg, dtype)
         self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
         self.page_size = engine_cfg.page_size

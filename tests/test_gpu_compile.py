@@ -80,30 +80,38 @@ def test_flash_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
     assert regs <= 255 and (spills == 0 or head_dim > 128), (regs, spills)
 
 
-PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, soft cap and ALiBi)
-    "decode-d32": (32, None, 1, 16, 64, False),  # 64-byte swizzle
-    "decode-d64": (64, None, 1, 16, 64, False),
-    "mixed-d96": (96, None, 64, 16, 64, False),  # 64-byte swizzle, 3 spans a row
-    "decode-d128-window": (128, 1024, 1, 16, 64, False),
-    "mixed-d64-window": (64, 1024, 64, 16, 64, False),
-    "mixed-d128": (128, None, 64, 16, 64, False),
-    "mixed-d128-page128": (128, None, 64, 128, 128, False),
-    "decode-d128-softcap-alibi": (128, None, 1, 16, 64, True),
-    "mixed-d64-window-softcap-alibi": (64, 1024, 64, 16, 64, True),
+PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, soft cap and ALiBi, pool dtype)
+    "decode-d32": (32, None, 1, 16, 64, False, "bfloat16"),  # 64-byte swizzle
+    "decode-d64": (64, None, 1, 16, 64, False, "bfloat16"),
+    "mixed-d96": (96, None, 64, 16, 64, False, "bfloat16"),  # 64-byte swizzle, 3 spans a row
+    "decode-d128-window": (128, 1024, 1, 16, 64, False, "bfloat16"),
+    "mixed-d64-window": (64, 1024, 64, 16, 64, False, "bfloat16"),
+    "mixed-d128": (128, None, 64, 16, 64, False, "bfloat16"),
+    "mixed-d128-page128": (128, None, 64, 128, 128, False, "bfloat16"),
+    "decode-d128-softcap-alibi": (128, None, 1, 16, 64, True, "bfloat16"),
+    "mixed-d64-window-softcap-alibi": (64, 1024, 64, 16, 64, True, "bfloat16"),
+    # Quantized pools (int8, fp8 e4m3) with their f32 scales: each tile dequantized in SMEM.
+    "decode-d128-int8": (128, None, 1, 16, 64, False, "int8"),
+    "mixed-d64-window-int8": (64, 1024, 64, 16, 64, False, "int8"),  # 64-byte swizzle for int8 rows
+    "mixed-d128-page128-int8": (128, None, 64, 128, 128, False, "int8"),  # 2 blocks of 64 rows a tile
+    "decode-d32-fp8-softcap-alibi": (32, None, 1, 16, 64, True, "float8_e4m3fn"),  # 32-byte swizzle
+    "mixed-d128-fp8": (128, None, 64, 16, 64, False, "float8_e4m3fn"),
 }
 
 
 @pytest.mark.parametrize("name", PAGED)
 def test_paged_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
-    head_dim, window, max_q, page_size, kv_block, score_mods = PAGED[name]
+    head_dim, window, max_q, page_size, kv_block, score_mods, pool_dtype = PAGED[name]
     tokens, num_heads, num_kv_heads, num_pages, seqs, pages_per_seq = 125, 32, 8, 512, 64, 64
-    pages = spec(h100, (num_pages, num_kv_heads, page_size, head_dim))
+    pages = spec(h100, (num_pages, num_kv_heads, page_size, head_dim), jnp.dtype(pool_dtype))
+    scales = spec(h100, pages.shape[:3], jnp.float32) if pool_dtype != "bfloat16" else None
     args = [spec(h100, (tokens, num_heads, head_dim)), pages, pages,
             spec(h100, (seqs, pages_per_seq), jnp.int32), spec(h100, (seqs,), jnp.int32),
-            spec(h100, (seqs + 1,), jnp.int32), spec(h100, (num_heads,), jnp.float32) if score_mods else None]
+            spec(h100, (seqs + 1,), jnp.int32), spec(h100, (num_heads,), jnp.float32) if score_mods else None,
+            scales]
     kernel = functools.partial(paged_gpu.ragged_paged_attention, max_q=max_q, sm_scale=head_dim ** -0.5,
                                sliding_window=window, soft_cap=30.0 if score_mods else None, kv_block=kv_block)
-    fn = jax.jit(lambda *a: kernel(*a[:-1], alibi_slopes=a[-1]))
+    fn = jax.jit(lambda *a: kernel(*a[:-2], alibi_slopes=a[-2], k_scale=a[-1], v_scale=a[-1]))
     regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
     print(f"paged {name}: {regs} registers, {spills} bytes spilled")
     assert regs <= 255 and spills == 0, (regs, spills)

@@ -14,7 +14,8 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_in
 from pallas_kernels.flash_attention import gpu as flash_gpu
 from pallas_kernels.flash_attention.reference import causal_attention
 from pallas_kernels.paged_attention import gpu as paged_gpu
-from tests.test_paged_attention import TOL, cases, mixed_batch
+from jaxserve.kv_cache import KV_CACHE_DTYPES
+from tests.test_paged_attention import TOL, cases, mixed_batch, quantized
 
 
 def paged_case(seed, *, seqs, num_kv_heads, group, head_dim, page_size, dtype, pad_tokens=0,
@@ -66,10 +67,13 @@ def paged_oracle(c):
 
 
 def run_paged(c, **blocks):
-    args = [jnp.asarray(c[x]) for x in ("q", "k_pages", "v_pages", "page_table", "seq_lens",
-                                        "query_start_loc")]
+    """The kernel on case c against the oracle; quantized pools when c has k_scale / v_scale (its
+    k_pages / v_pages then are the dequantized pools the oracle reads)."""
+    names = ("q", "stored_k", "stored_v") if "k_scale" in c else ("q", "k_pages", "v_pages")
+    args = [jnp.asarray(c[x]) for x in (*names, "page_table", "seq_lens", "query_start_loc")]
     out = paged_gpu.ragged_paged_attention(*args, max_q=c["max_q"], sm_scale=c["sm_scale"],
-                                           sliding_window=c["sliding_window"], interpret=True, **blocks)
+                                           sliding_window=c["sliding_window"], k_scale=c.get("k_scale"),
+                                           v_scale=c.get("v_scale"), interpret=True, **blocks)
     assert out.shape == c["q"].shape and out.dtype == c["q"].dtype
     err = np.abs(np.asarray(out.astype(jnp.float32), np.float64) - paged_oracle(c)).max()
     assert err < TOL[np.dtype(c["q"].dtype).name], f"max abs err {err}"
@@ -92,6 +96,27 @@ def test_paged_kernel_mixed_batch(config):
 def test_paged_kernel_random_batches(spec):
     spec = dict(spec, dtype=jnp.bfloat16 if spec["dtype"] == "bfloat16" else np.float32)
     run_paged(paged_case(**spec))
+
+
+# Quantized pools over 3 and more KV tiles (page and scale buffers refilled, barrier phases
+# flipped) under the interpreter's race detector: int8 with 2 pages a tile, fp8 with 8 pages
+# and 2 blocks of 64 rows a tile to dequantize. Pages no row may read get NaN scales, as freed
+# pages of a poisoned cache do.
+@pytest.mark.parametrize("kv_dtype, config", [("int8", (4, 2, 64, 32, jnp.bfloat16, None, 64)),
+                                              ("fp8", (1, 1, 32, 16, np.float32, 37, 128))])
+def test_paged_kernel_reads_quantized_pools_without_races(kv_dtype, config):
+    group, kvh, head_dim, page_size, dtype, window, kv_block = config
+    c = paged_case(1, seqs=[(1, 1), (0, 0), (5, 2 * page_size + 3), (1, 300)], num_kv_heads=kvh, group=group,
+                   head_dim=head_dim, page_size=page_size, dtype=dtype, pad_tokens=2, sliding_window=window)
+    (stored_k, k_scale, k_pages), (stored_v, v_scale, v_pages) = (
+        quantized(jnp.asarray(c[x], jnp.float32), KV_CACHE_DTYPES[kv_dtype]) for x in ("k_pages", "v_pages"))
+    read = {int(c["page_table"][s, p]) for s, n in enumerate(c["seq_lens"]) for p in range(-(-n // page_size))}
+    unread = np.array(sorted(set(range(len(stored_k))) - read))
+    k_scale, v_scale = (x.at[unread].set(np.nan) for x in (k_scale, v_scale))
+    gpu_interpret.reset_gpu_interpret_mode_state()
+    run_paged(dict(c, stored_k=stored_k, stored_v=stored_v, k_scale=k_scale, v_scale=v_scale, k_pages=k_pages,
+                   v_pages=v_pages), kv_block=kv_block)
+    assert not gpu_interpret.get_races().races_found
 
 
 def flash_against_reference(seq_len, *, group, head_dim, dtype, block_kv, **opts):

@@ -1,14 +1,14 @@
 """KVCache against numpy: the write of new K/V into slots (quantized too), whole-page copies and
 fills, and its size in bytes against the sizing arithmetic the runner and `jaxserve check` use;
 int8 / fp8 caches through the engine: held-out perplexity and pages at the same memory."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from benchmarks import kv_quantization as kv_bench, quantization as quantization_bench
-from jaxserve import LLM, cli, parallel
+from jaxserve import LLM, attention, cli, kv_cache, parallel
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine import LLMEngine
 from jaxserve.kv_cache import KVCache, LayerKV, page_bytes_per_chip
 
 CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
@@ -43,11 +43,12 @@ def test_write_puts_each_token_at_its_slot_and_drops_padding():
     rng = np.random.default_rng(1)
     k, v = (rng.standard_normal((5, CFG.num_kv_heads, CFG.head_dim)).astype(np.float32) for _ in "kv")
     slots = np.array([0, 7, 13, 23, NUM_PAGES * PAGE_SIZE], np.int32)   # the last is padding
-    written = layer.write(jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
-    for want, got, new in ((before_k, written.k, k), (before_v, written.v, v)):
+    written, given_back = layer.write(jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
+    for want, got, new, back in ((before_k, written.k, k, given_back[0]), (before_v, written.v, v, given_back[1])):
         for t, slot in enumerate(slots[:-1]):
             want[slot // PAGE_SIZE, :, slot % PAGE_SIZE] = new[t]
         np.testing.assert_array_equal(np.asarray(got), want)
+        np.testing.assert_array_equal(np.asarray(back), new)   # a float32 pool holds them as they are
 
 
 def test_copy_and_fill_pages_touch_only_the_listed_pages_in_every_layer():
@@ -82,8 +83,9 @@ def test_quantized_write_stores_each_head_vector_with_its_scale():
     k, v = (rng.standard_normal((3, CFG.num_kv_heads, CFG.head_dim)).astype(np.float32) for _ in "kv")
     k[1, 0] = 0   # an all-zero head vector: scale 1, stored zeros
     slots = np.array([2, 9, 22], np.int32)
-    written = layer.write(jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
-    for new, stored, scales in ((k, written.k, written.k_scale), (v, written.v, written.v_scale)):
+    written, given_back = layer.write(jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
+    for new, stored, scales, back in ((k, written.k, written.k_scale, given_back[0]),
+                                      (v, written.v, written.v_scale, given_back[1])):
         for t, slot in enumerate(slots):
             page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
             amax = np.abs(new[t]).max(axis=-1)
@@ -91,6 +93,9 @@ def test_quantized_write_stores_each_head_vector_with_its_scale():
             np.testing.assert_allclose(np.asarray(scales[page, :, offset]), want_scale, rtol=1e-6)
             np.testing.assert_array_equal(np.asarray(stored[page, :, offset]),
                                           np.round(new[t] / want_scale[:, None]).astype(np.int8))
+            # what write gives back is what the pools hold, bit for bit: stored * scale
+            np.testing.assert_array_equal(np.asarray(back[t]), np.asarray(stored[page, :, offset], np.float32)
+                                          * np.asarray(scales[page, :, offset])[:, None])
     assert cache.nbytes == NUM_PAGES * page_bytes_per_chip(CFG, jnp.float32, PAGE_SIZE, 1, tpu=False,
                                                           kv_cache_dtype="int8")
 
@@ -102,10 +107,21 @@ def test_kv_cache_dtype_is_checked_and_reaches_the_engine_config():
     assert cli.engine_config(args).kv_cache_dtype == "fp8"
 
 
-def test_quantized_kv_on_the_gpu_backend_is_refused_clearly():
-    with pytest.raises(ValueError, match="kv_cache_dtype int8 and fp8 run on attention_backend xla and pallas_tpu, not pallas_gpu"):
-        LLMEngine(EngineConfig(attention_backend="pallas_gpu", kv_cache_dtype="int8", max_model_len=64,
-                               max_num_seqs=2, compilation_cache_dir=None))
+def test_flash_path_quantizes_the_new_kv_once(monkeypatch):
+    """A Pallas step with a fresh prefill row (flash fed this step's K/V) quantizes K and V once
+    each, in LayerKV.write, and the flash kernel takes what write gives back."""
+    calls = []
+    quantize = kv_cache.quantize
+    monkeypatch.setattr(kv_cache, "quantize", lambda x, dtype: calls.append(dtype) or quantize(x, dtype))
+    t, kvh, ps, d = 8, 2, 16, 64
+    pool, scales = jnp.zeros((4, kvh, ps, d), jnp.int8), jnp.ones((4, kvh, ps), jnp.float32)
+    meta = attention.AttentionMetadata(
+        positions=None, slot_mapping=jnp.arange(t), page_table=jnp.zeros((2, 1), jnp.int32),
+        seq_lens=jnp.array([t, 0]), query_start_loc=jnp.array([0, t, t]), max_q=t, num_prefill_rows=1,
+        backend="pallas_tpu")
+    jax.make_jaxpr(lambda q, k, v, kv: attention.attend(q, k, v, kv, meta, sliding_window=None, sm_scale=0.1))(
+        jnp.ones((t, 2 * kvh, d)), jnp.ones((t, kvh, d)), jnp.ones((t, kvh, d)), LayerKV(pool, pool, scales, scales))
+    assert len(calls) == 2
 
 
 def test_quantized_cache_holds_more_pages_and_keeps_perplexity_within_one_percent():

@@ -15,6 +15,9 @@ from tests.hf_models import save_engine_model
 
 MAX_TOKENS = 6
 ATOL = 1e-4
+# An int8 cache on the GPU kernel: dequantized before its dot, scaled after it on the XLA path;
+# the rounding differs by up to 1.04e-4 over these 6 tokens (a leaked page moves far more).
+ATOL_QUANTIZED = 3e-4
 
 
 # Arrival step -> (prompt, n). Prompts are longer than prefill_chunk_size (chunked prefill); the
@@ -62,14 +65,16 @@ def _run(model, backend, poison, kv_cache_dtype="auto"):
 
 
 @functools.cache
-def _clean_xla_run(model):
-    return _run(model, "xla", poison=False)
+def _clean_xla_run(model, kv_cache_dtype):
+    return _run(model, "xla", poison=False, kv_cache_dtype=kv_cache_dtype)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
-def test_poisoned_free_pages_leave_outputs_unchanged(model, backend):
-    (tokens, logprobs), clean_nan_pages = _clean_xla_run(model)
-    (poisoned_tokens, poisoned_logprobs), nan_pages = _run(model, backend, poison=True)
+# An int8 cache: the poison reaches it through the scales.
+@pytest.mark.parametrize("backend, kv_cache_dtype", [("xla", "auto"), ("pallas_tpu", "auto"), ("pallas_gpu", "auto"),
+                                                     ("xla", "int8"), ("pallas_gpu", "int8")])
+def test_poisoned_free_pages_leave_outputs_unchanged(model, backend, kv_cache_dtype):
+    (tokens, logprobs), clean_nan_pages = _clean_xla_run(model, kv_cache_dtype)
+    (poisoned_tokens, poisoned_logprobs), nan_pages = _run(model, backend, poison=True, kv_cache_dtype=kv_cache_dtype)
     assert clean_nan_pages == 0 and nan_pages > 0      # the poison was there to be read
     assert [len(t) for t in tokens] == [MAX_TOKENS] * 4
     assert poisoned_tokens == tokens
@@ -77,14 +82,5 @@ def test_poisoned_free_pages_leave_outputs_unchanged(model, backend):
     if backend == "xla":
         assert np.array_equal(poisoned_logprobs, logprobs)
     else:   # another request's live page would move logprobs far more than this
-        np.testing.assert_allclose(poisoned_logprobs, logprobs, rtol=0, atol=ATOL)
-
-
-def test_poisoned_free_pages_leave_quantized_kv_outputs_unchanged(model):
-    """An int8 cache (NaN reaches it through the scales) gives the same tokens and logprobs, bit
-    for bit, poisoned or not."""
-    (tokens, logprobs), clean_nan_pages = _run(model, "xla", poison=False, kv_cache_dtype="int8")
-    (poisoned_tokens, poisoned_logprobs), nan_pages = _run(model, "xla", poison=True, kv_cache_dtype="int8")
-    assert clean_nan_pages == 0 and nan_pages > 0
-    assert poisoned_tokens == tokens and np.isfinite(logprobs).all()
-    assert np.array_equal(poisoned_logprobs, logprobs)
+        np.testing.assert_allclose(poisoned_logprobs, logprobs, rtol=0,
+                                   atol=ATOL if kv_cache_dtype == "auto" else ATOL_QUANTIZED)

@@ -294,11 +294,12 @@ def test_attend_fresh_prefill_rows_match_oracle(backend, mods):
     assert_close(out, case)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+# pallas_gpu: int8 only (50 s in interpret mode); its kernel's fp8 path: test_gpu_kernels.py.
+@pytest.mark.parametrize("backend, kv_dtype", [(b, kv) for b in ("xla", "pallas_tpu") for kv in ("int8", "fp8")]
+                         + [("pallas_gpu", "int8")])
 def test_attend_into_quantized_pools_matches_their_dequantized_oracle(backend, kv_dtype):
-    """A step writing into quantized pools, fresh rows (flash on pallas_tpu: fed the new K/V as
-    the pools hold them) and cached ones, against the written pools dequantized."""
+    """A step writing into quantized pools, fresh rows (flash on the Pallas backends: fed the new
+    K/V as the pools hold them) and cached ones, against the written pools dequantized."""
     for seqs in (FRESH, CACHED):
         out, case = attend_case(seqs, backend, kv_dtype=kv_dtype)
         assert_close(out, case)
@@ -344,7 +345,7 @@ def quantized(pages, dtype):
     return stored, scale, np.asarray(stored, np.float64) * np.asarray(scale, np.float64)[..., None]
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])   # the GPU kernel's: test_gpu_kernels.py
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: "g{}-kvh{}-d{}-ps{}-{}-w{}".format(*c))
 def test_paged_paths_read_quantized_pools_through_their_scales(kv_dtype, config, backend):

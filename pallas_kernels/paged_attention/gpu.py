@@ -17,6 +17,13 @@ neighbouring sequences never write the same rows. Decode wastes most of the 64 r
 is 1); it is bound by reading K/V. No split over the KV length: a long decode with few sequences
 fills few SMs. Soft cap and ALiBi: pallas_kernels/scores.py; ALiBi slopes arrive one per row
 (its head's), copied to SMEM with Q.
+
+Quantized pools (int8, fp8 e4m3; jaxserve/kv_cache.py): the pages' TMA copies land in SMEM in
+their own dtype (double-buffered, half the bytes of a bf16 tile), and each page's per-slot f32
+scales of KV head h beside them (loaded by the threads: too small for TMA); once a tile is in,
+it is dequantized (stored * scale, 64 rows at a time in registers) into one tile in q's dtype
+that the wgmmas read. The copies of the next tile stay in flight meanwhile. Pools in q's dtype
+skip all of this.
 """
 import functools
 
@@ -33,11 +40,13 @@ MASK_VALUE = wgmma.MASK_VALUE
 ROWS = 64  # (token, head in group) rows per program: wgmma's M
 
 
-def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
+def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem, k_smem, v_smem, p_smem,
+            o_smem, q_bar, k_bar, v_bar, slope_smem=None, stored_smem=None, scale_smem=None,
             group, block_q, pages_per_tile, sm_scale, sliding_window, soft_cap, alibi, interpret):
-    # With ALiBi: slopes [KVH, ROWS] in, and an SMEM row of them.
-    slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
-    o_ref, q_smem, k_smem, v_smem, p_smem, o_smem, *slope_smem, q_bar, k_bar, v_bar = refs
+    # Inputs after v: [ALiBi slopes [KVH, ROWS]], [K and V scales [N, KVH, page_size]], then the
+    # output. Quantized: stored_smem, scale_smem are the (K, V) pages and scales as copied in.
+    slope_ref, *scale_refs, o_ref = refs if alibi else (None, *refs)
+    quantized = bool(scale_refs)
     j, h, s = lax.axis_index("q"), lax.axis_index("kv_heads"), lax.axis_index("seqs")
     page_size, head_dim = k_ref.shape[2], k_ref.shape[3]
     tile = pages_per_tile * page_size
@@ -56,21 +65,44 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
 
         plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(t0 * group, ROWS)], q_smem, q_bar)
         if alibi:
-            plgpu.copy_gmem_to_smem(slope_ref.at[h], slope_smem[0], q_bar)
+            plgpu.copy_gmem_to_smem(slope_ref.at[h], slope_smem, q_bar)
+        landing = stored_smem if quantized else (k_smem, v_smem)   # where K and V pages are copied to
+        scales = tuple(zip(scale_refs, scale_smem)) if quantized else ()
 
         def fetch(c, slot):
             for p in range(pages_per_tile):
                 idx = (tile_lo + c) * pages_per_tile + p
                 page = jnp.where(idx < page_end, table_ref[s, idx], 0)  # masked below anyway
                 rows = pl.ds(p * page_size, page_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[page, h], k_smem.at[slot, rows], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[page, h], v_smem.at[slot, rows], v_bar.at[slot])
+                for src, dst, bar in zip((k_ref, v_ref), landing, (k_bar, v_bar)):
+                    plgpu.copy_gmem_to_smem(src.at[page, h], dst.at[slot, rows], bar.at[slot])
+                # A page's scales of head h (4 bytes a slot) are too few bytes for a TMA copy
+                # (whole 128 bytes): the threads load them, unrolled so the loads overlap.
+                for src, dst in scales:
+                    for i in range(page_size):
+                        dst[slot, p * page_size + i] = src[page, h, i]
+
+        def load(tile_ref):
+            return tile_ref[...] if interpret else plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA)
 
         def zero_rows_from(tile_ref, n):
-            x = tile_ref[...] if interpret else plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA)
+            x = load(tile_ref)
             rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=None if interpret else plgpu.Layout.WGMMA)
             tile_ref[...] = jnp.where(rows < n, x, jnp.zeros_like(x))
             plgpu.commit_smem()
+
+        def operand(kv, slot):
+            """The K (kv 0) or V (1) tile of `slot` as wgmma reads it, once its copies are in."""
+            if not quantized:
+                return (k_smem, v_smem)[kv].at[slot]
+            stored, scale, dst = stored_smem[kv].at[slot], scale_smem[kv].at[slot], (k_smem, v_smem)[kv]
+            for r in range(0, tile, ROWS):   # 64 rows at a time: a wgmma-layout block of registers
+                rows = pl.ds(r, ROWS)
+                row_scale = wgmma.layout_cast(scale.at[rows][...], plgpu.Layout.WGMMA.reduce(1), interpret=interpret)
+                x = load(stored.at[rows]).astype(jnp.float32)
+                dst.at[rows][...] = (x * lax.broadcast_in_dim(row_scale, x.shape, [0])).astype(dst.dtype)
+            plgpu.commit_smem()
+            return dst
 
         fetch(0, 0)
         plgpu.barrier_wait(q_bar)
@@ -80,7 +112,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
         q_pos = t0 + offset + lax.div(iota(0), group)
         slopes = None
         if alibi:
-            slopes = lax.broadcast_in_dim(wgmma.layout_cast(slope_smem[0][...], plgpu.Layout.WGMMA.reduce(1),
+            slopes = lax.broadcast_in_dim(wgmma.layout_cast(slope_smem[...], plgpu.Layout.WGMMA.reduce(1),
                                                             interpret=interpret), shape, [0])
 
         def step(c, carry):
@@ -88,7 +120,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
             slot = lax.rem(c, 2)
             pl.when(c + 1 < count)(lambda: fetch(c + 1, 1 - slot))  # the other slot was freed at c - 1
             plgpu.barrier_wait(k_bar.at[slot])
-            scores = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret)
+            scores = wgmma.matmul(q_smem, operand(0, slot), transpose_b=True, interpret=interpret)
             kv_pos = (tile_lo + c) * tile + iota(1)
             scores = modify_scores(scores * sm_scale, kv_pos, soft_cap=soft_cap, slopes=slopes)
             visible = kv_pos <= q_pos
@@ -96,11 +128,12 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs,
                 visible &= kv_pos > q_pos - sliding_window
             m, alpha, l = wgmma.softmax_weights(jnp.where(visible, scores, MASK_VALUE), m, l, p_smem)
             plgpu.barrier_wait(v_bar.at[slot])
+            v_tile = operand(1, slot)
             # The last tile's slots past the sequence's length hold stale (maybe inf or NaN)
             # data, which a zero weight does not cancel: zero them in V.
             kv0 = (tile_lo + c) * tile
-            pl.when(kv0 + tile > seq_lens_ref[s])(lambda: zero_rows_from(v_smem.at[slot], seq_lens_ref[s] - kv0))
-            pv = wgmma.matmul(p_smem, v_smem.at[slot], interpret=interpret)
+            pl.when(kv0 + tile > seq_lens_ref[s])(lambda: zero_rows_from(v_tile, seq_lens_ref[s] - kv0))
+            pv = wgmma.matmul(p_smem, v_tile, interpret=interpret)
             return wgmma.softmax_accumulate(acc, alpha, pv), m, l
 
         acc, _, l = lax.fori_loop(0, count, step, wgmma.softmax_start(ROWS, head_dim, interpret=interpret))
@@ -120,22 +153,24 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len (sets the grid).
     Returns [T, H, D], 0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
-    soft_cap, alibi_slopes (f32[H] or None): pallas_kernels/scores.py. k_scale, v_scale: quantized
-    pools' scales (the TPU kernel's signature); this kernel reads no quantized pool yet.
+    soft_cap, alibi_slopes (f32[H] or None): pallas_kernels/scores.py. k_scale, v_scale: f32
+    [N, KVH, page_size] or None: quantized pools (int8, fp8; jaxserve/kv_cache.py) hold K / scale
+    and V / scale per (slot, KV head); each tile is dequantized in SMEM (module docstring).
 
     kv_block: keys per tile, a multiple of 64 and of page_size (or page_size itself when larger).
-    Needs D a multiple of 16 up to 256, H / KVH at most 64, 16-bit inputs on a GPU (f32 too when
-    interpreting). interpret=True runs in Mosaic GPU interpret mode (CPU), race detector on."""
-    if k_scale is not None or v_scale is not None:
-        raise NotImplementedError("the GPU paged kernel does not read quantized (int8, fp8) pools yet")
+    Needs D a multiple of 16 up to 256 (of 32 for quantized pools: a row of whole 32-byte swizzle
+    spans), H / KVH at most 64, 16-bit inputs on a GPU (f32 too when interpreting), page_size a
+    multiple of 8 (page copies fill whole 8-row SMEM tiles). interpret=True runs in Mosaic GPU
+    interpret mode (CPU), race detector on."""
     t, num_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     num_seqs = page_table.shape[0]
     group = num_heads // num_kv_heads
     tile = max(kv_block, page_size)
-    if head_dim % 16 or head_dim > 256 or tile % 64 or tile % page_size or group > ROWS:
-        raise ValueError(f"head_dim {head_dim}: need a multiple of 16 up to 256 (wgmma's K and N); "
-                         f"kv tile {tile}: a multiple of 64 and of page_size {page_size}; "
+    quantized = k_scale is not None
+    if head_dim % (32 if quantized else 16) or head_dim > 256 or tile % 64 or tile % page_size or group > ROWS:
+        raise ValueError(f"head_dim {head_dim}: need a multiple of {32 if quantized else 16} up to 256 (wgmma's "
+                         f"K and N); kv tile {tile}: a multiple of 64 and of page_size {page_size}; "
                          f"group {group}: at most {ROWS}")
     if q.dtype.itemsize != 2 and not interpret:
         raise ValueError(f"{q.dtype} inputs: wgmma needs float16 / bfloat16 operands")
@@ -154,27 +189,35 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     slopes = (jnp.tile(alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group), (1, block_q)),) if alibi else ()
 
     smem = wgmma.tiled_smem(q.dtype, head_dim)
+    # Pages land double-buffered in the wgmma operands, or quantized in their own buffers and are
+    # dequantized into one operand tile each.
+    operand_tile = (tile, head_dim) if quantized else (2, tile, head_dim)
+    scratch = dict(
+        q_smem=smem(ROWS, head_dim), k_smem=smem(*operand_tile), v_smem=smem(*operand_tile),
+        p_smem=smem(ROWS, tile),
+        o_smem=plgpu.SMEM((ROWS, head_dim), q.dtype),  # output, untiled: stored a few rows at a time
+        q_bar=plgpu.Barrier(num_arrivals=1 + alibi),  # Q (and slopes)
+        k_bar=plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2),  # K pages, per slot
+        v_bar=plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2))
+    if alibi:
+        scratch["slope_smem"] = plgpu.SMEM((ROWS,), jnp.float32)  # ALiBi slopes of the rows
+    scales = ()
+    if quantized:
+        scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
+        stored = wgmma.tiled_smem(k_pages.dtype, head_dim)
+        scratch.update(stored_smem=[stored(2, tile, head_dim) for _ in "kv"],
+                       scale_smem=[plgpu.SMEM((2, tile), jnp.float32) for _ in "kv"])
     copies_in_flight = 1 + alibi + 2 * 2 * pages_per_tile  # Q (and slopes), then K and V pages of both slots
     kernel = plgpu.kernel(
         functools.partial(_kernel, group=group, block_q=block_q, pages_per_tile=pages_per_tile, sm_scale=sm_scale,
                           sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi, interpret=interpret),
         out_type=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        scratch_types=[
-            smem(ROWS, head_dim),           # Q
-            smem(2, tile, head_dim),        # K, double-buffered
-            smem(2, tile, head_dim),        # V
-            smem(ROWS, tile),               # P
-            plgpu.SMEM((ROWS, head_dim), q.dtype),  # output, untiled: stored a few rows at a time
-            *([plgpu.SMEM((ROWS,), jnp.float32)] if alibi else []),  # ALiBi slopes of the rows
-            plgpu.Barrier(num_arrivals=1 + alibi),  # Q (and slopes)
-            plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2),  # K pages, per slot
-            plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2),  # V pages, per slot
-        ],
+        scratch_types=scratch,
         grid=(pl.cdiv(max_q, block_q), num_kv_heads, num_seqs),
         grid_names=("q", "kv_heads", "seqs"),
         interpret=wgmma.interpret_params(copies_in_flight) if interpret else None,
     )
-    out = kernel(query_start_loc, seq_lens, table, qg, k_pages, v_pages, *slopes)
+    out = kernel(query_start_loc, seq_lens, table, qg, k_pages, v_pages, *slopes, *scales)
     out = out[:, :t * group].reshape(num_kv_heads, t, group, head_dim).transpose(1, 0, 2, 3)
     # Tokens outside [query_start_loc[0], query_start_loc[-1]) belong to no program: never written.
     tok = jnp.arange(t)
