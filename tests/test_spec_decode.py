@@ -58,14 +58,23 @@ def test_config_is_checked():
         EngineConfig(speculative={"ngram_min": 3, "ngram_max": 2})
 
 
+def warm_llm(speculative=None) -> LLM:
+    """An LLM on the embedded model with prefix caching, warmed up; `speculative` as the config key."""
+    llm = LLM(**ENGINE, enable_prefix_caching=True, speculative=speculative)
+    llm.llm_engine.warmup()
+    return llm
+
+
+@functools.cache
+def plain_llm() -> LLM:
+    """The reference without speculation, one per process (tests/test_spec_decode_draft.py too)."""
+    return warm_llm()
+
+
 @pytest.fixture(scope="module")
 def engines():
     """(plain, speculative) LLMs on the embedded model, both warmed up."""
-    plain = LLM(**ENGINE, enable_prefix_caching=True)
-    spec = LLM(**ENGINE, enable_prefix_caching=True, speculative=SPEC)
-    for llm in (plain, spec):
-        llm.llm_engine.warmup()
-    return plain, spec
+    return plain_llm(), warm_llm(SPEC)
 
 
 def _run(llm, params):
@@ -73,19 +82,29 @@ def _run(llm, params):
     return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
 
 
-@pytest.mark.parametrize("case", ["greedy", "max_tokens", "stop", "seeded_n2"])
+# Each with and without speculation (the greedy case: 6 x 160 tokens in 24 pages of 16 preempt).
+CASES = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True),
+    "max_tokens": SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True),
+    "stop": SamplingParams(temperature=0.0, max_tokens=120, stop=["\n\n", "list"]),
+    "seeded_n2": SamplingParams(temperature=0.8, top_p=0.9, max_tokens=60, n=2, seed=7, ignore_eos=True),
+}
+
+
+@functools.cache
+def plain_outputs(case: str):
+    """CASES[case]'s outputs without speculation, once per process."""
+    return _run(plain_llm(), CASES[case])
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_same_outputs_with_and_without_speculation(engines, case):
-    plain, spec = engines
-    params = {
-        "greedy": SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True),
-        "max_tokens": SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True),
-        "stop": SamplingParams(temperature=0.0, max_tokens=120, stop=["\n\n", "list"]),
-        "seeded_n2": SamplingParams(temperature=0.8, top_p=0.9, max_tokens=60, n=2, seed=7, ignore_eos=True),
-    }[case]
+    _, spec = engines
+    params = CASES[case]
     stats = spec.llm_engine.stats
     before = dict(stats)
     compiles = CompileCounter.count
-    assert _run(spec, params) == _run(plain, params)
+    assert _run(spec, params) == plain_outputs(case)
     assert CompileCounter.count == compiles   # every verify shape was compiled at warm-up
     assert stats["spec_accepted_tokens"] > before["spec_accepted_tokens"]   # proposals were accepted
     assert stats["spec_proposed_tokens"] > stats["spec_accepted_tokens"]   # and some rejected
@@ -160,6 +179,20 @@ def target():
     return transformers.AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, torch_dtype="float32").eval()
 
 
+def sampled_triples(llm, prompt: list[int], filters: dict):
+    """DRAWS seeded draws of 3 tokens after `prompt` at temperature 1: (Counter of the triples,
+    draft tokens proposed, accepted). n choices a request (seeds seed..seed+n-1): the prompt is
+    prefilled once per request."""
+    stats = llm.llm_engine.stats
+    before = dict(stats)
+    params = [SamplingParams(temperature=1.0, n=CHOICES, seed=i * CHOICES, max_tokens=3, ignore_eos=True, **filters)
+              for i in range(DRAWS // CHOICES)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
+    counts = collections.Counter(tuple(c.token_ids) for o in outs for c in o.outputs)
+    return (counts, stats["spec_proposed_tokens"] - before["spec_proposed_tokens"],
+            stats["spec_accepted_tokens"] - before["spec_accepted_tokens"])
+
+
 @pytest.mark.parametrize("draft, filters", [("agreeing", dict(top_k=4, top_p=1.0)),
                                             ("agreeing", dict(top_k=6, top_p=0.8)),
                                             ("bad", dict(top_k=4, top_p=1.0))])
@@ -175,15 +208,7 @@ def test_sampled_tokens_follow_the_targets_distribution(engines, target, monkeyp
     monkeypatch.setattr(ngram, "propose", lambda tokens, *_: draft_tokens(tokens))
     _, spec = engines
     prompt = spec.get_tokenizer().encode("The with statement")
-    stats = spec.llm_engine.stats
-    before = dict(stats)
-    # n choices a request (seeds seed..seed+n-1): the prompt is prefilled once per request
-    params = [SamplingParams(temperature=1.0, n=CHOICES, seed=i * CHOICES, max_tokens=3, ignore_eos=True, **filters)
-              for i in range(DRAWS // CHOICES)]
-    outs = spec.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
-    counts = collections.Counter(tuple(c.token_ids) for o in outs for c in o.outputs)
-    proposed = stats["spec_proposed_tokens"] - before["spec_proposed_tokens"]
-    accepted = stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    counts, proposed, accepted = sampled_triples(spec, prompt, filters)
     assert proposed >= DRAWS   # every request's second step was a verify row
     assert accepted > 0.2 * proposed if draft == "agreeing" else accepted < 0.01 * proposed
     assert _chi_square_p(counts, _exact_triples(target, prompt, 1.0, **filters), DRAWS) > 1e-3

@@ -4,7 +4,6 @@ seeded sampling with n = 2 forks), greedy equal to transformers, every proposal 
 model's own greedy continuation of the sequence (transformers' draft model over the known
 tokens: the draft's paged KV kept in step through rollback, preemption, forks and prefix hits),
 and sampled tokens that follow the target's distribution."""
-import collections
 import os
 
 import numpy as np
@@ -12,12 +11,13 @@ import pytest
 import torch
 import transformers
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
 from jaxserve.compilations import CompileCounter
 from jaxserve.config import EngineConfig
 from jaxserve.engine import TINY_MODEL_DIR
 from jaxserve.spec_decode.draft import default_draft_dir
-from tests.test_spec_decode import CHOICES, DRAWS, ENGINE, PROMPTS, _chi_square_p, _exact_triples, _run
+from tests.test_spec_decode import (CASES, DRAWS, PROMPTS, _chi_square_p, _exact_triples, _run, plain_llm, plain_outputs,
+                                     sampled_triples, warm_llm)
 
 DRAFT = {"method": "draft", "num_tokens": 3}
 DRAFT_DIR = os.path.join(TINY_MODEL_DIR, "draft")
@@ -36,11 +36,7 @@ def test_config_is_checked():
 @pytest.fixture(scope="module")
 def engines():
     """(plain, draft-speculating) LLMs on the embedded model, both warmed up."""
-    plain = LLM(**ENGINE, enable_prefix_caching=True)
-    draft = LLM(**ENGINE, enable_prefix_caching=True, speculative=DRAFT)
-    for llm in (plain, draft):
-        llm.llm_engine.warmup()
-    return plain, draft
+    return plain_llm(), warm_llm(DRAFT)
 
 
 def _hf(model_dir):
@@ -77,21 +73,16 @@ def _check_greedy_continuations(hf_draft, records):
             assert proposal == int(np.argmax(row)) or row.max() - row[proposal] < 1e-4, (tokens, proposals)
 
 
-@pytest.mark.parametrize("case", ["greedy", "max_tokens", "stop", "seeded_n2"])
+@pytest.mark.parametrize("case", CASES)
 def test_same_outputs_with_and_without_the_draft(engines, hf_draft, monkeypatch, case):
-    plain, draft = engines
-    params = {
-        "greedy": SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True),
-        "max_tokens": SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True),
-        "stop": SamplingParams(temperature=0.0, max_tokens=120, stop=["\n\n", "list"]),
-        "seeded_n2": SamplingParams(temperature=0.8, top_p=0.9, max_tokens=60, n=2, seed=7, ignore_eos=True),
-    }[case]
+    _, draft = engines
+    params = CASES[case]
     engine = draft.llm_engine
     stats, before = engine.stats, dict(engine.stats)
     preemptions, hits = engine.scheduler.num_preemptions, engine.block_manager.prefix_hit_tokens
     records = _record_proposals(engine, monkeypatch)
     compiles = CompileCounter.count
-    assert _run(draft, params) == _run(plain, params)
+    assert _run(draft, params) == plain_outputs(case)
     assert CompileCounter.count == compiles   # every draft and verify shape was compiled at warm-up
     accepted = stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     assert 0 < accepted < stats["spec_proposed_tokens"] - before["spec_proposed_tokens"]
@@ -120,14 +111,8 @@ def test_sampled_tokens_follow_the_targets_distribution(engines):
     _, draft = engines
     filters = dict(top_k=6, top_p=0.8)
     prompt = draft.get_tokenizer().encode("The with statement")
-    stats = draft.llm_engine.stats
-    before = dict(stats)
-    params = [SamplingParams(temperature=1.0, n=CHOICES, seed=i * CHOICES, max_tokens=3, ignore_eos=True, **filters)
-              for i in range(DRAWS // CHOICES)]
-    outs = draft.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
-    counts = collections.Counter(tuple(c.token_ids) for o in outs for c in o.outputs)
-    assert stats["spec_proposed_tokens"] - before["spec_proposed_tokens"] >= DRAWS
-    assert stats["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    counts, proposed, accepted = sampled_triples(draft, prompt, filters)
+    assert proposed >= DRAWS and accepted > 0
     target = _hf(TINY_MODEL_DIR)
     assert _chi_square_p(counts, _exact_triples(target, prompt, 1.0, **filters), DRAWS) > 1e-3
     assert _chi_square_p(counts, _exact_triples(target, prompt, 2.0, **filters), DRAWS) < 1e-6
