@@ -67,7 +67,7 @@ def runner_step_hlo(cfg, mesh, tokens: int, rows: int, max_q: int) -> str:
     params, kv = inputs(cfg, mesh)
     arrays = (int32s(mesh, tokens), int32s(mesh, tokens), int32s(mesh, tokens),
               int32s(mesh, rows, PAGES_PER_SEQ), int32s(mesh, rows), int32s(mesh, rows + 1),
-              int32s(mesh, rows))
+              int32s(mesh, rows), int32s(mesh, tokens), int32s(mesh, rows))   # ..., token_src, last_sampled
     return model_step.lower(
         build_model(cfg, DTYPE), params, kv, *arrays, backend="xla", num_prefill_rows=None,
         max_q=max_q, kv_sharding=parallel.kv_cache_sharding(cfg, mesh),

@@ -89,7 +89,8 @@ def empty_cache(cfg, mesh):
 
 def step_args(new_tokens: list[list[int]], starts: list[int], rows: np.ndarray):
     """The runner's step arrays (tokens, positions, slots, page table, seq_lens, query_start_loc,
-    logits index) when sequence i brings new_tokens[i] after starts[i] cached tokens."""
+    logits index, then token_src and last_sampled: no token taken from a previous step) when
+    sequence i brings new_tokens[i] after starts[i] cached tokens."""
     lens = np.array([len(t) for t in new_tokens], np.int32)
     qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     pad = STEP_TOKENS - qsl[-1]
@@ -100,7 +101,8 @@ def step_args(new_tokens: list[list[int]], starts: list[int], rows: np.ndarray):
     pad_slots = np.full(pad, NUM_PAGES * PAGE_SIZE)  # out of range: padding is not written
     return (tokens, np.concatenate([positions, np.zeros(pad)]).astype(np.int32),
             np.concatenate([slots, pad_slots]).astype(np.int32), rows,
-            np.asarray(starts, np.int32) + lens, qsl, qsl[1:] - 1)
+            np.asarray(starts, np.int32) + lens, qsl, qsl[1:] - 1,
+            np.full(STEP_TOKENS, -1, np.int32), np.zeros(len(lens), np.int32))
 
 
 def decode_args(tokens, lens):
@@ -173,7 +175,8 @@ def runner_decode_hlo(name: str, shape: dict, backend: str = "xla") -> str:
     rows, pages = 2, 4
     arrays = (np.zeros(rows, np.int32), np.zeros(rows, np.int32),
               np.full(rows, NUM_PAGES * PAGE_SIZE, np.int32), np.zeros((rows, pages), np.int32),
-              np.zeros(rows, np.int32), np.zeros(rows + 1, np.int32), np.zeros(rows, np.int32))
+              np.zeros(rows, np.int32), np.zeros(rows + 1, np.int32), np.zeros(rows, np.int32),
+              np.full(rows, -1, np.int32), np.zeros(rows, np.int32))
     return model_step.lower(
         build_model(cfg), params, empty_cache(cfg, mesh), *arrays, backend=backend,
         num_prefill_rows=0, max_q=1, kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
