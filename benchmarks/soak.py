@@ -102,12 +102,16 @@ class Server:
                                      env={**os.environ, "JAXSERVE_FAULT_STEPS": faults})
 
     def wait_ready(self, timeout: float = 900) -> None:
+        """Until /health is 200 and the background warm-up has built every step shape (its
+        compilations would otherwise count as growth of memory and of time to first token)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                if (requests.get(self.url + "/health", timeout=5).status_code == 200
+                        and "\njaxserve_warmup_pending_step_shapes 0.0" in requests.get(self.url + "/metrics",
+                                                                                       timeout=30).text):
                     return
             except requests.ConnectionError:
                 pass

@@ -33,9 +33,10 @@ def _arrivals():
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """A 2-layer model (the embedded one has 6): the Pallas kernels run in interpret mode, inlined
-    once per layer, and isolation does not depend on depth."""
+    once per layer, and isolation does not depend on depth. Head dim 32 (2 heads of 64 / 2, one KV
+    head): the GPU kernel's matmuls need a multiple of 32."""
     path = str(tmp_path_factory.mktemp("model"))
-    save_engine_model(path)
+    save_engine_model(path, num_attention_heads=2, num_key_value_heads=1)
     return path
 
 
