@@ -24,7 +24,7 @@ from jaxserve.engine import TINY_MODEL_DIR
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = dict(max_num_seqs=4, max_model_len=256, kv_cache_mb=8, compilation_cache_dir=None)
 PROMPTS = ["The for statement is used to", "A function definition defines", "The import statement"]
-TP_CASES = [("int8", {"model": 2}), ("int4", {"model": 4})]
+TP_CASES = [("int8", {"model": 2}), ("int4", {"model": 4}), ("w8a8", {"model": 2})]
 NEW_TOKENS = 32
 
 
@@ -53,15 +53,22 @@ def test_cli_flag_reaches_the_engine_config():
 
 
 def test_heldout_perplexity_within_thresholds():
-    """int8 within 1% of unquantized, int4 within 5%, on the first 16 held-out windows
+    """int8 and w8a8 within 1% of unquantized, int4 within 5%, on the first 16 held-out windows
     (benchmarks/quantization.py measures all of them)."""
     ppl = bench.heldout_perplexities(max_windows=16)
     assert abs(ppl["int8"] / ppl[None] - 1) < 0.01, ppl
+    assert abs(ppl["w8a8"] / ppl[None] - 1) < 0.01, ppl
     assert abs(ppl["int4"] / ppl[None] - 1) < 0.05, ppl
 
 
-def test_int8_greedy_agrees_with_unquantized():
-    prefix, same = bench.agreement(greedy(LLM(**ENGINE)), quantized_greedy("int8"))
+@functools.cache
+def unquantized_greedy() -> list[list[int]]:
+    return greedy(LLM(**ENGINE))
+
+
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+def test_8bit_greedy_agrees_with_unquantized(mode):
+    prefix, same = bench.agreement(unquantized_greedy(), quantized_greedy(mode))
     assert sum(same) >= 0.9 * NEW_TOKENS * len(PROMPTS), (prefix, same)
 
 
@@ -69,7 +76,7 @@ def leaves(params):
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
 def test_convert_quantized_reloads_exactly(tmp_path, mode):
     dst = str(tmp_path / mode)
     assert cli.main(["convert", TINY_MODEL_DIR, dst, "--quantization", mode]) == 0
@@ -97,7 +104,7 @@ def test_unquantized_orbax_checkpoint_quantizes_as_it_loads(tmp_path):
 
 
 def test_tensor_parallel_greedy_matches_one_device():
-    """int8 at TP 2 and int4 at TP 4 on fake CPU devices (tiny model: 8 heads, 2 kv heads, so K/V
+    """int8 and w8a8 at TP 2 and int4 at TP 4 on fake CPU devices (tiny model: 8 heads, 2 kv heads, so K/V
     replicated at TP 4; int4 o_proj has 2 input groups, so its scales are replicated at TP 4).
     One mesh each: the other pairs add engines to compile, not layouts. The one-device tokens
     come from this process (the subprocess keeps its XLA flags, adding the fake devices)."""
@@ -112,7 +119,7 @@ def test_tensor_parallel_greedy_matches_one_device():
         assert results[f"{mode}@{json.dumps(mesh)}"] == quantized_greedy(mode), (mode, mesh)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
 def test_quantized_engine_step_compiles_for_tpu(mode):
     """configs/tiny-cpu.yaml's largest decode step and largest prefill step with quantized
     weights, bf16 and the Pallas kernels, for one v5e chip (what `jaxserve check` compiles)."""

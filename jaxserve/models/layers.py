@@ -29,7 +29,7 @@ class Linear(nn.Module):
     faster at 1-16 rows (benchmarks/results/roofline_cpu.md); accelerators take either layout.
 
     Every projection of every family goes through this class, so quantized weights belong here:
-    params holding `qweight` and `scale` instead of `weight` (jaxserve.quantization.quantize_params)
+    params holding `qweight` and a scale instead of `weight` (jaxserve.quantization.quantize_params)
     are multiplied by quantization.matmul, which dequantizes inside the fused computation."""
     features: int
     use_bias: bool
@@ -38,8 +38,9 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x):
         if self.has_variable("params", "qweight"):
+            mode = "w8a8" if self.has_variable("params", "channel_scale") else "int8"   # int4: read from the scale
             y = quantization.matmul(x, self.get_variable("params", "qweight"),
-                                    self.get_variable("params", "scale"), self.dtype)
+                                    self.get_variable("params", quantization.SCALES[mode]), self.dtype, mode)
         else:
             w = self.param("weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2),
                            (self.features, x.shape[-1]), self.dtype)
