@@ -139,8 +139,15 @@ def test_tensor_parallel_greedy_matches_one_device():
 
 
 # An int8 KV cache: pages of 32 slots (whole 32-row int8 tiles, as the TPU kernel's page DMAs need).
+# Known defect (benchmarks/results/kv_quantization.md, session 13): its page write makes XLA copy
+# the int8 page pools whole, and the prefill step's copies do not fit beside the pool.
+KV_INT8_WRITE_COPIES = pytest.mark.xfail(strict=True, reason="the int8 page write relayouts whole page pools: "
+                                         "prefill temporaries 18.35G > 15.75G HBM")
+
+
 @pytest.mark.parametrize("quantized", [dict(quantization="int8"), dict(quantization="int4"),
-                                       dict(kv_cache_dtype="int8", page_size=32)], ids=["int8", "int4", "kv-int8"])
+                                       pytest.param(dict(kv_cache_dtype="int8", page_size=32), marks=KV_INT8_WRITE_COPIES)],
+                         ids=["int8", "int4", "kv-int8"])
 def test_quantized_engine_step_compiles_for_tpu(quantized):
     """configs/tiny-cpu.yaml's largest decode step and largest prefill step with quantized
     weights or KV cache, bf16 and the Pallas kernels, for one v5e chip (what `jaxserve check`
