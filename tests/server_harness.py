@@ -1,6 +1,7 @@
 """The real server (`python -m jaxserve.cli serve`) in a subprocess, for server tests."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -50,6 +51,22 @@ def shared_model(tmp_path_factory, name: str, **overrides) -> str:
         except OSError:   # another worker saved it first
             shutil.rmtree(tmp)
     return str(path)
+
+
+# The servers whose requests must still be running when something happens to them (a signal:
+# test_shutdown.py; a failing step, a deadline: test_faults.py): one model and one engine, so
+# their executables are built once for both files. Room for 4 running requests of up to 4096
+# tokens; few step shapes. A store of their own: the shared one keeps the executables of its 8
+# most recent engines (executables.KEEP_CONTEXTS), and the suite's other servers would push
+# these out between the two files.
+LONG_MAX_LEN = 4096
+LONG_ENGINE = dict(max_model_len=LONG_MAX_LEN, num_pages=520, max_num_seqs=4, max_num_batched_tokens=16,
+                   prefill_chunk_size=16, compilation_cache_dir=os.path.join(TEST_ENGINE["compilation_cache_dir"], "long"))
+
+
+def long_model(tmp_path_factory) -> str:
+    """The path of the seeded byte-level model of LONG_ENGINE's servers, shared."""
+    return shared_model(tmp_path_factory, "long-model", vocab_size=258, max_position_embeddings=LONG_MAX_LEN)
 
 
 def bytes_model(tmp_path_factory):
@@ -136,20 +153,28 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start(workdir, model_dir: str, *args: str, **engine) -> ServerProcess:
-    """A warm server (every step shape built, see ServerProcess.wait_warm). The first server of a
-    model and engine settings in the store compiles and stores its executables alone, holding a
-    lock file there until its background warm-up is done too; servers of the same model and
-    settings, from any test process, wait for it and then load them (at once, in parallel).
-    `args` are not in the lock's key: one that changes the engine (--tp) at worst starts cold."""
+@contextlib.contextmanager
+def built_once(*key):
+    """Around building a warm engine whose executables go to the test store (a server until
+    wait_warm, an LLM until warmup() returns). The first builder of `key` (with the sources'
+    digest) compiles and stores alone, holding a lock file in the store; the others, from any
+    test process, wait for it and then load what it stored (at once, in parallel)."""
     store = os.path.join(TEST_ENGINE["compilation_cache_dir"], "test-starts")
     os.makedirs(store, exist_ok=True)
-    marker = os.path.join(store, hashlib.sha256(repr(
-        (source_digest(), model_dir, sorted({**TEST_ENGINE, **engine}.items()))).encode()).hexdigest())
+    marker = os.path.join(store, hashlib.sha256(repr((source_digest(), *key)).encode()).hexdigest())
     with open(marker + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(marker):   # stored: no need to wait for one another
             fcntl.flock(lock, fcntl.LOCK_UN)
+        yield
+        open(marker, "w").close()
+
+
+def start(workdir, model_dir: str, *args: str, **engine) -> ServerProcess:
+    """A warm server (every step shape built, see ServerProcess.wait_warm), built once per model
+    and engine settings (built_once). `args` are not in the key: one that changes the engine
+    (--tp) at worst starts cold."""
+    with built_once(model_dir, sorted({**TEST_ENGINE, **engine}.items())):
         server = ServerProcess(workdir, model_dir, *args, **engine)
         try:
             server.wait_ready()
@@ -157,7 +182,6 @@ def start(workdir, model_dir: str, *args: str, **engine) -> ServerProcess:
         except BaseException:
             server.kill()
             raise
-        open(marker, "w").close()
     return server
 
 
