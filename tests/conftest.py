@@ -4,11 +4,12 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
 
-# The heaviest files first (1.5 to 4 minutes each on the 2-core box): `-n 2 --dist
-# loadfile` hands out whole files in collection order, and one of these collected last would run
-# alone at the end while the other worker idles.
-HEAVY_FIRST = ["test_tpu_compile.py", "test_kv_isolation.py", "test_parallel.py", "test_shutdown.py",
-               "test_family_engine.py", "test_quantized_engine.py", "test_spec_decode.py", "test_soak.py"]
+# The heaviest files first, the longest first: `-n 2 --dist loadfile` hands out whole files in
+# collection order, and one of these collected last would run alone at the end while the other
+# worker idles.
+HEAVY_FIRST = ["test_spec_decode_draft.py", "test_tpu_compile.py", "test_kv_isolation.py", "test_parallel.py",
+               "test_shutdown.py", "test_family_engine.py", "test_quantized_engine.py", "test_spec_decode.py",
+               "test_soak.py"]
 
 
 def pytest_configure(config):

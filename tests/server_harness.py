@@ -19,14 +19,15 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from jaxserve.config import EngineConfig
 from jaxserve.executables import source_digest
 from tests.hf_models import save_engine_model
 
+# The test engines' executable stores (store_of) and start locks (built_once), kept between runs.
+TEST_STORE = os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")
 # Few buckets: 4 decode shapes (1-8 sequences, one page bucket) + 2 prefill shapes to compile.
-# The executable store is shared by the test servers of all test processes and kept between runs.
 TEST_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, prefill_chunk_size=32, max_prefill_seqs=1,
-                   max_model_len=128, page_size=32, num_pages=64,
-                   compilation_cache_dir=os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache"))
+                   max_model_len=128, page_size=32, num_pages=64)
 READY_TIMEOUT_S = 900   # a cold compilation cache on a busy 2-core machine
 
 # The API tests' server (test_server.py, test_server_extras.py: same model path and settings, so
@@ -37,10 +38,20 @@ BYTES_ENGINE = dict(max_queue_size=64, max_model_len=BYTES_MAX_LEN,
                     num_pages=TEST_ENGINE["max_num_seqs"] * BYTES_MAX_LEN // TEST_ENGINE["page_size"])
 
 
+def store_of(engine: dict) -> str:
+    """The executable store of test engines with these settings, shared by every test process: a
+    directory of TEST_STORE for each program settings (host-only ones left out, as in the store's
+    own key), because a store keeps only the executables of its 8 most recently used engines
+    (executables.KEEP_CONTEXTS) and the suite builds more than 8: in one store, the engines
+    built between two files that share one would push it out."""
+    key = sorted((k, v) for k, v in engine.items() if k not in EngineConfig.HOST_ONLY)
+    return os.path.join(TEST_STORE, hashlib.sha256(repr(key).encode()).hexdigest()[:16])
+
+
 def shared_model(tmp_path_factory, name: str, **overrides) -> str:
     """save_engine_model(**overrides) saved once per test session, at one path for every xdist
-    worker: the executable store's key holds the model's path, so servers of the same model and
-    settings in any test file then load what the first one compiled."""
+    worker: the start lock's key (built_once) holds the model's path, so servers of the same
+    model and settings in any test file then load what the first one compiled."""
     base = tmp_path_factory.getbasetemp()
     path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
     if not path.exists():
@@ -56,12 +67,10 @@ def shared_model(tmp_path_factory, name: str, **overrides) -> str:
 # The servers whose requests must still be running when something happens to them (a signal:
 # test_shutdown.py; a failing step, a deadline: test_faults.py): one model and one engine, so
 # their executables are built once for both files. Room for 4 running requests of up to 4096
-# tokens; few step shapes. A store of their own: the shared one keeps the executables of its 8
-# most recent engines (executables.KEEP_CONTEXTS), and the suite's other servers would push
-# these out between the two files.
+# tokens; few step shapes.
 LONG_MAX_LEN = 4096
 LONG_ENGINE = dict(max_model_len=LONG_MAX_LEN, num_pages=520, max_num_seqs=4, max_num_batched_tokens=16,
-                   prefill_chunk_size=16, compilation_cache_dir=os.path.join(TEST_ENGINE["compilation_cache_dir"], "long"))
+                   prefill_chunk_size=16)
 
 
 def long_model(tmp_path_factory) -> str:
@@ -84,8 +93,9 @@ def free_port() -> int:
 class ServerProcess:
     def __init__(self, workdir, model_dir: str, *args: str, **engine):
         self.config = os.path.join(workdir, "engine.yaml")
+        settings = {**TEST_ENGINE, **engine}
         with open(self.config, "w") as f:
-            yaml.safe_dump({**TEST_ENGINE, **engine}, f)
+            yaml.safe_dump({**settings, "compilation_cache_dir": store_of(settings)}, f)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(workdir, "server.log")
@@ -159,7 +169,7 @@ def built_once(*key):
     wait_warm, an LLM until warmup() returns). The first builder of `key` (with the sources'
     digest) compiles and stores alone, holding a lock file in the store; the others, from any
     test process, wait for it and then load what it stored (at once, in parallel)."""
-    store = os.path.join(TEST_ENGINE["compilation_cache_dir"], "test-starts")
+    store = os.path.join(TEST_STORE, "test-starts")
     os.makedirs(store, exist_ok=True)
     marker = os.path.join(store, hashlib.sha256(repr((source_digest(), *key)).encode()).hexdigest())
     with open(marker + ".lock", "w") as lock:

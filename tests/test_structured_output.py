@@ -19,7 +19,7 @@ from jaxserve.sampling import SamplingMetadata, sample
 from jaxserve.structured import StructuredOutput
 from jaxserve.structured.grammar import Grammars
 from jaxserve.tokenizer import load_tokenizer
-from tests.server_harness import TEST_ENGINE, built_once, openai_client, serving
+from tests.server_harness import TEST_ENGINE, built_once, openai_client, serving, store_of
 
 # ---- the sampler's mask against numpy ----
 
@@ -146,7 +146,7 @@ def schemas() -> list[dict]:
 REGEX = r"[A-Z][a-z]{1,6} [0-9]{2,4}"
 CHOICES = ("yes", "no", "a longer answer")
 ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=64, prefill_chunk_size=32, max_prefill_seqs=2,
-              max_model_len=256, page_size=16, num_pages=272, compilation_cache_dir=TEST_ENGINE["compilation_cache_dir"])
+              max_model_len=256, page_size=16, num_pages=272)
 
 
 def warm_llm():
@@ -155,7 +155,7 @@ def warm_llm():
     from jaxserve import LLM
 
     with built_once("embedded", sorted(ENGINE.items())):
-        llm = LLM(model=None, **ENGINE)
+        llm = LLM(model=None, **ENGINE, compilation_cache_dir=store_of(ENGINE))
         llm.llm_engine.warmup()
     return llm
 
