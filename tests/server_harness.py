@@ -30,10 +30,12 @@ TEST_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, prefill_chunk_size
                    max_model_len=128, page_size=32, num_pages=64)
 READY_TIMEOUT_S = 900   # a cold compilation cache on a busy 2-core machine
 
-# The API tests' server (test_server.py, test_server_extras.py: same model path and settings, so
-# the second loads the first one's executables): a byte-level model, every id a byte or <s> / </s>, with a
-# context long enough that a batch of requests runs for seconds even on a quiet machine.
+# The API tests' server (test_server.py, test_server_extras.py, test_slow_clients.py,
+# test_serve_bench.py, test_server_cli.py: same model and settings, so the later ones load the
+# first one's executables): a byte-level model, every id a byte or <s> / </s>, with a context
+# long enough that a batch of requests runs for seconds even on a quiet machine.
 BYTES_MAX_LEN = 2048
+BYTES_MODEL = dict(vocab_size=258, max_position_embeddings=BYTES_MAX_LEN)   # save_engine_model's overrides
 BYTES_ENGINE = dict(max_queue_size=64, max_model_len=BYTES_MAX_LEN,
                     num_pages=TEST_ENGINE["max_num_seqs"] * BYTES_MAX_LEN // TEST_ENGINE["page_size"])
 
@@ -78,9 +80,14 @@ def long_model(tmp_path_factory) -> str:
     return shared_model(tmp_path_factory, "long-model", vocab_size=258, max_position_embeddings=LONG_MAX_LEN)
 
 
+def bytes_model_dir(tmp_path_factory) -> str:
+    """The path of the seeded byte-level model of BYTES_ENGINE's servers, shared."""
+    return shared_model(tmp_path_factory, "bytes-model", **BYTES_MODEL)
+
+
 def bytes_model(tmp_path_factory):
     """(path, the transformers model, its tokenizer) of the seeded byte-level model, shared."""
-    path = shared_model(tmp_path_factory, "bytes-model", vocab_size=258, max_position_embeddings=BYTES_MAX_LEN)
+    path = bytes_model_dir(tmp_path_factory)
     return path, AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
