@@ -40,10 +40,10 @@ from flax import struct
 
 from jaxserve import parallel
 from jaxserve.config import ModelConfig
+from jaxserve.quantization import quantize_rows
 
 
 KV_CACHE_DTYPES = {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
-_LARGEST = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 
 
 def storage_dtype(kv_cache_dtype: str, model_dtype):
@@ -78,7 +78,7 @@ class LayerKV:
         if self.k_scale is None:
             k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
             return LayerKV(put(self.k, k), put(self.v, v)), (k, v)
-        (k_stored, k_scale), (v_stored, v_scale) = quantize(k, self.k.dtype), quantize(v, self.v.dtype)
+        (k_stored, k_scale), (v_stored, v_scale) = quantize_rows(k, self.k.dtype), quantize_rows(v, self.v.dtype)
         written = LayerKV(put(self.k, k_stored), put(self.v, v_stored), put_scales(self.k_scale, k_scale),
                           put_scales(self.v_scale, v_scale))
         return written, (_dequantize(k_stored, k_scale, k.dtype), _dequantize(v_stored, v_scale, v.dtype))
@@ -156,19 +156,8 @@ def _filler(shape, dtype, value, sharding):
     return jax.jit(lambda: jnp.full(shape, value, dtype), out_shardings=sharding)
 
 
-def quantize(x, dtype):
-    """x [T, KVH, D] -> (x in `dtype`, float32 [T, KVH] scales) with x ~= stored * scale: each
-    head vector's largest magnitude maps to the dtype's largest value (an all-zero one: scale 1)."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
-    scale = jnp.where(amax > 0, amax / _LARGEST[jnp.dtype(dtype)], 1.0)
-    scaled = x.astype(jnp.float32) / scale[..., None]
-    if jnp.issubdtype(dtype, jnp.integer):
-        scaled = jnp.round(scaled)
-    return scaled.astype(dtype), scale
-
-
 def _dequantize(stored, scale, dtype):
-    """quantize's (stored [T, KVH, D], scale [T, KVH]) back to values in `dtype`."""
+    """quantize_rows's (stored [T, KVH, D], scale [T, KVH]) back to values in `dtype`."""
     return (stored.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 

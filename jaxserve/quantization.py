@@ -56,7 +56,7 @@ def quantize_weight(w, mode: str) -> dict:
     w = jnp.asarray(w, jnp.float32)
     out, inp = w.shape
     if mode in ("int8", "w8a8"):
-        q, scale = _int8_rows(w)
+        q, scale = quantize_rows(w, jnp.int8)
         return {"qweight": q, SCALES[mode]: scale}
     if inp % GROUP:
         raise ValueError(f"int4 quantization needs a weight's input size to be a multiple of {GROUP}, got {inp}")
@@ -68,10 +68,19 @@ def quantize_weight(w, mode: str) -> dict:
     return {"qweight": packed.reshape(out, inp // 2), "scale": scale}
 
 
-def _int8_rows(x):
-    """x [..., n] as int8 and a scale per row (symmetric: levels +-127 of the row's largest magnitude)."""
-    scale = _nonzero(jnp.max(jnp.abs(x), axis=-1) / 127)
-    return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
+_LARGEST = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+def quantize_rows(x, dtype):
+    """x [..., n] -> (x in `dtype` (int8 or fp8), float32 [...] scales) with x ~= stored * scale:
+    each row's largest magnitude maps to the dtype's largest value (an all-zero row: scale 1).
+    Rows: a KV cache's head vectors (kv_cache.py), int8 weights' output channels, w8a8's tokens."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    scale = jnp.where(amax > 0, amax / _LARGEST[jnp.dtype(dtype)], 1.0)
+    scaled = x.astype(jnp.float32) / scale[..., None]
+    if jnp.issubdtype(dtype, jnp.integer):
+        scaled = jnp.round(scaled)
+    return scaled.astype(dtype), scale
 
 
 def _nonzero(scale):
@@ -142,7 +151,7 @@ def _blocked_dot(x, qweight, scale, dtype):
 def _int8_dot(x, qweight, scale, dtype):
     """w8a8: x quantized per token, an int8 x int8 -> int32 dot (exact: |sum| <= 127^2 * in, under
     2^31 for up to 133,000 inputs), then the token's and the channel's scales."""
-    xq, x_scale = _int8_rows(x.astype(jnp.float32))
+    xq, x_scale = quantize_rows(x, jnp.int8)
     acc = jax.lax.dot_general(xq, qweight, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     return (acc.astype(jnp.float32) * x_scale[..., None] * scale).astype(dtype)
 

@@ -122,8 +122,8 @@ def test_flash_path_quantizes_the_new_kv_once(monkeypatch):
     """A Pallas step with a fresh prefill row (flash fed this step's K/V) quantizes K and V once
     each, in LayerKV.write, and the flash kernel takes what write gives back."""
     calls = []
-    quantize = kv_cache.quantize
-    monkeypatch.setattr(kv_cache, "quantize", lambda x, dtype: calls.append(dtype) or quantize(x, dtype))
+    quantize_rows = kv_cache.quantize_rows
+    monkeypatch.setattr(kv_cache, "quantize_rows", lambda x, dtype: calls.append(dtype) or quantize_rows(x, dtype))
     t, kvh, ps, d = 8, 2, 16, 64
     pool, scales = jnp.zeros((4, kvh, ps, d), jnp.int8), jnp.ones((4, kvh, 1, ps), jnp.float32)
     meta = attention.AttentionMetadata(

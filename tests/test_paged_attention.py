@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxserve import attention, kv_cache
+from jaxserve import attention, kv_cache, quantization
 from pallas_kernels.paged_attention import gpu, reference, tpu, xla
 
 TOL = {"float32": 2e-3, "bfloat16": 2e-2}
@@ -337,11 +337,11 @@ def test_flash_runs_only_for_fresh_prefill_rows(monkeypatch, backend):
 
 
 def quantized(pages, dtype, lanes=None):
-    """A [N, KVH, ps, D] pool through kv_cache.quantize (per slot and head): (stored, scales as
+    """A [N, KVH, ps, D] pool through quantization.quantize_rows (per slot and head): (stored, scales as
     kv_cache.py lays them out, [N, KVH, 1, lanes], the dequantized pool in float64 for the
     oracle). lanes > ps (a TPU's whole 128): the lanes past ps hold NaN, which no path may read."""
     n, kvh, ps, d = pages.shape
-    stored, scale = kv_cache.quantize(pages.transpose(0, 2, 1, 3).reshape(n * ps, kvh, d), dtype)
+    stored, scale = quantization.quantize_rows(pages.transpose(0, 2, 1, 3).reshape(n * ps, kvh, d), dtype)
     stored = stored.reshape(n, ps, kvh, d).transpose(0, 2, 1, 3)
     scale = scale.reshape(n, ps, kvh).transpose(0, 2, 1)
     deq = np.asarray(stored, np.float64) * np.asarray(scale, np.float64)[..., None]
