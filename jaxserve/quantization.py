@@ -165,12 +165,12 @@ def _int8_dot_two_rows(x, qweight, scale, dtype):
     return _int8_dot(jnp.concatenate([flat, flat]), qweight, scale, dtype)[:1].reshape(*x.shape[:-1], -1)
 
 
-def matmul(x, qweight, scale, dtype, mode: str = "int8"):
-    """x @ W.T for a quantized W, in `dtype`; mode: "w8a8", or any weight-only mode (told apart by
-    the scale's rank). The formulation is chosen by the platform the program is lowered for
-    (compile-only TPU devices on a CPU host included)."""
+def matmul(x, qweight, scale, dtype, int8_activations: bool = False):
+    """x @ W.T for a quantized W, in `dtype`: weight-only (int8 or int4, told apart by the scale's
+    rank), or with int8_activations w8a8's int8 x int8 dot. The formulation is chosen by the
+    platform the program is lowered for (compile-only TPU devices on a CPU host included)."""
     x = x.astype(dtype)
-    cpu, default = (_int8_dot_two_rows, _int8_dot) if mode == "w8a8" else (_blocked_dot, _dot)
+    cpu, default = (_int8_dot_two_rows, _int8_dot) if int8_activations else (_blocked_dot, _dot)
     return jax.lax.platform_dependent(x, qweight, scale, cpu=functools.partial(cpu, dtype=dtype),
                                       default=functools.partial(default, dtype=dtype))
 

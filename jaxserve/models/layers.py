@@ -38,9 +38,10 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x):
         if self.has_variable("params", "qweight"):
-            mode = "w8a8" if self.has_variable("params", "channel_scale") else "int8"   # int4: read from the scale
+            w8a8 = self.has_variable("params", quantization.SCALES["w8a8"])
             y = quantization.matmul(x, self.get_variable("params", "qweight"),
-                                    self.get_variable("params", quantization.SCALES[mode]), self.dtype, mode)
+                                    self.get_variable("params", quantization.SCALES["w8a8" if w8a8 else "int8"]),
+                                    self.dtype, int8_activations=w8a8)
         else:
             w = self.param("weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2),
                            (self.features, x.shape[-1]), self.dtype)
