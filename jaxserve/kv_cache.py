@@ -174,8 +174,9 @@ def _put_whole_pages(pages, x, page, offset):
     num_pages, tokens = pages.shape[0], x.shape[0]
     in_pool = page < num_pages   # padding points past the pool
     page_in_pool = jnp.minimum(page, num_pages - 1)
-    token = jnp.arange(tokens, dtype=jnp.int32)
-    first = jnp.full((num_pages,), tokens, jnp.int32).at[page].min(token, mode="drop")[page_in_pool]
+    # T x T compares, not a scatter-min into a num_pages-long array: v6e offloads that scatter to
+    # its SparseCore, whose code generator once overflowed its stack compiling it.
+    first = jnp.argmax(page[:, None] == page[None, :], axis=1)
     first = jnp.where(in_pool, first, tokens)   # padding's row is merged nowhere
     merged = pages[page_in_pool].at[first, :, offset].set(x, mode="drop")
     return pages.at[page].set(merged[jnp.minimum(first, tokens - 1)], mode="drop")
