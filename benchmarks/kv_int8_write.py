@@ -62,7 +62,7 @@ def main():
                 report = check.check(ecfg, cfg, check.tpu_slice(topology), model_name=name, dtype=jnp.bfloat16,
                                      shapes=shapes, samplers=False)
             for r in report.results[:-1]:   # the steps (the page copy has no write)
-                temp = f"{r.temp_bytes / 2**30:.2f} GiB" if r.error is None else f"refused: {refusal(r.error)}"
+                temp = f"refused: {refusal(r.error)}" if r.error else f"{r.temp_bytes / 2**30:.2f} GiB"
                 print(f"| {name} | {ecfg.kv_cache_dtype} | {topology} | {report.num_pages} | {r.name} | {write} | {temp} | "
                       f"{r.whole_pool_copies if r.error is None else '-'} |", flush=True)
 
