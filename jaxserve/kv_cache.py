@@ -69,10 +69,10 @@ class LayerKV:
         # Indexed as (page, offset), not through a flat reshape: for T = 1 XLA CPU turns the flat
         # form into a dynamic-update-slice that copies the whole pool several times per step.
         page, offset = slot_mapping // ps, slot_mapping % ps
-        put_rows = _put_whole_pages if platform == "tpu" and self.k.dtype.itemsize == 1 else _put_rows
+        scatter = _put_whole_pages if platform == "tpu" and self.k.dtype.itemsize == 1 else _put_rows
 
         def put(pages, x):
-            return put_rows(pages, x, page, offset)
+            return scatter(pages, x, page, offset)
 
         def put_scales(scales, x):
             return scales.at[page, :, 0, offset].set(x, mode="drop")
