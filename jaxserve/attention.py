@@ -103,7 +103,8 @@ def attend(q, k, v, kv: LayerKV | None, meta: AttentionMetadata | None, *, slidi
                    for x in (q, k, v))
     if meta.seq_axis is not None:
         k, v = (gather_tokens(x, meta.seq_axis, meta.kv_sharding) for x in (k, v))
-    kv, (k, v) = kv.write(k, v, meta.slot_mapping)   # k, v from here on: as the pools hold them
+    # k, v from here on: as the pools hold them
+    kv, (k, v) = kv.write(k, v, meta.slot_mapping, meta.platform or jax.default_backend())
     if meta.kv_sharding is not None:
         kv = kv.constrain(meta.kv_sharding)
     out = paged_attention(q, kv, meta, sliding_window=sliding_window, sm_scale=sm_scale,

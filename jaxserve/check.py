@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import os
 import re
 import time
@@ -28,7 +29,7 @@ from jaxserve.attention import resolve_backend
 from jaxserve.buckets import Buckets, StepShape
 from jaxserve.checkpoint import param_shapes, saved_quantization
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.kv_cache import KVCache, page_bytes_per_chip, storage_dtype
+from jaxserve.kv_cache import KVCache, page_bytes_per_chip
 from jaxserve.models import build_model
 from jaxserve.step import (empty_sequence_parallel_prefill, last_sampled_spec, lower_step, make_step,
                            page_copy_batches, sampler_lowerings)
@@ -113,6 +114,14 @@ def _compile(name: str, lowered, pool_bytes: int) -> Compiled:
     return Compiled(name, seconds, temp, cost.whole_pool_copies, cost.heaviest_loop_cycles, None)
 
 
+def pool_bytes_per_chip(kv: KVCache) -> int:
+    """One layer's K (or V) pool on one chip as HLO shapes count it: head_dim padded to the TPU's
+    128 lanes (pool_head_dim), without the tiles' padding of the slots, without the scales. (Sized
+    from the model's head_dim, copies of a head_dim 32 pool, 4x that, went uncounted.)"""
+    pool = kv.layers[0].k
+    return math.prod(pool.sharding.shard_shape(pool.shape)) * pool.dtype.itemsize
+
+
 def quick_shapes(shapes: list[StepShape]) -> list[StepShape]:
     """The largest and smallest decode steps and the largest step with prefill (`--quick`)."""
     decode = [s for s in shapes if not s.prefill_rows]
@@ -137,14 +146,12 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
     except sizing.PoolDoesNotFit as e:
         return Report(weight_bytes, 0, 0, tpu.hbm_bytes, [], str(e))
     page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=True, kv_cache_dtype=ecfg.kv_cache_dtype)
-    # one layer's K (or V) on one chip, as HLO shapes count it (without the tiles' padding or scales)
-    pool_bytes = page_bytes_per_chip(cfg, storage_dtype(ecfg.kv_cache_dtype, dtype), ecfg.page_size, model_axis,
-                                     tpu=False) * num_pages // (2 * cfg.num_layers)
 
     unsharded = param_shapes(cfg, dtype, ecfg.quantization)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           unsharded, parallel.param_shardings(unsharded, mesh, cfg))
     kv = KVCache.spec(cfg, mesh, num_pages, ecfg.page_size, dtype, ecfg.kv_cache_dtype)
+    pool_bytes = pool_bytes_per_chip(kv)
     model = build_model(cfg, dtype)
     backend = resolve_backend(backend or ecfg.attention_backend, parallel.platform(mesh))
     step = make_step(model, cfg, mesh, backend)

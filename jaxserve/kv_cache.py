@@ -59,18 +59,20 @@ class LayerKV:
     k_scale: jax.Array | None = None   # float32 [num_pages, num_kv_heads, 1, lanes]; None: not quantized
     v_scale: jax.Array | None = None
 
-    def write(self, k, v, slot_mapping) -> tuple["LayerKV", tuple[jax.Array, jax.Array]]:
+    def write(self, k, v, slot_mapping, platform: str = "cpu") -> tuple["LayerKV", tuple[jax.Array, jax.Array]]:
         """Scatter new K/V [T, KVH, D] into their slots; out-of-range slots (padding) are dropped.
         Returns the updated pools and the new K/V as the pools give them back: in the pools'
         dtype, or for quantized pools stored * scale in k's dtype (what a kernel that takes
-        this step's K/V directly, the flash path, must see to agree with the pages)."""
+        this step's K/V directly, the flash path, must see to agree with the pages).
+        platform: of the pools' devices; on TPU 1-byte pools are written in whole pages."""
         ps = self.k.shape[2]
         # Indexed as (page, offset), not through a flat reshape: for T = 1 XLA CPU turns the flat
         # form into a dynamic-update-slice that copies the whole pool several times per step.
         page, offset = slot_mapping // ps, slot_mapping % ps
+        scatter = _put_whole_pages if platform == "tpu" and self.k.dtype.itemsize == 1 else _put_rows
 
         def put(pages, x):
-            return pages.at[page, :, offset].set(x, mode="drop")
+            return scatter(pages, x, page, offset)
 
         def put_scales(scales, x):
             return scales.at[page, :, 0, offset].set(x, mode="drop")
@@ -154,6 +156,30 @@ def _filler(shape, dtype, value, sharding):
     """A jit making one array full of `value`, created sharded: one per kind of array, so every
     layer's pools share a compilation (one each, at ~0.1 s apiece on a CPU, was 1 s of a start)."""
     return jax.jit(lambda: jnp.full(shape, value, dtype), out_shardings=sharding)
+
+
+def _put_rows(pages, x, page, offset):
+    """pages[page[t], :, offset[t]] = x[t]; pages out of range (padding) are dropped."""
+    return pages.at[page, :, offset].set(x, mode="drop")
+
+
+def _put_whole_pages(pages, x, page, offset):
+    """_put_rows for a TPU pool of 1-byte values, written a whole page at a time. XLA:TPU stores
+    int8 and fp8 in (32, 128) tiles with four slots packed in each 32-bit word, and does not
+    write one slot's row in place: it copies the whole pool into another layout and back (2 pool
+    copies per write, 4-6 per layer; benchmarks/results/kv_quantization.md). A page of 32
+    slots is whole tiles, which it scatters in place. Each token takes a copy of its page, the
+    new rows are merged into the copy of the page's first token, and every token writes that
+    copy back: tokens sharing a page write the same bytes, so their order does not matter."""
+    num_pages, tokens = pages.shape[0], x.shape[0]
+    in_pool = page < num_pages   # padding points past the pool
+    page_in_pool = jnp.minimum(page, num_pages - 1)
+    # T x T compares, not a scatter-min into a num_pages-long array: v6e offloads that scatter to
+    # its SparseCore, whose code generator once overflowed its stack compiling it.
+    first = jnp.argmax(page[:, None] == page[None, :], axis=1)
+    first = jnp.where(in_pool, first, tokens)   # padding's row is merged nowhere
+    merged = pages[page_in_pool].at[first, :, offset].set(x, mode="drop")
+    return pages.at[page].set(merged[jnp.minimum(first, tokens - 1)], mode="drop")
 
 
 def _dequantize(stored, scale, dtype):

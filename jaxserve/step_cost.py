@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
-_ARRAY = re.compile(r"\b(pred|[a-z]+)(\d*)\[([\d,]*)\]")
+# element type, its bits, dims: s8[..], bf16[..], pred[..], f8e4m3fn[..] (8 bits, the rest its format)
+_ARRAY = re.compile(r"\b(pred|[a-z]+)(\d*)(?:e\d+m\d+\w*)?\[([\d,]*)\]")
 _OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _BODY = re.compile(r"body=%?([\w.\-]+)")

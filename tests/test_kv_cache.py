@@ -10,6 +10,7 @@ from benchmarks import kv_quantization as kv_bench, quantization as quantization
 from jaxserve import LLM, attention, cli, kv_cache, parallel
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kv_cache import KVCache, LayerKV, page_bytes_per_chip
+from jaxserve.quantization import quantize_rows
 
 CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=64)
@@ -98,6 +99,36 @@ def test_quantized_write_stores_each_head_vector_with_its_scale():
                                           * np.asarray(scales[page, :, 0, offset])[:, None])
     assert cache.nbytes == NUM_PAGES * page_bytes_per_chip(CFG, jnp.float32, PAGE_SIZE, 1, tpu=False,
                                                           kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_tpu_writes_one_byte_pools_in_whole_pages_with_the_same_result(kv_cache_dtype, monkeypatch):
+    """XLA:TPU copies a whole int8 / fp8 pool to write single slot rows, so on TPU LayerKV.write
+    writes whole pages (kv_cache._put_whole_pages). Against numpy's row by row assignment, as
+    the row write: tokens out of order, several in one page, pages written in part, padding."""
+    layer = KVCache.zeros(CFG, parallel.make_mesh({}), NUM_PAGES, PAGE_SIZE, jnp.float32, kv_cache_dtype).layers[0]
+    rng = np.random.default_rng(4)
+    before = [rng.integers(-100, 100, layer.k.shape).astype(np.int8).astype(layer.k.dtype) for _ in "kv"]
+    layer = LayerKV(*(jnp.asarray(x) for x in before), layer.k_scale, layer.v_scale)
+    padding = NUM_PAGES * PAGE_SIZE
+    slots = jnp.asarray([5, 6, padding, 23, 7, 0, 4, 22, padding], jnp.int32)
+    new = [jnp.asarray(rng.standard_normal((len(slots), CFG.num_kv_heads, CFG.head_dim)), jnp.float32) for _ in "kv"]
+    calls = []
+    whole_pages = kv_cache._put_whole_pages
+    monkeypatch.setattr(kv_cache, "_put_whole_pages", lambda *a: calls.append(1) or whole_pages(*a))
+    by_pages, _ = layer.write(*new, slots, "tpu")
+    by_rows, _ = layer.write(*new, slots, "cpu")
+    assert len(calls) == 2   # K and V, on TPU only
+    for pool, x, got_pages, got_rows in zip(before, new, (by_pages.k, by_pages.v), (by_rows.k, by_rows.v)):
+        stored = np.asarray(quantize_rows(x, pool.dtype)[0])
+        want = pool.copy()
+        for t, slot in enumerate(np.asarray(slots)):
+            if slot != padding:
+                want[slot // PAGE_SIZE, :, slot % PAGE_SIZE] = stored[t]
+        for got in (got_pages, got_rows):   # compared as bytes: fp8 has no exact numpy equality for NaN
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(by_pages.k_scale, by_rows.k_scale)
+    np.testing.assert_array_equal(by_pages.v_scale, by_rows.v_scale)
 
 
 def test_tpu_page_bytes_count_the_scales_whole_lanes():

@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 from benchmarks import quantization as bench
-from jaxserve import LLM, SamplingParams, check, cli
+from jaxserve import LLM, SamplingParams, check, cli, kv_cache, parallel
 from jaxserve.buckets import Buckets
 from jaxserve.checkpoint import load_params
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import TINY_MODEL_DIR
+from jaxserve.kv_cache import KVCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = dict(max_num_seqs=4, max_model_len=256, kv_cache_mb=8, compilation_cache_dir=None)
@@ -142,15 +143,12 @@ def test_tensor_parallel_greedy_matches_one_device():
 
 
 # An int8 KV cache: pages of 32 slots (whole 32-row int8 tiles, as the TPU kernel's page DMAs need).
-# Known defect (benchmarks/results/kv_quantization.md, session 13): its page write makes XLA copy
-# the int8 page pools whole, and the prefill step's copies do not fit beside the pool.
-KV_INT8_WRITE_COPIES = pytest.mark.xfail(strict=True, reason="the int8 page write relayouts whole page pools: "
-                                         "prefill temporaries 18.35G > 15.75G HBM")
+KV_INT8 = dict(kv_cache_dtype="int8", page_size=32)
 
 
 @pytest.mark.parametrize("quantized", [dict(quantization="int8"), dict(quantization="int4"), dict(quantization="w8a8"),
-                                       pytest.param(dict(kv_cache_dtype="int8", page_size=32), marks=KV_INT8_WRITE_COPIES)],
-                         ids=["int8", "int4", "w8a8", "kv-int8"])
+                                       KV_INT8, {**KV_INT8, "kv_cache_dtype": "fp8"}],
+                         ids=["int8", "int4", "w8a8", "kv-int8", "kv-fp8"])
 def test_quantized_engine_step_compiles_for_tpu(quantized):
     """configs/tiny-cpu.yaml's largest decode step and largest prefill step with quantized
     weights or KV cache, bf16 and the Pallas kernels, for one v5e chip (what `jaxserve check`
@@ -163,6 +161,27 @@ def test_quantized_engine_step_compiles_for_tpu(quantized):
     assert [r.error for r in report.results] == [None] * len(report.results)
     assert report.compiles and report.fits
     assert [r.whole_pool_copies for r in report.results] == [0] * len(report.results)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_check_counts_the_copies_of_a_pool_stored_in_padded_lanes(monkeypatch, kv_cache_dtype):
+    """The tiny model's head_dim 32 is stored in 128 lanes on TPU: `jaxserve check` must size
+    one layer's pool as the compiled program holds it, or its copies go uncounted (it counted 0
+    here when it sized the pool from head_dim 32). Copies to count: the 1-byte page written row by
+    row on TPU, as the CPU writes it (kv_cache._put_rows; benchmarks/results/kv_quantization.md),
+    in the largest decode step (the prefill step's copies do not fit in HBM). fp8's copies went
+    uncounted too: step_cost did not read f8e4m3fn[..] as an array."""
+    monkeypatch.setattr(kv_cache, "_put_whole_pages", kv_cache._put_rows)
+    ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "tiny-cpu.yaml"), kv_cache_dtype=kv_cache_dtype,
+                                  page_size=32)
+    cfg, tpu = ModelConfig.from_pretrained(TINY_MODEL_DIR), check.tpu_slice("v5e-1")
+    report = check.check(ecfg, cfg, tpu, model_name="tiny", dtype=jnp.bfloat16,
+                         shapes=check.quick_shapes(Buckets(ecfg).warmup_shapes(False))[:1], samplers=False)
+    decode = report.results[0]
+    assert decode.error is None and decode.whole_pool_copies >= 2 * cfg.num_layers, decode   # K and V pools
+    mesh = parallel.make_mesh({}, tpu.devices[:1])
+    kv = KVCache.spec(cfg, mesh, report.num_pages, 32, jnp.bfloat16, kv_cache_dtype)
+    assert check.pool_bytes_per_chip(kv) == report.num_pages * cfg.num_kv_heads * 32 * 128
 
 
 if __name__ == "__main__":   # the TP runs, on the fake devices of this process
