@@ -4,9 +4,10 @@ against the same batch unconstrained, side by side in one process (alternating r
 Per model, each mode runs 16 requests of `--max-tokens` tokens (the schema asks for a long array,
 so no row ends early; unconstrained rows ignore eos) and times the engine steps that decode all
 16 rows (no prefill in them). Modes: free text; free text with a logit bias (the sampler variant
-with penalties and a bias, for scale: a constrained batch takes the mask-only variant); JSON
-schema in the overlapped loop (a constrained step's model launched before the previous step is
-collected, its sampler after: the masks are filled while the model runs); JSON schema in the
+with penalties and a bias); JSON schema in the overlapped loop (a constrained step's model
+launched before the previous step is collected, its sampler after: the masks are filled while the
+model runs; the mask-only sampler variant); the same with a logit bias (the variant with all
+three, which every constrained batch took before the mask-only one); JSON schema in the
 synchronous loop (`engine.overlap` off: each step collected before the next is planned, the mask
 filled before the step is launched, as constrained steps ran before the overlap). Also timed: the
 host's mask fill (`token_masks`, inside the step's time), per step.
@@ -44,8 +45,9 @@ SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems"
     "required": ["name", "qty", "kind"]}}}, "required": ["items"]}
 JSON = {"structured_output": StructuredOutput.json_schema(SCHEMA)}
 # mode: (sampling settings, engine.overlap)
-MODES = {"free": ({}, True), "free + logit bias": ({"logit_bias": {7: 0.5}}, True), "JSON schema": (JSON, True),
-         "JSON schema, synchronous loop": (JSON, False)}
+BIAS = {"logit_bias": {7: 0.5}}
+MODES = {"free": ({}, True), "free + logit bias": (BIAS, True), "JSON schema": (JSON, True),
+         "JSON schema + logit bias": ({**JSON, **BIAS}, True), "JSON schema, synchronous loop": (JSON, False)}
 
 
 class FillTimer:
