@@ -93,8 +93,9 @@ class SamplingMetadata:
         `end_token_ids` are the tokens that end each row's sequence: banned while it has fewer
         than min_tokens outputs. When a row needs penalties or a bias, both arrays come (the
         history history_len wide, the bias BIAS_WIDTH): one compiled variant serves them all.
-        `allowed` ([pad_to, words] packed token masks, or None) brings them too: a constrained
-        batch is a third variant, not a fourth and a fifth.
+        `allowed` ([pad_to, words] packed token masks, or None) turns the mask on by itself: a
+        constrained batch without penalties or a bias builds and runs neither (four variants:
+        plain, penalties+bias, mask, all three).
         """
         n = len(params)
         if not (len(prompt_ids) == len(output_ids) == len(seeds) == n) or n > pad_to:
@@ -111,7 +112,7 @@ class SamplingMetadata:
             if len(output_ids[i]) < params[i].min_tokens:
                 biases[i].update(dict.fromkeys(ends, -np.inf))
         penalised = [i for i, p in enumerate(params) if uses_penalties(p)]
-        extras = bool(penalised or any(biases) or allowed is not None)
+        extras = bool(penalised or any(biases))
         need = max((len(prompt_ids[i]) + len(output_ids[i]) for i in penalised), default=0)
         if not extras:
             width = 0
@@ -163,7 +164,7 @@ def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: in
     proposal j, as if the first j proposals were its outputs (its step count, penalty history
     and min_tokens), so a seeded request draws the same randomness with and without
     speculation. A batch with penalties or a bias gets both at full width (the context's history,
-    BIAS_WIDTH): one compiled variant besides the plain one; with a grammar's mask, one more.
+    BIAS_WIDTH), a batch with a grammar the mask: sampler_variants lists the four.
     `launched`: the step is already on its way (its sampler deferred), so each sequence's last
     output is the step's own PENDING token, not one it samples after."""
     if not seqs:
@@ -183,12 +184,13 @@ def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: in
 
 def sampler_variants(rows: int, max_model_len: int, vocab_size: int) -> list[SamplingMetadata]:
     """The sampler's compiled variants for `rows` logit rows (as metadata_for builds them): plain,
-    with penalties and a bias together (each costs little next to a variant to compile), and
-    with those and a grammar's token mask."""
-    def variant(penalty, allowed):
-        return SamplingMetadata.build([SamplingParams(repetition_penalty=penalty)], [[0]], [[]], [0], pad_to=rows,
-                                      history_len=max_model_len, allowed=allowed)
-    return [variant(1.0, None), variant(1.1, None), variant(1.0, np.full((rows, mask_words(vocab_size)), -1, np.int32))]
+    with penalties and a bias together (each costs little next to a variant to compile), with a
+    grammar's token mask (a constrained batch pays for no penalties it does not use), and with
+    all three."""
+    mask = np.full((rows, mask_words(vocab_size)), -1, np.int32)
+    return [SamplingMetadata.build([SamplingParams(repetition_penalty=penalty)], [[0]], [[]], [0], pad_to=rows,
+                                   history_len=max_model_len, allowed=allowed)
+            for allowed in (None, mask) for penalty in (1.0, 1.1)]
 
 
 class SampleOutput(NamedTuple):

@@ -3,10 +3,12 @@ matcher's look-ahead for verify rows, 34 JSON schemas / regexes / choices in one
 (every output checked by `jsonschema` and `re`, no compilation after warm-up), and the real
 server through the openai SDK (`beta.chat.completions.parse` with a pydantic model, json_object,
 streaming, tool calls) and its 400s."""
+import dataclasses
 import json
 import re
 from typing import Literal
 
+import jax
 import jsonschema
 import numpy as np
 import pydantic
@@ -59,6 +61,26 @@ def test_sampler_mask_against_numpy():
         assert all(allowed[i, tokens[i]] for i in range(rows))
 
 
+def test_mask_variant_equals_full_variant():
+    """A constrained batch without penalties or a bias takes the mask-only sampler variant; with a
+    zero bias (which changes nothing) the same batch takes the variant with all three: the same
+    tokens and logprobs, greedy and seeded."""
+    rng = np.random.default_rng(1)
+    rows, vocab = 8, 300
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32)
+    allowed = pack(rng.random((rows, vocab)) < 0.2)
+    params = [P(temperature=0.0, logprobs=2), P(temperature=1.0, seed=3), P(temperature=0.8, top_p=0.9, seed=4),
+              P(temperature=0.7, top_k=5, min_p=0.05, seed=5)] * 2
+    outs = []
+    for bias in ({}, {0: 0.0}):
+        md = SamplingMetadata.build([dataclasses.replace(p, logit_bias=bias) for p in params], [[1, 2]] * rows,
+                                    [[3]] * rows, list(range(rows)), rows, allowed=allowed)
+        assert md.use_mask and md.use_bias == md.use_penalties == bool(bias)
+        outs.append(jax.device_get(sample(logits, md, num_logprobs=2)))
+    for mask_only, full in zip(*outs):
+        np.testing.assert_array_equal(mask_only, full)
+
+
 def allowed_ids(row: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
 
@@ -71,15 +93,15 @@ def test_matcher_look_ahead_rolls_back():
     constraint = StructuredOutput.json_schema(POINT)
     [m, walker] = grammars.matchers(constraint, 2)
     masks = np.zeros((4, m.words), np.int32)
-    m.fill(masks[0])
+    m.fill(masks[0].ctypes.data)
     ahead = []
     for _ in range(3):
-        walker.fill(masks[1])
+        walker.fill(masks[1].ctypes.data)
         ahead.append(int(allowed_ids(masks[1])[-1]))
         assert not walker.accept(ahead[-1])
-    walker.fill(masks[1])              # the oracle: a matcher that took the path
-    m.fill(masks[2], ahead)
-    m.fill(masks[3])
+    walker.fill(masks[1].ctypes.data)   # the oracle: a matcher that took the path
+    m.fill(masks[2].ctypes.data, ahead)
+    m.fill(masks[3].ctypes.data)
     np.testing.assert_array_equal(masks[2], masks[1])
     np.testing.assert_array_equal(masks[3], masks[0])   # rolled back
     assert not np.array_equal(masks[0], masks[1])
@@ -97,8 +119,8 @@ def test_sentencepiece_tokenizer_gives_the_same_masks():
     [b] = Grammars(sp, 4096, sp.eos_token_ids).matchers(constraint, 1)
     masks = np.zeros((2, a.words), np.int32)
     for _ in range(12):   # along the path of each step's last allowed token
-        a.fill(masks[0])
-        b.fill(masks[1])
+        a.fill(masks[0].ctypes.data)
+        b.fill(masks[1].ctypes.data)
         np.testing.assert_array_equal(masks[0], masks[1])
         token = int(allowed_ids(masks[0])[-1])
         assert a.accept(token) == b.accept(token)

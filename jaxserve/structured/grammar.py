@@ -12,7 +12,6 @@ import logging
 import re
 
 import llguidance
-import numpy as np
 
 from jaxserve.config import InvalidRequest
 from jaxserve.structured.masks import mask_words
@@ -47,12 +46,13 @@ class Matcher:
     def __init__(self, matcher: llguidance.LLMatcher, words: int):
         self._m, self.words = matcher, words
 
-    def fill(self, row: np.ndarray, ahead: list[int] = ()) -> None:
-        """Write the tokens allowed next into `row` (int32[words]: bit t % 32 of word t // 32 for
-        token t), after `ahead` (a verify row's earlier proposals: consumed while the grammar
+    def fill(self, address: int, ahead: list[int] = ()) -> None:
+        """Write the tokens allowed next into the int32[words] row at `address` (bit t % 32 of
+        word t // 32 for token t; an address, not an array: numpy's `.ctypes.data` costs a few µs
+        a row), after `ahead` (a verify row's earlier proposals: consumed while the grammar
         takes them, then rolled back; positions after a refused one are discarded anyway)."""
         taken = self._m.try_consume_tokens(list(ahead)) if ahead else 0
-        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self._m.unsafe_compute_mask_ptr(address, self.words * 4)
         if taken:
             self._m.rollback(taken)
 

@@ -21,7 +21,8 @@ def token_masks(seqs: list, aheads: list[list[int]], pad_to: int) -> np.ndarray 
     if words is None:
         return None
     masks = np.full((pad_to, words), -1, np.int32)
-    for row, grammar, ahead in zip(masks, grammars, aheads):
+    address, row_bytes = masks.ctypes.data, masks.strides[0]
+    for i, (grammar, ahead) in enumerate(zip(grammars, aheads)):
         if grammar is not None:
-            grammar.fill(row, ahead)
+            grammar.fill(address + i * row_bytes, ahead)
     return masks
