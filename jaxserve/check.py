@@ -27,7 +27,7 @@ import numpy as np
 from jaxserve import parallel, sizing
 from jaxserve.attention import resolve_backend
 from jaxserve.buckets import Buckets, StepShape
-from jaxserve.checkpoint import param_shapes, saved_quantization
+from jaxserve.checkpoint import param_shapes, saved_lm_head, saved_quantization
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kv_cache import KVCache, page_bytes_per_chip
 from jaxserve.models import build_model
@@ -138,7 +138,7 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
     # Data-parallel replicas are independent engines: one replica's mesh is the one to check.
     mesh = parallel.make_mesh({**sizes, "data": 1}, tpu.devices[:sizes["seq"] * sizes["model"]])
     model_axis = mesh.shape["model"]
-    weight_bytes = sizing.weight_bytes_per_chip(cfg, dtype, model_axis, ecfg.quantization)
+    weight_bytes = sizing.weight_bytes_per_chip(cfg, dtype, model_axis, ecfg.quantization, ecfg.quantize_lm_head)
     try:
         num_pages = ecfg.num_pages or sizing.kv_pool_pages(cfg, ecfg, dtype, model_axis=model_axis,
                                                            hbm_bytes=tpu.hbm_bytes, used_bytes=weight_bytes,
@@ -147,7 +147,7 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
         return Report(weight_bytes, 0, 0, tpu.hbm_bytes, [], str(e))
     page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=True, kv_cache_dtype=ecfg.kv_cache_dtype)
 
-    unsharded = param_shapes(cfg, dtype, ecfg.quantization)
+    unsharded = param_shapes(cfg, dtype, ecfg.quantization, ecfg.quantize_lm_head)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           unsharded, parallel.param_shardings(unsharded, mesh, cfg))
     kv = KVCache.spec(cfg, mesh, num_pages, ecfg.page_size, dtype, ecfg.kv_cache_dtype)
@@ -207,22 +207,25 @@ def format_report(report: Report, header: str) -> str:
 
 
 def run(config: str, topology: str, model: str | None = None, backend: str | None = None,
-        quick: bool = False, quantization: str | None = None) -> int:
+        quick: bool = False, quantization: str | None = None, quantize_lm_head: bool = False) -> int:
     """`jaxserve check` (check_cli.py): print the report; 0 when it compiles and fits, else 1."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    ecfg = EngineConfig.from_yaml(config, model=model, quantization=quantization)
+    ecfg = EngineConfig.from_yaml(config, model=model, quantization=quantization,
+                                  quantize_lm_head=quantize_lm_head or None)
     if ecfg.model is None:
         raise SystemExit("jaxserve check: the config names no model directory (give --model)")
     cfg = ModelConfig.from_pretrained(ecfg.model)
     # a checkpoint stored quantized is served so, as the engine does
-    ecfg = dataclasses.replace(ecfg, quantization=ecfg.quantization or saved_quantization(ecfg.model))
+    ecfg = dataclasses.replace(ecfg, quantization=ecfg.quantization or saved_quantization(ecfg.model),
+                               quantize_lm_head=ecfg.quantize_lm_head or saved_lm_head(ecfg.model))
     dtype = jnp.float32 if ecfg.dtype == "float32" else jnp.bfloat16   # auto: bf16 on TPU
     tpu = tpu_slice(topology)
     name = os.path.basename(os.path.normpath(ecfg.model))
     shapes = quick_shapes(Buckets(ecfg, ecfg.mesh.get("seq", 1)).warmup_shapes(ecfg.mesh.get("seq", 1) > 1))
     report = check(ecfg, cfg, tpu, model_name=name, dtype=dtype, backend=backend,
                    shapes=shapes if quick else None, samplers=not quick)
-    weights = jnp.dtype(dtype).name + (f", {ecfg.quantization} weights" if ecfg.quantization else "")
+    weights = jnp.dtype(dtype).name + (f", {ecfg.quantization} weights" if ecfg.quantization else "") + (
+        " and LM head" if ecfg.quantize_lm_head else "")
     header = (f"jaxserve check: {name} ({cfg.num_params / 1e9:.2f}B parameters, {weights}) "
               f"with {config} on {tpu.name} ({tpu.chips} chip(s)), mesh {ecfg.mesh}"
               f"{', quick: 3 step shapes, no sampler' if quick else ''}, per chip:")

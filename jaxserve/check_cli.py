@@ -2,7 +2,7 @@
 when the subcommand runs: the other subcommands' processes stay free of it until they need it)."""
 from __future__ import annotations
 
-from jaxserve.config import QUANTIZATION_MODES
+from jaxserve.config import QUANTIZATION_MODES, QUANTIZE_LM_HEAD_HELP
 
 
 def add_parser(sub) -> None:
@@ -15,6 +15,7 @@ def add_parser(sub) -> None:
                    help="default: the config's (auto: pallas_tpu)")
     p.add_argument("--quantization", choices=QUANTIZATION_MODES,
                    help="quantized weights (default: the config's, or how the checkpoint is stored)")
+    p.add_argument("--quantize-lm-head", action="store_true", help=QUANTIZE_LM_HEAD_HELP)
     p.add_argument("--quick", action="store_true", help="only the largest and smallest decode steps, the "
                                                          "largest prefill step and the page copy (no sampler)")
     p.set_defaults(func=run)
@@ -23,4 +24,5 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from jaxserve import check
 
-    return check.run(args.config, args.topology, args.model, args.attention_backend, args.quick, args.quantization)
+    return check.run(args.config, args.topology, args.model, args.attention_backend, args.quick, args.quantization,
+                     args.quantize_lm_head)

@@ -26,13 +26,16 @@ from jaxserve.models import init_params
 from jaxserve.models.registry import architecture
 
 ORBAX_DIR = "orbax"
-QUANTIZATION_FILE = "quantization.json"   # beside ORBAX_DIR: {"quantization": null | a mode}
+# beside ORBAX_DIR: {"quantization": null | a mode, "quantize_lm_head": whether the LM head is too}
+QUANTIZATION_FILE = "quantization.json"
 
 
-def param_shapes(cfg: ModelConfig, dtype=jnp.float32, quantization: str | None = None) -> dict:
-    """The params pytree of `cfg` as ShapeDtypeStructs (no memory allocated), quantized or not."""
-    return jax.eval_shape(lambda key: quant.quantize_params(init_params(cfg, key, dtype), quantization),
-                          jax.random.key(0))
+def param_shapes(cfg: ModelConfig, dtype=jnp.float32, quantization: str | None = None,
+                 lm_head: bool = False) -> dict:
+    """The params pytree of `cfg` as ShapeDtypeStructs (no memory allocated), quantized or not
+    (`lm_head`: the LM head too)."""
+    return jax.eval_shape(lambda key: quant.quantize_params(init_params(cfg, key, dtype), quantization,
+                                                            lm_head=lm_head), jax.random.key(0))
 
 
 def _tensor_index(model_dir: str) -> dict[str, str]:
@@ -57,14 +60,18 @@ def is_orbax_checkpoint(model_dir: str) -> bool:
 
 
 def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: Any = None,
-                quantization: str | None = None) -> dict:
+                quantization: str | None = None, lm_head: bool = False) -> dict:
     """Load a HF safetensors directory (or one written by `convert_to_orbax`) into params,
-    quantized when `quantization` is given (`shardings` are then the quantized tree's)."""
+    quantized when `quantization` is given, the LM head too with `lm_head` (`shardings` are then
+    the quantized tree's)."""
     if is_orbax_checkpoint(model_dir):
-        return _load_orbax(model_dir, cfg, dtype, shardings, quantization)
+        return _load_orbax(model_dir, cfg, dtype, shardings, quantization, lm_head)
     stored = prequantized.hf_quantization(model_dir)
     if stored is not None and quantization not in (None, stored):
         raise ValueError(f"{model_dir} holds {stored} weights; it cannot be loaded as {quantization}")
+    if stored is not None and lm_head:
+        raise ValueError(f"{model_dir} holds {stored} weights: its LM head is loaded as stored")
+    quant.check_head(quantization, lm_head)
     shapes = param_shapes(cfg, dtype)
     index = _tensor_index(model_dir)
     hf_tensor = architecture(cfg.architecture).hf_tensor
@@ -88,7 +95,7 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
             if not fits:
                 raise ValueError(f"tensor {name!r} has shape {hf_shape} in the checkpoint, expected "
                                  f"{tuple(spec.shape)}" + ("" if rows is None else f" at rows {rows[0]}:{rows[1]}"))
-            quantize = (quantization or stored) is not None and quant.quantizable(keys, spec)
+            quantize = (quantization or stored) is not None and quant.quantizable(keys, spec, lm_head)
             where = _read_sharding(shardings, keys, quantize)
             row_offset = None if rows is None else rows[0]
             if quantize and stored:   # already int8: read as it is
@@ -103,6 +110,8 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
             quant.set_path(params, keys[:-1] if quantize else keys, leaf)
     finally:
         open_files.clear()
+    if lm_head:
+        quant.tied_head(params, quantization, shardings)
     return params
 
 
@@ -113,25 +122,37 @@ def _read_sharding(shardings: Any, keys: tuple[str, ...], quantize: bool):
     return quant.node(shardings, keys[:-1])["qweight"] if quantize else quant.node(shardings, keys)
 
 
-def load_for_mesh(model_dir: str, cfg: ModelConfig, dtype, quantization: str | None, mesh) -> dict:
-    """The params of `model_dir` placed on `mesh`, quantized as `quantization` asks (None: as the
-    checkpoint was saved); each device reads only its own slice of every weight."""
+def load_for_mesh(model_dir: str, cfg: ModelConfig, dtype, quantization: str | None, mesh,
+                  lm_head: bool = False) -> dict:
+    """The params of `model_dir` placed on `mesh`, quantized as `quantization` and `lm_head` ask
+    (None, False: as the checkpoint was saved); each device reads only its own slice of every weight."""
     quantization = quantization or saved_quantization(model_dir)
-    shapes = param_shapes(cfg, dtype, quantization)
-    return load_params(model_dir, cfg, dtype, quantization=quantization,
+    lm_head = lm_head or saved_lm_head(model_dir)
+    shapes = param_shapes(cfg, dtype, quantization, lm_head)
+    return load_params(model_dir, cfg, dtype, quantization=quantization, lm_head=lm_head,
                        shardings=parallel.param_shardings(shapes, mesh, cfg))
+
+
+def _saved(model_dir: str) -> dict:
+    """An orbax checkpoint's QUANTIZATION_FILE ({} where there is none)."""
+    path = os.path.join(model_dir, QUANTIZATION_FILE)
+    if not is_orbax_checkpoint(model_dir) or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def saved_quantization(model_dir: str) -> str | None:
     """How the checkpoint's weights are stored quantized: as an orbax checkpoint was written, or
     a pre-quantized HF checkpoint (jaxserve/prequantized.py); None: not quantized."""
-    path = os.path.join(model_dir, QUANTIZATION_FILE)
     if not is_orbax_checkpoint(model_dir):
         return prequantized.hf_quantization(model_dir)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)["quantization"]
+    return _saved(model_dir).get("quantization")
+
+
+def saved_lm_head(model_dir: str) -> bool:
+    """Whether an orbax checkpoint was written with its LM head quantized."""
+    return _saved(model_dir).get("quantize_lm_head", False)
 
 
 def _as_in_checkpoint(name: str, index: dict[str, str]) -> str:
@@ -157,20 +178,24 @@ def _place(tensor, spec, sharding, row_offset: int | None) -> jax.Array:
     return jax.make_array_from_callback(spec.shape, sharding, read)
 
 
-def _load_orbax(model_dir: str, cfg: ModelConfig, dtype, shardings: Any, quantization: str | None) -> dict:
+def _load_orbax(model_dir: str, cfg: ModelConfig, dtype, shardings: Any, quantization: str | None,
+                lm_head: bool) -> dict:
     """Restore as written; a checkpoint written unquantized is quantized after restoring."""
     import orbax.checkpoint as ocp
 
-    saved = saved_quantization(model_dir)
+    saved, saved_head = saved_quantization(model_dir), saved_lm_head(model_dir)
     if saved is not None and quantization not in (None, saved):
         raise ValueError(f"{model_dir} holds {saved} weights; it cannot be loaded as {quantization}")
-    shapes = param_shapes(cfg, dtype, saved)
+    if saved is not None and lm_head and not saved_head:
+        raise ValueError(f"{model_dir} holds {saved} weights and an unquantized LM head; convert it with "
+                         "--quantize-lm-head to quantize the head")
+    shapes = param_shapes(cfg, dtype, saved, saved_head)
     pending = quantization if saved is None else None
     final_shardings = shardings
     if pending is not None and shardings is not None:
         shardings = jax.tree_util.tree_map_with_path(
             lambda path, spec: _read_sharding(final_shardings, tuple(k.key for k in path),
-                                              quant.quantizable(tuple(k.key for k in path), spec)), shapes)
+                                              quant.quantizable(tuple(k.key for k in path), spec, lm_head)), shapes)
     if shardings is None:
         device = jax.devices()[0]
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), shapes)
@@ -178,7 +203,7 @@ def _load_orbax(model_dir: str, cfg: ModelConfig, dtype, shardings: Any, quantiz
                           shapes, shardings)
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(os.path.abspath(os.path.join(model_dir, ORBAX_DIR)), target)
-    return quant.quantize_params(params, pending, final_shardings)
+    return quant.quantize_params(params, pending, final_shardings, lm_head and saved is None)
 
 
 def _copy_side_files(src: str, dst: str, keep: Callable[[str], bool]) -> None:
@@ -189,19 +214,21 @@ def _copy_side_files(src: str, dst: str, keep: Callable[[str], bool]) -> None:
             shutil.copy2(full, os.path.join(dst, fn))
 
 
-def convert_to_orbax(model_dir: str, out_dir: str, dtype=jnp.float32, quantization: str | None = None) -> str:
+def convert_to_orbax(model_dir: str, out_dir: str, dtype=jnp.float32, quantization: str | None = None,
+                     lm_head: bool = False) -> str:
     """Write an orbax-checkpoint copy of a HF model directory (config and tokenizer copied
-    along), its Linear weights quantized when `quantization` is given."""
+    along), its Linear weights quantized when `quantization` is given (`lm_head`: the head's too)."""
     import orbax.checkpoint as ocp
 
     cfg = ModelConfig.from_pretrained(model_dir)
-    params = load_params(model_dir, cfg, dtype, quantization=quantization)
+    params = load_params(model_dir, cfg, dtype, quantization=quantization, lm_head=lm_head)
     _copy_side_files(model_dir, out_dir, lambda fn: not fn.endswith(".safetensors")
                      and fn not in ("model.safetensors.index.json", QUANTIZATION_FILE))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.abspath(os.path.join(out_dir, ORBAX_DIR)), params, force=True)
     with open(os.path.join(out_dir, QUANTIZATION_FILE), "w") as f:
-        json.dump({"quantization": quantization or saved_quantization(model_dir)}, f)
+        json.dump({"quantization": quantization or saved_quantization(model_dir),
+                   "quantize_lm_head": lm_head or saved_lm_head(model_dir)}, f)
     return out_dir
 
 

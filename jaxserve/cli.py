@@ -16,7 +16,7 @@ import sys
 import yaml
 
 from jaxserve import check_cli
-from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, DistributedConfig, EngineConfig
+from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, QUANTIZE_LM_HEAD_HELP, DistributedConfig, EngineConfig
 
 # configs/tiny-cpu.yaml of a source checkout (`pip install -e .`): the default for the embedded model.
 TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -24,7 +24,8 @@ TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 
 def engine_config(args) -> EngineConfig:
-    """--config YAML (with --model, --tp/--sp/--dp, --quantization and --kv-cache-dtype on top); with neither,
+    """--config YAML (with --model, --tp/--sp/--dp, --quantization, --quantize-lm-head and --kv-cache-dtype on
+    top); with neither,
     configs/tiny-cpu.yaml when present."""
     path = args.config or (TINY_CPU_CONFIG if args.model is None and os.path.exists(TINY_CPU_CONFIG) else None)
     cfg = EngineConfig.from_yaml(path, model=args.model) if path else EngineConfig(model=args.model)
@@ -34,6 +35,8 @@ def engine_config(args) -> EngineConfig:
         cfg = dataclasses.replace(cfg, speculative=json.loads(args.speculative_config))
     if args.quantization:
         cfg = dataclasses.replace(cfg, quantization=args.quantization)
+    if args.quantize_lm_head:
+        cfg = dataclasses.replace(cfg, quantize_lm_head=True)
     if args.kv_cache_dtype:
         cfg = dataclasses.replace(cfg, kv_cache_dtype=args.kv_cache_dtype)
     return cfg
@@ -49,6 +52,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, help="data-parallel replicas (mesh 'data' axis; `serve` only)")
     p.add_argument("--quantization", choices=QUANTIZATION_MODES,
                    help="quantize the Linear weights at load time: int8 / int4 weight-only, or w8a8 (int8 weights and per-token int8 activations); overrides the config")
+    p.add_argument("--quantize-lm-head", action="store_true", help=QUANTIZE_LM_HEAD_HELP)
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3) with per-token scales")
     p.add_argument("--speculative-config", help='speculative decoding as JSON (the engine config key '
@@ -164,7 +168,8 @@ def _add_convert(sub) -> None:
     p.add_argument("dst")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--quantization", choices=QUANTIZATION_MODES,
-                   help="save the Linear weights quantized (weight-only; embeddings and LM head as --dtype)")
+                   help="save the Linear weights quantized (embeddings and LM head as --dtype)")
+    p.add_argument("--quantize-lm-head", action="store_true", help=QUANTIZE_LM_HEAD_HELP)
     p.set_defaults(func=convert)
 
 
@@ -173,7 +178,8 @@ def convert(args) -> int:
 
     from jaxserve.checkpoint import convert_to_orbax
 
-    print(convert_to_orbax(args.src, args.dst, dtype=getattr(jnp, args.dtype), quantization=args.quantization))
+    print(convert_to_orbax(args.src, args.dst, dtype=getattr(jnp, args.dtype), quantization=args.quantization,
+                           lm_head=args.quantize_lm_head))
     return 0
 
 

@@ -16,6 +16,8 @@ MAX_LOGPROBS = 20                      # top-N logprobs per sampled token (the r
 MAX_LOGIT_BIAS = 300                   # logit_bias entries per request
 MAX_STOP_TOKEN_IDS = 64
 QUANTIZATION_MODES = ("int8", "int4", "w8a8")   # int8 / int4 weight-only; w8a8 int8 x int8 (jaxserve/quantization.py)
+QUANTIZE_LM_HEAD_HELP = ("quantize the LM head too, as --quantization says (a tied head: a quantized copy of "
+                         "the embedding table; lookups keep the table)")   # the CLI flags' help
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")   # KV cache storage (jaxserve/kv_cache.py)
 
 
@@ -196,6 +198,9 @@ class EngineConfig:
     # Quantization of the Linear weights at load time (jaxserve/quantization.py): None | int8 |
     # int4 (weight-only) | w8a8 (int8 weights and per-token int8 activations). An orbax checkpoint written quantized (`jaxserve convert --quantization`) loads as it is.
     quantization: str | None = None
+    # Quantize the LM head too, in the same mode (default: it stays in the model dtype). A head tied
+    # to the embeddings gets its own quantized copy of the table; lookups still read the table.
+    quantize_lm_head: bool = False
     # KV cache storage: auto (the model dtype) | int8 | fp8 (e4m3), with a scale per token and KV head
     # (jaxserve/kv_cache.py). Quantized caches hold about twice the pages (4x from float32).
     kv_cache_dtype: str = "auto"

@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxserve import parallel
 from jaxserve import quantization as quant
-from jaxserve.checkpoint import load_for_mesh, saved_quantization
+from jaxserve.checkpoint import load_for_mesh, saved_lm_head, saved_quantization
 from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingParams
 from jaxserve.block_manager import BlockManager
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
@@ -67,9 +67,11 @@ class LLMEngine:
         self.dtype = _resolve_dtype(self.ecfg.dtype)
         mesh = mesh if mesh is not None else parallel.make_mesh(self.ecfg.mesh)
         if params is None:
-            params = load_for_mesh(model_dir, self.model_cfg, self.dtype, self.ecfg.quantization, mesh)
+            params = load_for_mesh(model_dir, self.model_cfg, self.dtype, self.ecfg.quantization, mesh,
+                                   self.ecfg.quantize_lm_head)
         else:   # given full-precision params (tests, benchmarks) are quantized as loaded ones are
-            params = quant.quantize_params(params, self.ecfg.quantization or saved_quantization(model_dir))
+            params = quant.quantize_params(params, self.ecfg.quantization or saved_quantization(model_dir),
+                                           lm_head=self.ecfg.quantize_lm_head or saved_lm_head(model_dir))
         self.runner = ModelRunner(self.model_cfg, params, self.ecfg, mesh=mesh, dtype=self.dtype)
         self.max_model_len = self.runner.max_model_len
         spec = self.ecfg.speculative

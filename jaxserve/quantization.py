@@ -19,8 +19,14 @@ int4 is packed into uint8 by hand rather than held as jnp.int4: on XLA CPU a jnp
 takes one byte per value on device (`on_device_size_in_bytes`), and orbax stores uint8 as
 any other dtype; the unpacking (two shifts) fuses into the dequantization on every backend.
 
-Embeddings and the LM head (a tied one is the embedding) stay in the model dtype: only the
-weights of Linear modules other than `lm_head` are quantized.
+Embeddings and the LM head stay in the model dtype by default: only the weights of Linear
+modules other than `lm_head` are quantized. With `lm_head` (engine config `quantize_lm_head`)
+the head is quantized too, in the same mode: an untied `lm_head` Linear as any other, and a head
+tied to the embeddings gets its own quantized copy of the embedding table, `lm_head`'s qweight
+and scale (one per vocabulary row, the head's output channel), which the model uses for the
+logits while the token lookup keeps gathering rows of the full-precision table. On a 100M model
+with 32000 tokens the f32 table is most of the bytes a w8a8 decode step reads
+(benchmarks/results/quantization.md).
 
 Dequantization happens inside the fused computation. On TPU and GPU XLA fuses the convert
 and the scaling into the dot's operand (int4 on TPU still relays out the packed bytes and
@@ -42,7 +48,8 @@ from jaxserve.config import QUANTIZATION_MODES as MODES
 SCALES = {"int8": "scale", "int4": "scale", "w8a8": "channel_scale"}   # each mode's scale leaf
 LEAVES = ("qweight", "scale", "channel_scale")   # what a quantized Linear may hold instead of `weight`
 GROUP = 128                   # int4: inputs per scale
-UNQUANTIZED = ("lm_head",)    # Linear modules kept in the model dtype
+HEAD = "lm_head"              # the LM head's Linear, kept in the model dtype unless asked
+TIED_EMBEDDING = ("model", "embed_tokens", "embedding")   # every family's table, [vocab, hidden]
 BLOCK_ELEMENTS = 1 << 15      # CPU: weight elements dequantized at once (128 KiB in f32)
 
 
@@ -175,10 +182,10 @@ def matmul(x, qweight, scale, dtype, int8_activations: bool = False):
                                       default=functools.partial(default, dtype=dtype))
 
 
-def quantizable(keys: tuple[str, ...], leaf) -> bool:
-    """Whether the param at `keys` is a Linear weight to quantize (not the LM head's)."""
+def quantizable(keys: tuple[str, ...], leaf, lm_head: bool = False) -> bool:
+    """Whether the param at `keys` is a Linear weight to quantize (the LM head's with `lm_head`)."""
     return (len(keys) >= 2 and keys[-1] == "weight" and len(leaf.shape) == 2
-            and keys[-2] not in UNQUANTIZED)
+            and (keys[-2] != HEAD or lm_head))
 
 
 def set_path(tree: dict, keys: tuple[str, ...], value) -> None:
@@ -191,20 +198,37 @@ def set_path(tree: dict, keys: tuple[str, ...], value) -> None:
         tree[keys[-1]] = value
 
 
-def quantize_params(params, mode: str | None, shardings=None):
-    """The params tree with every Linear weight but the LM head's quantized (mode None: as is);
+def check_head(mode: str | None, lm_head: bool) -> None:
+    if lm_head and mode is None:
+        raise ValueError("quantize_lm_head needs a quantization mode (int8, int4 or w8a8)")
+
+
+def quantize_params(params, mode: str | None, shardings=None, lm_head: bool = False):
+    """The params tree with every Linear weight but the LM head's quantized (mode None: as is),
+    the head's too with `lm_head` (tied: a quantized copy of the embedding table, see tied_head);
     `shardings`, when given, are the quantized tree's, and each weight's result is placed so."""
     check_mode(mode)
+    check_head(mode, lm_head)
     if mode is None:
         return params
     out: dict = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = tuple(k.key for k in path)
-        if quantizable(keys, leaf):
+        if quantizable(keys, leaf, lm_head):
             set_path(out, keys[:-1], quantize_placed(leaf, mode, None if shardings is None else node(shardings, keys[:-1])))
         else:
             set_path(out, keys, leaf)
+    if lm_head:
+        tied_head(out, mode, shardings)
     return out
+
+
+def tied_head(params: dict, mode: str, shardings=None) -> None:
+    """A tied model's (no `lm_head` in params) quantized head, added to params as `lm_head`: the
+    embedding table quantized as a Linear weight [vocab, hidden], scales per vocabulary row."""
+    if HEAD not in params:
+        params[HEAD] = quantize_placed(node(params, TIED_EMBEDDING), mode,
+                                       None if shardings is None else node(shardings, (HEAD,)))
 
 
 def quantize_placed(weight, mode: str, shardings: dict | None) -> dict:

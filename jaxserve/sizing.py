@@ -36,13 +36,15 @@ def _mesh(model_axis: int) -> AbstractMesh:
 
 
 @functools.cache
-def _param_shapes(cfg: ModelConfig, dtype, quantization: str | None) -> dict:
-    return param_shapes(cfg, dtype, quantization)   # traces the model's init: once per model
+def _param_shapes(cfg: ModelConfig, dtype, quantization: str | None, lm_head: bool) -> dict:
+    return param_shapes(cfg, dtype, quantization, lm_head)   # traces the model's init: once per model
 
 
-def weight_bytes_per_chip(cfg: ModelConfig, dtype, model_axis: int, quantization: str | None = None) -> int:
-    """The bytes of one chip's share of the weights under tensor parallelism `model_axis`."""
-    mesh, shapes = _mesh(model_axis), _param_shapes(cfg, jnp.dtype(dtype), quantization)
+def weight_bytes_per_chip(cfg: ModelConfig, dtype, model_axis: int, quantization: str | None = None,
+                          lm_head: bool = False) -> int:
+    """The bytes of one chip's share of the weights under tensor parallelism `model_axis`
+    (quantized as `quantization`, the LM head too with `lm_head`)."""
+    mesh, shapes = _mesh(model_axis), _param_shapes(cfg, jnp.dtype(dtype), quantization, lm_head)
 
     def shard_bytes(leaf, axes):
         spec = parallel.logical_to_spec(axes, leaf.shape, mesh, cfg)
@@ -77,7 +79,7 @@ def kv_pool_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, *, model_axis: in
            f"{hbm_bytes / GiB:.2f} GiB per chip, leaving room for {got} KV pages of the {need} "
            f"that one {need * ecfg.page_size}-token sequence needs")
     wider = (m for m in (2 ** i for i in range(int(math.log2(MAX_CHIPS)) + 1)) if m > model_axis)
-    fits = next((m for m in wider if pages(m, weight_bytes_per_chip(cfg, dtype, m, ecfg.quantization)) >= need), None)
+    fits = next((m for m in wider if pages(m, weight_bytes_per_chip(cfg, dtype, m, ecfg.quantization, ecfg.quantize_lm_head)) >= need), None)
     if fits is None:
         raise PoolDoesNotFit(f"{what} does not fit on up to {MAX_CHIPS} {chip} chips ({why})")
     raise PoolDoesNotFit(f"{what} needs at least {fits} {chip} chips: set mesh model: {fits} "

@@ -73,6 +73,57 @@ def test_lm_head_and_embeddings_stay_unquantized():
     assert q["model"]["norm"]["weight"] is params["model"]["norm"]["weight"]
 
 
+@pytest.mark.parametrize("mode", quantization.MODES)
+def test_quantize_lm_head_quantizes_an_untied_head_and_copies_a_tied_one(mode):
+    embedding, head, up = random_weight(), random_weight(seed=1), random_weight(seed=2)
+    untied = quantization.quantize_params({"model": {"embed_tokens": {"embedding": embedding}},
+                                           "lm_head": {"weight": head}}, mode, lm_head=True)
+    tied = quantization.quantize_params({"model": {"embed_tokens": {"embedding": embedding},
+                                                   "up_proj": {"weight": up}}}, mode, lm_head=True)
+    scale = quantization.SCALES[mode]
+    for q, w in ((untied, head), (tied, embedding)):   # quantized as any Linear weight (the oracle test above)
+        expected = quantization.quantize_weight(w, mode)
+        assert q["lm_head"].keys() == expected.keys() == {"qweight", scale}
+        assert all(np.array_equal(q["lm_head"][k], expected[k]) for k in expected)
+        assert q["model"]["embed_tokens"]["embedding"] is embedding   # the lookups' table stays as it is
+    assert set(tied["model"]["up_proj"]) == {"qweight", scale}
+    with pytest.raises(ValueError, match="quantize_lm_head needs a quantization mode"):
+        quantization.quantize_params({"lm_head": {"weight": head}}, None, lm_head=True)
+
+
+@pytest.mark.parametrize("mode", [None, *quantization.MODES])
+def test_tied_model_logits_through_the_quantized_head(mode):
+    """A tied model's logits of random hidden states against numpy: the embedding table itself
+    without a quantized head, with one its copy as the numpy oracle rounds it (w8a8: and each
+    token's activations rounded to 255 levels). XLA divides by a scale as x * (1 / scale), so a
+    value within a float32 ulp of a rounding midpoint may land one level from numpy's: a few in
+    a million random values (the trained weights of the embedded model hold few distinct values,
+    many on a midpoint, hence random weights of its shapes)."""
+    from jaxserve.config import ModelConfig
+    from jaxserve.engine import TINY_MODEL_DIR
+    from jaxserve.models import build_model, init_params
+
+    cfg = ModelConfig.from_pretrained(TINY_MODEL_DIR)
+    assert cfg.tie_word_embeddings
+    params, model = init_params(cfg, jax.random.key(0)), build_model(cfg)
+    table = np.asarray(params["model"]["embed_tokens"]["embedding"])
+    q = quantization.quantize_params(params, mode, lm_head=mode is not None)
+    x = np.random.default_rng(3).normal(size=(5, cfg.hidden_size)).astype(np.float32)
+    logits = np.asarray(model.apply({"params": q}, x, method=model.logits))
+    w = table
+    if mode is not None:
+        w = np.asarray(quantization.dequantize(q["lm_head"]["qweight"], q["lm_head"][quantization.SCALES[mode]]))
+        expected, step = oracle(table, mode), np.abs(table).max() / (7 if mode == "int4" else 127)
+        off = np.abs(w - expected) > 1e-6
+        assert off.sum() <= 1e-5 * table.size and np.all(np.abs(w - expected)[off] < 1.01 * step), off.sum()
+    if mode == "w8a8":
+        s = np.abs(x).max(axis=-1, keepdims=True) / 127
+        x = np.clip(np.round(x / s), -127, 127) * s
+    np.testing.assert_allclose(logits, x @ w.T, rtol=1e-4, atol=1e-4)
+    if mode is not None:   # the head's rounding shows: the test tells the two tables apart
+        assert np.abs(logits - np.asarray(model.apply({"params": params}, x, method=model.logits))).max() > 1e-3
+
+
 # ---------------------------------------------------------------- compiled buffers
 
 FLOATS = ("f16", "bf16", "f32", "f64")

@@ -1,7 +1,8 @@
 """Quantized weights through the engine: quality on the embedded model's held-out text, an exact
 orbax round trip (`jaxserve convert --quantization`), tensor parallelism on fake devices (an int8
-KV cache's scales too), the CLI flag, and the quantized engine step compiled for a real TPU
-(libtpu, compile-only)."""
+KV cache's scales and a quantized LM head's too), the CLI flags, and the quantized engine step
+compiled for a real TPU (libtpu, compile-only). A configuration is a mode, or "mode+head" for
+the LM head quantized too (benchmarks/quantization.py's names)."""
 import functools
 import json
 import os
@@ -28,7 +29,7 @@ ENGINE = dict(max_num_seqs=4, max_model_len=256, kv_cache_mb=8, compilation_cach
 PROMPTS = ["The for statement is used to", "A function definition defines", "The import statement"]
 # (weight quantization, kv_cache_dtype, mesh)
 TP_CASES = [("int8", "auto", {"model": 2}), ("int4", "auto", {"model": 4}), ("w8a8", "auto", {"model": 2}),
-            (None, "int8", {"model": 2})]
+            (None, "int8", {"model": 2}), ("w8a8+head", "auto", {"model": 2})]
 NEW_TOKENS = 32
 
 
@@ -39,10 +40,16 @@ def greedy(llm):
 
 
 @functools.cache
-def quantized_greedy(mode: str | None, kv_cache_dtype: str = "auto") -> list[list[int]]:
-    """The embedded model quantized as it loads (mode None: not), with that KV cache: the
-    reference of several tests below, one engine per pair in this process."""
-    return greedy(LLM(quantization=mode, kv_cache_dtype=kv_cache_dtype, **ENGINE))
+def quantized_engine(config: str | None, kv_cache_dtype: str = "auto") -> LLM:
+    """The embedded model quantized as it loads (None: not), with that KV cache: one engine per
+    pair in this process."""
+    return LLM(**bench.settings(config), kv_cache_dtype=kv_cache_dtype, **ENGINE)
+
+
+@functools.cache
+def quantized_greedy(config: str | None, kv_cache_dtype: str = "auto") -> list[list[int]]:
+    """The reference tokens of several tests below."""
+    return greedy(quantized_engine(config, kv_cache_dtype))
 
 
 def tp_case(mode, kv_cache_dtype, mesh) -> str:
@@ -50,12 +57,14 @@ def tp_case(mode, kv_cache_dtype, mesh) -> str:
 
 
 def tp_run(mode, kv_cache_dtype, mesh) -> dict:
-    """One TP case's greedy tokens, and its KV arrays' sharding specs (every axis: a step's output
-    may leave trailing ones out) and per-device shapes, as the steps left them."""
-    llm = LLM(quantization=mode, kv_cache_dtype=kv_cache_dtype, mesh=mesh, **ENGINE)
+    """One TP case's greedy tokens, and its KV arrays' (and a quantized LM head's) sharding specs
+    (every axis: a step's output may leave trailing ones out) and per-device shapes, as the steps
+    left them."""
+    llm = LLM(**bench.settings(mode), kv_cache_dtype=kv_cache_dtype, mesh=mesh, **ENGINE)
     tokens = greedy(llm)
     layer = llm.llm_engine.runner.kv_cache.layers[0]
     arrays = {name: getattr(layer, name) for name in ("k", "v", "k_scale", "v_scale")}
+    arrays.update(llm.llm_engine.runner.params.get("lm_head", {}))
     return {"tokens": tokens, "kv": {name: [list(x.sharding.spec) + [None] * (x.ndim - len(x.sharding.spec)),
                                             list(x.addressable_shards[0].data.shape)]
                                      for name, x in arrays.items() if x is not None}}
@@ -68,42 +77,65 @@ def test_config_rejects_unknown_quantization():
 
 def test_cli_flag_reaches_the_engine_config():
     args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--quantization", "int4"])
-    assert cli.engine_config(args).quantization == "int4"
+    assert cli.engine_config(args).quantization == "int4" and not cli.engine_config(args).quantize_lm_head
     assert cli.build_parser().parse_args(["convert", "a", "b", "--quantization", "int8"]).quantization == "int8"
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--quantization", "w8a8", "--quantize-lm-head"])
+    assert cli.engine_config(args).quantize_lm_head
+    for command in (["convert", "a", "b"], ["check", "--config", "c", "--topology", "v5e-1"]):
+        assert cli.build_parser().parse_args([*command, "--quantize-lm-head"]).quantize_lm_head, command
 
 
 def test_heldout_perplexity_within_thresholds():
     """int8 and w8a8 within 1% of unquantized, int4 within 5%, on the first 16 held-out windows
     (benchmarks/quantization.py measures all of them)."""
     ppl = bench.heldout_perplexities(max_windows=16)
-    assert abs(ppl["int8"] / ppl[None] - 1) < 0.01, ppl
-    assert abs(ppl["w8a8"] / ppl[None] - 1) < 0.01, ppl
+    for config in ("int8", "w8a8", "int8+head", "w8a8+head"):
+        assert abs(ppl[config] / ppl[None] - 1) < 0.01, (config, ppl)
     assert abs(ppl["int4"] / ppl[None] - 1) < 0.05, ppl
 
 
-@pytest.mark.parametrize("mode", ["int8", "w8a8"])
-def test_8bit_greedy_agrees_with_unquantized(mode):
-    prefix, same = bench.agreement(quantized_greedy(None), quantized_greedy(mode))
+@pytest.mark.parametrize("config", ["int8", "w8a8", "int8+head", "w8a8+head"])
+def test_8bit_greedy_agrees_with_unquantized(config):
+    prefix, same = bench.agreement(quantized_greedy(None), quantized_greedy(config))
     assert sum(same) >= 0.9 * NEW_TOKENS * len(PROMPTS), (prefix, same)
+
+
+def test_lm_head_stays_in_the_model_dtype_unless_asked():
+    """The embedded model ties its head to the embeddings: by default the logits come from the
+    f32 table; with quantize_lm_head from an int8 copy of it, the table kept for the lookups."""
+    dtypes = {config: jax.tree.map(lambda x: x.dtype.name, quantized_engine(config).llm_engine.runner.params)
+              for config in ("w8a8", "w8a8+head")}
+    for d in dtypes.values():
+        assert d["model"]["embed_tokens"] == {"embedding": "float32"}
+        assert d["model"]["layers_0"]["mlp"]["up_proj"] == {"qweight": "int8", "channel_scale": "float32"}
+    assert "lm_head" not in dtypes["w8a8"]
+    assert dtypes["w8a8+head"]["lm_head"] == {"qweight": "int8", "channel_scale": "float32"}
 
 
 def leaves(params):
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
-def test_convert_quantized_reloads_exactly(tmp_path, mode):
-    dst = str(tmp_path / mode)
-    assert cli.main(["convert", TINY_MODEL_DIR, dst, "--quantization", mode]) == 0
+@pytest.mark.parametrize("config", ["int8", "int4", "w8a8", "w8a8+head"])
+def test_convert_quantized_reloads_exactly(tmp_path, config):
+    s = bench.settings(config)
+    mode, head = s["quantization"], s["quantize_lm_head"]
+    dst = str(tmp_path / config)
+    assert cli.main(["convert", TINY_MODEL_DIR, dst, "--quantization", mode] + ["--quantize-lm-head"] * head) == 0
     cfg = ModelConfig.from_pretrained(TINY_MODEL_DIR)
-    expected, reloaded = leaves(load_params(TINY_MODEL_DIR, cfg, quantization=mode)), leaves(load_params(dst, cfg))
+    expected = leaves(load_params(TINY_MODEL_DIR, cfg, quantization=mode, lm_head=head))
+    reloaded = leaves(load_params(dst, cfg))
     assert expected.keys() == reloaded.keys() and any(k.endswith("['qweight']") for k in expected)
+    assert any(k.startswith("['lm_head']") for k in expected) == head
     for k in expected:
         assert expected[k].dtype == reloaded[k].dtype and np.array_equal(expected[k], reloaded[k]), k
-    assert greedy(LLM(model=dst, **ENGINE)) == quantized_greedy(mode)
+    assert greedy(LLM(model=dst, **ENGINE)) == quantized_greedy(config)
     other = "int4" if mode == "int8" else "int8"
     with pytest.raises(ValueError, match=f"holds {mode} weights"):
         load_params(dst, cfg, quantization=other)
+    if not head:
+        with pytest.raises(ValueError, match="unquantized LM head"):
+            load_params(dst, cfg, lm_head=True)
 
 
 def test_unquantized_orbax_checkpoint_quantizes_as_it_loads(tmp_path):
@@ -140,6 +172,8 @@ def test_tensor_parallel_greedy_matches_one_device():
     (k_spec, (pages, *k_shard)), (v_spec, v_shard) = kv["k"], kv["v"]
     assert k_spec == v_spec == heads and k_shard == [1, 16, 32] and v_shard == [pages, *k_shard], kv
     assert kv["k_scale"] == kv["v_scale"] == [heads, [pages, 1, 1, 16]], kv
+    head = results[tp_case("w8a8+head", "auto", {"model": 2})]["kv"]   # the tied head's int8 copy: vocab split
+    assert head["qweight"] == [["model", None], [2048, 256]] and head["channel_scale"] == [["model"], [2048]], head
 
 
 # An int8 KV cache: pages of 32 slots (whole 32-row int8 tiles, as the TPU kernel's page DMAs need).
@@ -147,8 +181,9 @@ KV_INT8 = dict(kv_cache_dtype="int8", page_size=32)
 
 
 @pytest.mark.parametrize("quantized", [dict(quantization="int8"), dict(quantization="int4"), dict(quantization="w8a8"),
+                                       dict(quantization="w8a8", quantize_lm_head=True),
                                        KV_INT8, {**KV_INT8, "kv_cache_dtype": "fp8"}],
-                         ids=["int8", "int4", "w8a8", "kv-int8", "kv-fp8"])
+                         ids=["int8", "int4", "w8a8", "w8a8+head", "kv-int8", "kv-fp8"])
 def test_quantized_engine_step_compiles_for_tpu(quantized):
     """configs/tiny-cpu.yaml's largest decode step and largest prefill step with quantized
     weights or KV cache, bf16 and the Pallas kernels, for one v5e chip (what `jaxserve check`

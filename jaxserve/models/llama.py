@@ -204,14 +204,14 @@ class LlamaForCausalLM(nn.Module):
 
     def setup(self):
         self.model = self.body(self.cfg, self.dtype)
-        if not self.cfg.tie_word_embeddings:
-            self.lm_head = Linear(self.cfg.vocab_size, False, self.dtype)
+        # Tied models have params for it only when quantized (quantization.tied_head).
+        self.lm_head = Linear(self.cfg.vocab_size, False, self.dtype)
 
     def __call__(self, tokens, positions, kv_cache: KVCache | None = None, meta=None):
         return self.model(tokens, positions, kv_cache, meta)
 
     def logits(self, hidden):
-        if self.cfg.tie_word_embeddings:
+        if self.cfg.tie_word_embeddings and not self.has_variable("params", "lm_head"):
             out = self.model.attend_embeddings(hidden)
         else:
             out = self.lm_head(hidden)
