@@ -74,6 +74,10 @@ class StepCost:
     flops: float
     bytes: float
 
+    def seconds(self, peaks: Peaks) -> float:
+        """The step's time at the roofline: limited by compute or by memory, whichever takes longer."""
+        return max(self.flops / peaks.flops, self.bytes / peaks.bandwidth)
+
 
 class CostModel:
     """Ideal FLOPs and bytes of one step: every weight read once, every attended K/V entry read
@@ -90,6 +94,7 @@ class CostModel:
         read_params = n - (0 if cfg.tie_word_embeddings else self.head_params)
         self.weight_bytes = read_params * itemsize
         self.kv_bytes_per_token = 2 * cfg.num_kv_heads * d * itemsize    # K and V, one layer
+        self.layers_by_window = collections.Counter(cfg.sliding_windows)
 
     def step(self, rows: list[tuple[int, int, int]]) -> StepCost:
         """rows: (query tokens, KV length after the step, tokens sampled) for each sequence."""
@@ -97,10 +102,10 @@ class CostModel:
         tokens = sum(n for n, _, _ in rows)
         flops = 2 * tokens * self.token_params + 2 * sum(s for *_, s in rows) * self.head_params
         nbytes = self.weight_bytes
-        for window in c.sliding_windows:
+        for window, layers in self.layers_by_window.items():   # grouped: the speculation throttle asks every step
             for n, kv, _ in rows:
-                flops += 4 * c.num_heads * c.head_dim * _attended(n, kv, window)
-                nbytes += (min(kv, window or kv) + n) * self.kv_bytes_per_token
+                flops += layers * 4 * c.num_heads * c.head_dim * _attended(n, kv, window)
+                nbytes += layers * (min(kv, window or kv) + n) * self.kv_bytes_per_token
         return StepCost(flops, nbytes)
 
 

@@ -14,11 +14,14 @@ import transformers
 
 from jaxserve import LLM, SamplingParams, cli
 from jaxserve.compilations import CompileCounter
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from jaxserve.engine import TINY_MODEL_DIR
-from jaxserve.spec_decode import ngram
+from jaxserve.roofline import Peaks
+from jaxserve.spec_decode import ngram, throttle
+from jaxserve.spec_decode.throttle import Throttle
 
-SPEC = {"method": "ngram", "num_tokens": 3, "ngram_min": 1, "ngram_max": 3}
+# Never throttled at max_num_seqs 8 (the throttle's tests lower the bound while they run).
+SPEC = {"method": "ngram", "num_tokens": 3, "ngram_min": 1, "ngram_max": 3, "disable_by_batch_size": 8}
 # Small buckets; a pool of 24 pages of 16 tokens for 6 sequences of up to ~190 tokens preempts.
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=32, max_prefill_seqs=2,
               max_model_len=256, num_pages=24, page_size=16, compilation_cache_dir=None)
@@ -56,6 +59,8 @@ def test_config_is_checked():
         EngineConfig(speculative={"method": "eagle"})
     with pytest.raises(ValueError, match="ngram_min <= ngram_max"):
         EngineConfig(speculative={"ngram_min": 3, "ngram_max": 2})
+    with pytest.raises(ValueError, match="disable_by_batch_size must be at least 1"):
+        EngineConfig(speculative={"disable_by_batch_size": 0})
 
 
 def warm_llm(speculative=None) -> LLM:
@@ -118,6 +123,99 @@ def test_accepted_run_is_fewer_steps(engines):
     steps, tokens = stats["steps"], stats["generation_tokens"]
     spec.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True), use_tqdm=False)
     assert stats["generation_tokens"] - tokens > 1.3 * (stats["steps"] - steps)
+
+
+# ---- the throttle: speculation off while it would not pay ----
+
+def test_roofline_rule_matches_its_closed_form(monkeypatch):
+    """Short contexts: the rule speculates up to B* = (1 + a) s F / (2 (k + 1) W) rows (the
+    throttle's docstring), within the K/V bytes the closed form leaves out (10% margins); with a
+    draft, at one row (both steps memory-bound) while k P_draft / P < a."""
+    k, itemsize = 4, 2
+    target = ModelConfig.from_pretrained(TINY_MODEL_DIR)
+    draft = ModelConfig.from_pretrained(f"{TINY_MODEL_DIR}/draft")
+    rule = Throttle(SpeculativeConfig(num_tokens=k), target, None, itemsize)
+    monkeypatch.setattr(throttle, "_peaks", lambda: Peaks(81e12, 1e12, "test"))   # F / W = 81
+    for a in (1.5, 3.5):
+        rule.mean_accepted = a
+        bound = (1 + a) * itemsize * 81 / (2 * (k + 1))   # 40.5, then 72.9
+        assert rule.speculates([1] * int(0.9 * bound)) and not rule.speculates([1] * int(1.1 * bound))
+    with_draft = Throttle(SpeculativeConfig(method="draft", num_tokens=k), target, draft, itemsize)
+    ratio = k * draft.num_params / target.num_params   # 0.66
+    for a, expected in ((0.9 * ratio, False), (1.1 * ratio, True)):
+        with_draft.mean_accepted = a
+        assert with_draft.speculates([1]) == expected
+    # Steps of a second each (the overheads): the roofline times vanish next to them. The draft's
+    # k steps cost more than 1 + a plain ones; without a proposer, verifying costs a plain step.
+    with_draft.overheads, with_draft.mean_accepted = (1.0, 1.0), k / 2
+    rule.overheads, rule.mean_accepted = (1.0, 0.0), 0.1
+    assert not with_draft.speculates([1]) and rule.speculates([1] * 64)
+    fixed = Throttle(SpeculativeConfig(num_tokens=k, disable_by_batch_size=2), target, None, itemsize)
+    assert fixed.speculates([9, 9]) and not fixed.speculates([9, 9, 9]) and not fixed.speculates([])
+
+
+THROTTLE_BOUND = 3
+ARRIVALS = {0: [0, 1], 6: [2, 3], 12: [4, 5]}   # engine step -> PROMPTS arriving
+MAX_TOKENS = [24, 70, 40, 60, 30, 50]
+
+
+def _staggered_params(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
+
+
+@functools.cache
+def _staggered_expected() -> list[list[int]]:
+    outs = plain_llm().generate([{"prompt_token_ids": ids} for ids in _prompt_ids()],
+                                [_staggered_params(i) for i in range(len(PROMPTS))], use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _prompt_ids() -> list[list[int]]:
+    return [plain_llm().get_tokenizer().encode(p) for p in PROMPTS]
+
+
+def check_throttled_run(llm, monkeypatch):
+    """Requests arrive (ARRIVALS) and finish while disable_by_batch_size = THROTTLE_BOUND turns
+    speculation off above it and on again below: greedy outputs equal those without
+    speculation, no step above the bound has a verify row, steps below it before and after do,
+    and no step compiles (the plain steps run in shapes warm-up built)."""
+    engine = llm.llm_engine
+    monkeypatch.setattr(engine.ecfg.speculative, "disable_by_batch_size", THROTTLE_BOUND)
+    candidates, speculates = [], engine.throttle.speculates
+
+    def counting(contexts):
+        candidates.append(len(contexts))
+        return speculates(contexts)
+    monkeypatch.setattr(engine.throttle, "speculates", counting)
+    expected, off_steps, compiles = _staggered_expected(), engine.stats["spec_off_steps"], CompileCounter.count
+    ids, tokens, trace = {}, collections.defaultdict(list), []   # trace: (verify candidates, verify rows) a step
+    while len(trace) <= max(ARRIVALS) or engine.has_unfinished():
+        for i in ARRIVALS.get(len(trace), []):
+            ids[engine.add_request(_prompt_ids()[i], _staggered_params(i))] = i
+        for out in engine.step():
+            tokens[ids[out.request_id]] += out.outputs[0].token_ids
+        trace.append((candidates[-1], sum(s.num_sampled > 1 for s in engine.last_schedule.scheduled)))
+    assert CompileCounter.count == compiles
+    assert [tokens[i] for i in range(len(PROMPTS))] == expected
+    above = [i for i, (n, _) in enumerate(trace) if n > THROTTLE_BOUND]
+    assert above and all(trace[i][1] == 0 for i in above), trace
+    assert any(rows for _, rows in trace[:above[0]]) and any(rows for _, rows in trace[above[-1]:]), trace
+    assert engine.stats["spec_off_steps"] - off_steps == len(above)
+
+
+def test_throttle_switches_speculation_off_and_on(engines, monkeypatch):
+    check_throttled_run(engines[1], monkeypatch)
+
+
+def test_throttle_measures_step_overheads(engines):
+    """The rule's calibration times one-token decode steps (a fraction of a second for the tiny
+    model) on a page borrowed from the pool, and gives the page back."""
+    engine = engines[1].llm_engine
+    free = engine.block_manager.num_free_pages
+    rule = Throttle(SpeculativeConfig(num_tokens=3), engine.model_cfg, None, 4)
+    rule.calibrate(engine.block_manager, engine.runner, None)
+    assert 0 <= rule.overheads[0] < 1.0 and rule.overheads[1] == 0.0
+    assert engine.block_manager.num_free_pages == free
 
 
 # ---- exactness when sampling: the output distribution is the target's own ----
