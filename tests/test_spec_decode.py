@@ -1,7 +1,9 @@
 """Speculative decoding with n-gram prompt lookup: verify rows through the runner and sampler,
 the accepted run cut by every stop condition, and outputs identical with speculation on and off
 (greedy, and seeded sampling: each position draws the randomness it would draw without
-speculation). The embedded tiny model repeats itself enough for proposals to be accepted."""
+speculation), also while the throttle turns speculation off and on (jaxserve/spec_decode/throttle.py,
+its rule against its closed form). The embedded tiny model repeats itself enough for proposals
+to be accepted."""
 import argparse
 import collections
 import functools
@@ -12,10 +14,12 @@ import pytest
 import torch
 import transformers
 
+import jaxserve.runner as runner_module
 from jaxserve import LLM, SamplingParams, cli
 from jaxserve.compilations import CompileCounter
 from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from jaxserve.engine import TINY_MODEL_DIR
+from jaxserve.packing import pack
 from jaxserve.roofline import Peaks
 from jaxserve.spec_decode import ngram, throttle
 from jaxserve.spec_decode.throttle import Throttle
@@ -178,8 +182,9 @@ def check_throttled_run(llm, monkeypatch):
     """Requests arrive (ARRIVALS) and finish while disable_by_batch_size = THROTTLE_BOUND turns
     speculation off above it and on again below: greedy outputs equal those without
     speculation, no step above the bound has a verify row, steps below it before and after do,
-    and no step compiles (the plain steps run in shapes warm-up built)."""
-    engine = llm.llm_engine
+    every batch without a verify row runs in the plain (decode_q = 1) shapes, and those were
+    built at warm-up: nothing compiles."""
+    engine, expected = llm.llm_engine, _staggered_expected()
     monkeypatch.setattr(engine.ecfg.speculative, "disable_by_batch_size", THROTTLE_BOUND)
     candidates, speculates = [], engine.throttle.speculates
 
@@ -187,7 +192,14 @@ def check_throttled_run(llm, monkeypatch):
         candidates.append(len(contexts))
         return speculates(contexts)
     monkeypatch.setattr(engine.throttle, "speculates", counting)
-    expected, off_steps, compiles = _staggered_expected(), engine.stats["spec_off_steps"], CompileCounter.count
+    widths = []   # each packed batch: (whether it has a verify row, the width of its decode rows)
+
+    def packing(out, *args, **kwargs):
+        batch = pack(out, *args, **kwargs)
+        widths.append((any(s.num_sampled > 1 for s in out.scheduled), batch.decode_q))
+        return batch
+    monkeypatch.setattr(runner_module, "pack", packing)
+    off_steps, compiles = engine.stats["spec_off_steps"], CompileCounter.count
     ids, tokens, trace = {}, collections.defaultdict(list), []   # trace: (verify candidates, verify rows) a step
     while len(trace) <= max(ARRIVALS) or engine.has_unfinished():
         for i in ARRIVALS.get(len(trace), []):
@@ -196,6 +208,7 @@ def check_throttled_run(llm, monkeypatch):
             tokens[ids[out.request_id]] += out.outputs[0].token_ids
         trace.append((candidates[-1], sum(s.num_sampled > 1 for s in engine.last_schedule.scheduled)))
     assert CompileCounter.count == compiles
+    assert set(widths) == {(False, 1), (True, 1 + engine.ecfg.speculative.num_tokens)}   # plain ones plain
     assert [tokens[i] for i in range(len(PROMPTS))] == expected
     above = [i for i, (n, _) in enumerate(trace) if n > THROTTLE_BOUND]
     assert above and all(trace[i][1] == 0 for i in above), trace

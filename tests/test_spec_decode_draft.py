@@ -2,8 +2,8 @@
 outputs identical with the draft on and off (greedy through preemption and prefix-cache hits,
 seeded sampling with n = 2 forks), greedy equal to transformers, every proposal the draft
 model's own greedy continuation of the sequence (transformers' draft model over the known
-tokens: the draft's paged KV kept in step through rollback, preemption, forks and prefix hits),
-and sampled tokens that follow the target's distribution."""
+tokens: the draft's paged KV kept in step through rollback, preemption, forks, prefix hits and
+steps the throttle kept plain), and sampled tokens that follow the target's distribution."""
 import os
 
 import numpy as np
