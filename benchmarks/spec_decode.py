@@ -39,7 +39,8 @@ from jaxserve.spec_decode import ngram, throttle
 PROMPTS = ["The for statement is used to", "def square(x):\n    return x * x\n\ndef cube(x):\n",
            "A list is a sequence. A list is", "import os\nimport sys\nimport", "The with statement",
            "Exceptions are raised when", "class Point:\n    def __init__(self, x, y):\n", "The while loop"]
-ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=128, prefill_chunk_size=128, max_prefill_seqs=2,
+# The engine defaults (max_num_batched_tokens holds 64 verify rows of 1 + 6 tokens) but the context length.
+ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=512, prefill_chunk_size=256, max_prefill_seqs=4,
               max_model_len=512, compilation_cache_dir=None)
 NGRAM = {"method": "ngram", "ngram_min": 1, "ngram_max": 3}
 DRAFT = {"method": "draft"}
@@ -120,6 +121,7 @@ def measure(engines: dict, modes: list[str], prompts: list, batches: list[int], 
                          f"{c['spec_off_steps'] / c['steps']:.0%}" if k else "-",
                          speculates_up_to(engines[name, k]) if mode == "throttled" else "-",
                          "yes" if outputs == plain_outputs[batch] else "NO"])
+        print(*markdown_table(HEADER, rows[-len(totals):]), sep="\n", flush=True)   # progress
     return rows, plain_outputs, compiles
 
 
@@ -148,21 +150,26 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 4, 16, 64], help="workload (a); none: skip it")
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 6])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--proposers", nargs="+", default=["ngram", "draft"], choices=["ngram", "draft"])
     p.add_argument("--b-batches", type=int, nargs="*", default=[1, 16, 64], help="workload (b); none: skip it")
     p.add_argument("--b-ks", type=int, nargs="+", default=[4])
     p.add_argument("--work-dir", default="/tmp/jaxserve_bench", help="where the 100m model is built")
+    p.add_argument("--out", default=f"{RESULTS_DIR}/spec_decode.md")
     args = p.parse_args(argv)
     machine = machine_info()
 
     proposers = {"ngram": NGRAM, "draft": DRAFT}
-    tiny = build(dict(ENGINE, kv_cache_mb=64), [(name, proposers[name]) for name in args.proposers], args.ks)
-    rows_a, _, compiles = measure(tiny, args.modes, PROMPTS, args.batches, args.rounds, args.max_tokens)
-    del tiny
-    lines_b = []
+    lines_a, lines_b, compiles = [], [], 0
+    if args.batches:
+        tiny = build(dict(ENGINE, kv_cache_mb=64), [(name, proposers[name]) for name in args.proposers], args.ks)
+        rows_a, _, compiles = measure(tiny, args.modes, PROMPTS, args.batches, args.rounds, args.max_tokens)
+        del tiny
+        lines_a = ["## (a) Embedded tiny model and its draft, Python-docs prompts", "",
+                   "Tiny model: 6 layers, 256 wide; draft: 2 layers, 128 wide; prompts from the Python docs (their "
+                   "training text).", "", *markdown_table(HEADER, rows_a), ""]
     if args.b_batches:
         model_dir = prepare_model("100m", args.work_dir)
         engines = build(dict(ENGINE, model=model_dir, kv_cache_mb=512), [("ngram", NGRAM)], args.b_ks)
@@ -186,10 +193,8 @@ def main(argv: list[str] | None = None) -> None:
              f"{peaks.bandwidth / 1e9:.1f} GB/s), always (every step speculates). For each batch size every engine "
              f"and mode runs once untimed (compiling the shapes it runs in), then the timed rounds: {compiles} "
              f"compilations during them.", "",
-             "## (a) Embedded tiny model and its draft, Python-docs prompts", "",
-             "Tiny model: 6 layers, 256 wide; draft: 2 layers, 128 wide; prompts from the Python docs (their "
-             "training text).", "", *markdown_table(HEADER, rows_a), "", *lines_b]
-    write_keeping_notes(f"{RESULTS_DIR}/spec_decode.md", "\n".join(lines))
+             *lines_a, *lines_b]
+    write_keeping_notes(args.out, "\n".join(lines))
     print("\n".join(lines))
 
 
