@@ -151,9 +151,13 @@ def test_roofline_rule_matches_its_closed_form(monkeypatch):
         assert with_draft.speculates([1]) == expected
     # Steps of a second each (the overheads): the roofline times vanish next to them. The draft's
     # k steps cost more than 1 + a plain ones; without a proposer, verifying costs a plain step.
-    with_draft.overheads, with_draft.mean_accepted = (1.0, 1.0), k / 2
-    rule.overheads, rule.mean_accepted = (1.0, 0.0), 0.1
+    with_draft.overheads, with_draft.mean_accepted = (1.0, 1.0, 1.0), k / 2
+    rule.overheads, rule.mean_accepted = (1.0, 1.0, 0.0), 0.1
     assert not with_draft.speculates([1]) and rule.speculates([1] * 64)
+    rule.overheads = (1.0, 2.0, 0.0)   # a verify step costing two plain ones pays from a > 1
+    assert not rule.speculates([1])
+    rule.mean_accepted = 1.2
+    assert rule.speculates([1])
     fixed = Throttle(SpeculativeConfig(num_tokens=k, disable_by_batch_size=2), target, None, itemsize)
     assert fixed.speculates([9, 9]) and not fixed.speculates([9, 9, 9]) and not fixed.speculates([])
 
@@ -221,13 +225,13 @@ def test_throttle_switches_speculation_off_and_on(engines, monkeypatch):
 
 
 def test_throttle_measures_step_overheads(engines):
-    """The rule's calibration times one-token decode steps (a fraction of a second for the tiny
-    model) on a page borrowed from the pool, and gives the page back."""
+    """The rule's calibration times one-row decode and verify steps (a fraction of a second
+    for the tiny model) on pages borrowed from the pool, and gives them back."""
     engine = engines[1].llm_engine
     free = engine.block_manager.num_free_pages
     rule = Throttle(SpeculativeConfig(num_tokens=3), engine.model_cfg, None, 4)
     rule.calibrate(engine.block_manager, engine.runner, None)
-    assert 0 <= rule.overheads[0] < 1.0 and rule.overheads[1] == 0.0
+    assert all(0 <= o < 1.0 for o in rule.overheads[:2]) and rule.overheads[2] == 0.0
     assert engine.block_manager.num_free_pages == free
 
 

@@ -10,8 +10,8 @@ every row: buckets.py). So before each step, over the B running sequences that w
     its overhead + max(FLOPs / peak FLOP/s, bytes / peak bandwidth)
 (the roofline: jaxserve/roofline.py, peaks from the datasheet or measured on this machine once
 per process; the overhead: what a step costs beyond that, packing, dispatch, the sampler,
-the results back on the host: measured once, `calibrate`, as a one-row decode step's time minus
-its roofline time, for the target and for the draft model), for
+the results back on the host: measured once, `calibrate`, as a one-row step's time minus its
+roofline time, for the target's decode and verify steps and the draft's decode step), for
     plain  = a decode step of B one-token rows,
     verify = a step of B rows of 1 + k tokens (+ with a draft model: k draft steps of B
              one-token rows),
@@ -54,8 +54,9 @@ class Throttle:
         self.spec = spec
         self._models = target, draft, itemsize
         self.mean_accepted = spec.num_tokens / 2
-        # (target, draft) seconds a step costs beyond its roofline time; None: not measured yet (0)
-        self.overheads: tuple[float, float] | None = None
+        # (target decode, target verify, draft decode) seconds a step costs beyond its roofline
+        # time; None: not measured yet (0)
+        self.overheads: tuple[float, float, float] | None = None
 
     @functools.cached_property
     def _costs(self) -> tuple[CostModel, CostModel | None]:
@@ -69,8 +70,8 @@ class Throttle:
         if self.spec.disable_by_batch_size is not None:
             return len(contexts) <= self.spec.disable_by_batch_size
         k, (target, draft) = self.spec.num_tokens, self._costs
-        overhead, draft_overhead = self.overheads or (0.0, 0.0)
-        verify = overhead + _roofline_seconds(target, contexts, 1 + k)
+        overhead, verify_overhead, draft_overhead = self.overheads or (0.0, 0.0, 0.0)
+        verify = verify_overhead + _roofline_seconds(target, contexts, 1 + k)
         if draft is not None:
             verify += k * (draft_overhead + _roofline_seconds(draft, contexts, 1))
         return verify < (1 + self.mean_accepted) * (overhead + _roofline_seconds(target, contexts, 1))
@@ -85,17 +86,19 @@ class Throttle:
         return self.overheads is None and self.spec.disable_by_batch_size is None
 
     def calibrate(self, block_manager, target_runner, draft_runner) -> None:
-        """Measure the overheads: one-row decode steps of each runner (jaxserve/runner.py) whose
-        K/V go to a page borrowed from the pool (none free: not now)."""
-        borrowed = Sequence(request_id="throttle-calibration", prompt_token_ids=[0])
-        if block_manager.reserve(borrowed, 1) is None:
+        """Measure the overheads: one-row steps of each runner (jaxserve/runner.py) whose K/V go
+        to pages borrowed from the pool (none free: not now)."""
+        k = self.spec.num_tokens
+        borrowed = Sequence(request_id="throttle-calibration", prompt_token_ids=[0] * (1 + k))
+        if block_manager.reserve(borrowed, 1 + k) is None:
             return
-        self.overheads = (0.0, 0.0)   # (not measured again if this fails)
+        self.overheads = (0.0, 0.0, 0.0)   # (not measured again if this fails)
         try:
             target, draft = self._costs
-            page = borrowed.page_table[0]
-            self.overheads = (_overhead(target_runner, target, page),
-                              _overhead(draft_runner, draft, page) if draft is not None else 0.0)
+            pages = borrowed.page_table
+            self.overheads = (_overhead(target_runner, target, pages, 1),
+                              _overhead(target_runner, target, pages, 1 + k),
+                              _overhead(draft_runner, draft, pages, 1) if draft is not None else 0.0)
         finally:
             block_manager.free(borrowed)
 
@@ -105,14 +108,14 @@ def _roofline_seconds(cost: CostModel, contexts: list[int], n: int) -> float:
     return cost.step([(n, c + n, n) for c in contexts]).seconds(_peaks())
 
 
-def _overhead(runner, cost: CostModel, page: int, repeats: int = 3) -> float:
-    """The best of `repeats` one-token decode steps (packed, run, sampled, back on the host), less
-    its roofline time."""
-    seq = Sequence(request_id="throttle-calibration", prompt_token_ids=[0], page_table=[page])
-    step = SchedulerOutput([ScheduledSeq(seq, 1, 1, 0)], [], [])
+def _overhead(runner, cost: CostModel, pages: list[int], n: int, repeats: int = 3) -> float:
+    """The best of `repeats` steps of one n-token row sampling every token (packed, run, sampled,
+    back on the host), less its roofline time."""
+    seq = Sequence(request_id="throttle-calibration", prompt_token_ids=[0] * n, page_table=pages)
+    step = SchedulerOutput([ScheduledSeq(seq, n, n, 0)], [], [])
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         runner.collect(runner.launch(step, {seq.seq_id: 0}))
         best = min(best, time.perf_counter() - start)
-    return max(0.0, best - _roofline_seconds(cost, [0], 1))
+    return max(0.0, best - _roofline_seconds(cost, [0], n))
