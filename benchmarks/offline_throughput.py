@@ -68,14 +68,15 @@ class StepProfile:
 
     def __init__(self, engine: LLMEngine):
         self.runner = engine.runner
-        self.launch, self.collect, self.jit_step = self.runner.launch, self.runner.collect, self.runner._step
-        self.runner.launch, self.runner.collect, self.runner._step = self._launch, self._collect, self._jit_step
+        self.launch, self.collect, self.run = self.runner.launch, self.runner.collect, self.runner._run
+        self.runner.launch, self.runner.collect, self.runner._run = self._launch, self._collect, self._run
         self.rows: list[list] = []   # [has prefill, tokens, padded, seconds]
         self._padded = 0
 
-    def _jit_step(self, params, kv_cache, tokens, *args, **kwargs):
-        self._padded = len(tokens)
-        return self.jit_step(params, kv_cache, tokens, *args, **kwargs)
+    def _run(self, name, fn, fixed, args, **static):
+        if name == "step":   # its first array: the step's tokens, padded to the bucket
+            self._padded = len(args[0])
+        return self.run(name, fn, fixed, args, **static)
 
     def _launch(self, out, seeds, sample_later=False):   # its workload never defers a sampler
         t0 = time.perf_counter()
@@ -90,7 +91,7 @@ class StepProfile:
         return res
 
     def detach(self) -> None:
-        self.runner.launch, self.runner.collect, self.runner._step = self.launch, self.collect, self.jit_step
+        self.runner.launch, self.runner.collect, self.runner._run = self.launch, self.collect, self.run
 
     def summary(self, total_s: float) -> dict:
         rows = np.array([r[:3] for r in self.rows], dtype=np.int64).reshape(-1, 3)
@@ -171,7 +172,7 @@ def bench_model(name: str, args) -> dict:
 
     kv = KVPeak(page_size=ecfg.page_size, max_model_len=engine.max_model_len)
     runs = [logged(run_engine("jaxserve continuous", engine, requests, kv=kv))]
-    for b in args.hf_batch_sizes:
+    for b in [] if args.skip_static else args.hf_batch_sizes:
         runs.append(logged(run_engine(f"jaxserve static, groups of {b}", engine, requests, group=b)))
     # The engine's own static mode: admission only into an empty batch. Its jitted steps are
     # shared with the first engine, so its warm-up compiles nothing.
@@ -338,6 +339,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-eagerness-zero", action="store_true",
                    help="leave out the admission_eagerness=0.0 schedule (its one-group-at-a-time steps "
                         "take about an hour on the 100m model on 2 CPU cores)")
+    p.add_argument("--skip-static", action="store_true",
+                   help="leave out the engine's static-group schedules (section 2 then shows continuous only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default="/tmp/jaxserve_bench", help="where the 100m model is built")
     p.add_argument("--out", default=RESULTS)

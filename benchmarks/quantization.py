@@ -1,4 +1,5 @@
-"""Weight-only int8 and int4 against unquantized, on the embedded tiny model, in one process.
+"""Quantized weights (int8 and int4 weight-only, w8a8) against unquantized, on the embedded tiny
+model and a 100M model, in one process.
 
   * perplexity on the model's held-out text (the split of scripts/train_tiny_model.py),
     through the same forward pass as training (no KV cache);
@@ -6,8 +7,8 @@
     tokens through the engine, how many match unquantized (up to the first difference, and
     in all);
   * weight bytes measured from the loaded params (all, and the quantized Linear weights only);
-  * decode step time at batch 1: the engines take one engine step each in turn, alternating
-    rounds, and the ratio is of medians;
+  * decode step time at batch 1 and 16: the engines take one engine step each in turn,
+    alternating rounds, and the ratio is of medians;
   * on the 100M model (random weights): logit error statistics, weight bytes, decode step time.
 
     python -m benchmarks.quantization [--rounds 200] [--max-windows 0]
@@ -36,7 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = (None, *quantization.MODES)
 AGREEMENT_TOKENS = 32
 MACHINE = "2-core CPU dev box"
-ENGINE = dict(max_num_seqs=4, max_model_len=512, kv_cache_mb=16, compilation_cache_dir=None)
+ENGINE = dict(max_num_seqs=16, max_model_len=512, kv_cache_mb=256, compilation_cache_dir=None)
+BATCHES = (1, 16)   # decode steps timed at these batch sizes
 
 
 @functools.cache
@@ -130,25 +132,28 @@ def logit_errors(model_dir: str, modes=quantization.MODES, tokens: int = 256, se
 
 
 def measure_engines(model_dir: str, rounds: int) -> tuple[dict, dict]:
-    """The engines per mode, and per mode its weight bytes and batch-1 decode step seconds."""
+    """The engines per mode, and per mode its weight bytes and decode step seconds per batch size."""
     engines = {mode: LLM(model=model_dir, quantization=mode, **ENGINE) for mode in MODES}
-    steps = decode_step_seconds(engines, rounds)
+    steps = {batch: decode_step_seconds(engines, rounds, batch) for batch in BATCHES}
     rows = {}
     for mode, llm in engines.items():
         params = llm.llm_engine.runner.params
         rows[mode] = {"bytes": quantization.weight_bytes(params), "linear_bytes": linear_weight_bytes(params),
-                      "step_s": steps[mode]}
+                      "step_s": {batch: steps[batch][mode] for batch in BATCHES}}
     return engines, rows
 
 
 def size_and_speed(rows: dict) -> list[list]:
     """Per mode: all params' bytes, the Linear weights' against f32, the step time and speed-up."""
     base = rows[None]
-    return [[f"{r['bytes'] / 2**20:.1f} MiB", f"{r['linear_bytes'] / base['linear_bytes']:.3f}x",
-             f"{r['step_s'] * 1e3:.2f} ms", f"{base['step_s'] / r['step_s']:.2f}x"] for r in rows.values()]
+    return [[f"{r['bytes'] / 2**20:.1f} MiB", f"{r['linear_bytes'] / base['linear_bytes']:.3f}x"]
+            + [cell for b in BATCHES for cell in (f"{r['step_s'][b] * 1e3:.2f} ms",
+                                                   f"{base['step_s'][b] / r['step_s'][b]:.2f}x")]
+            for r in rows.values()]
 
 
-SIZE_AND_SPEED = ["all params", "Linear weights vs f32", "decode step (batch 1)", "speed vs f32"]
+SIZE_AND_SPEED = ["all params", "Linear weights vs f32"] + [
+    cell for b in BATCHES for cell in (f"decode step (batch {b})", f"speed vs f32 (batch {b})")]
 
 
 def tiny_table(rounds: int, max_windows: int | None) -> list[str]:
@@ -189,10 +194,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=os.path.join(RESULTS_DIR, "quantization.md"))
     args = p.parse_args(argv)
     text = "\n".join([
-        "# Weight-only quantization: int8 and int4 against unquantized", "",
+        "# Quantized weights: int8 and int4 weight-only, and w8a8, against unquantized", "",
         f"Command: `{command_line('quantization', argv)}`. Machine: {MACHINE} (shared with other jobs: "
-        f"absolute times are noisy; each model's engines take batch-1 decode steps in {args.rounds} "
-        "alternating rounds in one process, and the speed ratios are of the medians).", "",
+        f"absolute times are noisy; each model's engines take decode steps in {args.rounds} "
+        "alternating rounds per batch size in one process, and the speed ratios are of the medians).", "",
         "## The embedded tiny model", "",
         "f32 on CPU; its embeddings, tied to the LM head, stay f32. Perplexity on its held-out topics "
         "(scripts/train_tiny_model.py's split, 128-token windows); agreement over the first 32 greedy "

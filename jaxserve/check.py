@@ -106,10 +106,11 @@ def _compile(name: str, lowered, pool_bytes: int) -> Compiled:
         log.info("%s does not compile", name)
         return Compiled(name, time.perf_counter() - t0, 0, 0, 0, str(e).strip().splitlines()[0][:300])
     seconds = time.perf_counter() - t0
-    log.info("compiled %s in %.1f s", name, seconds)
-    cost = step_cost(compiled.as_text(), pool_bytes)
-    return Compiled(name, seconds, compiled.memory_analysis().temp_size_in_bytes, cost.whole_pool_copies,
-                    cost.heaviest_loop_cycles, None)
+    cost, temp = step_cost(compiled.as_text(), pool_bytes), compiled.memory_analysis().temp_size_in_bytes
+    # each result as it comes: a long check stopped part way still says what it found
+    log.info("compiled %s in %.1f s: temporaries %.1f MiB, %d whole-pool copies, heaviest loop body %d cycles",
+             name, seconds, temp / MiB, cost.whole_pool_copies, cost.heaviest_loop_cycles)
+    return Compiled(name, seconds, temp, cost.whole_pool_copies, cost.heaviest_loop_cycles, None)
 
 
 def quick_shapes(shapes: list[StepShape]) -> list[StepShape]:

@@ -2,6 +2,8 @@
 when the subcommand runs: the other subcommands' processes stay free of it until they need it)."""
 from __future__ import annotations
 
+from jaxserve.config import QUANTIZATION_MODES
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("check", help="compile every step for a TPU slice (no TPU, no weights needed) "
@@ -11,8 +13,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="directory holding the model's config.json (default: the config's model)")
     p.add_argument("--attention-backend", choices=["pallas_tpu", "xla"],
                    help="default: the config's (auto: pallas_tpu)")
-    p.add_argument("--quantization", choices=["int8", "int4"],
-                   help="weight-only quantization (default: the config's, or how the checkpoint is stored)")
+    p.add_argument("--quantization", choices=QUANTIZATION_MODES,
+                   help="quantized weights (default: the config's, or how the checkpoint is stored)")
     p.add_argument("--quick", action="store_true", help="only the largest and smallest decode steps, the "
                                                          "largest prefill step and the page copy (no sampler)")
     p.set_defaults(func=run)

@@ -26,7 +26,7 @@ from jaxserve.models import init_params
 from jaxserve.models.registry import architecture
 
 ORBAX_DIR = "orbax"
-QUANTIZATION_FILE = "quantization.json"   # beside ORBAX_DIR: {"quantization": null | "int8" | "int4"}
+QUANTIZATION_FILE = "quantization.json"   # beside ORBAX_DIR: {"quantization": null | a mode}
 
 
 def param_shapes(cfg: ModelConfig, dtype=jnp.float32, quantization: str | None = None) -> dict:

@@ -48,7 +48,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sp", type=int, help="sequence-parallel degree (mesh 'seq' axis)")
     p.add_argument("--dp", type=int, help="data-parallel replicas (mesh 'data' axis; `serve` only)")
     p.add_argument("--quantization", choices=QUANTIZATION_MODES,
-                   help="weight-only quantization of the Linear weights at load time (overrides the config)")
+                   help="quantize the Linear weights at load time: int8 / int4 weight-only, or w8a8 (int8 weights and per-token int8 activations); overrides the config")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3) with per-token scales")
     p.add_argument("--speculative-config", help='speculative decoding as JSON (the engine config key '

@@ -15,7 +15,7 @@ MAX_N = 16                             # choices per request
 MAX_LOGPROBS = 20                      # top-N logprobs per sampled token (the runner's sampler returns 20)
 MAX_LOGIT_BIAS = 300                   # logit_bias entries per request
 MAX_STOP_TOKEN_IDS = 64
-QUANTIZATION_MODES = ("int8", "int4")   # weight-only (jaxserve/quantization.py)
+QUANTIZATION_MODES = ("int8", "int4", "w8a8")   # int8 / int4 weight-only; w8a8 int8 x int8 (jaxserve/quantization.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")   # KV cache storage (jaxserve/kv_cache.py)
 
 
@@ -199,8 +199,8 @@ class EngineConfig:
     distributed: DistributedConfig | None = None
     # Speculative decoding (None: off); a dict (YAML, `LLM(speculative={...})`) becomes a SpeculativeConfig.
     speculative: SpeculativeConfig | None = None
-    # Weight-only quantization of the Linear weights at load time (jaxserve/quantization.py):
-    # None | int8 | int4. An orbax checkpoint written quantized (`jaxserve convert --quantization`) loads as it is.
+    # Quantization of the Linear weights at load time (jaxserve/quantization.py): None | int8 |
+    # int4 (weight-only) | w8a8 (int8 weights and per-token int8 activations). An orbax checkpoint written quantized (`jaxserve convert --quantization`) loads as it is.
     quantization: str | None = None
     # KV cache storage: auto (the model dtype) | int8 | fp8 (e4m3), with a scale per token and KV head
     # (jaxserve/kv_cache.py). Quantized caches hold about twice the pages (4x from float32).

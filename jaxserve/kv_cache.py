@@ -10,12 +10,20 @@ axis 1). On TPU head_dim is stored padded to whole 128 lanes (`pool_head_dim`; a
 q/k/v to it and cuts the output back).
 
 Quantized caches (`kv_cache_dtype` int8 or fp8, e4m3): K and V are stored in that dtype with one
-float32 scale per (page slot, KV head), k_scale / v_scale [num_pages, num_kv_heads, page_size]:
-each token's head vector is scaled so its largest magnitude is the dtype's largest value, which
-keeps outliers of one token from costing the precision of the others. The XLA path and the TPU
-kernel read the pools as they are and apply the scales to the scores (K) and to the weights (V);
-the GPU kernel dequantizes each K/V tile in shared memory once its copy is in. A dequantized copy
-of the cache is never made. Scales add 4 bytes per head_dim values.
+float32 scale per (page slot, KV head), k_scale / v_scale [num_pages, num_kv_heads, 1, lanes]:
+slot s of a page's KV head h is [page, h, 0, s]; lanes is page_size, on TPU rounded up to whole
+128 (`scale_lanes`; the lanes past page_size are never read). Why this shape: Mosaic takes a
+kernel's operands row-major with (rows, 128) tiles, and XLA:TPU keeps a [N, KVH, page_size] f32
+pool with the page index along lanes when page_size < 128, so it copied each whole scale pool
+into padded tiles before every kernel call (4x its size at page_size 32); a [.., 1, 128k] pool
+XLA keeps row-major in (1, 128) tiles at rest, and one (page, KV head) is one tile row, one DMA
+(benchmarks/results/kv_quantization.md). KV heads on axis 1, as in the pages: the scales shard
+with them. Each token's head vector is scaled so its largest magnitude is the dtype's largest
+value, which keeps outliers of one token from costing the precision of the others. The XLA path
+and the TPU kernel read the pools as they are and apply the scales to the scores (K) and to the
+weights (V); the GPU kernel dequantizes each K/V tile in shared memory once its copy is in. A
+dequantized copy of the cache is never made. Scales add 4 bytes per head_dim values (on TPU,
+512 bytes per page and KV head below page_size 128).
 
 The cache is one argument of the jitted step, donated and updated in place: a layer writes its
 new K/V with `LayerKV.write` and the step returns the new cache. Which page holds what is the
@@ -29,14 +37,13 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import PartitionSpec as P
 
 from jaxserve import parallel
 from jaxserve.config import ModelConfig
+from jaxserve.quantization import quantize_rows
 
 
 KV_CACHE_DTYPES = {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
-_LARGEST = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 
 
 def storage_dtype(kv_cache_dtype: str, model_dtype):
@@ -49,7 +56,7 @@ class LayerKV:
     """One layer's page pools (and, quantized, their scales)."""
     k: jax.Array   # [num_pages, num_kv_heads, page_size, head_dim]
     v: jax.Array
-    k_scale: jax.Array | None = None   # float32 [num_pages, num_kv_heads, page_size]; None: not quantized
+    k_scale: jax.Array | None = None   # float32 [num_pages, num_kv_heads, 1, lanes]; None: not quantized
     v_scale: jax.Array | None = None
 
     def write(self, k, v, slot_mapping) -> tuple["LayerKV", tuple[jax.Array, jax.Array]]:
@@ -65,18 +72,21 @@ class LayerKV:
         def put(pages, x):
             return pages.at[page, :, offset].set(x, mode="drop")
 
+        def put_scales(scales, x):
+            return scales.at[page, :, 0, offset].set(x, mode="drop")
+
         if self.k_scale is None:
             k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
             return LayerKV(put(self.k, k), put(self.v, v)), (k, v)
-        (k_stored, k_scale), (v_stored, v_scale) = quantize(k, self.k.dtype), quantize(v, self.v.dtype)
-        written = LayerKV(put(self.k, k_stored), put(self.v, v_stored), put(self.k_scale, k_scale),
-                          put(self.v_scale, v_scale))
+        (k_stored, k_scale), (v_stored, v_scale) = quantize_rows(k, self.k.dtype), quantize_rows(v, self.v.dtype)
+        written = LayerKV(put(self.k, k_stored), put(self.v, v_stored), put_scales(self.k_scale, k_scale),
+                          put_scales(self.v_scale, v_scale))
         return written, (_dequantize(k_stored, k_scale, k.dtype), _dequantize(v_stored, v_scale, v.dtype))
 
     def constrain(self, sharding) -> "LayerKV":
         """Re-assert the pools' sharding (after the write: left alone, XLA may reshard the cache
         to suit the attention math, which costs a cache all-gather)."""
-        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, _leading(sharding, x.ndim)), self)
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), self)
 
 
 @struct.dataclass
@@ -88,21 +98,26 @@ class KVCache:
              kv_cache_dtype: str = "auto") -> "KVCache":
         """The cache as ShapeDtypeStructs with their shardings (to lower a step without memory).
         dtype: the model's; kv_cache_dtype: "auto" (the model's), "int8" or "fp8"."""
-        head_dim = pool_head_dim(cfg.head_dim, parallel.platform(mesh))
-        sharding = parallel.kv_cache_sharding(cfg, mesh)
-        shape = (num_pages, cfg.num_kv_heads, page_size, head_dim)
+        platform = parallel.platform(mesh)
+        sharding = parallel.kv_cache_sharding(cfg, mesh)   # scales too: KV heads on axis 1
+        shape = (num_pages, cfg.num_kv_heads, page_size, pool_head_dim(cfg.head_dim, platform))
         pool = jax.ShapeDtypeStruct(shape, storage_dtype(kv_cache_dtype, dtype), sharding=sharding)
         scale = None
         if kv_cache_dtype != "auto":
-            scale = jax.ShapeDtypeStruct(shape[:3], jnp.float32, sharding=_leading(sharding, 3))
+            scale_shape = (num_pages, cfg.num_kv_heads, 1, scale_lanes(page_size, platform))
+            scale = jax.ShapeDtypeStruct(scale_shape, jnp.float32, sharding=sharding)
         return cls(tuple(LayerKV(pool, pool, scale, scale) for _ in range(cfg.num_layers)))
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype,
               kv_cache_dtype: str = "auto") -> "KVCache":
         """A zeroed cache (scales of 1), each array created on its devices already sharded."""
+        def filled(x, value):
+            return None if x is None else _filler(x.shape, x.dtype, value, x.sharding)()
+
         spec = cls.spec(cfg, mesh, num_pages, page_size, dtype, kv_cache_dtype)
-        return jax.tree.map(lambda x: _filler(x.shape, x.dtype, 1 if x.ndim == 3 else 0, x.sharding)(), spec)
+        return cls(tuple(LayerKV(filled(x.k, 0), filled(x.v, 0), filled(x.k_scale, 1), filled(x.v_scale, 1))
+                         for x in spec.layers))
 
     @property
     def num_pages(self) -> int:
@@ -141,27 +156,8 @@ def _filler(shape, dtype, value, sharding):
     return jax.jit(lambda: jnp.full(shape, value, dtype), out_shardings=sharding)
 
 
-def _leading(sharding, ndim: int):
-    """A pool's sharding (a NamedSharding, or a PartitionSpec inside shard_map) for its scales:
-    the same over their leading `ndim` axes."""
-    if isinstance(sharding, P):
-        return P(*sharding[:ndim])
-    return jax.sharding.NamedSharding(sharding.mesh, P(*sharding.spec[:ndim]))
-
-
-def quantize(x, dtype):
-    """x [T, KVH, D] -> (x in `dtype`, float32 [T, KVH] scales) with x ~= stored * scale: each
-    head vector's largest magnitude maps to the dtype's largest value (an all-zero one: scale 1)."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
-    scale = jnp.where(amax > 0, amax / _LARGEST[jnp.dtype(dtype)], 1.0)
-    scaled = x.astype(jnp.float32) / scale[..., None]
-    if jnp.issubdtype(dtype, jnp.integer):
-        scaled = jnp.round(scaled)
-    return scaled.astype(dtype), scale
-
-
 def _dequantize(stored, scale, dtype):
-    """quantize's (stored [T, KVH, D], scale [T, KVH]) back to values in `dtype`."""
+    """quantize_rows's (stored [T, KVH, D], scale [T, KVH]) back to values in `dtype`."""
     return (stored.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
@@ -170,19 +166,31 @@ def pool_head_dim(head_dim: int, platform: str) -> int:
     lays the pool out with the page index innermost, and every page read then relayouts the
     whole pool (measured: 24-48 whole-pool copies per step of the embedded model, head_dim 32).
     The padding costs memory (4x at head_dim 32, 2x at 64), which `page_bytes_per_chip` counts."""
-    return -(-head_dim // 128) * 128 if platform == "tpu" else head_dim
+    return _whole_tpu_lanes(head_dim, platform)
+
+
+def scale_lanes(page_size: int, platform: str) -> int:
+    """The lanes of a scale pool's last axis (one page's scales of one KV head). On TPU whole
+    128-lane tiles, for the reason pool_head_dim gives (the module docstring has the numbers)."""
+    return _whole_tpu_lanes(page_size, platform)
+
+
+def _whole_tpu_lanes(n: int, platform: str) -> int:
+    return -(-n // 128) * 128 if platform == "tpu" else n
 
 
 def page_bytes_per_chip(cfg: ModelConfig, dtype, page_size: int, model_axis: int, tpu: bool,
                         kv_cache_dtype: str = "auto") -> int:
     """K and V of one page in every layer (with their scales when quantized), on one chip (KV
     heads split over "model" when they divide). On TPU the pool's two minor dims (page slots,
-    head_dim) are stored in whole (sublanes, 128 lanes) tiles, so a head_dim of 32 takes 128 lanes."""
+    head_dim) are stored in whole (sublanes, 128 lanes) tiles, so a head_dim of 32 takes 128
+    lanes, and a page's scales of one KV head whole 128 lanes (scale_lanes)."""
     itemsize = storage_dtype(kv_cache_dtype, dtype).itemsize
-    slots, dim = page_size, cfg.head_dim
+    platform = "tpu" if tpu else "cpu"
+    slots, dim = page_size, pool_head_dim(cfg.head_dim, platform)
     if tpu:
-        slots, dim = -(-slots // (32 // itemsize)) * (32 // itemsize), pool_head_dim(dim, "tpu")
-    per_slot = dim * itemsize + (4 if kv_cache_dtype != "auto" else 0)
+        slots = -(-slots // (32 // itemsize)) * (32 // itemsize)
+    per_head = slots * dim * itemsize + (4 * scale_lanes(page_size, platform) if kv_cache_dtype != "auto" else 0)
     mesh = jax.sharding.AbstractMesh((1, 1, model_axis), parallel.MESH_AXES)
     split = model_axis if "model" in parallel.kv_cache_sharding(cfg, mesh).spec else 1
-    return 2 * cfg.num_layers * slots * cfg.num_kv_heads * per_slot // split
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head // split

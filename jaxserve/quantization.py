@@ -1,11 +1,20 @@
-"""Weight-only quantization: int8 (one scale per output channel) and int4 (one scale per group
-of 128 inputs, two values packed per byte).
+"""Quantized Linear weights: weight-only int8 (one scale per output channel) and int4 (one scale
+per group of 128 inputs, two values packed per byte), and w8a8: int8 weights as int8's, with the
+activations quantized to int8 per token at run time, so the matmul is an int8 x int8 -> int32 dot.
 
-A quantized Linear holds `qweight` and `scale` in place of `weight` ([out, in] as before):
+A quantized Linear holds `qweight` and a scale in place of `weight` ([out, in] as before):
   * int8: qweight int8 [out, in], scale f32 [out];
   * int4: qweight uint8 [out, in / 2] (byte k of a group of 128 inputs: input k in the low
-    nibble, input k + 64 in the high one), scale f32 [out, in / 128].
-The mode is read from the scale's rank, so the params tree alone says how to multiply.
+    nibble, input k + 64 in the high one), scale f32 [out, in / 128];
+  * w8a8: qweight int8 [out, in], channel_scale f32 [out] (the activations' scales, one per
+    token, exist only inside the step).
+The mode is read from the scale's name and rank, so the params tree alone says how to multiply.
+
+w8a8 is the CPU's fast int8 path: XLA CPU has an int8 x int8 dot (2.5x the f32 dot at 16 rows of
+a [8192, 2048] weight, 1.7x at one row: benchmarks/results/quantization.md), and none that takes
+int8 weights with float activations. Its cost is accuracy: each token's activations are rounded
+to 255 levels of their largest magnitude, which models with outlier activation channels (large
+LLMs) feel; the held-out perplexity of tests/test_quantized_engine.py bounds it on the tiny model.
 int4 is packed into uint8 by hand rather than held as jnp.int4: on XLA CPU a jnp.int4 array
 takes one byte per value on device (`on_device_size_in_bytes`), and orbax stores uint8 as
 any other dtype; the unpacking (two shifts) fuses into the dequantization on every backend.
@@ -30,7 +39,8 @@ import jax.numpy as jnp
 
 from jaxserve.config import QUANTIZATION_MODES as MODES
 
-LEAVES = ("qweight", "scale")      # what a quantized Linear holds instead of `weight`
+SCALES = {"int8": "scale", "int4": "scale", "w8a8": "channel_scale"}   # each mode's scale leaf
+LEAVES = ("qweight", "scale", "channel_scale")   # what a quantized Linear may hold instead of `weight`
 GROUP = 128                   # int4: inputs per scale
 UNQUANTIZED = ("lm_head",)    # Linear modules kept in the model dtype
 BLOCK_ELEMENTS = 1 << 15      # CPU: weight elements dequantized at once (128 KiB in f32)
@@ -45,10 +55,9 @@ def quantize_weight(w, mode: str) -> dict:
     """{"qweight", "scale"} of a Linear weight [out, in] (symmetric, round to nearest)."""
     w = jnp.asarray(w, jnp.float32)
     out, inp = w.shape
-    if mode == "int8":
-        scale = _nonzero(jnp.max(jnp.abs(w), axis=1) / 127)
-        q = jnp.clip(jnp.round(w / scale[:, None]), -127, 127).astype(jnp.int8)
-        return {"qweight": q, "scale": scale}
+    if mode in ("int8", "w8a8"):
+        q, scale = quantize_rows(w, jnp.int8)
+        return {"qweight": q, SCALES[mode]: scale}
     if inp % GROUP:
         raise ValueError(f"int4 quantization needs a weight's input size to be a multiple of {GROUP}, got {inp}")
     groups = w.reshape(out, inp // GROUP, GROUP)
@@ -57,6 +66,21 @@ def quantize_weight(w, mode: str) -> dict:
     half = GROUP // 2
     packed = nibbles[..., :half] | (nibbles[..., half:] << 4)
     return {"qweight": packed.reshape(out, inp // 2), "scale": scale}
+
+
+_LARGEST = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+def quantize_rows(x, dtype):
+    """x [..., n] -> (x in `dtype` (int8 or fp8), float32 [...] scales) with x ~= stored * scale:
+    each row's largest magnitude maps to the dtype's largest value (an all-zero row: scale 1).
+    Rows: a KV cache's head vectors (kv_cache.py), int8 weights' output channels, w8a8's tokens."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    scale = jnp.where(amax > 0, amax / _LARGEST[jnp.dtype(dtype)], 1.0)
+    scaled = x.astype(jnp.float32) / scale[..., None]
+    if jnp.issubdtype(dtype, jnp.integer):
+        scaled = jnp.round(scaled)
+    return scaled.astype(dtype), scale
 
 
 def _nonzero(scale):
@@ -124,13 +148,31 @@ def _blocked_dot(x, qweight, scale, dtype):
     return jnp.moveaxis(y, 0, -1).reshape(*x.shape[:-1], out)
 
 
-def matmul(x, qweight, scale, dtype):
-    """x @ W.T for a quantized W, in `dtype`; the formulation is chosen by the platform the
-    program is lowered for (compile-only TPU devices on a CPU host included)."""
+def _int8_dot(x, qweight, scale, dtype):
+    """w8a8: x quantized per token, an int8 x int8 -> int32 dot (exact: |sum| <= 127^2 * in, under
+    2^31 for up to 133,000 inputs), then the token's and the channel's scales."""
+    xq, x_scale = quantize_rows(x, jnp.int8)
+    acc = jax.lax.dot_general(xq, qweight, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    return (acc.astype(jnp.float32) * x_scale[..., None] * scale).astype(dtype)
+
+
+def _int8_dot_two_rows(x, qweight, scale, dtype):
+    """CPU: _int8_dot with at least two rows. XLA CPU's int8 dot of a single row takes a path
+    17x slower than two rows (measured on a [8192, 2048] weight), so one row is doubled."""
+    if x.size != x.shape[-1]:
+        return _int8_dot(x, qweight, scale, dtype)
+    flat = x.reshape(1, -1)
+    return _int8_dot(jnp.concatenate([flat, flat]), qweight, scale, dtype)[:1].reshape(*x.shape[:-1], -1)
+
+
+def matmul(x, qweight, scale, dtype, int8_activations: bool = False):
+    """x @ W.T for a quantized W, in `dtype`: weight-only (int8 or int4, told apart by the scale's
+    rank), or with int8_activations w8a8's int8 x int8 dot. The formulation is chosen by the
+    platform the program is lowered for (compile-only TPU devices on a CPU host included)."""
     x = x.astype(dtype)
-    return jax.lax.platform_dependent(
-        x, qweight, scale, cpu=functools.partial(_blocked_dot, dtype=dtype),
-        default=functools.partial(_dot, dtype=dtype))
+    cpu, default = (_int8_dot_two_rows, _int8_dot) if int8_activations else (_blocked_dot, _dot)
+    return jax.lax.platform_dependent(x, qweight, scale, cpu=functools.partial(cpu, dtype=dtype),
+                                      default=functools.partial(default, dtype=dtype))
 
 
 def quantizable(keys: tuple[str, ...], leaf) -> bool:
@@ -167,7 +209,7 @@ def quantize_params(params, mode: str | None, shardings=None):
 
 def quantize_placed(weight, mode: str, shardings: dict | None) -> dict:
     """quantize_weight, its qweight and scale placed by `shardings` (None: where jit puts them)."""
-    out = None if shardings is None else {k: shardings[k] for k in LEAVES}
+    out = None if shardings is None else {k: shardings[k] for k in ("qweight", SCALES[mode])}
     return jax.jit(functools.partial(quantize_weight, mode=mode), out_shardings=out)(weight)
 
 

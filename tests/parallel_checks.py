@@ -1,6 +1,9 @@
-"""Multi-device checks, run by tests/test_parallel.py in a subprocess with 8 fake CPU devices:
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.parallel_checks <check>
-prints one JSON line of measured values; the pytest side asserts on them. Reference:
+"""Multi-device checks, run by tests/test_parallel.py in one subprocess with 8 fake CPU devices:
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.parallel_checks MODEL_DIR [check ...]
+prints one JSON line, {check: its measured values, or {"error": traceback}}, for the given checks
+(all by default) on the engine model saved at MODEL_DIR (tests.hf_models.save_engine_model); the
+pytest side asserts on them. One process for all: jax, the models and the one-device references
+are loaded once. Reference:
 jaxserve.generate.greedy_generate on one device (contiguous cache, no mesh, no sharding).
 Also the helpers of tests/multihost_worker.py and benchmarks/parallel.py.
 """
@@ -11,6 +14,7 @@ import functools
 import json
 import sys
 import tempfile
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -254,7 +258,7 @@ def check_data_parallel(model_dir: str) -> dict:
                                       for d in x.devices()}) for t in dp.threads]}
 
 
-def check_engine_sequence_parallel(model_dir: str, mesh: str) -> dict:
+def check_engine_sequence_parallel(model_dir: str, shape: dict) -> dict:
     """The engine on a mesh with a "seq" axis: prefill chunks go through
     sequence_parallel_prefill (counted), chunked prompts reach their cached chunks, decodes run
     in the batched step; greedy tokens against one device. Warm-up first, then no compilation."""
@@ -265,7 +269,6 @@ def check_engine_sequence_parallel(model_dir: str, mesh: str) -> dict:
     rng = np.random.default_rng(4)
     ps = [rng.integers(0, 256, n).tolist() for n in (5, 40, 70, 23)]  # 70: three 32-token chunks
     ref = greedy_generate(cfg, checkpoint.load_params(model_dir, cfg), ps, NEW_TOKENS)
-    shape = json.loads(mesh)
     ecfg = EngineConfig(model=model_dir, mesh=shape, max_num_seqs=4, max_num_batched_tokens=32,
                         prefill_chunk_size=32, max_prefill_seqs=1, max_model_len=96, num_pages=48,
                         page_size=8, compilation_cache_dir=None)
@@ -289,23 +292,37 @@ def check_engine_sequence_parallel(model_dir: str, mesh: str) -> dict:
             "compiles_after_warmup": CompileCounter.count - compiles}
 
 
+# engine_sp first: its count of compilations after warm-up must not find programs that an
+# earlier check compiled in this process.
 CHECKS = {
-    "tp": lambda: check_generate([("even", {"model": 2}, False), ("even", {"model": 4}, False),
-                                  ("even", {"model": 8}, False), ("gqa2", {"model": 4}, False)]),
-    "sp": lambda: check_generate([("even", {"seq": 2}, True), ("even", {"seq": 4}, True),
-                                  ("even", {"model": 2, "seq": 2}, True)]),
+    "engine_sp": lambda model_dir: check_engine_sequence_parallel(model_dir, {"model": 2, "seq": 2}),
+    "dp": check_data_parallel,
+    "tp": lambda _: check_generate([("even", {"model": 2}, False), ("even", {"model": 4}, False),
+                                    ("even", {"model": 8}, False), ("gqa2", {"model": 4}, False)]),
+    "sp": lambda _: check_generate([("even", {"seq": 2}, True), ("even", {"seq": 4}, True),
+                                    ("even", {"model": 2, "seq": 2}, True)]),
     # The KV-head shard_map around the Pallas kernels is one piece for both platforms; it runs
     # here with the TPU kernels. Interpret-mode Mosaic GPU under TP ran past 40 minutes on the
     # 2-core CI box; the GPU kernels' numerics are checked on their own (test_gpu_kernels.py).
-    "pallas_tp": lambda: check_generate([("even", {"model": 2}, False, "pallas_tpu"),
-                                         ("alibi", {"model": 2}, False, "pallas_tpu")]),
-    "hlo": check_hlo,
-    "param_bytes": check_param_bytes,
-    "dp": check_data_parallel,
-    "engine_sp": check_engine_sequence_parallel,
+    "pallas_tp": lambda _: check_generate([("even", {"model": 2}, False, "pallas_tpu"),
+                                           ("alibi", {"model": 2}, False, "pallas_tpu")]),
+    "hlo": lambda _: check_hlo(),
+    "param_bytes": lambda _: check_param_bytes(),
 }
+
+
+def run_checks(model_dir: str, names: list[str]) -> dict:
+    """Each check's values, or its traceback: one failing check fails only its own test."""
+    results = {}
+    for name in names:
+        try:
+            results[name] = CHECKS[name](model_dir)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
 
 if __name__ == "__main__":
     if jax.device_count() < 8:
         sys.exit("needs 8 devices: set XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    print(json.dumps(CHECKS[sys.argv[1]](*sys.argv[2:])))
+    print(json.dumps(run_checks(sys.argv[1], sys.argv[2:] or list(CHECKS))))

@@ -1,6 +1,7 @@
 """The real server (`python -m jaxserve.cli serve`) in a subprocess, for server tests."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -18,28 +19,41 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from jaxserve.config import EngineConfig
 from jaxserve.executables import source_digest
 from tests.hf_models import save_engine_model
 
+# The test engines' executable stores (store_of) and start locks (built_once), kept between runs.
+TEST_STORE = os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")
 # Few buckets: 4 decode shapes (1-8 sequences, one page bucket) + 2 prefill shapes to compile.
-# The executable store is shared by the test servers of all test processes and kept between runs.
 TEST_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, prefill_chunk_size=32, max_prefill_seqs=1,
-                   max_model_len=128, page_size=32, num_pages=64,
-                   compilation_cache_dir=os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache"))
+                   max_model_len=128, page_size=32, num_pages=64)
 READY_TIMEOUT_S = 900   # a cold compilation cache on a busy 2-core machine
 
-# The API tests' server (test_server.py, test_server_extras.py: same model path and settings, so
-# the second loads the first one's executables): a byte-level model, every id a byte or <s> / </s>, with a
-# context long enough that a batch of requests runs for seconds even on a quiet machine.
+# The API tests' server (test_server.py, test_server_extras.py, test_slow_clients.py,
+# test_serve_bench.py, test_server_cli.py: same model and settings, so the later ones load the
+# first one's executables): a byte-level model, every id a byte or <s> / </s>, with a context
+# long enough that a batch of requests runs for seconds even on a quiet machine.
 BYTES_MAX_LEN = 2048
+BYTES_MODEL = dict(vocab_size=258, max_position_embeddings=BYTES_MAX_LEN)   # save_engine_model's overrides
 BYTES_ENGINE = dict(max_queue_size=64, max_model_len=BYTES_MAX_LEN,
                     num_pages=TEST_ENGINE["max_num_seqs"] * BYTES_MAX_LEN // TEST_ENGINE["page_size"])
 
 
+def store_of(engine: dict) -> str:
+    """The executable store of test engines with these settings, shared by every test process: a
+    directory of TEST_STORE for each program settings (host-only ones left out, as in the store's
+    own key), because a store keeps only the executables of its 8 most recently used engines
+    (executables.KEEP_CONTEXTS) and the suite builds more than 8: in one store, the engines
+    built between two files that share one would push it out."""
+    key = sorted((k, v) for k, v in engine.items() if k not in EngineConfig.HOST_ONLY)
+    return os.path.join(TEST_STORE, hashlib.sha256(repr(key).encode()).hexdigest()[:16])
+
+
 def shared_model(tmp_path_factory, name: str, **overrides) -> str:
     """save_engine_model(**overrides) saved once per test session, at one path for every xdist
-    worker: the executable store's key holds the model's path, so servers of the same model and
-    settings in any test file then load what the first one compiled."""
+    worker: the start lock's key (built_once) holds the model's path, so servers of the same
+    model and settings in any test file then load what the first one compiled."""
     base = tmp_path_factory.getbasetemp()
     path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
     if not path.exists():
@@ -52,9 +66,28 @@ def shared_model(tmp_path_factory, name: str, **overrides) -> str:
     return str(path)
 
 
+# The servers whose requests must still be running when something happens to them (a signal:
+# test_shutdown.py; a failing step, a deadline: test_faults.py): one model and one engine, so
+# their executables are built once for both files. Room for 4 running requests of up to 4096
+# tokens; few step shapes.
+LONG_MAX_LEN = 4096
+LONG_ENGINE = dict(max_model_len=LONG_MAX_LEN, num_pages=520, max_num_seqs=4, max_num_batched_tokens=16,
+                   prefill_chunk_size=16)
+
+
+def long_model(tmp_path_factory) -> str:
+    """The path of the seeded byte-level model of LONG_ENGINE's servers, shared."""
+    return shared_model(tmp_path_factory, "long-model", vocab_size=258, max_position_embeddings=LONG_MAX_LEN)
+
+
+def bytes_model_dir(tmp_path_factory) -> str:
+    """The path of the seeded byte-level model of BYTES_ENGINE's servers, shared."""
+    return shared_model(tmp_path_factory, "bytes-model", **BYTES_MODEL)
+
+
 def bytes_model(tmp_path_factory):
     """(path, the transformers model, its tokenizer) of the seeded byte-level model, shared."""
-    path = shared_model(tmp_path_factory, "bytes-model", vocab_size=258, max_position_embeddings=BYTES_MAX_LEN)
+    path = bytes_model_dir(tmp_path_factory)
     return path, AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
@@ -67,8 +100,9 @@ def free_port() -> int:
 class ServerProcess:
     def __init__(self, workdir, model_dir: str, *args: str, **engine):
         self.config = os.path.join(workdir, "engine.yaml")
+        settings = {**TEST_ENGINE, **engine}
         with open(self.config, "w") as f:
-            yaml.safe_dump({**TEST_ENGINE, **engine}, f)
+            yaml.safe_dump({**settings, "compilation_cache_dir": store_of(settings)}, f)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(workdir, "server.log")
@@ -136,20 +170,28 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start(workdir, model_dir: str, *args: str, **engine) -> ServerProcess:
-    """A warm server (every step shape built, see ServerProcess.wait_warm). The first server of a
-    model and engine settings in the store compiles and stores its executables alone, holding a
-    lock file there until its background warm-up is done too; servers of the same model and
-    settings, from any test process, wait for it and then load them (at once, in parallel).
-    `args` are not in the lock's key: one that changes the engine (--tp) at worst starts cold."""
-    store = os.path.join(TEST_ENGINE["compilation_cache_dir"], "test-starts")
+@contextlib.contextmanager
+def built_once(*key):
+    """Around building a warm engine whose executables go to the test store (a server until
+    wait_warm, an LLM until warmup() returns). The first builder of `key` (with the sources'
+    digest) compiles and stores alone, holding a lock file in the store; the others, from any
+    test process, wait for it and then load what it stored (at once, in parallel)."""
+    store = os.path.join(TEST_STORE, "test-starts")
     os.makedirs(store, exist_ok=True)
-    marker = os.path.join(store, hashlib.sha256(repr(
-        (source_digest(), model_dir, sorted({**TEST_ENGINE, **engine}.items()))).encode()).hexdigest())
+    marker = os.path.join(store, hashlib.sha256(repr((source_digest(), *key)).encode()).hexdigest())
     with open(marker + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(marker):   # stored: no need to wait for one another
             fcntl.flock(lock, fcntl.LOCK_UN)
+        yield
+        open(marker, "w").close()
+
+
+def start(workdir, model_dir: str, *args: str, **engine) -> ServerProcess:
+    """A warm server (every step shape built, see ServerProcess.wait_warm), built once per model
+    and engine settings (built_once). `args` are not in the key: one that changes the engine
+    (--tp) at worst starts cold."""
+    with built_once(model_dir, sorted({**TEST_ENGINE, **engine}.items())):
         server = ServerProcess(workdir, model_dir, *args, **engine)
         try:
             server.wait_ready()
@@ -157,7 +199,6 @@ def start(workdir, model_dir: str, *args: str, **engine) -> ServerProcess:
         except BaseException:
             server.kill()
             raise
-        open(marker, "w").close()
     return server
 
 

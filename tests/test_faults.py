@@ -20,15 +20,11 @@ import requests
 
 from jaxserve.engine import FAULT_STEPS_ENV
 from jaxserve.server.http_server import ENGINE_LOST_EXIT
-from tests.hf_models import save_engine_model
-from tests.server_harness import ServerProcess
+from tests.server_harness import LONG_ENGINE, long_model, start
 
-# test_shutdown's engine (its step shapes are in the shared compilation cache): 4 running at most.
-ENGINE = dict(max_model_len=640, num_pages=96, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16)
 MAX_TOKENS = 600        # about 2 s of steps here: still running at the fault, past the deadlines
 FAULT_STEP = 500        # steps are about 1 ms: after the requests below are all in, before they end
 # The deadline server's requests run for 2 s or more, well past both deadlines.
-DEADLINE_ENGINE = dict(ENGINE, max_model_len=2048, num_pages=264)
 LONG_TOKENS = 2000
 SERVER_TIMEOUT_S = 1.0  # its --request-timeout
 BODY_TIMEOUT_S = 0.2    # a request's own, shorter, `timeout`
@@ -36,20 +32,17 @@ BODY_TIMEOUT_S = 0.2    # a request's own, shorter, `timeout`
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """Three servers, started together (start-up dominates): one failing step, steps failing in
-    a row, deadlines."""
-    model = str(tmp_path_factory.mktemp("model") / "tiny")
-    save_engine_model(model, vocab_size=258)
-    specs = {"fault": ({FAULT_STEPS_ENV: str(FAULT_STEP)}, [], ENGINE),
-             "lost": ({FAULT_STEPS_ENV: "1,2"}, [], dict(ENGINE, max_failed_steps=2)),
-             "deadline": ({}, ["--request-timeout", str(SERVER_TIMEOUT_S)], DEADLINE_ENGINE)}
+    """Three servers of test_shutdown.py's model and engine (4 running at most; the executables
+    are built once for both files): deadlines, one failing step, steps failing in a row."""
+    model = long_model(tmp_path_factory)
+    specs = {"deadline": ({}, ["--request-timeout", str(SERVER_TIMEOUT_S)], LONG_ENGINE),
+             "fault": ({FAULT_STEPS_ENV: str(FAULT_STEP)}, [], LONG_ENGINE),
+             "lost": ({FAULT_STEPS_ENV: "1,2"}, [], dict(LONG_ENGINE, max_failed_steps=2))}
     started = {}
-    for name, (env, args, engine) in specs.items():
-        with mock.patch.dict(os.environ, env):
-            started[name] = ServerProcess(tmp_path_factory.mktemp(name), model, *args, **engine)
     try:
-        with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
-            list(pool.map(ServerProcess.wait_ready, started.values()))
+        for name, (env, args, engine) in specs.items():
+            with mock.patch.dict(os.environ, env):   # the server process inherits it
+                started[name] = start(tmp_path_factory.mktemp(name), model, *args, **engine)
         yield started
     finally:
         for server in started.values():

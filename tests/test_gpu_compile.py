@@ -104,7 +104,7 @@ def test_paged_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
     head_dim, window, max_q, page_size, kv_block, score_mods, pool_dtype = PAGED[name]
     tokens, num_heads, num_kv_heads, num_pages, seqs, pages_per_seq = 125, 32, 8, 512, 64, 64
     pages = spec(h100, (num_pages, num_kv_heads, page_size, head_dim), jnp.dtype(pool_dtype))
-    scales = spec(h100, pages.shape[:3], jnp.float32) if pool_dtype != "bfloat16" else None
+    scales = spec(h100, (num_pages, num_kv_heads, 1, page_size), jnp.float32) if pool_dtype != "bfloat16" else None
     args = [spec(h100, (tokens, num_heads, head_dim)), pages, pages,
             spec(h100, (seqs, pages_per_seq), jnp.int32), spec(h100, (seqs,), jnp.int32),
             spec(h100, (seqs + 1,), jnp.int32), spec(h100, (num_heads,), jnp.float32) if score_mods else None,

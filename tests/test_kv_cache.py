@@ -78,7 +78,7 @@ def test_abstract_keeps_shapes_dtypes_and_shardings():
 def test_quantized_write_stores_each_head_vector_with_its_scale():
     cache = KVCache.zeros(CFG, parallel.make_mesh({}), NUM_PAGES, PAGE_SIZE, jnp.float32, "int8")
     layer = cache.layers[0]
-    assert layer.k.dtype == jnp.int8 and layer.k_scale.shape == (NUM_PAGES, CFG.num_kv_heads, PAGE_SIZE)
+    assert layer.k.dtype == jnp.int8 and layer.k_scale.shape == (NUM_PAGES, CFG.num_kv_heads, 1, PAGE_SIZE)
     rng = np.random.default_rng(3)
     k, v = (rng.standard_normal((3, CFG.num_kv_heads, CFG.head_dim)).astype(np.float32) for _ in "kv")
     k[1, 0] = 0   # an all-zero head vector: scale 1, stored zeros
@@ -90,14 +90,25 @@ def test_quantized_write_stores_each_head_vector_with_its_scale():
             page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
             amax = np.abs(new[t]).max(axis=-1)
             want_scale = np.where(amax > 0, amax / 127, 1).astype(np.float32)
-            np.testing.assert_allclose(np.asarray(scales[page, :, offset]), want_scale, rtol=1e-6)
+            np.testing.assert_allclose(np.asarray(scales[page, :, 0, offset]), want_scale, rtol=1e-6)
             np.testing.assert_array_equal(np.asarray(stored[page, :, offset]),
                                           np.round(new[t] / want_scale[:, None]).astype(np.int8))
             # what write gives back is what the pools hold, bit for bit: stored * scale
             np.testing.assert_array_equal(np.asarray(back[t]), np.asarray(stored[page, :, offset], np.float32)
-                                          * np.asarray(scales[page, :, offset])[:, None])
+                                          * np.asarray(scales[page, :, 0, offset])[:, None])
     assert cache.nbytes == NUM_PAGES * page_bytes_per_chip(CFG, jnp.float32, PAGE_SIZE, 1, tpu=False,
                                                           kv_cache_dtype="int8")
+
+
+def test_tpu_page_bytes_count_the_scales_whole_lanes():
+    """On TPU a page's scales of one KV head take whole 128 lanes (kv_cache.scale_lanes), and the
+    int8 pool's head_dim 8 takes 128 lanes and page slots whole 32-row int8 tiles."""
+    per_head = {32: 32 * 128 + 128 * 4, 256: 256 * 128 + 256 * 4, 16: 32 * 128 + 128 * 4}
+    for page_size, head_bytes in per_head.items():
+        assert page_bytes_per_chip(CFG, jnp.float32, page_size, 1, tpu=True, kv_cache_dtype="int8") == \
+            2 * CFG.num_layers * CFG.num_kv_heads * head_bytes, page_size
+    assert [kv_cache.scale_lanes(n, "tpu") for n in (16, 128, 160)] == [128, 128, 256]
+    assert [kv_cache.scale_lanes(n, p) for n in (16, 160) for p in ("cpu", "gpu")] == [16, 16, 160, 160]
 
 
 def test_kv_cache_dtype_is_checked_and_reaches_the_engine_config():
@@ -111,10 +122,10 @@ def test_flash_path_quantizes_the_new_kv_once(monkeypatch):
     """A Pallas step with a fresh prefill row (flash fed this step's K/V) quantizes K and V once
     each, in LayerKV.write, and the flash kernel takes what write gives back."""
     calls = []
-    quantize = kv_cache.quantize
-    monkeypatch.setattr(kv_cache, "quantize", lambda x, dtype: calls.append(dtype) or quantize(x, dtype))
+    quantize_rows = kv_cache.quantize_rows
+    monkeypatch.setattr(kv_cache, "quantize_rows", lambda x, dtype: calls.append(dtype) or quantize_rows(x, dtype))
     t, kvh, ps, d = 8, 2, 16, 64
-    pool, scales = jnp.zeros((4, kvh, ps, d), jnp.int8), jnp.ones((4, kvh, ps), jnp.float32)
+    pool, scales = jnp.zeros((4, kvh, ps, d), jnp.int8), jnp.ones((4, kvh, 1, ps), jnp.float32)
     meta = attention.AttentionMetadata(
         positions=None, slot_mapping=jnp.arange(t), page_table=jnp.zeros((2, 1), jnp.int32),
         seq_lens=jnp.array([t, 0]), query_start_loc=jnp.array([0, t, t]), max_q=t, num_prefill_rows=1,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxserve import attention, kv_cache
+from jaxserve import attention, kv_cache, quantization
 from pallas_kernels.paged_attention import gpu, reference, tpu, xla
 
 TOL = {"float32": 2e-3, "bfloat16": 2e-2}
@@ -254,7 +254,8 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="
     """attend() on a runner-style step (prefill rows first): returns (output, case with the
     written pages), for the naive oracle. pool_head_dim > 64: pools with zero lanes past head_dim
     64, as TPU pools store them (kv_cache.pool_head_dim); the returned pages are cut back to 64.
-    kv_dtype int8 / fp8: quantized pools; the returned pages are the written ones dequantized."""
+    kv_dtype int8 / fp8: quantized pools, scales in 128 lanes (NaN past page_size 16) as a TPU
+    stores them; the returned pages are the written ones dequantized."""
     case = make_case(2, seqs=seqs, num_kv_heads=2, group=2, head_dim=64, page_size=16,
                      dtype="float32", pad_tokens=5, sliding_window=sliding_window, **mods)
     rng = np.random.default_rng(3)
@@ -272,7 +273,7 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="
     lanes = ((0, 0),) * 3 + ((0, pool_head_dim - 64),)
     pools = kv_cache.LayerKV(*(jnp.pad(case[name], lanes) for name in ("k_pages", "v_pages")))
     if kv_dtype != "auto":
-        (k_pool, k_scale, _), (v_pool, v_scale, _) = (quantized(x, kv_cache.KV_CACHE_DTYPES[kv_dtype])
+        (k_pool, k_scale, _), (v_pool, v_scale, _) = (quantized(x, kv_cache.KV_CACHE_DTYPES[kv_dtype], lanes=128)
                                                       for x in (pools.k, pools.v))
         pools = kv_cache.LayerKV(k_pool, v_pool, k_scale, v_scale)
     out, written = attention.attend(case["q"], k, v, pools, meta, sliding_window=sliding_window,
@@ -280,7 +281,7 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="
                                                alibi_slopes=case["alibi_slopes"])
     k_pages, v_pages = written.k, written.v
     if kv_dtype != "auto":
-        k_pages, v_pages = (np.asarray(x, np.float64) * np.asarray(scale, np.float64)[..., None]
+        k_pages, v_pages = (np.asarray(x, np.float64) * slot_scales(scale, ps)[..., None]
                             for x, scale in ((k_pages, written.k_scale), (v_pages, written.v_scale)))
     assert k_pages.shape[-1] == pool_head_dim and not np.asarray(k_pages[..., 64:]).any()
     return out, dict(case, k_pages=k_pages[..., :64], v_pages=v_pages[..., :64])
@@ -335,14 +336,22 @@ def test_flash_runs_only_for_fresh_prefill_rows(monkeypatch, backend):
     assert_close(out, case)
 
 
-def quantized(pages, dtype):
-    """A [N, KVH, ps, D] pool through kv_cache.quantize (per slot and head): (stored, scales, the
-    dequantized pool in float64 for the oracle)."""
+def quantized(pages, dtype, lanes=None):
+    """A [N, KVH, ps, D] pool through quantization.quantize_rows (per slot and head): (stored, scales as
+    kv_cache.py lays them out, [N, KVH, 1, lanes], the dequantized pool in float64 for the
+    oracle). lanes > ps (a TPU's whole 128): the lanes past ps hold NaN, which no path may read."""
     n, kvh, ps, d = pages.shape
-    stored, scale = kv_cache.quantize(pages.transpose(0, 2, 1, 3).reshape(n * ps, kvh, d), dtype)
+    stored, scale = quantization.quantize_rows(pages.transpose(0, 2, 1, 3).reshape(n * ps, kvh, d), dtype)
     stored = stored.reshape(n, ps, kvh, d).transpose(0, 2, 1, 3)
     scale = scale.reshape(n, ps, kvh).transpose(0, 2, 1)
-    return stored, scale, np.asarray(stored, np.float64) * np.asarray(scale, np.float64)[..., None]
+    deq = np.asarray(stored, np.float64) * np.asarray(scale, np.float64)[..., None]
+    scale = jnp.pad(scale[:, :, None], ((0, 0), (0, 0), (0, 0), (0, (lanes or ps) - ps)), constant_values=np.nan)
+    return stored, scale, deq
+
+
+def slot_scales(scale_pool, page_size):
+    """[N, KVH, 1, lanes] scales -> float64 [N, KVH, page_size]."""
+    return np.asarray(scale_pool, np.float64)[:, :, 0, :page_size]
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])   # the GPU kernel's: test_gpu_kernels.py
@@ -355,7 +364,8 @@ def test_paged_paths_read_quantized_pools_through_their_scales(kv_dtype, config,
     case = make_case(5, seqs=mixed_batch(page_size), num_kv_heads=kvh, group=group, head_dim=head_dim,
                      page_size=page_size, dtype=dtype, pad_tokens=3, sliding_window=window)
     storage = kv_cache.KV_CACHE_DTYPES[kv_dtype]
-    (k, k_scale, k_deq), (v, v_scale, v_deq) = (quantized(case[name], storage) for name in ("k_pages", "v_pages"))
+    lanes = kv_cache.scale_lanes(page_size, "tpu")   # as TPU pools hold them (both paths run on TPUs)
+    (k, k_scale, k_deq), (v, v_scale, v_deq) = (quantized(case[name], storage, lanes) for name in ("k_pages", "v_pages"))
     lens, table = np.asarray(case["seq_lens"]), np.asarray(case["page_table"])
     read = {int(table[s, p]) for s in range(len(lens)) for p in range(-(-int(lens[s]) // page_size))}
     unread = np.array(sorted(set(range(k.shape[0])) - read))
@@ -368,7 +378,7 @@ def test_paged_paths_read_quantized_pools_through_their_scales(kv_dtype, config,
     assert_close(out, dict(case, k_pages=k_deq, v_pages=v_deq))
     # and the quantization itself is as fine as the dtype allows: int8 half a step of the scale;
     # e4m3 half a unit in the last of 3 mantissa bits, or half its subnormal step (2^-9 x scale)
-    pages, step = np.asarray(case["k_pages"], np.float64), np.asarray(k_scale, np.float64)[..., None]
+    pages, step = np.asarray(case["k_pages"], np.float64), slot_scales(k_scale, page_size)[..., None]
     bound = step / 2 if kv_dtype == "int8" else np.abs(pages) * 2.0 ** -4 + step * 2.0 ** -10
     used = np.array(sorted(read))
     assert np.all(np.abs(k_deq - pages)[used] <= bound[used] * (1 + 1e-6) + 1e-7)

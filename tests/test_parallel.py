@@ -100,31 +100,44 @@ def test_every_param_has_logical_axes_of_its_rank():
         assert len(a) == len(s.shape) and all(n in parallel.LOGICAL_RULES for n in a)
 
 
-def run_check(name: str, *args: str) -> dict:
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory) -> dict:
+    """Every check of tests/parallel_checks.py, run once in one subprocess (8 fake devices) on
+    one saved engine model: {check: its values, or {"error": traceback}}."""
+    from tests.hf_models import save_engine_model
+
+    model_dir = str(tmp_path_factory.mktemp("parallel_model"))
+    save_engine_model(model_dir)
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.run([sys.executable, "-m", "tests.parallel_checks", name, *args], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=1200)
+    proc = subprocess.run([sys.executable, "-m", "tests.parallel_checks", model_dir], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def result(checks: dict, name: str) -> dict:
+    r = checks[name]
+    assert "error" not in r, r["error"]
+    return r
+
+
 @pytest.mark.parametrize("check", ["tp", "sp", "pallas_tp"])
-def test_same_greedy_tokens_and_logits_as_one_device(check):
+def test_same_greedy_tokens_and_logits_as_one_device(checks, check):
     # tp: TP 2, 4, 8 on 8 heads / 8 kv heads, TP 4 on 2 kv heads; sp: sequence-parallel
     # prefill (one prompt with a cached prefix) on SP 2, 4 and TP x SP 2x2, then decoding;
     # pallas_tp: TP 2 through the Pallas kernels' shard_map (the TPU kernels, interpret mode),
     # also with ALiBi (each device's slopes are its heads').
-    results = run_check(check)
+    results = result(checks, check)
     assert len(results) == {"tp": 4, "sp": 3, "pallas_tp": 2}[check]
     for case, r in results.items():
         assert r["tokens_equal"], case
         assert r["max_logit_diff"] < 1e-4, (case, r)
 
 
-def test_collectives_per_step_are_the_layout_minimum():
+def test_collectives_per_step_are_the_layout_minimum(checks):
     layers = 2
-    r = run_check("hlo")
+    r = result(checks, "hlo")
     # The runner's decode step under TP 4: one all-reduce per attention block and one per MLP
     # (Megatron), one for the vocab-split embedding lookup, one all-gather of the vocab-split
     # logits. Nothing touches the KV cache (with 2 kv heads it is replicated, not resharded).
@@ -139,28 +152,23 @@ def test_collectives_per_step_are_the_layout_minimum():
                                             "all-gather": {"2": 2 * layers + 1}}, r
 
 
-def test_tp4_params_per_device_are_a_quarter():
-    r = run_check("param_bytes")
+def test_tp4_params_per_device_are_a_quarter(checks):
+    r = result(checks, "param_bytes")
     assert r["values_equal"]
     assert 0.25 <= r["per_device"] / r["total"] < 0.26, r   # only the norms are replicated
 
 
-def test_data_parallel_replicas_match_one_device(tmp_path):
-    from tests.hf_models import save_engine_model
-
-    save_engine_model(str(tmp_path))
-    r = run_check("dp", str(tmp_path))
+def test_data_parallel_replicas_match_one_device(checks):
+    r = result(checks, "dp")
     assert r["tokens_equal"]
     assert r["finished_per_replica"] == [3, 3]                 # least-loaded: alternating
     assert r["replica_devices"] == [[0, 1], [2, 3]]            # disjoint TP-2 sub-meshes
     assert r["param_devices"] == r["replica_devices"]
 
 
-def test_engine_routes_prefills_through_sequence_parallel(tmp_path):
-    from tests.hf_models import save_engine_model
-
-    save_engine_model(str(tmp_path))
-    r = run_check("engine_sp", str(tmp_path), json.dumps({"model": 2, "seq": 2}))
+def test_engine_routes_prefills_through_sequence_parallel(checks):
+    # The engine on a {"model": 2, "seq": 2} mesh.
+    r = result(checks, "engine_sp")
     assert r["tokens_equal"]
     # Prompts of 5, 40, 70, 23 tokens in chunks of at most 32 (less beside decodes): every
     # prefill chunk ran sequence-parallel, later chunks on top of cached ones.

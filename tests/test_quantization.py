@@ -1,5 +1,5 @@
-"""Weight-only int8 / int4 quantization (jaxserve/quantization.py) against a numpy oracle, and
-the compiled programs' buffers: no full-precision copy of a weight on CPU or TPU."""
+"""Quantized Linear weights (jaxserve/quantization.py: int8 / int4 weight-only, w8a8) against a
+numpy oracle, and the compiled programs' buffers: no full-precision copy of a weight on CPU or TPU."""
 import os
 import re
 
@@ -18,9 +18,9 @@ from jaxserve.models.layers import Linear
 
 def oracle(w: np.ndarray, mode: str) -> np.ndarray:
     """The dequantized weight, by numpy: symmetric round-to-nearest, int8 per output row
-    (levels +-127), int4 per 128 inputs (levels +-7)."""
+    (levels +-127; w8a8's weights too), int4 per 128 inputs (levels +-7)."""
     w = w.astype(np.float64)
-    if mode == "int8":
+    if mode in ("int8", "w8a8"):
         s = np.abs(w).max(axis=1, keepdims=True) / 127
         return np.clip(np.round(w / s), -127, 127) * s
     g = w.reshape(w.shape[0], -1, 128)
@@ -36,9 +36,10 @@ def random_weight(out=256, inp=384, seed=0):
 def test_dequantized_weight_matches_numpy_oracle(mode):
     w = random_weight()
     q = quantization.quantize_weight(w, mode)
-    bits = 8 if mode == "int8" else 4
+    bits = 4 if mode == "int4" else 8
     assert q["qweight"].size * q["qweight"].dtype.itemsize * 8 == w.size * bits   # int4: two per byte
-    np.testing.assert_allclose(np.asarray(quantization.dequantize(q["qweight"], q["scale"])), oracle(w, mode),
+    assert set(q) == {"qweight", quantization.SCALES[mode]}
+    np.testing.assert_allclose(np.asarray(quantization.dequantize(q["qweight"], q[quantization.SCALES[mode]])), oracle(w, mode),
                                rtol=1e-6, atol=1e-6)
 
 
@@ -53,8 +54,11 @@ def test_linear_multiplies_by_the_dequantized_weight(mode, lead):
     w, bias = random_weight(), np.linspace(-1, 1, 256).astype(np.float32)
     x = np.random.default_rng(1).normal(size=(*lead, 384)).astype(np.float32)
     params = quantization.quantize_params({"proj": {"weight": w, "bias": bias}}, mode)["proj"]
-    assert set(params) == {"qweight", "scale", "bias"}
+    assert set(params) == {"qweight", quantization.SCALES[mode], "bias"}
     y = Linear(256, True).apply({"params": params}, x)
+    if mode == "w8a8":   # each token's activations rounded to +-127 levels of their largest magnitude
+        s = np.abs(x).max(axis=-1, keepdims=True) / 127
+        x = np.clip(np.round(x / s), -127, 127) * s
     np.testing.assert_allclose(np.asarray(y), x @ oracle(w, mode).T + bias, rtol=1e-4, atol=1e-4)
 
 
@@ -100,8 +104,8 @@ def compiled_linear(mode, device, matmul=quantization.matmul, dtype=jnp.float32,
     q = jax.eval_shape(lambda w: quantization.quantize_weight(w, mode), jax.ShapeDtypeStruct((OUT, IN), jnp.float32))
     on = SingleDeviceSharding(device)
     args = [jax.ShapeDtypeStruct((tokens, IN), dtype, sharding=on)] + [
-        jax.ShapeDtypeStruct(q[k].shape, q[k].dtype, sharding=on) for k in ("qweight", "scale")]
-    return jax.jit(lambda x, qw, s: matmul(x, qw, s, dtype)).lower(*args).compile()
+        jax.ShapeDtypeStruct(q[k].shape, q[k].dtype, sharding=on) for k in ("qweight", quantization.SCALES[mode])]
+    return jax.jit(lambda x, qw, s: matmul(x, qw, s, dtype, mode == "w8a8")).lower(*args).compile()
 
 
 def assert_no_weight_copy(compiled, dtype):
@@ -119,8 +123,17 @@ def test_cpu_step_dequantizes_in_blocks_not_a_weight_copy(mode):
 def test_cpu_plain_formulation_would_copy_the_weight():
     """Why CPU has its own formulation, and that the check above can fail: XLA CPU converts the
     whole int8 weight to f32 before the dot."""
-    compiled = compiled_linear("int8", jax.devices("cpu")[0], matmul=quantization._dot)
+    compiled = compiled_linear("int8", jax.devices("cpu")[0], matmul=lambda x, qw, s, dtype, _: quantization._dot(x, qw, s, dtype))
     assert max(materialized_float_sizes(compiled.as_text())) == OUT * IN
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_cpu_w8a8_runs_an_int8_dot_of_at_least_two_rows(tokens):
+    """w8a8's reason to exist on CPU: an s8 x s8 -> s32 dot, with one token doubled to two rows
+    (XLA CPU's one-row int8 dot is the slow path)."""
+    hlo = compiled_linear("w8a8", jax.devices("cpu")[0], tokens=tokens).as_text()
+    dots = re.findall(r"= (\w+)\[(\d+),1024\][^ ]* dot\(", hlo)
+    assert dots == [("s32", str(max(tokens, 2)))], dots
 
 
 @pytest.mark.parametrize("mode", quantization.MODES)

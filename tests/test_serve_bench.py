@@ -6,7 +6,7 @@ import os
 import pytest
 
 from benchmarks import serve_bench
-from tests.server_harness import serving, shared_model
+from tests.server_harness import BYTES_ENGINE, bytes_model_dir, serving
 
 NUM_PROMPTS = 12
 ARGS = ["--num-prompts", str(NUM_PROMPTS), "--request-rate", "20", "--seed", "3", "--prompt-kind", "ids",
@@ -17,7 +17,7 @@ ARGS = ["--num-prompts", str(NUM_PROMPTS), "--request-rate", "20", "--seed", "3"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from serving(tmp_path_factory.mktemp("server"), shared_model(tmp_path_factory, "model-258", vocab_size=258))
+    yield from serving(tmp_path_factory.mktemp("server"), bytes_model_dir(tmp_path_factory), **BYTES_ENGINE)
 
 
 def test_report_matches_server_metrics(server, tmp_path):
@@ -68,7 +68,7 @@ def small_model(tmp_path_factory):
     from jaxserve.checkpoint import load_params
     from jaxserve.config import ModelConfig
 
-    d = shared_model(tmp_path_factory, "model-258", vocab_size=258)
+    d = bytes_model_dir(tmp_path_factory)
     cfg = ModelConfig.from_pretrained(d)
     return d, cfg, load_params(d, cfg, jnp.float32)
 

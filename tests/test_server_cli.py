@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.hf_models import save_engine_model
-from tests.server_harness import TEST_ENGINE, ServerProcess
+from tests.server_harness import BYTES_ENGINE, BYTES_MODEL, TEST_ENGINE, ServerProcess
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -22,8 +22,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
+    # The API tests' model and server settings (their executables are built once), at a path of its own:
+    # the served model's name is the directory's.
     path = str(tmp_path_factory.mktemp("models") / "tiny-test-model")
-    hf = save_engine_model(path, vocab_size=258)
+    hf = save_engine_model(path, **BYTES_MODEL)
     return path, hf, AutoTokenizer.from_pretrained(path)
 
 
@@ -32,7 +34,7 @@ def complete(url, **body):
 
 
 def test_server_lifecycle(model, tmp_path):
-    server = ServerProcess(tmp_path, model[0], "--api-key", KEY, max_queue_size=2)
+    server = ServerProcess(tmp_path, model[0], "--api-key", KEY, **{**BYTES_ENGINE, "max_queue_size": 2})
     try:
         _lifecycle(server)
     finally:

@@ -11,16 +11,13 @@ import time
 import pytest
 import requests
 
-from tests.hf_models import save_engine_model
-from tests.server_harness import ServerProcess, start
+from tests.server_harness import LONG_ENGINE, ServerProcess, long_model, start
 
 # Long enough (about 3 s on a quiet 2-core box) that all requests are still in flight when the
 # signal lands, though the test process may stall for seconds while the box runs four servers
 # (the checks below fail if any request finished before the signal).
 MAX_TOKENS = 2000
-# Room for STREAMS + 1 such requests; few step shapes to warm up.
-ENGINE = dict(max_model_len=4096, num_pages=520, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16)
-STREAMS = 3
+STREAMS = 3   # and one plain request: the 4 that LONG_ENGINE runs at once
 # Runs of each path, each with a fresh server (about 6 s of start-up). SIGTERM to the group,
 # the path that raced under the former gunicorn server (two exit handlers), runs 10 times; the
 # others RUNS times, twice in `make test` (JAXSERVE_SHUTDOWN_RUNS=10 runs each 10 times).
@@ -31,9 +28,7 @@ PARALLEL = 4
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("model") / "tiny")
-    save_engine_model(path, vocab_size=258, max_position_embeddings=ENGINE["max_model_len"])
-    return path
+    return long_model(tmp_path_factory)
 
 
 def _send(server: ServerProcess, to_group: bool, sig: int) -> None:
@@ -82,7 +77,7 @@ def _stream_tokens(lines) -> int:
 
 
 def _drain_run(model, workdir, signals: list[tuple[bool, int]]) -> None:
-    server = start(workdir, model, **ENGINE)
+    server = start(workdir, model, **LONG_ENGINE)
     try:
         with concurrent.futures.ThreadPoolExecutor(STREAMS + 1) as pool:
             streams, plain = _start_requests(server, pool)
@@ -105,7 +100,7 @@ def _drain_run(model, workdir, signals: list[tuple[bool, int]]) -> None:
 
 def _interrupt_run(model, workdir) -> None:
     """Ctrl-C twice in a terminal: SIGINT to the group, then again during the drain."""
-    server = start(workdir, model, **ENGINE)
+    server = start(workdir, model, **LONG_ENGINE)
     try:
         with concurrent.futures.ThreadPoolExecutor(STREAMS + 1) as pool:
             streams, plain = _start_requests(server, pool)

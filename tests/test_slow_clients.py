@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve.server import asgi
 from jaxserve.server.http_server import HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_BYTES
-from tests.server_harness import serving, shared_model
+from tests.server_harness import BYTES_ENGINE, bytes_model_dir, serving
 from tests.slow_clients import probe, raise_fd_limit, run_load, stream
 
 SLOW = IDLE = 1000
@@ -18,8 +18,8 @@ SLOW = IDLE = 1000
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = shared_model(tmp_path_factory, "model-258", vocab_size=258)
-    yield from serving(tmp_path_factory.mktemp("server"), path, "--served-model-name", "jaxserve-tiny")
+    yield from serving(tmp_path_factory.mktemp("server"), bytes_model_dir(tmp_path_factory), "--served-model-name",
+                       "jaxserve-tiny", **BYTES_ENGINE)
 
 
 def test_slow_and_idle_connections_do_not_delay_a_request(server):

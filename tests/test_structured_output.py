@@ -19,7 +19,7 @@ from jaxserve.sampling import SamplingMetadata, sample
 from jaxserve.structured import StructuredOutput
 from jaxserve.structured.grammar import Grammars
 from jaxserve.tokenizer import load_tokenizer
-from tests.server_harness import TEST_ENGINE, openai_client, serving
+from tests.server_harness import TEST_ENGINE, built_once, openai_client, serving, store_of
 
 # ---- the sampler's mask against numpy ----
 
@@ -146,16 +146,23 @@ def schemas() -> list[dict]:
 REGEX = r"[A-Z][a-z]{1,6} [0-9]{2,4}"
 CHOICES = ("yes", "no", "a longer answer")
 ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=64, prefill_chunk_size=32, max_prefill_seqs=2,
-              max_model_len=256, page_size=16, num_pages=272, compilation_cache_dir=TEST_ENGINE["compilation_cache_dir"])
+              max_model_len=256, page_size=16, num_pages=272)
+
+
+def warm_llm():
+    """The embedded model's LLM with ENGINE, warm: its executables are built once for this file
+    and test_structured_overlap.py (built_once), which may run at the same time."""
+    from jaxserve import LLM
+
+    with built_once("embedded", sorted(ENGINE.items())):
+        llm = LLM(model=None, **ENGINE, compilation_cache_dir=store_of(ENGINE))
+        llm.llm_engine.warmup()
+    return llm
 
 
 @pytest.fixture(scope="module")
 def llm():
-    from jaxserve import LLM
-
-    llm = LLM(model=None, **ENGINE)
-    llm.llm_engine.warmup()
-    return llm
+    return warm_llm()
 
 
 def test_schemas_regexes_and_choices_in_one_run(llm):

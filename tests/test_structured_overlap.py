@@ -9,16 +9,12 @@ import pytest
 from jaxserve.compilations import CompileCounter
 from jaxserve.config import SamplingParams as P
 from jaxserve.structured import StructuredOutput
-from tests.test_structured_output import CHOICES, ENGINE, REGEX, schemas
+from tests.test_structured_output import CHOICES, REGEX, schemas, warm_llm
 
 
 @pytest.fixture(scope="module")
 def llm():
-    from jaxserve import LLM
-
-    llm = LLM(model=None, **ENGINE)
-    llm.llm_engine.warmup()
-    return llm
+    return warm_llm()
 
 
 def requests() -> tuple[list[str], list[P]]:

@@ -29,7 +29,7 @@ class Linear(nn.Module):
     faster at 1-16 rows (benchmarks/results/roofline_cpu.md); accelerators take either layout.
 
     Every projection of every family goes through this class, so quantized weights belong here:
-    params holding `qweight` and `scale` instead of `weight` (jaxserve.quantization.quantize_params)
+    params holding `qweight` and a scale instead of `weight` (jaxserve.quantization.quantize_params)
     are multiplied by quantization.matmul, which dequantizes inside the fused computation."""
     features: int
     use_bias: bool
@@ -38,8 +38,10 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x):
         if self.has_variable("params", "qweight"):
+            w8a8 = self.has_variable("params", quantization.SCALES["w8a8"])
             y = quantization.matmul(x, self.get_variable("params", "qweight"),
-                                    self.get_variable("params", "scale"), self.dtype)
+                                    self.get_variable("params", quantization.SCALES["w8a8" if w8a8 else "int8"]),
+                                    self.dtype, int8_activations=w8a8)
         else:
             w = self.param("weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2),
                            (self.features, x.shape[-1]), self.dtype)

@@ -43,7 +43,7 @@ ROWS = 64  # (token, head in group) rows per program: wgmma's M
 def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem, k_smem, v_smem, p_smem,
             o_smem, q_bar, k_bar, v_bar, slope_smem=None, stored_smem=None, scale_smem=None,
             group, block_q, pages_per_tile, sm_scale, sliding_window, soft_cap, alibi, interpret):
-    # Inputs after v: [ALiBi slopes [KVH, ROWS]], [K and V scales [N, KVH, page_size]], then the
+    # Inputs after v: [ALiBi slopes [KVH, ROWS]], [K and V scales [N, KVH, 1, lanes]], then the
     # output. Quantized: stored_smem, scale_smem are the (K, V) pages and scales as copied in.
     slope_ref, *scale_refs, o_ref = refs if alibi else (None, *refs)
     quantized = bool(scale_refs)
@@ -80,7 +80,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
                 # (whole 128 bytes): the threads load them, unrolled so the loads overlap.
                 for src, dst in scales:
                     for i in range(page_size):
-                        dst[slot, p * page_size + i] = src[page, h, i]
+                        dst[slot, p * page_size + i] = src[page, h, 0, i]
 
         def load(tile_ref):
             return tile_ref[...] if interpret else plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA)
@@ -154,8 +154,9 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len (sets the grid).
     Returns [T, H, D], 0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
     soft_cap, alibi_slopes (f32[H] or None): pallas_kernels/scores.py. k_scale, v_scale: f32
-    [N, KVH, page_size] or None: quantized pools (int8, fp8; jaxserve/kv_cache.py) hold K / scale
-    and V / scale per (slot, KV head); each tile is dequantized in SMEM (module docstring).
+    [N, KVH, 1, lanes >= page_size] or None: quantized pools (int8, fp8; jaxserve/kv_cache.py) hold
+    K / scale and V / scale per (slot, KV head), slot s's in lane s; each tile is dequantized in
+    SMEM (module docstring).
 
     kv_block: keys per tile, a multiple of 64 and of page_size (or page_size itself when larger).
     Needs D a multiple of 16 up to 256 (of 32 for quantized pools: a row of whole 32-byte swizzle

@@ -45,7 +45,7 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
             *refs,  # [slopes [g * block_q, 128] with ALiBi], [k/v scales in HBM], out, scratch
             block_q, pages_per_chunk, pages_per_seq, sm_scale, sliding_window, soft_cap, alibi, quantized):
     slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
-    if quantized:   # scales [N, KVH, ps] in HBM, and their chunk buffers [2, pages, KVH, ps]
+    if quantized:   # scales [N, KVH, 1, lanes] in HBM, and their chunk buffers [2, pages, 1, lanes]
         ks_hbm, vs_hbm, o_ref, ks_buf, vs_buf, *refs = refs
     else:
         o_ref, *refs = refs
@@ -81,8 +81,8 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
             rows_j = pl.ds(pl.multiple_of(j * page_size, page_size), page_size)
             # Page phys of KV head h: one contiguous [page_size, D] slab, whole tiles.
             copies = [(k_hbm.at[phys, h], k_buf.at[slot, rows_j]), (v_hbm.at[phys, h], v_buf.at[slot, rows_j])]
-            if quantized:   # the page's scales of every KV head: [KVH, page_size], whole minor dims
-                copies += [(ks_hbm.at[phys], ks_buf.at[slot, j]), (vs_hbm.at[phys], vs_buf.at[slot, j])]
+            if quantized:   # the page's scales of KV head h: [1, lanes], one row of whole (1, 128) tiles
+                copies += [(ks_hbm.at[phys, h], ks_buf.at[slot, j]), (vs_hbm.at[phys, h], vs_buf.at[slot, j])]
             for kind, (src, dst) in enumerate(copies):
                 dma = pltpu.make_async_copy(src, dst, sems.at[kind, slot])
                 pl.when(page < page_end)(getattr(dma, action))
@@ -106,7 +106,7 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
         scores = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32) * sm_scale
         if quantized:
-            scores *= _scale_row(ks_buf, slot, h, kv0, kv_end, chunk)
+            scores *= _scale_row(ks_buf, slot, page_size, kv0, kv_end, chunk)
         tok = tok0 + (lax.broadcasted_iota(jnp.int32, scores.shape, 0) & (block_q - 1))
         q_pos = tok + offset
         kv_pos = kv0 + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
@@ -122,7 +122,7 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
         p = jnp.where(mask, jnp.exp(scores - _lanes(m_next, chunk)), 0.0)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         m_ref[...] = m_next
-        weights = p * _scale_row(vs_buf, slot, h, kv0, kv_end, chunk) if quantized else p
+        weights = p * _scale_row(vs_buf, slot, page_size, kv0, kv_end, chunk) if quantized else p
         pv = jnp.dot(weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
         acc_ref[...] = acc_ref[...] * _lanes(alpha, acc_ref.shape[1]) + pv
 
@@ -148,24 +148,24 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
     o_ref[...] = (acc_ref[...] * _lanes(inv, acc_ref.shape[1])).astype(o_ref.dtype)
 
 
-def _scale_row(buf, slot, h, kv0, kv_end, chunk):
-    """KV head h's scales of the chunk in buffer `slot` ([pages, KVH, page_size]) as one [1, chunk]
-    row of keys along lanes, 0 past kv_end. A page's page_size scales land at lane offset
-    j * page_size, which no DMA or lane slice can do for a page under 128 slots: each page's
-    [KVH, page_size] slab is spread over the chunk's lanes by a matmul with a 0/1 placement
-    matrix (exact at HIGHEST precision). Stale slots (maybe NaN) are zeroed before it, since the
-    matmul would spread a NaN over every lane."""
-    num_pages, num_heads, page_size = buf.shape[1:]
-    slab_shape, place_shape = (num_heads, page_size), (page_size, chunk)
-    lane = lax.broadcasted_iota(jnp.int32, place_shape, 1)
-    row = jnp.zeros((num_heads, chunk), jnp.float32)
+def _scale_row(buf, slot, page_size, kv0, kv_end, chunk):
+    """The scales of the chunk in buffer `slot` ([pages, 1, lanes], this program's KV head) as one
+    [1, chunk] row of keys along lanes, 0 past kv_end. A page's page_size scales land at lane
+    offset j * page_size, which no DMA or lane slice can do for a page under 128 slots: each
+    page's row is spread over the chunk's lanes by a matmul with a 0/1 placement matrix (exact
+    at HIGHEST precision). Stale slots and the lanes past page_size (maybe NaN) are zeroed
+    before it, since the matmul would spread a NaN over every lane."""
+    num_pages, _, lanes = buf.shape[1:]
+    place_shape = (lanes, chunk)
+    src = lax.broadcasted_iota(jnp.int32, place_shape, 0)
+    dst = lax.broadcasted_iota(jnp.int32, place_shape, 1)
+    lane = lax.broadcasted_iota(jnp.int32, (1, lanes), 1)
+    row = jnp.zeros((1, chunk), jnp.float32)
     for j in range(num_pages):
-        slab = buf[slot, j]
-        slab = jnp.where(kv0 + j * page_size + lax.broadcasted_iota(jnp.int32, slab_shape, 1) < kv_end, slab, 0.0)
-        place = (lane == j * page_size + lax.broadcasted_iota(jnp.int32, place_shape, 0)).astype(jnp.float32)
+        slab = jnp.where((lane < page_size) & (kv0 + j * page_size + lane < kv_end), buf[slot, j], 0.0)
+        place = (dst == j * page_size + src).astype(jnp.float32)
         row += jnp.dot(slab, place, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    head = lax.broadcasted_iota(jnp.int32, row.shape, 0) == h
-    return jnp.sum(jnp.where(head, row, 0.0), axis=0, keepdims=True)
+    return row
 
 
 def _pow2_at_most(n):
@@ -184,9 +184,10 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len. Returns [T, H, D],
     0 for tokens outside [query_start_loc[0], query_start_loc[-1]). soft_cap, alibi_slopes (f32[H]
-    or None): pallas_kernels/scores.py. k_scale, v_scale: f32 [N, KVH, page_size] or None: quantized
+    or None): pallas_kernels/scores.py. k_scale, v_scale: f32 [N, KVH, 1, lanes] or None: quantized
     pools (int8, fp8; jaxserve/kv_cache.py), read as they are; the scales multiply the scores and
-    the attention weights, as on the XLA path.
+    the attention weights, as on the XLA path. lanes: page_size or more, whole 128s on a TPU (in
+    other lanes XLA would copy the whole scale pool into tiles before every call).
 
     block_rows: most (head, token) rows per program. block_q, the tokens per q block, is max_q
     rounded up to a power of two within that cap, and at least MIN_BLOCK_TOKENS and one tile of
@@ -204,6 +205,9 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     if not interpret and page_size % (32 // k_pages.dtype.itemsize):  # the interpreter has no tiles
         raise ValueError(f"page_size {page_size} is not a multiple of the {k_pages.dtype} sublane tile "
                          f"({32 // k_pages.dtype.itemsize} rows): its page DMAs would split tiles")
+    if not interpret and k_scale is not None and k_scale.shape[-1] % LANES:
+        raise ValueError(f"scale pools of {k_scale.shape[-1]} lanes: XLA would copy them whole before every "
+                         f"call; store them in whole 128 lanes (jaxserve/kv_cache.py scale_lanes)")
     pages_per_chunk = max(1, kv_block // page_size)
     if (pages_per_chunk * page_size) % LANES:
         raise ValueError(f"kv_block {kv_block} and page_size {page_size}: a chunk of "
@@ -236,7 +240,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     if quantized:
         inputs += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
         in_specs += [pl.BlockSpec(memory_space=pl.ANY)] * 2
-        scale_bufs = [pltpu.VMEM((2, pages_per_chunk, num_kv_heads, page_size), jnp.float32)] * 2
+        scale_bufs = [pltpu.VMEM((2, pages_per_chunk, 1, k_scale.shape[-1]), jnp.float32)] * 2
     kernel = functools.partial(
         _kernel, block_q=block_q, pages_per_chunk=pages_per_chunk, pages_per_seq=pages_per_seq,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi_slopes is not None,

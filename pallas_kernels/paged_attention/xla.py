@@ -27,9 +27,10 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     of its seq_lens[s] positions. Tokens outside query_start_loc[0]:[-1] come back as 0.
     soft_cap: scores become soft_cap * tanh(scores / soft_cap) (Gemma 2), before the mask.
     alibi_slopes: f32 [H] or None: ALiBi, slope * key position added (pallas_kernels/scores.py).
-    k_scale, v_scale: f32 [num_pages, KVH, page_size] or None: quantized pools (int8, fp8) hold
-    K / scale and V / scale per (slot, KV head); the scales multiply the scores and the
-    attention weights, so no dequantized K or V is formed.
+    k_scale, v_scale: f32 [num_pages, KVH, 1, lanes >= page_size] or None: quantized pools (int8,
+    fp8) hold K / scale and V / scale per (slot, KV head), slot s's scale in lane s (layout:
+    jaxserve/kv_cache.py); the scales multiply the scores and the attention weights, so no
+    dequantized K or V is formed.
     Pages are gathered whole from the pool as it is: no 2-D view of it, which on TPU (tiled
     dimensions merged) or under KV-head sharding (sharded axis merged) would cost a copy or an
     all-gather of the whole pool per read, and on CPU measured no faster in this layout."""
@@ -66,9 +67,13 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         start_block = jnp.minimum(jnp.maximum(lowest, 0) // bt, end_block)
 
     def gather(pool, pages):
-        """[S, bp] pages -> their K or V as [S, KVH, bt, D] (a scale pool: [S, KVH, bt])."""
-        x = pool[pages]
-        return x.transpose(0, 2, 1, 3, *range(4, x.ndim)).reshape(s_max, kvh, bt, *x.shape[4:])
+        """[S, bp] pages -> their K or V as [S, KVH, bt, D]."""
+        return pool[pages].transpose(0, 2, 1, 3, 4).reshape(s_max, kvh, bt, pool.shape[-1])
+
+    def gather_scales(pool, pages):
+        """[S, bp] pages -> their scales as [S, KVH, bt] (cut to page_size lanes after the gather:
+        before it, the cut would be a copy of the whole pool)."""
+        return pool[pages][:, :, :, 0, :ps].transpose(0, 2, 1, 3).reshape(s_max, kvh, bt)
 
     def block(j, carry):
         m, l, acc = carry
@@ -76,7 +81,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         k, v = (gather(x, pages).astype(q.dtype) for x in (k_pages, v_pages))
         s = jnp.einsum("skrd,skjd->skrj", qp, k, preferred_element_type=jnp.float32) * sm_scale
         if k_scale is not None:
-            s = s * gather(k_scale, pages)[:, :, None, :]
+            s = s * gather_scales(k_scale, pages)[:, :, None, :]
         kv_pos = j * bt + jnp.arange(bt)
         s = modify_scores(s, kv_pos, soft_cap=soft_cap, slopes=slopes)
         # Slots past a row's length hold another request's K/V or nothing (a free page, a page
@@ -91,7 +96,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         probs = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         scale = jnp.exp(m - m_new)
         l = l * scale + probs.sum(-1)
-        weights = probs if v_scale is None else probs * jnp.where(in_seq, gather(v_scale, pages), 0)[:, :, None, :]
+        weights = probs if v_scale is None else probs * jnp.where(in_seq, gather_scales(v_scale, pages), 0)[:, :, None, :]
         acc = acc * scale[..., None] + jnp.einsum("skrj,skjd->skrd", weights.astype(v.dtype), v,
                                                   preferred_element_type=jnp.float32)
         return m_new, l, acc
