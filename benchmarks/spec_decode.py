@@ -12,7 +12,7 @@ one process, up to saturation (batch = max_num_seqs).
 Every speculating engine runs in two modes: "throttled", the throttle's default rule
 (jaxserve/spec_decode/throttle.py), and "always" (disable_by_batch_size = max_num_seqs: every
 step speculates, as before the throttle). For each batch size every engine and mode runs once
-untimed (compiling the shapes it runs in), then in alternating timed rounds. Reported: output
+untimed (after warm-up: the throttle calibrates), then in alternating timed rounds. Reported: output
 tokens/s, how much faster than without, the acceptance rate (accepted / proposed), accepted
 tokens per verify row, tokens per engine step, draft-model steps per engine step, the share of
 steps run without speculation (the throttle's), and "speculates up to": the largest batch of
@@ -65,11 +65,13 @@ def run(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, dict, list[lis
 
 
 def build(engine_cfg: dict, proposers: list[tuple[str, dict]], ks: list[int]) -> dict:
-    """The LLMs: none, then each proposer at each k. Not warmed up (warm-up would compile every
-    shape of both widths, about 130 programs an engine): `measure` runs each batch once first."""
+    """The LLMs, warmed up as a server is (every shape the throttle may pick is built): none,
+    then each proposer at each k."""
     engines = {("off", 0): LLM(**engine_cfg)}
     for name, spec in proposers:
         engines.update({(name, k): LLM(**engine_cfg, speculative={**spec, "num_tokens": k}) for k in ks})
+    for llm in engines.values():
+        llm.llm_engine.warmup()
     return engines
 
 
@@ -84,7 +86,7 @@ def run_as(engines: dict, config: tuple[str, int, str], prompts: list, max_token
 def speculates_up_to(llm: LLM, context: int = 128) -> int:
     engine = llm.llm_engine
     engine.ecfg.speculative.disable_by_batch_size = None   # the rule's answer
-    return max((b for b in range(1, engine.ecfg.max_num_seqs + 1) if engine.throttle.speculates([context] * b)),
+    return max((b for b in range(1, engine.ecfg.max_num_seqs + 1) if engine.throttle.speculates([context] * b, False)),
                default=0)
 
 
@@ -96,7 +98,7 @@ def measure(engines: dict, modes: list[str], prompts: list, batches: list[int], 
     rows, plain_outputs, compiles = [], {}, 0
     for batch in batches:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-        for config in configs:   # compiles the shapes this batch runs in, runs each once
+        for config in configs:   # untimed: each engine once
             run_as(engines, config, batch_prompts, max_tokens)
         before = CompileCounter.count
         totals = {config: [0.0, {}, None] for config in configs}
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
              f"{ENGINE['max_num_batched_tokens']}; modes: throttled (the throttle's default rule, "
              f"jaxserve/spec_decode/throttle.py; its peaks: {peaks.source}, {peaks.flops / 1e9:.0f} GFLOP/s, "
              f"{peaks.bandwidth / 1e9:.1f} GB/s), always (every step speculates). For each batch size every engine "
-             f"and mode runs once untimed (compiling the shapes it runs in), then the timed rounds: {compiles} "
+             f"and mode runs once untimed after warm-up, then the timed rounds: {compiles} "
              f"compilations during them.", "",
              *lines_a, *lines_b]
     write_keeping_notes(args.out, "\n".join(lines))

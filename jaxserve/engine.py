@@ -312,7 +312,7 @@ class LLMEngine:
         if self.throttle is None:
             return False
         contexts = [s.num_computed_tokens for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
-        speculate = self.throttle.speculates(contexts)
+        speculate = self.throttle.speculates(contexts, self.scheduler.prefills_next())
         self.stats["spec_off_steps"] += bool(contexts) and not speculate
         return speculate
 

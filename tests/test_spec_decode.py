@@ -143,23 +143,24 @@ def test_roofline_rule_matches_its_closed_form(monkeypatch):
     for a in (1.5, 3.5):
         rule.mean_accepted = a
         bound = (1 + a) * itemsize * 81 / (2 * (k + 1))   # 40.5, then 72.9
-        assert rule.speculates([1] * int(0.9 * bound)) and not rule.speculates([1] * int(1.1 * bound))
+        assert rule.speculates([1] * int(0.9 * bound), False) and not rule.speculates([1] * int(1.1 * bound), False)
     with_draft = Throttle(SpeculativeConfig(method="draft", num_tokens=k), target, draft, itemsize)
     ratio = k * draft.num_params / target.num_params   # 0.66
     for a, expected in ((0.9 * ratio, False), (1.1 * ratio, True)):
         with_draft.mean_accepted = a
-        assert with_draft.speculates([1]) == expected
+        assert with_draft.speculates([1], False) == expected
     # Steps of a second each (the overheads): the roofline times vanish next to them. The draft's
     # k steps cost more than 1 + a plain ones; without a proposer, verifying costs a plain step.
     with_draft.overheads, with_draft.mean_accepted = (1.0, 1.0, 1.0), k / 2
     rule.overheads, rule.mean_accepted = (1.0, 1.0, 0.0), 0.1
-    assert not with_draft.speculates([1]) and rule.speculates([1] * 64)
+    assert not with_draft.speculates([1], False) and rule.speculates([1] * 64, False)
+    assert not rule.speculates([1] * 64, True)   # a step computing prompt tokens never speculates
     rule.overheads = (1.0, 2.0, 0.0)   # a verify step costing two plain ones pays from a > 1
-    assert not rule.speculates([1])
+    assert not rule.speculates([1], False)
     rule.mean_accepted = 1.2
-    assert rule.speculates([1])
+    assert rule.speculates([1], False)
     fixed = Throttle(SpeculativeConfig(num_tokens=k, disable_by_batch_size=2), target, None, itemsize)
-    assert fixed.speculates([9, 9]) and not fixed.speculates([9, 9, 9]) and not fixed.speculates([])
+    assert fixed.speculates([9, 9], True) and not fixed.speculates([9, 9, 9], False) and not fixed.speculates([], False)
 
 
 THROTTLE_BOUND = 3
@@ -192,9 +193,9 @@ def check_throttled_run(llm, monkeypatch):
     monkeypatch.setattr(engine.ecfg.speculative, "disable_by_batch_size", THROTTLE_BOUND)
     candidates, speculates = [], engine.throttle.speculates
 
-    def counting(contexts):
+    def counting(contexts, prefills):
         candidates.append(len(contexts))
-        return speculates(contexts)
+        return speculates(contexts, prefills)
     monkeypatch.setattr(engine.throttle, "speculates", counting)
     widths = []   # each packed batch: (whether it has a verify row, the width of its decode rows)
 

@@ -26,6 +26,10 @@ steps and raise it; a draft model's steps lower it. On a CPU the overheads rule:
 model's step costs about what the target's does, so the draft never pays there, and n-gram
 lookup (no proposer cost) pays at small batches only.
 
+A step that computes prompt tokens does not speculate: its prompt chunk makes it compute-bound
+(the verify rows would cost their full FLOPs) and the verify rows would take the chunk's token
+budget; the rule above prices decode-only steps.
+
 `disable_by_batch_size` (the speculative config key, vLLM's name) replaces the rule: speculate
 while at most that many sequences would verify.
 
@@ -63,12 +67,15 @@ class Throttle:
         target, draft, itemsize = self._models
         return CostModel(target, itemsize), CostModel(draft, itemsize) if draft is not None else None
 
-    def speculates(self, contexts: list[int]) -> bool:
-        """Whether the next step speculates, its verify candidates having computed `contexts` tokens."""
+    def speculates(self, contexts: list[int], prefills: bool) -> bool:
+        """Whether the next step speculates, its verify candidates having computed `contexts`
+        tokens, `prefills`: whether it has prompt tokens to compute too."""
         if not contexts:
             return False
         if self.spec.disable_by_batch_size is not None:
             return len(contexts) <= self.spec.disable_by_batch_size
+        if prefills:
+            return False
         k, (target, draft) = self.spec.num_tokens, self._costs
         overhead, verify_overhead, draft_overhead = self.overheads or (0.0, 0.0, 0.0)
         verify = verify_overhead + _roofline_seconds(target, contexts, 1 + k)
