@@ -12,20 +12,23 @@ one process, up to saturation (batch = max_num_seqs).
 Every speculating engine runs in two modes: "throttled", the throttle's default rule
 (jaxserve/spec_decode/throttle.py), and "always" (disable_by_batch_size = max_num_seqs: every
 step speculates, as before the throttle). For each batch size every engine and mode runs once
-untimed (after warm-up: the throttle calibrates), then in alternating timed rounds. Reported: output
-tokens/s, how much faster than without, the acceptance rate (accepted / proposed), accepted
-tokens per verify row, tokens per engine step, draft-model steps per engine step, the share of
-steps run without speculation (the throttle's), and "speculates up to": the largest batch of
-128-token contexts the rule speculates for at the engine's mean acceptance after the run, and
-whether the greedy outputs equal those without speculation.
+untimed (after warm-up: the throttle calibrates), then in alternating timed rounds. Reported:
+output tokens/s, how much faster than without, the acceptance rate (accepted / proposed),
+accepted tokens per verify row, tokens and milliseconds per engine step (the step costs: a
+verify step costs less than k + 1 plain ones only while the step is limited by memory),
+draft-model steps per engine step, the share of steps run without speculation (the
+throttle's), and "speculates up to": the largest batch of 128-token contexts the rule
+speculates for at the engine's mean acceptance after the run, and whether the greedy outputs
+equal those without speculation.
 
     python -m benchmarks.spec_decode [--rounds 1] [--max-tokens 128] [--batches 1 4 16 64]
-        [--ks 2 4 6] [--modes throttled always] [--proposers ngram draft] [--b-batches 1 16 64]
-        [--b-ks 4] [--work-dir /tmp/jaxserve_bench]
+        [--ks 2 4 6] [--modes throttled always] [--proposers ngram draft] [--b-batches 1 4 16 64]
+        [--b-ks 2 4 6] [--work-dir /tmp/jaxserve_bench]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -41,13 +44,13 @@ PROMPTS = ["The for statement is used to", "def square(x):\n    return x * x\n\n
            "Exceptions are raised when", "class Point:\n    def __init__(self, x, y):\n", "The while loop"]
 # The engine defaults (max_num_batched_tokens holds 64 verify rows of 1 + 6 tokens) but the context length.
 ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=512, prefill_chunk_size=256, max_prefill_seqs=4,
-              max_model_len=512, compilation_cache_dir=None)
+              max_model_len=512)
 NGRAM = {"method": "ngram", "ngram_min": 1, "ngram_max": 3}
 DRAFT = {"method": "draft"}
 # disable_by_batch_size: the throttle's default rule, or speculating at every batch size
 MODES = {"throttled": None, "always": ENGINE["max_num_seqs"]}
 HEADER = ["batch", "proposer", "k", "mode", "tokens/s", "vs off", "acceptance", "accepted per verify row",
-          "tokens per step", "draft steps per step", "steps without speculation", "speculates up to",
+          "tokens per step", "ms per step", "draft steps per step", "steps without speculation", "speculates up to",
           "same outputs as off"]
 
 
@@ -118,7 +121,7 @@ def measure(engines: dict, modes: list[str], prompts: list, batches: list[int], 
             rows.append([f"{batch}{saturation}", name, k or "-", mode, f"{rate:.1f}", f"{rate / base:.2f}x",
                          f"{c['spec_accepted_tokens'] / c['spec_proposed_tokens']:.2f}" if verified else "-",
                          f"{c['spec_accepted_tokens'] / verified:.2f}" if verified else "-",
-                         f"{c['generation_tokens'] / c['steps']:.2f}",
+                         f"{c['generation_tokens'] / c['steps']:.2f}", f"{1e3 * seconds / c['steps']:.1f}",
                          f"{c['spec_draft_steps'] / c['steps']:.2f}" if name == "draft" else "-",
                          f"{c['spec_off_steps'] / c['steps']:.0%}" if k else "-",
                          speculates_up_to(engines[name, k]) if mode == "throttled" else "-",
@@ -156,17 +159,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 6])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--proposers", nargs="+", default=["ngram", "draft"], choices=["ngram", "draft"])
-    p.add_argument("--b-batches", type=int, nargs="*", default=[1, 16, 64], help="workload (b); none: skip it")
-    p.add_argument("--b-ks", type=int, nargs="+", default=[4])
-    p.add_argument("--work-dir", default="/tmp/jaxserve_bench", help="where the 100m model is built")
+    p.add_argument("--b-batches", type=int, nargs="*", default=[1, 4, 16, 64], help="workload (b); none: skip it")
+    p.add_argument("--b-ks", type=int, nargs="+", default=[2, 4, 6])
+    p.add_argument("--work-dir", default="/tmp/jaxserve_bench", help="where the 100m model is built and the "
+                   "executables are stored")
     p.add_argument("--out", default=f"{RESULTS_DIR}/spec_decode.md")
     args = p.parse_args(argv)
     machine = machine_info()
 
     proposers = {"ngram": NGRAM, "draft": DRAFT}
+    cache_dir = os.path.join(args.work_dir, "xla")   # warm-up's executables, kept between runs
     lines_a, lines_b, compiles = [], [], 0
     if args.batches:
-        tiny = build(dict(ENGINE, kv_cache_mb=64), [(name, proposers[name]) for name in args.proposers], args.ks)
+        tiny = build(dict(ENGINE, kv_cache_mb=64, compilation_cache_dir=cache_dir),
+                     [(name, proposers[name]) for name in args.proposers], args.ks)
         rows_a, _, compiles = measure(tiny, args.modes, PROMPTS, args.batches, args.rounds, args.max_tokens)
         del tiny
         lines_a = ["## (a) Embedded tiny model and its draft, Python-docs prompts", "",
@@ -174,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
                    "training text).", "", *markdown_table(HEADER, rows_a), ""]
     if args.b_batches:
         model_dir = prepare_model("100m", args.work_dir)
-        engines = build(dict(ENGINE, model=model_dir, kv_cache_mb=512), [("ngram", NGRAM)], args.b_ks)
+        engines = build(dict(ENGINE, model=model_dir, kv_cache_mb=512, compilation_cache_dir=cache_dir),
+                        [("ngram", NGRAM)], args.b_ks)
         prompts = repeating_prompts(engines["off", 0], max(args.b_batches))
         rows_b, plain, more = measure(engines, args.modes, prompts, args.b_batches, args.rounds, args.max_tokens)
         compiles += more
