@@ -12,7 +12,7 @@ one process, up to saturation (batch = max_num_seqs).
 Every speculating engine runs in two modes: "throttled", the throttle's default rule
 (jaxserve/spec_decode/throttle.py), and "always" (disable_by_batch_size = max_num_seqs: every
 step speculates, as before the throttle). For each batch size every engine and mode runs once
-untimed (after warm-up: the throttle calibrates), then in alternating timed rounds. Reported:
+untimed after warm-up (the throttle learns the step costs), then in alternating timed rounds. Reported:
 output tokens/s, how much faster than without, the acceptance rate (accepted / proposed),
 accepted tokens per verify row, tokens and milliseconds per engine step (the step costs: a
 verify step costs less than k + 1 plain ones only while the step is limited by memory),

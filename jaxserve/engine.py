@@ -79,6 +79,7 @@ class LLMEngine:
             self.draft = DraftProposer(spec.model or default_draft_dir(model_dir, TINY_MODEL_DIR), self.model_cfg,
                                        self.ecfg, self.runner.num_pages, self.max_model_len, mesh, self.dtype)
         self.throttle = None   # which steps speculate
+        self._step_started = None   # when the latest step() began (the throttle learns step times)
         if spec is not None:
             self.throttle = Throttle(spec, self.model_cfg, self.draft.runner.cfg if self.draft is not None else None,
                                      jnp.dtype(self.dtype).itemsize)
@@ -203,9 +204,9 @@ class LLMEngine:
         aborts them)."""
         previous, self._inflight = self._inflight, None
         outputs = []
-        if previous is None and self.throttle is not None and self.throttle.uncalibrated and self.runner.wait_warm(0):
-            draft = self.draft.runner if self.draft is not None else None   # nothing in flight, all shapes built
-            self._guarded([], lambda: self.throttle.calibrate(self.block_manager, self.runner, draft))
+        if self.throttle is not None and self._step_started is not None:   # the step planned last time, priced
+            self.throttle.observe(time.perf_counter() - self._step_started)
+        self._step_started = time.perf_counter()
         speculate = self._speculates()
         if previous is not None and (speculate or not self._can_overlap(previous[0])):
             outputs, previous = self._guarded([previous[0]], lambda: self._collect(*previous)), None
@@ -222,6 +223,8 @@ class LLMEngine:
         if sample_later:
             launched = self._inflight[1]
             self._inflight = out, self._guarded([out], lambda: self.runner.sample(launched))
+        if not self.has_unfinished():
+            self._step_started = None   # idle until the next request: no step's time
         return outputs
 
     def _guarded(self, steps: list[SchedulerOutput], run):

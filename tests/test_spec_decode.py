@@ -6,6 +6,7 @@ its rule against its closed form). The embedded tiny model repeats itself enough
 to be accepted."""
 import argparse
 import collections
+import dataclasses
 import functools
 import json
 
@@ -149,13 +150,13 @@ def test_roofline_rule_matches_its_closed_form(monkeypatch):
     for a, expected in ((0.9 * ratio, False), (1.1 * ratio, True)):
         with_draft.mean_accepted = a
         assert with_draft.speculates([1], False) == expected
-    # Steps of a second each (the overheads): the roofline times vanish next to them. The draft's
-    # k steps cost more than 1 + a plain ones; without a proposer, verifying costs a plain step.
-    with_draft.overheads, with_draft.mean_accepted = (1.0, 1.0, 1.0), k / 2
-    rule.overheads, rule.mean_accepted = (1.0, 1.0, 0.0), 0.1
+    # Steps of a second each (the overheads): the roofline times vanish next to them. With the
+    # draft's k steps a verify step costs more than 1 + a plain ones; without a proposer, the same.
+    with_draft.overheads, with_draft.mean_accepted = {False: 1.0, True: 1.0 + k}, k / 2
+    rule.overheads, rule.mean_accepted = {False: 1.0, True: 1.0}, 0.1
     assert not with_draft.speculates([1], False) and rule.speculates([1] * 64, False)
     assert not rule.speculates([1] * 64, True)   # a step computing prompt tokens never speculates
-    rule.overheads = (1.0, 2.0, 0.0)   # a verify step costing two plain ones pays from a > 1
+    rule.overheads[True] = 2.0   # a verify step costing two plain ones pays from a > 1
     assert not rule.speculates([1], False)
     rule.mean_accepted = 1.2
     assert rule.speculates([1], False)
@@ -225,15 +226,42 @@ def test_throttle_switches_speculation_off_and_on(engines, monkeypatch):
     check_throttled_run(engines[1], monkeypatch)
 
 
-def test_throttle_measures_step_overheads(engines):
-    """The rule's calibration times one-row decode and verify steps (a fraction of a second
-    for the tiny model) on pages borrowed from the pool, and gives them back."""
+def test_throttle_learns_step_overheads_and_refreshes_the_plain_price(monkeypatch):
+    """Each kind's overhead: a running mean of its steps' time beyond their roofline time,
+    learned from that kind only; a plain step every REFRESH_PLAIN steps that would speculate."""
+    monkeypatch.setattr(throttle, "_peaks", lambda: Peaks(1e30, 1e15, "test"))   # memory-bound, nanoseconds
+    rule = Throttle(SpeculativeConfig(num_tokens=4), ModelConfig.from_pretrained(TINY_MODEL_DIR), None, 4)
+    rule.mean_accepted = 1.0
+    assert rule.speculates([5], False)     # nothing measured: verifying looks free
+    rule.observe(3.0)                      # a verify step took 3 s
+    assert rule.overheads[False] is None and rule.overheads[True] == pytest.approx(3.0)
+    assert not rule.speculates([5], False)   # 3 s against (1 + 1) x 0 s
+    rule.observe(1.0)
+    rule.observe(99.0)                     # no step was priced (observe once per decision)
+    assert rule.overheads == pytest.approx({False: 1.0, True: 3.0})
+    for seconds in (0.0, 0.0):             # plain steps got faster: the mean follows
+        assert not rule.speculates([5], False)
+        rule.observe(seconds)
+    assert rule.overheads[False] == pytest.approx(1.0 * (1 - 1 / throttle.MEAN_OVER_STEPS) ** 2)
+    rule.overheads = {False: 2.0, True: 3.0}   # now 3 < (1 + 1) x 2: speculate, with plain refreshes
+    decisions = [rule.speculates([5], False) for _ in range(3 * throttle.REFRESH_PLAIN)]
+    assert decisions.count(False) == 2 and decisions[throttle.REFRESH_PLAIN] is False
+
+
+def test_engine_prices_the_steps_it_runs(engines):
+    """The engine times each step for its throttle (the interval to the next step's planning)."""
     engine = engines[1].llm_engine
-    free = engine.block_manager.num_free_pages
-    rule = Throttle(SpeculativeConfig(num_tokens=3), engine.model_cfg, None, 4)
-    rule.calibrate(engine.block_manager, engine.runner, None)
-    assert all(0 <= o < 1.0 for o in rule.overheads[:2]) and rule.overheads[2] == 0.0
-    assert engine.block_manager.num_free_pages == free
+    spec = dataclasses.replace(engine.ecfg.speculative, disable_by_batch_size=None)
+    rule = Throttle(spec, engine.model_cfg, None, 4)
+    observed = []
+    rule.observe = lambda seconds: observed.append(seconds)
+    engine.throttle, kept = rule, engine.throttle
+    try:
+        engines[1].generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                            use_tqdm=False)
+    finally:
+        engine.throttle = kept
+    assert len(observed) >= 20 and all(0 < s < 5 for s in observed)
 
 
 # ---- exactness when sampling: the output distribution is the target's own ----

@@ -9,14 +9,20 @@ every row: buckets.py). So before each step, over the B running sequences that w
 (with their context lengths), a step's time is predicted as
     its overhead + max(FLOPs / peak FLOP/s, bytes / peak bandwidth)
 (the roofline: jaxserve/roofline.py, peaks from the datasheet or measured on this machine once
-per process; the overhead: what a step costs beyond that, packing, dispatch, the sampler,
-the results back on the host: measured once, `calibrate`, as a one-row step's time minus its
-roofline time, for the target's decode and verify steps and the draft's decode step), for
+per process; the overhead: what a step costs beyond that, packing, dispatch, the sampler, the
+results back on the host, the draft's steps' own overheads, and whether the step overlaps the
+one before: learned from the steps themselves, `observe`, a running mean of each kind's wall
+time less its roofline time, 0 until one of its kind ran), for
     plain  = a decode step of B one-token rows,
     verify = a step of B rows of 1 + k tokens (+ with a draft model: k draft steps of B
              one-token rows),
 and the step speculates while verify < (1 + a) x plain: more tokens a second. `a` is a running
-mean (exponential, over about the last 64 verify rows) that starts at k / 2.
+mean (exponential, over about the last 64 verify rows) that starts at k / 2. Each kind's
+overhead is learned from steps of its kind only: a verify step priced too low is tried, measured
+and dropped within a few steps; one priced too high is not tried again, which errs on the side
+of not speculating. So that the plain step's price cannot go stale while every step speculates
+(one measured at a larger batch would keep it speculating), every REFRESH_PLAIN-th step in a row
+that would speculate runs plain.
 
 Without overheads and K/V (short contexts), with P weights of s bytes each, that is: speculate
 up to B* = (1 + a) s F / (2 (k + 1) W) rows, F / W the peak FLOP/s over the bandwidth (there
@@ -41,14 +47,15 @@ target's tokens when speculation resumes (draft.py, `_valid`).
 from __future__ import annotations
 
 import functools
-import time
+
+import numpy as np
 
 from jaxserve.config import ModelConfig, SpeculativeConfig
 from jaxserve.roofline import CostModel, device_peaks
-from jaxserve.scheduler import ScheduledSeq, SchedulerOutput
-from jaxserve.sequence import Sequence
 
-MEAN_OVER_ROWS = 64
+MEAN_OVER_ROWS = 64      # the acceptance's running mean
+MEAN_OVER_STEPS = 4      # the overheads'
+REFRESH_PLAIN = 32
 
 _peaks = functools.cache(device_peaks)   # measured once per process on a device without a datasheet
 
@@ -58,9 +65,10 @@ class Throttle:
         self.spec = spec
         self._models = target, draft, itemsize
         self.mean_accepted = spec.num_tokens / 2
-        # (target decode, target verify, draft decode) seconds a step costs beyond its roofline
-        # time; None: not measured yet (0)
-        self.overheads: tuple[float, float, float] | None = None
+        # seconds a plain (False) and a speculating (True) step cost beyond their roofline time
+        self.overheads: dict[bool, float | None] = {False: None, True: None}
+        self._priced: tuple[bool, float] | None = None   # the last step the rule decided: (speculates, its roofline time)
+        self._speculating = 0   # steps in a row the rule let speculate
 
     @functools.cached_property
     def _costs(self) -> tuple[CostModel, CostModel | None]:
@@ -70,6 +78,7 @@ class Throttle:
     def speculates(self, contexts: list[int], prefills: bool) -> bool:
         """Whether the next step speculates, its verify candidates having computed `contexts`
         tokens, `prefills`: whether it has prompt tokens to compute too."""
+        self._priced = None
         if not contexts:
             return False
         if self.spec.disable_by_batch_size is not None:
@@ -77,52 +86,32 @@ class Throttle:
         if prefills:
             return False
         k, (target, draft) = self.spec.num_tokens, self._costs
-        overhead, verify_overhead, draft_overhead = self.overheads or (0.0, 0.0, 0.0)
-        verify = verify_overhead + _roofline_seconds(target, contexts, 1 + k)
+        plain = _roofline_seconds(target, contexts, 1)
+        verify = _roofline_seconds(target, contexts, 1 + k)
         if draft is not None:
-            verify += k * (draft_overhead + _roofline_seconds(draft, contexts, 1))
-        return verify < (1 + self.mean_accepted) * (overhead + _roofline_seconds(target, contexts, 1))
+            verify += k * _roofline_seconds(draft, contexts, 1)
+        overhead = {kind: seconds or 0.0 for kind, seconds in self.overheads.items()}
+        speculate = overhead[True] + verify < (1 + self.mean_accepted) * (overhead[False] + plain)
+        speculate = speculate and self._speculating < REFRESH_PLAIN
+        self._speculating = self._speculating + 1 if speculate else 0
+        self._priced = speculate, verify if speculate else plain
+        return speculate
+
+    def observe(self, seconds: float) -> None:
+        """The step last decided by the rule took `seconds` (the engine's step, from planning to
+        the next step's planning: what the rule compares)."""
+        if self._priced is None:
+            return
+        (kind, roofline), self._priced = self._priced, None
+        extra, mean = max(0.0, seconds - roofline), self.overheads[kind]
+        self.overheads[kind] = extra if mean is None else mean + (extra - mean) / MEAN_OVER_STEPS
 
     def accepted(self, proposals: int) -> None:
         """A verify row kept this many proposals."""
         self.mean_accepted += (proposals - self.mean_accepted) / MEAN_OVER_ROWS
 
-    @property
-    def uncalibrated(self) -> bool:
-        """The rule is in use and its overheads were not measured yet."""
-        return self.overheads is None and self.spec.disable_by_batch_size is None
-
-    def calibrate(self, block_manager, target_runner, draft_runner) -> None:
-        """Measure the overheads: one-row steps of each runner (jaxserve/runner.py) whose K/V go
-        to pages borrowed from the pool (none free: not now)."""
-        k = self.spec.num_tokens
-        borrowed = Sequence(request_id="throttle-calibration", prompt_token_ids=[0] * (1 + k))
-        if block_manager.reserve(borrowed, 1 + k) is None:
-            return
-        self.overheads = (0.0, 0.0, 0.0)   # (not measured again if this fails)
-        try:
-            target, draft = self._costs
-            pages = borrowed.page_table
-            self.overheads = (_overhead(target_runner, target, pages, 1),
-                              _overhead(target_runner, target, pages, 1 + k),
-                              _overhead(draft_runner, draft, pages, 1) if draft is not None else 0.0)
-        finally:
-            block_manager.free(borrowed)
-
 
 def _roofline_seconds(cost: CostModel, contexts: list[int], n: int) -> float:
     """A step of one n-token row per context (every token sampled), at the roofline."""
-    return cost.step([(n, c + n, n) for c in contexts]).seconds(_peaks())
-
-
-def _overhead(runner, cost: CostModel, pages: list[int], n: int, repeats: int = 3) -> float:
-    """The best of `repeats` steps of one n-token row sampling every token (packed, run, sampled,
-    back on the host), less its roofline time."""
-    seq = Sequence(request_id="throttle-calibration", prompt_token_ids=[0] * n, page_table=pages)
-    step = SchedulerOutput([ScheduledSeq(seq, n, n, 0)], [], [])
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner.collect(runner.launch(step, {seq.seq_id: 0}))
-        best = min(best, time.perf_counter() - start)
-    return max(0.0, best - _roofline_seconds(cost, [0], n))
+    c = np.asarray(contexts)
+    return cost.step(np.stack([np.full_like(c, n), c + n, np.full_like(c, n)], axis=1)).seconds(_peaks())
