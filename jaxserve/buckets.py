@@ -6,7 +6,11 @@ Static shapes come in two families:
     chunk size), the decode rows at their maximum.
 Decode rows bring one token each, or with speculative decoding up to 1 + k (a verify row: the
 last token and k proposals; a plain decode among them uses one of its slots), and every token
-of a decode row is sampled: the logits come for decode rows x tokens per decode row.
+of a decode row is sampled: the logits come for decode rows x tokens per decode row. With
+speculative decoding every shape comes in both widths, decode_q = 1 + k for a step with verify
+rows and decode_q = 1 for one without (a step the throttle keeps plain,
+jaxserve/spec_decode/throttle.py, or no proposal found): such a step costs what it would cost
+without speculation.
 The runner packs each step into one of them; warm-up and `jaxserve check` compile all of them.
 While warm-up still builds the smaller ones in the background, a step pads up into the smallest
 shape already built that holds it (`cover`; see jaxserve/warmup.py).
@@ -78,7 +82,8 @@ class Buckets:
         self.tokens = powers_of_two(min(16, ecfg.max_num_batched_tokens), ecfg.max_num_batched_tokens,
                                     halfway_from=128)
         self.prefill_rows = powers_of_two(1, ecfg.max_prefill_seqs)
-        self.decode_q = 1 + (ecfg.speculative.num_tokens if ecfg.speculative else 0)
+        self.decode_q = 1 + (ecfg.speculative.num_tokens if ecfg.speculative else 0)   # the widest
+        self.decode_qs = sorted({1, self.decode_q})
         if any(t % seq_size for t in self.tokens):
             raise ValueError(f"token buckets {self.tokens} must be multiples of the mesh's seq size "
                              f"{seq_size} (set max_num_batched_tokens to one)")
@@ -87,18 +92,21 @@ class Buckets:
     def max_logit_rows(self) -> int:
         return self.decode[-1] * self.decode_q
 
-    def max_q_options(self, t: int) -> list[int]:
+    def step_decode_q(self, has_verify_rows: bool) -> int:
+        """The width of a step's decode rows."""
+        return self.decode_q if has_verify_rows else self.decode_qs[0]
+
+    def max_q_options(self, t: int, decode_q: int) -> list[int]:
         """The static bounds on one sequence's new tokens in a prefill step of t tokens."""
-        return sorted({max(min(t, SHORT_PREFILL_Q), self.decode_q), min(t, self.ecfg.prefill_chunk_size)})
+        return sorted({max(min(t, SHORT_PREFILL_Q), decode_q), min(t, self.ecfg.prefill_chunk_size)})
 
     def warmup_shapes(self, prefills_sequence_parallel: bool) -> list[StepShape]:
         """Every shape the batched step runs in (without prefill rows when prefills run
         sequence-parallel on their own)."""
-        dq = self.decode_q
-        shapes = [StepShape(sd * dq, sd, 0, dq, dq) for sd in self.decode]
+        shapes = [StepShape(sd * dq, sd, 0, dq, dq) for dq in self.decode_qs for sd in self.decode]
         if not prefills_sequence_parallel:
-            shapes += [StepShape(t, self.decode[-1], sp, max_q, dq) for t in self.tokens
-                       for sp in self.prefill_rows for max_q in self.max_q_options(t)]
+            shapes += [StepShape(t, self.decode[-1], sp, max_q, dq) for dq in self.decode_qs for t in self.tokens
+                       for sp in self.prefill_rows for max_q in self.max_q_options(t, dq)]
         return shapes
 
 
@@ -106,15 +114,16 @@ def largest(shapes: list[StepShape]) -> list[StepShape]:
     """The largest decode shape and the largest shape with prefill rows among `shapes` (every
     shape of warmup_shapes fits one of them: `cover`)."""
     families = [[s for s in shapes if not s.prefill_rows], [s for s in shapes if s.prefill_rows]]
-    return [max(f, key=lambda s: (s.tokens, s.prefill_rows, s.max_q, s.decode_rows)) for f in families if f]
+    return [max(f, key=lambda s: (s.tokens, s.prefill_rows, s.max_q, s.decode_rows, s.decode_q)) for f in families if f]
 
 
 def cover(shape: StepShape, ready: frozenset[StepShape] | None) -> StepShape:
     """The smallest shape of `ready` that holds a batch packed for `shape` (as many or more
-    tokens, rows and max_q, of the same family); `shape` itself when `ready` is None (no limit)."""
+    tokens, rows, max_q and decode row width, of the same family); `shape` itself when `ready`
+    is None (no limit)."""
     if ready is None or shape in ready:
         return shape
-    fits = [s for s in ready if bool(s.prefill_rows) == bool(shape.prefill_rows) and s.decode_q == shape.decode_q
+    fits = [s for s in ready if bool(s.prefill_rows) == bool(shape.prefill_rows) and s.decode_q >= shape.decode_q
             and s.tokens >= shape.tokens and s.decode_rows >= shape.decode_rows
             and s.prefill_rows >= shape.prefill_rows and s.max_q >= shape.max_q]
     if not fits:

@@ -145,12 +145,15 @@ class SpeculativeConfig:
     continuation of the latest earlier occurrence of the last n tokens (n from ngram_max down
     to ngram_min). method "draft": the greedy continuation of a smaller model sharing the
     target's tokenizer, `model` (an HF directory; None: the embedded model's draft, for the
-    embedded model only)."""
+    embedded model only). A step speculates only while it pays (jaxserve/spec_decode/throttle.py):
+    `disable_by_batch_size` None: while the roofline cost model predicts more tokens per second
+    with it; a number: while at most that many sequences run (as vLLM's key)."""
     method: str = "ngram"
     num_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
     model: str | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -163,6 +166,9 @@ class SpeculativeConfig:
                              f"{self.ngram_min} and {self.ngram_max}")
         if self.model is not None and self.method != "draft":
             raise ValueError(f"engine config: speculative model is for method draft, not {self.method!r}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"engine config: speculative disable_by_batch_size must be at least 1 or null, "
+                             f"got {self.disable_by_batch_size}")
 
 
 @dataclasses.dataclass

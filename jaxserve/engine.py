@@ -38,6 +38,7 @@ from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import PENDING, Sequence
 from jaxserve.spec_decode import ngram
 from jaxserve.spec_decode.draft import DraftProposer, default_draft_dir
+from jaxserve.spec_decode.throttle import Throttle
 from jaxserve.structured.grammar import Grammars
 from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -79,6 +80,11 @@ class LLMEngine:
         if spec is not None and spec.method == "draft":
             self.draft = DraftProposer(spec.model or default_draft_dir(model_dir, TINY_MODEL_DIR), self.model_cfg,
                                        self.ecfg, self.runner.num_pages, self.max_model_len, mesh, self.dtype)
+        self.throttle = None   # which steps speculate
+        self._step_started = None   # when the latest step() began (the throttle learns step times)
+        if spec is not None:
+            self.throttle = Throttle(spec, self.model_cfg, self.draft.runner.cfg if self.draft is not None else None,
+                                     jnp.dtype(self.dtype).itemsize)
         self.block_manager = BlockManager(self.runner.num_pages, self.ecfg.page_size,
                                           self.ecfg.enable_prefix_caching, self.ecfg.poison_freed_pages)
         self.scheduler = Scheduler(self.ecfg, self.block_manager, self.max_model_len)
@@ -89,7 +95,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "failed_steps": 0,
                       "requests_finished": 0, "spec_verify_rows": 0, "spec_proposed_tokens": 0,
-                      "spec_accepted_tokens": 0, "spec_draft_steps": 0}
+                      "spec_accepted_tokens": 0, "spec_draft_steps": 0, "spec_off_steps": 0}
         self._fault_steps = {int(n) for n in os.environ.get(FAULT_STEPS_ENV, "").split(",") if n.strip()}
         self.last_schedule = None   # the SchedulerOutput of the latest step (roofline accounting)
         # Plan step N+1 while step N runs (see `step`); off: each step is collected before the next is planned.
@@ -194,17 +200,22 @@ class LLMEngine:
         after the previous step's collection (the grammars took its tokens), while the device
         still runs the model. Speculative decoding (proposals, and the verify row's accepted run)
         and sequence-parallel prefill (its samples are not the batched step's) collect the
-        previous step first (the synchronous order).
+        previous step first (the synchronous order): a step that speculates, or follows one that
+        did (spec_decode/throttle.py decides which steps speculate).
         Raises StepError naming the requests of the steps involved when one fails (the caller
         aborts them)."""
         previous, self._inflight = self._inflight, None
         outputs = []
-        if previous is not None and not self._can_overlap():
+        if self.throttle is not None and self._step_started is not None:   # the step planned last time, priced
+            self.throttle.observe(time.perf_counter() - self._step_started)
+        self._step_started = time.perf_counter()
+        speculate = self._speculates()
+        if previous is not None and (speculate or not self._can_overlap(previous[0])):
             outputs, previous = self._guarded([previous[0]], lambda: self._collect(*previous)), None
-        self._propose()
+        self._propose(speculate)
         out = self.last_schedule = self.scheduler.schedule()
         running = [previous[0]] if previous is not None else []
-        if self.draft is not None:   # (speculation is never overlapped: nothing is running)
+        if self.draft is not None:   # (a step with verify rows is never overlapped: nothing is running)
             self.stats["spec_draft_steps"] += self._guarded([out], lambda: self.draft.propose(out))
         sample_later = previous is not None and any(reads_outputs(s.seq) for s in out.scheduled if s.num_sampled)
         if out.scheduled or out.page_copies:
@@ -214,6 +225,8 @@ class LLMEngine:
         if sample_later:
             launched = self._inflight[1]
             self._inflight = out, self._guarded([out], lambda: self.runner.sample(launched))
+        if not self.has_unfinished():
+            self._step_started = None   # idle until the next request: no step's time
         return outputs
 
     def _guarded(self, steps: list[SchedulerOutput], run):
@@ -224,9 +237,11 @@ class LLMEngine:
             self.stats["failed_steps"] += 1
             raise StepError(sorted({s.seq.request_id for out in steps for s in out.scheduled}), e) from e
 
-    def _can_overlap(self) -> bool:
-        """Whether the next step may be planned before the previous one's sampled tokens are on the host."""
-        return self.overlap and self.ecfg.speculative is None and not self.runner.prefills_sequence_parallel
+    def _can_overlap(self, previous: SchedulerOutput) -> bool:
+        """Whether the next step, without verify rows, may be planned before the `previous`
+        one's sampled tokens are on the host (not if it had verify rows: their accepted runs)."""
+        return (self.overlap and not self.runner.prefills_sequence_parallel
+                and not any(s.num_sampled > 1 for s in previous.scheduled))
 
     def _launch(self, out: SchedulerOutput, sample_later: bool) -> Launched:
         self._launches += 1
@@ -296,15 +311,28 @@ class LLMEngine:
         self.runner.poison_pages([p for p in self.block_manager.drain_stale_pages() if p not in copied])
         return dataclasses.replace(out, page_copies=[])
 
-    def _propose(self) -> None:
+    def _speculates(self) -> bool:
+        """Whether the next step speculates (spec_decode/throttle.py), over the running sequences
+        whose tokens are all computed but the last (those that would verify)."""
+        if self.throttle is None:
+            return False
+        contexts = [s.num_computed_tokens for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
+        speculate = self.throttle.speculates(contexts, self.scheduler.prefills_next())
+        self.stats["spec_off_steps"] += bool(contexts) and not speculate
+        return speculate
+
+    def _propose(self, speculate: bool) -> None:
         """Speculative decoding: proposals for every running sequence whose tokens are all
-        computed but the last (the scheduler turns it into a verify row). A draft model's are
-        placeholders until the schedule has reserved their pages (DraftProposer.propose)."""
+        computed but the last (the scheduler turns it into a verify row) when the step
+        speculates, none otherwise. A draft model's are placeholders until the schedule has
+        reserved their pages (DraftProposer.propose)."""
         spec = self.ecfg.speculative
         if spec is None:
             return
         for seq in self.scheduler.running:
-            if seq.num_tokens - seq.num_computed_tokens == 1:
+            if not speculate or seq.num_tokens - seq.num_computed_tokens > 1:
+                seq.proposed_token_ids = []
+            else:
                 seq.proposed_token_ids = (self.draft.placeholders() if self.draft is not None else
                                           ngram.propose(seq.token_ids, spec.num_tokens, spec.ngram_min, spec.ngram_max))
 
@@ -318,6 +346,7 @@ class LLMEngine:
         while n < len(sampled) - 1 and sampled[n].token == proposals[n]:
             n += 1
         if len(sampled) > 1:
+            self.throttle.accepted(n)
             self.stats["spec_verify_rows"] += 1
             self.stats["spec_proposed_tokens"] += len(sampled) - 1
             self.stats["spec_accepted_tokens"] += n

@@ -89,7 +89,8 @@ class _EngineCollector:
         for key, help_text in (("spec_verify_rows", "Speculative decoding: rows that verified proposals."),
                                ("spec_proposed_tokens", "Speculative decoding: proposed tokens verified."),
                                ("spec_accepted_tokens", "Speculative decoding: proposed tokens accepted."),
-                               ("spec_draft_steps", "Speculative decoding: steps of the draft model.")):
+                               ("spec_draft_steps", "Speculative decoding: steps of the draft model."),
+                               ("spec_off_steps", "Speculative decoding: steps run without it (it would not pay).")):
             yield CounterMetricFamily(f"jaxserve_{key}", help_text, value=sum(e.stats[key] for e in engines))
         yield CounterMetricFamily("jaxserve_num_preemptions", "Sequences preempted (recomputed later).",
                                   value=sum(s.num_preemptions for s in scheds))

@@ -27,27 +27,29 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     """The scheduled rows as the step's fixed-shape host arrays (see the runner's docstring):
     prefill rows first, then decode rows (one token, or a verify row's 1 + k) longest context
     first, padded to `buckets` (to the smallest `ready` shape that holds them while warm-up
-    builds the others: buckets.cover). A row sampling n tokens has its last n positions in
-    logits_index and its sequence n times in sampling_seqs. A PENDING input token (a decode row's
-    token sampled by the step still running) is left for the device to read (`pending`)."""
+    builds the others: buckets.cover); decode rows are 1 + k wide only in a step with a verify
+    row. A row sampling n tokens has its last n positions in logits_index and its sequence n
+    times in sampling_seqs. A PENDING input token (a decode row's token sampled by the step
+    still running) is left for the device to read (`pending`)."""
     prefill = [s for s in out.scheduled if s.is_prefill_row]
     decode = sorted((s for s in out.scheduled if not s.is_prefill_row),
                     key=lambda s: -s.seq.num_computed_tokens)
     num_tokens = out.num_tokens
+    dq = buckets.step_decode_q(any(s.num_query_tokens > 1 for s in decode))
     if prefill:
         if len(prefill) > buckets.prefill_rows[-1]:
             raise ValueError(f"{len(prefill)} prefill rows > max_prefill_seqs")
         sp = bucket(len(prefill), buckets.prefill_rows)
         t = bucket(num_tokens, buckets.tokens)
         sd = buckets.decode[-1]
-        max_q = bucket(max(s.num_query_tokens for s in prefill), buckets.max_q_options(t))
+        max_q = bucket(max(s.num_query_tokens for s in prefill), buckets.max_q_options(t, dq))
     else:
         sp = 0
         sd = bucket(len(decode), buckets.decode)
-        t = sd * buckets.decode_q
-        max_q = buckets.decode_q
-    shape = cover(StepShape(t, sd, sp, max_q, buckets.decode_q), ready)
-    t, sd, sp, max_q = shape.tokens, shape.decode_rows, shape.prefill_rows, shape.max_q
+        t = sd * dq
+        max_q = dq
+    shape = cover(StepShape(t, sd, sp, max_q, dq), ready)
+    t, sd, sp, max_q, dq = shape.tokens, shape.decode_rows, shape.prefill_rows, shape.max_q, shape.decode_q
     p = max_pages_per_seq
     rows: list = prefill + [None] * (sp - len(prefill)) + decode + [None] * (sd - len(decode))
     tokens = np.zeros(t, np.int32)
@@ -56,7 +58,7 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     page_table = np.zeros((sp + sd, p), np.int32)
     seq_lens = np.zeros(sp + sd, np.int32)
     qsl = np.zeros(sp + sd + 1, np.int32)
-    logits_index = np.zeros(sd * buckets.decode_q, np.int32)  # sampled positions first
+    logits_index = np.zeros(sd * dq, np.int32)  # sampled positions first
     sampling_seqs, starts, pending = [], [], []
     cursor = 0
     for r, s in enumerate(rows):
@@ -81,4 +83,4 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
                 sampling_seqs.append(seq)
         qsl[r + 1] = cursor
     arrays = (tokens, positions, slots, page_table, seq_lens, qsl, logits_index)
-    return Batch(arrays, sampling_seqs, sp, max_q, buckets.decode_q, prompt_logprobs.pack(starts, t), pending)
+    return Batch(arrays, sampling_seqs, sp, max_q, dq, prompt_logprobs.pack(starts, t), pending)

@@ -14,6 +14,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import ModelConfig
 
@@ -74,6 +75,10 @@ class StepCost:
     flops: float
     bytes: float
 
+    def seconds(self, peaks: Peaks) -> float:
+        """The step's time at the roofline: limited by compute or by memory, whichever takes longer."""
+        return max(self.flops / peaks.flops, self.bytes / peaks.bandwidth)
+
 
 class CostModel:
     """Ideal FLOPs and bytes of one step: every weight read once, every attended K/V entry read
@@ -90,27 +95,31 @@ class CostModel:
         read_params = n - (0 if cfg.tie_word_embeddings else self.head_params)
         self.weight_bytes = read_params * itemsize
         self.kv_bytes_per_token = 2 * cfg.num_kv_heads * d * itemsize    # K and V, one layer
+        self.layers_by_window = collections.Counter(cfg.sliding_windows)
 
     def step(self, rows: list[tuple[int, int, int]]) -> StepCost:
         """rows: (query tokens, KV length after the step, tokens sampled) for each sequence."""
         c = self.cfg
-        tokens = sum(n for n, _, _ in rows)
-        flops = 2 * tokens * self.token_params + 2 * sum(s for *_, s in rows) * self.head_params
+        # numpy over the rows, layers grouped by window: the speculation throttle asks every step
+        n, kv, sampled = np.asarray(rows, np.int64).reshape(-1, 3).T
+        flops = 2 * int(n.sum()) * self.token_params + 2 * int(sampled.sum()) * self.head_params
         nbytes = self.weight_bytes
-        for window in c.sliding_windows:
-            for n, kv, _ in rows:
-                flops += 4 * c.num_heads * c.head_dim * _attended(n, kv, window)
-                nbytes += (min(kv, window or kv) + n) * self.kv_bytes_per_token
+        for window, layers in self.layers_by_window.items():
+            flops += layers * 4 * c.num_heads * c.head_dim * int(_attended(n, kv, window).sum())
+            keys = kv if window is None else np.minimum(kv, window)
+            nbytes += layers * int((keys + n).sum()) * self.kv_bytes_per_token
         return StepCost(flops, nbytes)
 
 
-def _attended(n: int, kv: int, window: int | None) -> int:
-    """Query-key pairs of n new causal queries ending at position kv (sum of min(i, window))."""
+def _attended(n, kv, window: int | None):
+    """Query-key pairs of n new causal queries ending at position kv (sum of min(i, window));
+    n and kv: ints or arrays of them."""
     first = kv - n + 1
-    if window is None or window >= kv:
-        return (first + kv) * n // 2
-    below = max(0, min(kv, window) - first + 1)     # queries at i <= window see i keys
-    return (first + first + below - 1) * below // 2 + (n - below) * window
+    full = (first + kv) * n // 2
+    if window is None:
+        return full
+    below = np.maximum(0, np.minimum(kv, window) - first + 1)     # queries at i <= window see i keys
+    return np.where(window >= kv, full, (first + first + below - 1) * below // 2 + (n - below) * window)
 
 
 def schedule_rows(scheduler_output) -> list[tuple[int, int, int]]:

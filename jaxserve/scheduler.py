@@ -134,6 +134,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def prefills_next(self) -> bool:
+        """Whether the next step has prompt tokens to compute: a running sequence's prompt not
+        all computed, or a waiting sequence with a free seat to take."""
+        return (any(s.num_tokens - s.num_computed_tokens > 1 for s in self.running)
+                or bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs)
+
     # ---- requests ----
     def add(self, seq: Sequence) -> None:
         if not seq.prompt_token_ids:

@@ -455,3 +455,21 @@ def test_overlapped_order_gives_the_same_outputs_and_all_pages_back():
         for seq in seqs:
             assert seq.output_token_ids == reference(seq.prompt_token_ids, seq.sampling.max_tokens, seq.index, (3, 7))
     assert_all_pages_back(sched)
+
+
+def test_prefills_next_says_whether_the_next_step_computes_prompt_tokens():
+    """The speculation throttle's question (jaxserve/spec_decode/throttle.py): asked before each
+    step, over arrivals, chunked prompts, a full batch (max_num_seqs) and finishing requests."""
+    sched, runner = make(max_num_seqs=2, max_num_batched_tokens=8, prefill_chunk_size=4)
+    add(sched, request("a", range(1, 10), max_tokens=3))
+    arrivals = {2: request("b", [3, 4], max_tokens=6), 3: request("c", range(5, 12), max_tokens=2)}
+    answers = []
+    for i in range(40):
+        add(sched, arrivals.get(i, []))
+        if not sched.has_work():
+            break
+        expected = sched.prefills_next()
+        out = step(sched, runner)
+        answers.append(expected)
+        assert expected == any(s.is_prefill for s in out.scheduled), i
+    assert True in answers and False in answers

@@ -1,9 +1,12 @@
 """Speculative decoding with n-gram prompt lookup: verify rows through the runner and sampler,
 the accepted run cut by every stop condition, and outputs identical with speculation on and off
 (greedy, and seeded sampling: each position draws the randomness it would draw without
-speculation). The embedded tiny model repeats itself enough for proposals to be accepted."""
+speculation), also while the throttle turns speculation off and on (jaxserve/spec_decode/throttle.py,
+its rule against its closed form). The embedded tiny model repeats itself enough for proposals
+to be accepted."""
 import argparse
 import collections
+import dataclasses
 import functools
 import json
 
@@ -12,13 +15,18 @@ import pytest
 import torch
 import transformers
 
+import jaxserve.runner as runner_module
 from jaxserve import LLM, SamplingParams, cli
 from jaxserve.compilations import CompileCounter
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from jaxserve.engine import TINY_MODEL_DIR
-from jaxserve.spec_decode import ngram
+from jaxserve.packing import pack
+from jaxserve.roofline import Peaks
+from jaxserve.spec_decode import ngram, throttle
+from jaxserve.spec_decode.throttle import Throttle
 
-SPEC = {"method": "ngram", "num_tokens": 3, "ngram_min": 1, "ngram_max": 3}
+# Never throttled at max_num_seqs 8 (the throttle's tests lower the bound while they run).
+SPEC = {"method": "ngram", "num_tokens": 3, "ngram_min": 1, "ngram_max": 3, "disable_by_batch_size": 8}
 # Small buckets; a pool of 24 pages of 16 tokens for 6 sequences of up to ~190 tokens preempts.
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=32, max_prefill_seqs=2,
               max_model_len=256, num_pages=24, page_size=16, compilation_cache_dir=None)
@@ -56,6 +64,8 @@ def test_config_is_checked():
         EngineConfig(speculative={"method": "eagle"})
     with pytest.raises(ValueError, match="ngram_min <= ngram_max"):
         EngineConfig(speculative={"ngram_min": 3, "ngram_max": 2})
+    with pytest.raises(ValueError, match="disable_by_batch_size must be at least 1"):
+        EngineConfig(speculative={"disable_by_batch_size": 0})
 
 
 def warm_llm(speculative=None) -> LLM:
@@ -118,6 +128,140 @@ def test_accepted_run_is_fewer_steps(engines):
     steps, tokens = stats["steps"], stats["generation_tokens"]
     spec.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True), use_tqdm=False)
     assert stats["generation_tokens"] - tokens > 1.3 * (stats["steps"] - steps)
+
+
+# ---- the throttle: speculation off while it would not pay ----
+
+def test_roofline_rule_matches_its_closed_form(monkeypatch):
+    """Short contexts: the rule speculates up to B* = (1 + a) s F / (2 (k + 1) W) rows (the
+    throttle's docstring), within the K/V bytes the closed form leaves out (10% margins); with a
+    draft, at one row (both steps memory-bound) while k P_draft / P < a."""
+    k, itemsize = 4, 2
+    target = ModelConfig.from_pretrained(TINY_MODEL_DIR)
+    draft = ModelConfig.from_pretrained(f"{TINY_MODEL_DIR}/draft")
+    rule = Throttle(SpeculativeConfig(num_tokens=k), target, None, itemsize)
+    monkeypatch.setattr(throttle, "_peaks", lambda: Peaks(81e12, 1e12, "test"))   # F / W = 81
+    for a in (1.5, 3.5):
+        rule.mean_accepted = a
+        bound = (1 + a) * itemsize * 81 / (2 * (k + 1))   # 40.5, then 72.9
+        assert rule.speculates([1] * int(0.9 * bound), False) and not rule.speculates([1] * int(1.1 * bound), False)
+    with_draft = Throttle(SpeculativeConfig(method="draft", num_tokens=k), target, draft, itemsize)
+    ratio = k * draft.num_params / target.num_params   # 0.66
+    for a, expected in ((0.9 * ratio, False), (1.1 * ratio, True)):
+        with_draft.mean_accepted = a
+        assert with_draft.speculates([1], False) == expected
+    # Steps of a second each (the overheads): the roofline times vanish next to them. With the
+    # draft's k steps a verify step costs more than 1 + a plain ones; without a proposer, the same.
+    with_draft.overheads, with_draft.mean_accepted = {False: 1.0, True: 1.0 + k}, k / 2
+    rule.overheads, rule.mean_accepted = {False: 1.0, True: 1.0}, 0.1
+    assert not with_draft.speculates([1], False) and rule.speculates([1] * 64, False)
+    assert not rule.speculates([1] * 64, True)   # a step computing prompt tokens never speculates
+    rule.overheads[True] = 2.0   # a verify step costing two plain ones pays from a > 1
+    assert not rule.speculates([1], False)
+    rule.mean_accepted = 1.2
+    assert rule.speculates([1], False)
+    fixed = Throttle(SpeculativeConfig(num_tokens=k, disable_by_batch_size=2), target, None, itemsize)
+    assert fixed.speculates([9, 9], True) and not fixed.speculates([9, 9, 9], False) and not fixed.speculates([], False)
+
+
+THROTTLE_BOUND = 3
+ARRIVALS = {0: [0, 1], 6: [2, 3], 12: [4, 5]}   # engine step -> PROMPTS arriving
+MAX_TOKENS = [24, 70, 40, 60, 30, 50]
+
+
+def _staggered_params(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
+
+
+@functools.cache
+def _staggered_expected() -> list[list[int]]:
+    outs = plain_llm().generate([{"prompt_token_ids": ids} for ids in _prompt_ids()],
+                                [_staggered_params(i) for i in range(len(PROMPTS))], use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _prompt_ids() -> list[list[int]]:
+    return [plain_llm().get_tokenizer().encode(p) for p in PROMPTS]
+
+
+def check_throttled_run(llm, monkeypatch):
+    """Requests arrive (ARRIVALS) and finish while disable_by_batch_size = THROTTLE_BOUND turns
+    speculation off above it and on again below: greedy outputs equal those without
+    speculation, no step above the bound has a verify row, steps below it before and after do,
+    every batch without a verify row runs in the plain (decode_q = 1) shapes, and those were
+    built at warm-up: nothing compiles."""
+    engine, expected = llm.llm_engine, _staggered_expected()
+    monkeypatch.setattr(engine.ecfg.speculative, "disable_by_batch_size", THROTTLE_BOUND)
+    candidates, speculates = [], engine.throttle.speculates
+
+    def counting(contexts, prefills):
+        candidates.append(len(contexts))
+        return speculates(contexts, prefills)
+    monkeypatch.setattr(engine.throttle, "speculates", counting)
+    widths = []   # each packed batch: (whether it has a verify row, the width of its decode rows)
+
+    def packing(out, *args, **kwargs):
+        batch = pack(out, *args, **kwargs)
+        widths.append((any(s.num_sampled > 1 for s in out.scheduled), batch.decode_q))
+        return batch
+    monkeypatch.setattr(runner_module, "pack", packing)
+    off_steps, compiles = engine.stats["spec_off_steps"], CompileCounter.count
+    ids, tokens, trace = {}, collections.defaultdict(list), []   # trace: (verify candidates, verify rows) a step
+    while len(trace) <= max(ARRIVALS) or engine.has_unfinished():
+        for i in ARRIVALS.get(len(trace), []):
+            ids[engine.add_request(_prompt_ids()[i], _staggered_params(i))] = i
+        for out in engine.step():
+            tokens[ids[out.request_id]] += out.outputs[0].token_ids
+        trace.append((candidates[-1], sum(s.num_sampled > 1 for s in engine.last_schedule.scheduled)))
+    assert CompileCounter.count == compiles
+    assert set(widths) == {(False, 1), (True, 1 + engine.ecfg.speculative.num_tokens)}   # plain ones plain
+    assert [tokens[i] for i in range(len(PROMPTS))] == expected
+    above = [i for i, (n, _) in enumerate(trace) if n > THROTTLE_BOUND]
+    assert above and all(trace[i][1] == 0 for i in above), trace
+    assert any(rows for _, rows in trace[:above[0]]) and any(rows for _, rows in trace[above[-1]:]), trace
+    assert engine.stats["spec_off_steps"] - off_steps == len(above)
+
+
+def test_throttle_switches_speculation_off_and_on(engines, monkeypatch):
+    check_throttled_run(engines[1], monkeypatch)
+
+
+def test_throttle_learns_step_overheads_and_refreshes_the_plain_price(monkeypatch):
+    """Each kind's overhead: a running mean of its steps' time beyond their roofline time,
+    learned from that kind only; a plain step every REFRESH_PLAIN steps that would speculate."""
+    monkeypatch.setattr(throttle, "_peaks", lambda: Peaks(1e30, 1e15, "test"))   # memory-bound, nanoseconds
+    rule = Throttle(SpeculativeConfig(num_tokens=4), ModelConfig.from_pretrained(TINY_MODEL_DIR), None, 4)
+    rule.mean_accepted = 1.0
+    assert rule.speculates([5], False)     # nothing measured: verifying looks free
+    rule.observe(3.0)                      # a verify step took 3 s
+    assert rule.overheads[False] is None and rule.overheads[True] == pytest.approx(3.0)
+    assert not rule.speculates([5], False)   # 3 s against (1 + 1) x 0 s
+    rule.observe(1.0)
+    rule.observe(99.0)                     # no step was priced (observe once per decision)
+    assert rule.overheads == pytest.approx({False: 1.0, True: 3.0})
+    for seconds in (0.0, 0.0):             # plain steps got faster: the mean follows
+        assert not rule.speculates([5], False)
+        rule.observe(seconds)
+    assert rule.overheads[False] == pytest.approx(1.0 * (1 - 1 / throttle.MEAN_OVER_STEPS) ** 2)
+    rule.overheads = {False: 2.0, True: 3.0}   # now 3 < (1 + 1) x 2: speculate, with plain refreshes
+    decisions = [rule.speculates([5], False) for _ in range(3 * throttle.REFRESH_PLAIN)]
+    assert decisions.count(False) == 2 and decisions[throttle.REFRESH_PLAIN] is False
+
+
+def test_engine_prices_the_steps_it_runs(engines):
+    """The engine times each step for its throttle (the interval to the next step's planning)."""
+    engine = engines[1].llm_engine
+    spec = dataclasses.replace(engine.ecfg.speculative, disable_by_batch_size=None)
+    rule = Throttle(spec, engine.model_cfg, None, 4)
+    observed = []
+    rule.observe = lambda seconds: observed.append(seconds)
+    engine.throttle, kept = rule, engine.throttle
+    try:
+        engines[1].generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                            use_tqdm=False)
+    finally:
+        engine.throttle = kept
+    assert len(observed) >= 20 and all(0 < s < 5 for s in observed)
 
 
 # ---- exactness when sampling: the output distribution is the target's own ----

@@ -2,8 +2,8 @@
 outputs identical with the draft on and off (greedy through preemption and prefix-cache hits,
 seeded sampling with n = 2 forks), greedy equal to transformers, every proposal the draft
 model's own greedy continuation of the sequence (transformers' draft model over the known
-tokens: the draft's paged KV kept in step through rollback, preemption, forks and prefix hits),
-and sampled tokens that follow the target's distribution."""
+tokens: the draft's paged KV kept in step through rollback, preemption, forks, prefix hits and
+steps the throttle kept plain), and sampled tokens that follow the target's distribution."""
 import os
 
 import numpy as np
@@ -16,10 +16,10 @@ from jaxserve.compilations import CompileCounter
 from jaxserve.config import EngineConfig
 from jaxserve.engine import TINY_MODEL_DIR
 from jaxserve.spec_decode.draft import default_draft_dir
-from tests.test_spec_decode import (CASES, DRAWS, PROMPTS, _chi_square_p, _exact_triples, _run, plain_llm, plain_outputs,
-                                     sampled_triples, warm_llm)
+from tests.test_spec_decode import (CASES, DRAWS, PROMPTS, _chi_square_p, _exact_triples, _run, check_throttled_run,
+                                     plain_llm, plain_outputs, sampled_triples, warm_llm)
 
-DRAFT = {"method": "draft", "num_tokens": 3}
+DRAFT = {"method": "draft", "num_tokens": 3, "disable_by_batch_size": 8}   # as test_spec_decode.SPEC
 DRAFT_DIR = os.path.join(TINY_MODEL_DIR, "draft")
 
 
@@ -91,6 +91,17 @@ def test_same_outputs_with_and_without_the_draft(engines, hf_draft, monkeypatch,
     if case == "greedy":   # 6 x 160 tokens in 24 pages of 16: preempted, then re-admitted on cached pages
         assert engine.scheduler.num_preemptions > preemptions
         assert engine.block_manager.prefix_hit_tokens > hits
+
+
+def test_throttle_switches_the_draft_off_and_on(engines, hf_draft, monkeypatch):
+    """As tests/test_spec_decode.py's test of the same name; the proposals after speculation
+    resumes are the draft's greedy continuations: its K/V caught up with the tokens the target
+    decoded meanwhile."""
+    engine = engines[1].llm_engine
+    records, steps = _record_proposals(engine, monkeypatch), engine.stats["spec_draft_steps"]
+    check_throttled_run(engines[1], monkeypatch)
+    assert engine.stats["spec_draft_steps"] > steps
+    _check_greedy_continuations(hf_draft, records)
 
 
 def test_greedy_equals_transformers(engines):

@@ -22,7 +22,7 @@ proposer keeps how many leading tokens have their draft K/V in the pages (`_Writ
 Each engine step with verify rows: the scheduler reserved 1 + n pages' slots per verify row (the
 last known token and n placeholder proposals, PENDING); then the draft runs on the host's
 tokens, batched over the rows: catch-up chunks (the tokens not yet in the draft's pages, split
-as the engine's budget allows: prefill_chunk_size, max_num_batched_tokens, one prefill row)
+as the engine's budget allows: prefill_chunk_size, max_num_batched_tokens, max_prefill_seqs)
 ending at the last known token, whose logits give the first proposal, then one-token steps,
 each writing the K/V of the proposal before and giving the next; all rows in the same steps (a
 short catch-up rides as one-token rows). Every shape is one of the draft runner's warm-up
@@ -66,11 +66,11 @@ class DraftProposer:
         if cfg.vocab_size != target_cfg.vocab_size:
             raise ValueError(f"engine config: the draft model's vocabulary ({cfg.vocab_size} tokens) is not the "
                              f"target's ({target_cfg.vocab_size}); a draft must share the target's tokenizer")
-        # One prefill row per draft step: the catch-up is long only a sequence's first time (or
-        # after a preemption), and half the prefill shapes to compile at warm-up.
+        # As many prefill rows a draft step as a target step: every sequence catches up when
+        # speculation resumes after steps the throttle kept plain (throttle.py), and each new one.
         draft_ecfg = dataclasses.replace(ecfg, model=draft_dir, speculative=None, num_pages=num_pages,
-                                         max_model_len=max_model_len, max_prefill_seqs=1)
-        params = load_for_mesh(draft_dir, cfg, dtype, ecfg.quantization, mesh)
+                                         max_model_len=max_model_len)
+        params = load_for_mesh(draft_dir, cfg, dtype, ecfg.quantization, mesh, ecfg.quantize_lm_head)
         self.runner = ModelRunner(cfg, params, draft_ecfg, mesh=mesh, dtype=dtype)
         self.num_tokens = ecfg.speculative.num_tokens
         self._written: weakref.WeakKeyDictionary[Sequence, _Written] = weakref.WeakKeyDictionary()
@@ -131,8 +131,8 @@ class DraftProposer:
     def _rows(self, views: list[Sequence]) -> list[ScheduledSeq]:
         """The next draft step's rows: each view's next tokens not yet in the draft's pages,
         through its last one (which samples a proposal): a catch-up chunk as the engine's budget
-        allows (prefill_chunk_size, max_num_batched_tokens, one prefill row a step; other rows
-        take one token, riding as decode rows), else the last proposal."""
+        allows (prefill_chunk_size, max_num_batched_tokens, max_prefill_seqs prefill rows a step;
+        other rows take one token, riding as decode rows), else the last proposal."""
         cfg = self.runner.ecfg
         rows, budget, prefill_rows = [], cfg.max_num_batched_tokens, 0
         for v in views:

@@ -1,0 +1,117 @@
+"""When a step speculates (issue 16, item 5: under load, speculation costs compute).
+
+Speculating turns a decode row of one token into a verify row of 1 + k tokens, and yields
+1 + a tokens a row, a the mean accepted proposals per verify row. While a decode step is
+limited by memory bandwidth (every weight and the batch's K/V are read once, however many
+tokens), the k extra tokens are close to free; once the batch is large, they cost k + 1 times
+the decode's FLOPs, and speculating is slower than not (the static shapes charge all k + 1 for
+every row: buckets.py). So before each step, over the B running sequences that would verify
+(with their context lengths), a step's time is predicted as
+    its overhead + max(FLOPs / peak FLOP/s, bytes / peak bandwidth)
+(the roofline: jaxserve/roofline.py, peaks from the datasheet or measured on this machine once
+per process; the overhead: what a step costs beyond that, packing, dispatch, the sampler, the
+results back on the host, the draft's steps' own overheads, and whether the step overlaps the
+one before: learned from the steps themselves, `observe`, a running mean of each kind's wall
+time less its roofline time, 0 until one of its kind ran), for
+    plain  = a decode step of B one-token rows,
+    verify = a step of B rows of 1 + k tokens (+ with a draft model: k draft steps of B
+             one-token rows),
+and the step speculates while verify < (1 + a) x plain: more tokens a second. `a` is a running
+mean (exponential, over about the last 64 verify rows) that starts at k / 2. Each kind's
+overhead is learned from steps of its kind only: a verify step priced too low is tried, measured
+and dropped within a few steps; one priced too high is not tried again, which errs on the side
+of not speculating. So that the plain step's price cannot go stale while every step speculates
+(one measured at a larger batch would keep it speculating), every REFRESH_PLAIN-th step in a row
+that would speculate runs plain.
+
+Without overheads and K/V (short contexts), with P weights of s bytes each, that is: speculate
+up to B* = (1 + a) s F / (2 (k + 1) W) rows, F / W the peak FLOP/s over the bandwidth (there
+the verify step turns compute-bound while the plain one is still memory-bound): on an H100 in
+bfloat16 (F / W = 295) with k = 4 and a = 2, B* = 177. Long contexts add K/V reads to both
+steps and raise it; a draft model's steps lower it. On a CPU the overheads rule: a tiny draft
+model's step costs about what the target's does, so the draft never pays there, and n-gram
+lookup (no proposer cost) pays at small batches only.
+
+A step that computes prompt tokens does not speculate: its prompt chunk makes it compute-bound
+(the verify rows would cost their full FLOPs) and the verify rows would take the chunk's token
+budget; the rule above prices decode-only steps.
+
+`disable_by_batch_size` (the speculative config key, vLLM's name) replaces the rule: speculate
+while at most that many sequences would verify.
+
+A step that does not speculate has no verify rows: it runs in the plain (decode_q = 1) shapes
+that warm-up also builds (buckets.py), so it costs what it would cost without speculation, and
+it may overlap with the step before (engine.py). A draft model's K/V catch up with the
+target's tokens when speculation resumes (draft.py, `_valid`).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from jaxserve.config import ModelConfig, SpeculativeConfig
+from jaxserve.roofline import CostModel, device_peaks
+
+MEAN_OVER_ROWS = 64      # the acceptance's running mean
+MEAN_OVER_STEPS = 4      # the overheads'
+REFRESH_PLAIN = 32
+
+_peaks = functools.cache(device_peaks)   # measured once per process on a device without a datasheet
+
+
+class Throttle:
+    def __init__(self, spec: SpeculativeConfig, target: ModelConfig, draft: ModelConfig | None, itemsize: int):
+        self.spec = spec
+        self._models = target, draft, itemsize
+        self.mean_accepted = spec.num_tokens / 2
+        # seconds a plain (False) and a speculating (True) step cost beyond their roofline time
+        self.overheads: dict[bool, float | None] = {False: None, True: None}
+        self._priced: tuple[bool, float] | None = None   # the last step the rule decided: (speculates, its roofline time)
+        self._speculating = 0   # steps in a row the rule let speculate
+
+    @functools.cached_property
+    def _costs(self) -> tuple[CostModel, CostModel | None]:
+        target, draft, itemsize = self._models
+        return CostModel(target, itemsize), CostModel(draft, itemsize) if draft is not None else None
+
+    def speculates(self, contexts: list[int], prefills: bool) -> bool:
+        """Whether the next step speculates, its verify candidates having computed `contexts`
+        tokens, `prefills`: whether it has prompt tokens to compute too."""
+        self._priced = None
+        if not contexts:
+            return False
+        if self.spec.disable_by_batch_size is not None:
+            return len(contexts) <= self.spec.disable_by_batch_size
+        if prefills:
+            return False
+        k, (target, draft) = self.spec.num_tokens, self._costs
+        plain = _roofline_seconds(target, contexts, 1)
+        verify = _roofline_seconds(target, contexts, 1 + k)
+        if draft is not None:
+            verify += k * _roofline_seconds(draft, contexts, 1)
+        overhead = {kind: seconds or 0.0 for kind, seconds in self.overheads.items()}
+        speculate = overhead[True] + verify < (1 + self.mean_accepted) * (overhead[False] + plain)
+        speculate = speculate and self._speculating < REFRESH_PLAIN
+        self._speculating = self._speculating + 1 if speculate else 0
+        self._priced = speculate, verify if speculate else plain
+        return speculate
+
+    def observe(self, seconds: float) -> None:
+        """The step last decided by the rule took `seconds` (the engine's step, from planning to
+        the next step's planning: what the rule compares)."""
+        if self._priced is None:
+            return
+        (kind, roofline), self._priced = self._priced, None
+        extra, mean = max(0.0, seconds - roofline), self.overheads[kind]
+        self.overheads[kind] = extra if mean is None else mean + (extra - mean) / MEAN_OVER_STEPS
+
+    def accepted(self, proposals: int) -> None:
+        """A verify row kept this many proposals."""
+        self.mean_accepted += (proposals - self.mean_accepted) / MEAN_OVER_ROWS
+
+
+def _roofline_seconds(cost: CostModel, contexts: list[int], n: int) -> float:
+    """A step of one n-token row per context (every token sampled), at the roofline."""
+    c = np.asarray(contexts)
+    return cost.step(np.stack([np.full_like(c, n), c + n, np.full_like(c, n)], axis=1)).seconds(_peaks())
