@@ -80,11 +80,9 @@ class LLMEngine:
         if spec is not None and spec.method == "draft":
             self.draft = DraftProposer(spec.model or default_draft_dir(model_dir, TINY_MODEL_DIR), self.model_cfg,
                                        self.ecfg, self.runner.num_pages, self.max_model_len, mesh, self.dtype)
-        self.throttle = None   # which steps speculate
+        self.throttle = spec and Throttle(spec, self.model_cfg, self.draft and self.draft.runner.cfg,
+                                          jnp.dtype(self.dtype).itemsize)   # which steps speculate
         self._step_started = None   # when the latest step() began (the throttle learns step times)
-        if spec is not None:
-            self.throttle = Throttle(spec, self.model_cfg, self.draft.runner.cfg if self.draft is not None else None,
-                                     jnp.dtype(self.dtype).itemsize)
         self.block_manager = BlockManager(self.runner.num_pages, self.ecfg.page_size,
                                           self.ecfg.enable_prefix_caching, self.ecfg.poison_freed_pages)
         self.scheduler = Scheduler(self.ecfg, self.block_manager, self.max_model_len)
@@ -312,8 +310,7 @@ class LLMEngine:
         return dataclasses.replace(out, page_copies=[])
 
     def _speculates(self) -> bool:
-        """Whether the next step speculates (spec_decode/throttle.py), over the running sequences
-        whose tokens are all computed but the last (those that would verify)."""
+        """Whether the next step speculates (spec_decode/throttle.py), over the sequences that would verify."""
         if self.throttle is None:
             return False
         contexts = [s.num_computed_tokens for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
