@@ -170,7 +170,7 @@ def test_quantized_cache_holds_more_pages_and_keeps_perplexity_within_one_percen
     """The embedded model's held-out perplexity on 8 windows through an int8-cache engine's
     prefill (prompt logprobs read back from the pages) against the float32 forward pass without a
     cache, and the pool at the same kv_cache_mb (fp8's arithmetic: test_paged_attention.py)."""
-    reference = quantization_bench.heldout_perplexities(modes=(None,), max_windows=8)[None]
+    reference = quantization_bench.heldout_perplexities(configs=(None,), max_windows=8)[None]
     llm = LLM(kv_cache_dtype="int8", max_num_seqs=4, max_model_len=256, kv_cache_mb=4, compilation_cache_dir=None)
     ppl = kv_bench.engine_perplexity(llm, kv_bench.heldout_windows(8))
     assert abs(ppl / reference - 1) < 0.01, (ppl, reference)
