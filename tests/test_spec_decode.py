@@ -41,7 +41,10 @@ def naive_propose(tokens, k, n_min, n_max):
             continue
         for start in range(len(tokens) - n - 1, -1, -1):   # latest earlier occurrence first
             if tokens[start:start + n] == tokens[-n:]:
-                return tokens[start + n:start + n + k]
+                text = list(tokens)   # copy one token at a time: the copy may read its own output
+                for i in range(start + n, start + n + k):
+                    text.append(text[i])
+                return text[len(tokens):]
     return []
 
 
