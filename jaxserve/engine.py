@@ -204,8 +204,8 @@ class LLMEngine:
         aborts them)."""
         previous, self._inflight = self._inflight, None
         outputs = []
-        if self.throttle is not None and self._step_started is not None:   # the step planned last time, priced
-            self.throttle.observe(time.perf_counter() - self._step_started)
+        if self.throttle is not None:   # the time since the last step's planning (None: idle since)
+            self.throttle.observe(self._step_started and time.perf_counter() - self._step_started)
         self._step_started = time.perf_counter()
         speculate = self._speculates()
         if previous is not None and (speculate or not self._can_overlap(previous[0])):

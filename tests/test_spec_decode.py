@@ -231,16 +231,25 @@ def test_throttle_switches_speculation_off_and_on(engines, monkeypatch):
 
 def test_throttle_learns_step_overheads_and_refreshes_the_plain_price(monkeypatch):
     """Each kind's overhead: a running mean of its steps' time beyond their roofline time,
-    learned from that kind only; a plain step every REFRESH_PLAIN steps that would speculate."""
+    learned from that kind only, each interval pricing the step planned LAG steps before it;
+    a plain step every REFRESH_PLAIN steps that would speculate."""
     monkeypatch.setattr(throttle, "_peaks", lambda: Peaks(1e30, 1e15, "test"))   # memory-bound, nanoseconds
     rule = Throttle(SpeculativeConfig(num_tokens=4), ModelConfig.from_pretrained(TINY_MODEL_DIR), None, 4)
     rule.mean_accepted = 1.0
+    assert throttle.LAG == 2
     assert rule.speculates([5], False)     # nothing measured: verifying looks free
-    rule.observe(3.0)                      # a verify step took 3 s
+    assert not rule.speculates([5], True)  # a step with prompt tokens: not the rule's, not priced
+    rule.observe(3.0)                      # the interval that waited on the verify step took 3 s
     assert rule.overheads[False] is None and rule.overheads[True] == pytest.approx(3.0)
     assert not rule.speculates([5], False)   # 3 s against (1 + 1) x 0 s
-    rule.observe(1.0)
-    rule.observe(99.0)                     # no step was priced (observe once per decision)
+    rule.observe(99.0)                     # waited on the prompt's step: no price
+    rule.observe(99.0)                     # observed twice for one step: nothing left to price
+    assert not rule.speculates([5], False)
+    rule.observe(1.0)                      # the plain step planned two steps before
+    assert rule.overheads == pytest.approx({False: 1.0, True: 3.0})
+    rule.observe(None)                     # idle since: the steps planned before are not priced
+    assert not rule.speculates([5], False)
+    rule.observe(99.0)
     assert rule.overheads == pytest.approx({False: 1.0, True: 3.0})
     for seconds in (0.0, 0.0):             # plain steps got faster: the mean follows
         assert not rule.speculates([5], False)
@@ -252,7 +261,8 @@ def test_throttle_learns_step_overheads_and_refreshes_the_plain_price(monkeypatc
 
 
 def test_engine_prices_the_steps_it_runs(engines):
-    """The engine times each step for its throttle (the interval to the next step's planning)."""
+    """The engine times each step for its throttle (the interval to the next step's planning),
+    and says when it was idle before one."""
     engine = engines[1].llm_engine
     spec = dataclasses.replace(engine.ecfg.speculative, disable_by_batch_size=None)
     rule = Throttle(spec, engine.model_cfg, None, 4)
@@ -264,7 +274,8 @@ def test_engine_prices_the_steps_it_runs(engines):
                             use_tqdm=False)
     finally:
         engine.throttle = kept
-    assert len(observed) >= 20 and all(0 < s < 5 for s in observed)
+    assert observed[0] is None   # idle before the first step
+    assert len(observed) >= 20 and all(0 < s < 5 for s in observed[1:])
 
 
 # ---- exactness when sampling: the output distribution is the target's own ----

@@ -12,7 +12,11 @@ every row: buckets.py). So before each step, over the B running sequences that w
 per process; the overhead: what a step costs beyond that, packing, dispatch, the sampler, the
 results back on the host, the draft's steps' own overheads, and whether the step overlaps the
 one before: learned from the steps themselves, `observe`, a running mean of each kind's wall
-time less its roofline time, 0 until one of its kind ran), for
+time less its roofline time, 0 until one of its kind ran; the engine times the interval
+between two steps' planning, and that interval waits on the device work of the step planned
+two steps before (a step collects its predecessor's results before or after launching its
+own), so that is the step it prices: else the first verify step after a prompt's prefill
+would be charged the prefill's compute and never tried again), for
     plain  = a decode step of B one-token rows,
     verify = a step of B rows of 1 + k tokens (+ with a draft model: k draft steps of B
              one-token rows),
@@ -46,6 +50,7 @@ target's tokens when speculation resumes (draft.py, `_valid`).
 """
 from __future__ import annotations
 
+import collections
 import functools
 
 import numpy as np
@@ -56,6 +61,7 @@ from jaxserve.roofline import CostModel, device_peaks
 MEAN_OVER_ROWS = 64      # the acceptance's running mean
 MEAN_OVER_STEPS = 4      # the overheads'
 REFRESH_PLAIN = 32
+LAG = 2                  # steps between a step's planning and the interval that waits on its device work
 
 _peaks = functools.cache(device_peaks)   # measured once per process on a device without a datasheet
 
@@ -67,7 +73,8 @@ class Throttle:
         self.mean_accepted = spec.num_tokens / 2
         # seconds a plain (False) and a speculating (True) step cost beyond their roofline time
         self.overheads: dict[bool, float | None] = {False: None, True: None}
-        self._priced: tuple[bool, float] | None = None   # the last step the rule decided: (speculates, its roofline time)
+        # the latest LAG steps, oldest first: (speculates, its roofline time), None where the rule did not decide
+        self._priced: collections.deque = collections.deque(maxlen=LAG)
         self._speculating = 0   # steps in a row the rule let speculate
 
     @functools.cached_property
@@ -78,13 +85,10 @@ class Throttle:
     def speculates(self, contexts: list[int], prefills: bool) -> bool:
         """Whether the next step speculates, its verify candidates having computed `contexts`
         tokens, `prefills`: whether it has prompt tokens to compute too."""
-        self._priced = None
-        if not contexts:
-            return False
-        if self.spec.disable_by_batch_size is not None:
-            return len(contexts) <= self.spec.disable_by_batch_size
-        if prefills:
-            return False
+        if not contexts or self.spec.disable_by_batch_size is not None or prefills:
+            self._priced.append(None)
+            limit = self.spec.disable_by_batch_size
+            return bool(contexts) and limit is not None and len(contexts) <= limit
         k, (target, draft) = self.spec.num_tokens, self._costs
         plain = _roofline_seconds(target, contexts, 1)
         verify = _roofline_seconds(target, contexts, 1 + k)
@@ -94,15 +98,19 @@ class Throttle:
         speculate = overhead[True] + verify < (1 + self.mean_accepted) * (overhead[False] + plain)
         speculate = speculate and self._speculating < REFRESH_PLAIN
         self._speculating = self._speculating + 1 if speculate else 0
-        self._priced = speculate, verify if speculate else plain
+        self._priced.append((speculate, verify if speculate else plain))
         return speculate
 
-    def observe(self, seconds: float) -> None:
-        """The step last decided by the rule took `seconds` (the engine's step, from planning to
-        the next step's planning: what the rule compares)."""
-        if self._priced is None:
+    def observe(self, seconds: float | None) -> None:
+        """`seconds` from the last step's planning to this one's: the price of the step planned
+        LAG steps before, if the rule decided it. None: the engine was idle since the last step,
+        and the steps before are not priced."""
+        if seconds is None:
+            self._priced.clear()
+        priced = self._priced.popleft() if len(self._priced) == LAG else None
+        if priced is None:
             return
-        (kind, roofline), self._priced = self._priced, None
+        kind, roofline = priced
         extra, mean = max(0.0, seconds - roofline), self.overheads[kind]
         self.overheads[kind] = extra if mean is None else mean + (extra - mean) / MEAN_OVER_STEPS
 
