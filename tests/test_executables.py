@@ -21,15 +21,6 @@ SMALL = dict(max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=16, m
              max_model_len=64, num_pages=24, page_size=8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def no_jax_cache():
-    """The store's counts below are the engines' own compilations: none served by JAX's persistent
-    cache (tests/conftest.py), whose executables the store leaves out."""
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("executables_model"))
