@@ -1,199 +1,15 @@
-"""Scheduler tests against a simulated model.
-
-The fake runner keeps a pool of pages holding, per slot, the token whose K/V were written there.
-It writes each step's tokens through the page table (after the copy-on-write copies) and
-"samples" the next token from the context it reads back through the page table, so a wrong page
-table, a missed copy or a lost page changes the output. Outputs are compared with the same
-deterministic model run directly on the token lists, one request at a time.
-"""
+"""Scheduler tests against a simulated model (tests/scheduler_sim.py): a wrong page table, a
+missed copy-on-write copy or a lost page changes the outputs, which are compared with the same
+model run directly on the token lists, one request at a time."""
 import random
 
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from jaxserve.config import EngineConfig, SamplingParams
-from jaxserve.block_manager import BlockManager
-from jaxserve.scheduler import Scheduler
-from jaxserve.sequence import PENDING, Sequence, SequenceStatus
-
-VOCAB = 37
-
-
-def next_token(context, index):
-    """The simulated model: a deterministic function of the whole context and the choice index."""
-    h = index
-    for t in context:
-        h = (h * 31 + t + 1) % 1_000_003
-    return h % VOCAB
-
-
-def reference(prompt, max_tokens, index=0, stop=()):
-    tokens, out = list(prompt), []
-    while len(out) < max_tokens:
-        out.append(next_token(tokens, index))
-        tokens.append(out[-1])
-        if out[-1] in stop:
-            break
-    return out
-
-
-class FakeRunner:
-    def __init__(self, bm):
-        self.bm = bm
-        self.slots = [None] * (bm.num_pages * bm.page_size)
-        self.last = {}   # the previous step's results
-
-    def slot(self, seq, pos):
-        ps = self.bm.page_size
-        return seq.page_table[pos // ps] * ps + pos % ps
-
-    def known(self, seq):
-        """seq's tokens, a PENDING one read from the previous step's results (as the device does)."""
-        return [self.last[seq.seq_id][0] if t == PENDING else t for t in seq.token_ids]
-
-    def execute(self, out):
-        """Writes each row's query tokens, samples at its sampled positions and returns seq_id ->
-        accepted tokens: for a verify row, the proposals matching the samples, then the sample
-        after them (greedy acceptance), cut after a stop token."""
-        ps = self.bm.page_size
-        data = [self.slots[s * ps:(s + 1) * ps] for s, _ in out.page_copies]
-        for (_, dst), page in zip(out.page_copies, data):
-            self.slots[dst * ps:(dst + 1) * ps] = page
-        for s in out.scheduled:
-            start = s.seq.num_computed_tokens
-            query = (self.known(s.seq) + s.seq.proposed_token_ids)[start:start + s.num_query_tokens]
-            for pos, token in zip(range(start, start + s.num_query_tokens), query):
-                page = s.seq.page_table[pos // ps]
-                assert self.bm.ref_counts[page] == 1 and page not in self.bm.page_key, "wrote a shared page"
-                self.slots[self.slot(s.seq, pos)] = token
-        accepted = {}
-        for s in out.scheduled:
-            seq, end = s.seq, s.seq.num_computed_tokens + s.num_query_tokens
-            context = [self.slots[self.slot(seq, p)] for p in range(end)]
-            assert context == (self.known(seq) + seq.proposed_token_ids)[:end], \
-                "context read through the page table is wrong"
-            tokens = []
-            for p in range(end - s.num_sampled, end):
-                tokens.append(next_token(context[:p + 1], seq.index))
-                if p + 1 == end or tokens[-1] != context[p + 1] or tokens[-1] in seq.sampling.stop_token_ids:
-                    break
-            if tokens:
-                accepted[seq.seq_id] = tokens
-        self.last = accepted
-        return accepted
-
-def make(num_pages=64, page_size=4, **cfg):
-    cfg = EngineConfig(page_size=page_size, num_pages=num_pages, **cfg)
-    bm = BlockManager(num_pages, page_size, cfg.enable_prefix_caching)
-    return Scheduler(cfg, bm), FakeRunner(bm)
-
-
-def request(rid, prompt, max_tokens=4, n=1, priority=0, arrival=0.0, stop=()):
-    sp = SamplingParams(n=n, max_tokens=max_tokens, priority=priority, stop_token_ids=list(stop))
-    return [Sequence(request_id=rid, prompt_token_ids=list(prompt), sampling=sp, arrival_time=arrival, index=i)
-            for i in range(n)]
-
-
-def add(sched, seqs):
-    for s in seqs:
-        sched.add(s)
-    return seqs
-
-
-def check_step(sched, out):
-    cfg = sched.cfg
-    assert len(out.scheduled) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
-    assert out.num_tokens <= cfg.max_num_batched_tokens
-    assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
-    assert out.num_prefill_seqs <= cfg.max_prefill_seqs
-    for s in out.scheduled:
-        known = s.seq.num_tokens - s.seq.num_computed_tokens
-        if s.num_query_tokens > known:      # a verify row: the last known token and proposals
-            assert known == 1 and s.num_sampled == s.num_query_tokens <= 1 + len(s.seq.proposed_token_ids)
-            assert not s.is_prefill and len(s.seq.output_token_ids) + s.num_sampled <= s.seq.sampling.max_tokens
-        else:
-            assert 1 <= s.num_query_tokens <= cfg.prefill_chunk_size
-            assert s.num_sampled == (s.seq.num_computed_tokens + s.num_query_tokens == s.seq.num_tokens)
-            assert s.is_prefill == (s.num_query_tokens > 1 or not s.num_sampled)
-        assert s.seq.status is SequenceStatus.RUNNING
-    assert len({d for _, d in out.page_copies}) == len(out.page_copies)
-    refs = [0] * sched.bm.num_pages
-    for seq in sched.running:
-        for p in seq.page_table:
-            refs[p] += 1
-    assert refs == sched.bm.ref_counts
-    assert all(not s.page_table and s.num_computed_tokens == 0 for s in sched.waiting)
-
-
-def step(sched, runner, propose=None):
-    """One step; `propose(seq)` (optional) gives proposals to every sequence that can verify."""
-    for seq in sched.running:
-        if propose and seq.num_computed_tokens == seq.num_tokens - 1:
-            seq.proposed_token_ids = propose(seq)
-    out = sched.schedule()
-    check_step(sched, out)
-    resolve(sched, out, runner.execute(out))
-    for seq in sched.running:   # no page past the computed tokens, rejected proposals included
-        assert len(seq.page_table) == sched.bm.pages_for(seq.num_computed_tokens)
-    assert all(not s.seq.proposed_token_ids for s in out.scheduled)
-    for s in out.scheduled:
-        seq = s.seq
-        if s.num_sampled and seq.output_token_ids[-1] in seq.sampling.stop_token_ids:
-            sched.finish(seq, "stop")
-        elif s.num_sampled and len(seq.output_token_ids) == seq.sampling.max_tokens:
-            sched.finish(seq, "length")
-    return out
-
-
-def resolve(sched, out, accepted):
-    """A step's life in the scheduler, in the synchronous order: launched, then resolved."""
-    sched.launched(out)
-    sched.resolve(out, accepted)
-
-
-def finish_late(sched, out, accepted):
-    """The overlapped order's collection of `out` (the next step already launched): resolve, then
-    stop checks as the engine makes them, dropping a finished sequence's later PENDING token."""
-    live = [s for s in out.scheduled if s.num_sampled and not s.seq.is_finished]
-    first = {s.seq.seq_id: s.seq.output_token_ids.index(PENDING) for s in live}
-    sched.resolve(out, accepted)
-    for s in live:
-        seq = s.seq
-        end = first[seq.seq_id] + 1
-        if seq.output_token_ids[end - 1] in seq.sampling.stop_token_ids or end == seq.sampling.max_tokens:
-            sched.finish(seq, "stop")
-            del seq.output_token_ids[end:]
-
-
-def run_overlapped(sched, runner, max_steps=10_000):
-    """The engine's overlapped loop: step N+1 is planned and run before step N is resolved."""
-    inflight, steps = None, 0
-    while sched.has_work():
-        out = sched.schedule()
-        check_step(sched, out)
-        accepted = runner.execute(out)
-        sched.launched(out)
-        if inflight is not None:
-            finish_late(sched, *inflight)
-        inflight = out, accepted
-        steps += 1
-        assert steps < max_steps, "scheduler made no progress"
-    if inflight is not None:
-        finish_late(sched, *inflight)
-
-
-def run(sched, runner, max_steps=10_000):
-    outs = []
-    while sched.has_work():
-        outs.append(step(sched, runner))
-        assert len(outs) < max_steps, "scheduler made no progress"
-    return outs
-
-
-def assert_all_pages_back(sched):
-    assert sched.bm.num_free_pages == sched.bm.num_pages and sched.bm.num_used_pages == 0
-    assert not sched.requests
+from jaxserve.sequence import SequenceStatus
+from tests.scheduler_sim import (VOCAB, add, assert_all_pages_back, check_step, decoding, make, next_token, reference,
+                                 request, resolve, run, run_overlapped, step)
 
 
 def test_chunked_prefill_rides_along_with_decodes():
@@ -398,11 +214,6 @@ def test_random_workloads_finish_with_reference_outputs_and_free_pages(workload)
             else:
                 assert seq.output_token_ids == want
     assert_all_pages_back(sched)
-
-
-def decoding(sched, runner, *seqs):
-    while any(s.num_computed_tokens != s.num_tokens - 1 or not s.output_token_ids for s in seqs):
-        step(sched, runner)
 
 
 def test_verify_rows_bring_k_plus_1_tokens_sample_all_and_are_not_prefills():
