@@ -28,6 +28,8 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import jaxlib
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +91,47 @@ def available() -> bool:
     return True
 
 
+def _call(xq, qweight):
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((xq.shape[0], qweight.shape[0]), jnp.int32))(xq, qweight)
+
+
+@custom_partitioning
+def _sharded_call(xq, qweight):
+    return _call(xq, qweight)
+
+
+def _weight_axes(sharding) -> tuple:
+    """The mesh axes (or None) of a weight's output and input dims."""
+    spec = (*sharding.spec, None, None)
+    return spec[0], spec[1]
+
+
+def _infer_sharding(mesh, arg_shapes, result_shape):
+    return NamedSharding(mesh, P(None, _weight_axes(arg_shapes[1].sharding)[0]))
+
+
+def _partition(mesh, arg_shapes, result_shape):
+    """Tensor parallelism: each device multiplies its shard of the weight. Split over outputs
+    (q/k/v, gate, up, the head), its outputs come out split alike; split over inputs (o, down),
+    x comes split alike and the int32 partial sums are added across devices (exactly)."""
+    out_axis, in_axis = _weight_axes(arg_shapes[1].sharding)
+
+    def local(xq, qweight):
+        y = _call(xq, qweight)
+        return y if in_axis is None else jax.lax.psum(y, in_axis)
+    return (mesh, local, NamedSharding(mesh, P(None, out_axis)),
+            (NamedSharding(mesh, P(None, in_axis)), NamedSharding(mesh, P(out_axis, in_axis))))
+
+
+# Without this, XLA would gather a split weight whole onto every device before the custom call.
+_sharded_call.def_partition(infer_sharding_from_operands=_infer_sharding, partition=_partition,
+                            sharding_rule="rows inputs, outputs inputs -> rows outputs")
+
+
 def dot(xq, qweight):
     """int32 xq @ qweight.T for int8 xq [..., in] (at most MAX_ROWS rows) and qweight [out, in]."""
     rows = xq.size // xq.shape[-1]
-    flat = xq.reshape(rows, xq.shape[-1])
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, qweight.shape[0]), jnp.int32))(flat, qweight)
+    y = _sharded_call(xq.reshape(rows, xq.shape[-1]), qweight)
     return y.reshape(*xq.shape[:-1], qweight.shape[0])
 
 
