@@ -10,9 +10,10 @@ A quantized Linear holds `qweight` and a scale in place of `weight` ([out, in] a
     token, exist only inside the step).
 The mode is read from the scale's name and rank, so the params tree alone says how to multiply.
 
-w8a8 is the CPU's fast int8 path: XLA CPU has an int8 x int8 dot (2.5x the f32 dot at 16 rows of
-a [8192, 2048] weight, 1.7x at one row: benchmarks/results/quantization.md), and none that takes
-int8 weights with float activations. Its cost is accuracy: each token's activations are rounded
+w8a8 is the CPU's fast int8 path: XLA CPU has no dot that takes int8 weights with float
+activations, and an int8 x int8 one (YNNPACK's) that gains only 1.5-2.5x over f32 at 1-16 rows.
+On x86 CPUs with AVX-512 VNNI, decode steps (up to 16 tokens) use jaxserve/cpu_int8_dot.py's
+kernel instead, which reads int8 weights at about f32's rate in bytes (benchmarks/results/quantization.md). Its cost is accuracy: each token's activations are rounded
 to 255 levels of their largest magnitude, which models with outlier activation channels (large
 LLMs) feel; the held-out perplexity of tests/test_quantized_engine.py bounds it on the tiny model.
 int4 is packed into uint8 by hand rather than held as jnp.int4: on XLA CPU a jnp.int4 array
