@@ -5,7 +5,8 @@ Why: XLA CPU hands an s8 x s8 dot to YNNPACK, which at a few rows multiplies at 
 rate XLA's own f32 matrix-vector product streams its weight (benchmarks/results/quantization.md),
 so int8 weights gained 1.4x at batch 1 where the bytes allow 4x. The kernel reads each weight
 row once in its stored layout with VPDPBUSD: on the 2-core dev box it streams int8 weights at
-about the f32 product's rate in bytes, i.e. about 4x its rate in weights.
+about the f32 product's rate in bytes, i.e. 3-4x its rate in weights. Under tensor parallelism
+(custom partitioning below) each device multiplies its own shard of the weight.
 
 It is used for up to MAX_ROWS tokens (decode steps); more rows, CPUs without AVX-512 VNNI and
 hosts without a C++ compiler keep XLA's dot (`available()` says which). The library is built
