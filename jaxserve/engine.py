@@ -9,11 +9,10 @@ Its RequestOutputs are deltas (what each step added); `jaxserve.llm` gathers the
 offline API's final outputs, `jaxserve.engine_thread` streams them to the server.
 
 A step that raises (a device error, an out-of-memory, a bug) raises StepError naming the requests
-it ran; the caller aborts them (which frees their pages) and the engine serves the rest. For
-tests, the environment variable JAXSERVE_FAULT_STEPS ("3,4") makes those model steps (counted
-from 1, warm-up excluded) raise InjectedFault when launched, after scheduling, as a device
-error would. With the overlapped loop (`LLMEngine.step`) a step's error names the requests of the
-step still running too.
+it ran, and of the step still running with the overlapped loop (`LLMEngine.step`); the caller
+aborts them (which frees their pages) and the engine serves the rest. For tests, the environment
+variable JAXSERVE_FAULT_STEPS ("3,4") makes those model steps (counted from 1, warm-up excluded)
+raise InjectedFault when launched, after scheduling, as a device error would.
 """
 from __future__ import annotations
 
@@ -198,8 +197,8 @@ class LLMEngine:
         after the previous step's collection (the grammars took its tokens), while the device
         still runs the model. Speculative decoding (proposals, and the verify row's accepted run)
         and sequence-parallel prefill (its samples are not the batched step's) collect the
-        previous step first (the synchronous order): a step that speculates, or follows one that
-        did (spec_decode/throttle.py decides which steps speculate).
+        previous step first (the synchronous order): a step that speculates (spec_decode/throttle.py
+        decides which), or follows one that did (before deciding: the accepted runs are the context).
         Raises StepError naming the requests of the steps involved when one fails (the caller
         aborts them)."""
         previous, self._inflight = self._inflight, None
@@ -207,8 +206,10 @@ class LLMEngine:
         if self.throttle is not None:   # the time since the last step's planning (None: idle since)
             self.throttle.observe(self._step_started and time.perf_counter() - self._step_started)
         self._step_started = time.perf_counter()
+        if previous is not None and not self._can_overlap(previous[0]):
+            outputs, previous = self._guarded([previous[0]], lambda: self._collect(*previous)), None
         speculate = self._speculates()
-        if previous is not None and (speculate or not self._can_overlap(previous[0])):
+        if previous is not None and speculate:
             outputs, previous = self._guarded([previous[0]], lambda: self._collect(*previous)), None
         self._propose(speculate)
         out = self.last_schedule = self.scheduler.schedule()

@@ -133,6 +133,21 @@ def test_accepted_run_is_fewer_steps(engines):
     assert stats["generation_tokens"] - tokens > 1.3 * (stats["steps"] - steps)
 
 
+def test_a_step_after_a_verify_step_verifies_too(engines, monkeypatch):
+    """The step after a verify step decides whether to speculate once that step's accepted runs
+    are collected (they are the proposals' context): with a proposal always there and the rule
+    saying yes, every step after the prompt's verifies, but the last two (one token left: no room
+    to propose; then the step that only collects)."""
+    engine = engines[1].llm_engine
+    monkeypatch.setattr(ngram, "propose", lambda tokens, k, *_: [tokens[-1]] * k)
+    engine.add_request(list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True))
+    verifies = []
+    while engine.has_unfinished():
+        engine.step()
+        verifies.append(any(s.num_sampled > 1 for s in engine.last_schedule.scheduled))
+    assert not verifies[0] and len(verifies) > 10 and all(verifies[1:-2]), verifies
+
+
 # ---- the throttle: speculation off while it would not pay ----
 
 def test_roofline_rule_matches_its_closed_form(monkeypatch):
