@@ -10,10 +10,9 @@ A quantized Linear holds `qweight` and a scale in place of `weight` ([out, in] a
     token, exist only inside the step).
 The mode is read from the scale's name and rank, so the params tree alone says how to multiply.
 
-w8a8 is the CPU's fast int8 path: XLA CPU has no dot that takes int8 weights with float
-activations, and an int8 x int8 one (YNNPACK's) that gains only 1.5-2.5x over f32 at 1-16 rows.
-On x86 CPUs with AVX-512 VNNI, decode steps (up to 16 tokens) use jaxserve/cpu_int8_dot.py's
-kernel instead, which reads int8 weights at about f32's rate in bytes (benchmarks/results/quantization.md). Its cost is accuracy: each token's activations are rounded
+w8a8 is the CPU's fast int8 path: XLA CPU has an int8 x int8 dot (2.5x the f32 dot at 16 rows of
+a [8192, 2048] weight, 1.7x at one row: benchmarks/results/quantization.md), and none that takes
+int8 weights with float activations. Its cost is accuracy: each token's activations are rounded
 to 255 levels of their largest magnitude, which models with outlier activation channels (large
 LLMs) feel; the held-out perplexity of tests/test_quantized_engine.py bounds it on the tiny model.
 int4 is packed into uint8 by hand rather than held as jnp.int4: on XLA CPU a jnp.int4 array
@@ -44,7 +43,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve import cpu_int8_dot
 from jaxserve.config import QUANTIZATION_MODES as MODES
 
 SCALES = {"int8": "scale", "int4": "scale", "w8a8": "channel_scale"}   # each mode's scale leaf
@@ -157,31 +155,21 @@ def _blocked_dot(x, qweight, scale, dtype):
     return jnp.moveaxis(y, 0, -1).reshape(*x.shape[:-1], out)
 
 
-def _s8_dot(xq, qweight):
-    return jax.lax.dot_general(xq, qweight, (((xq.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
-
-
-def _int8_dot(x, qweight, scale, dtype, s8_dot=_s8_dot):
+def _int8_dot(x, qweight, scale, dtype):
     """w8a8: x quantized per token, an int8 x int8 -> int32 dot (exact: |sum| <= 127^2 * in, under
     2^31 for up to 133,000 inputs), then the token's and the channel's scales."""
     xq, x_scale = quantize_rows(x, jnp.int8)
-    return (s8_dot(xq, qweight).astype(jnp.float32) * x_scale[..., None] * scale).astype(dtype)
+    acc = jax.lax.dot_general(xq, qweight, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    return (acc.astype(jnp.float32) * x_scale[..., None] * scale).astype(dtype)
 
 
 def _int8_dot_two_rows(x, qweight, scale, dtype):
-    """CPU without the kernel: _int8_dot with at least two rows. XLA CPU's int8 dot of a single
-    row takes a path 17x slower than two rows (measured on a [8192, 2048] weight), so one row is doubled."""
+    """CPU: _int8_dot with at least two rows. XLA CPU's int8 dot of a single row takes a path
+    17x slower than two rows (measured on a [8192, 2048] weight), so one row is doubled."""
     if x.size != x.shape[-1]:
         return _int8_dot(x, qweight, scale, dtype)
     flat = x.reshape(1, -1)
     return _int8_dot(jnp.concatenate([flat, flat]), qweight, scale, dtype)[:1].reshape(*x.shape[:-1], -1)
-
-
-def _int8_dot_cpu(x, qweight, scale, dtype):
-    """CPU: the AVX-512 VNNI kernel for up to its MAX_ROWS tokens (jaxserve/cpu_int8_dot.py), else XLA's dot."""
-    if x.size // x.shape[-1] <= cpu_int8_dot.MAX_ROWS and cpu_int8_dot.available():
-        return _int8_dot(x, qweight, scale, dtype, s8_dot=cpu_int8_dot.dot)
-    return _int8_dot_two_rows(x, qweight, scale, dtype)
 
 
 def matmul(x, qweight, scale, dtype, int8_activations: bool = False):
@@ -189,7 +177,7 @@ def matmul(x, qweight, scale, dtype, int8_activations: bool = False):
     rank), or with int8_activations w8a8's int8 x int8 dot. The formulation is chosen by the
     platform the program is lowered for (compile-only TPU devices on a CPU host included)."""
     x = x.astype(dtype)
-    cpu, default = (_int8_dot_cpu, _int8_dot) if int8_activations else (_blocked_dot, _dot)
+    cpu, default = (_int8_dot_two_rows, _int8_dot) if int8_activations else (_blocked_dot, _dot)
     return jax.lax.platform_dependent(x, qweight, scale, cpu=functools.partial(cpu, dtype=dtype),
                                       default=functools.partial(default, dtype=dtype))
 
