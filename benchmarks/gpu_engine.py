@@ -1,0 +1,252 @@
+"""The engine on a GPU, two questions on the same weights:
+  1. Do the Pallas GPU kernels serve the tokens the XLA path serves? Greedy outputs of
+     attention_backend pallas_gpu against xla, request by request (and against transformers).
+  2. How fast is the engine against transformers `generate` in static, left-padded batches
+     (torch, bf16, SDPA attention, the same GPU)?
+Models: the embedded tiny model and a random 1.1B bf16 Llama (Llama-3.2-1B's shapes with a 32k
+vocabulary: hidden 2048, 16 layers, 32 heads / 8 KV heads, ffn 8192), seeded, written with
+save_pretrained. Each phase runs in its own process (JAX and torch would each claim the GPU's
+memory) and writes JSON under --out; `report` renders them into benchmarks/results/engine_<gpu>.md.
+benchmarks/on_gpu.sh runs all of it on a lent GPU.
+
+  python -m benchmarks.gpu_engine build --out DIR             # the 1.1B model (hf builds it too)
+  python -m benchmarks.gpu_engine hf  --model 1b  --out DIR
+  python -m benchmarks.gpu_engine jax --model 1b  --out DIR
+  python -m benchmarks.gpu_engine report --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+
+from benchmarks.common import make_workload, markdown_table, save_word_tokenizer, write_text
+
+LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
+                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                initializer_range=0.02)
+# Per model: prompt lengths, output lengths (both uniform, inclusive), prompts.
+WORKLOADS = {"tiny": ((16, 256), (16, 128), 64), "1b": ((32, 512), (32, 256), 128)}
+BACKENDS = ("pallas_gpu", "xla")
+
+
+def model_dir(name: str, work_dir: str) -> str:
+    if name == "tiny":
+        from jaxserve.engine import TINY_MODEL_DIR
+        return TINY_MODEL_DIR
+    return os.path.join(work_dir, "llama-1b")
+
+
+def build_1b(out_dir: str) -> None:
+    """Seeded random weights, initialised on the GPU (seconds, not minutes on the host), saved bf16."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    with torch.device(torch_device()):
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA_1B))
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    save_word_tokenizer(out_dir, LLAMA_1B["vocab_size"])
+    del model
+    torch.cuda.empty_cache()
+
+
+def torch_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"   # cpu: a smoke run of this script
+
+
+def workload(name: str, vocab_size: int):
+    inputs, outputs, n = WORKLOADS[name]
+    return make_workload(n, inputs, outputs, vocab_size, seed=0)
+
+
+def hf_phase(args) -> dict:
+    """transformers generate in static batches of each size, after one untimed call."""
+    import torch
+    import transformers as tf
+
+    from benchmarks.transformers_peers import run_generate
+
+    path = model_dir(args.model, args.work_dir)
+    if args.model == "1b" and not os.path.exists(os.path.join(path, "config.json")):
+        build_1b(path)
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = model.to(torch_device()).eval()
+    requests = workload(args.model, model.config.vocab_size)
+    run_generate(model, requests[:2], 2, 0)
+    runs = [run_generate(model, requests, b, 0) for b in args.hf_batch_sizes]
+    return {"torch": torch.__version__, "transformers": tf.__version__,
+            "runs": [dict(system=r.system, tokens=r.output_tokens, seconds=r.seconds, outputs=r.outputs)
+                     for r in runs]}
+
+
+def jax_phase(args) -> dict:
+    """Each backend's engine: warm-up (timed, compilations counted), then the workload twice (the
+    first run of each step shape on a GPU pays its first execution; the second is the figure)."""
+    import jax
+
+    from benchmarks.offline_throughput import run_engine
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import LLMEngine
+
+    path = model_dir(args.model, args.work_dir)
+    (_, max_in), (_, max_out), n = WORKLOADS[args.model]
+    max_len = max_in + max_out
+    out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "backends": {}}
+    for backend in args.backends:
+        ecfg = EngineConfig(model=path, dtype="bfloat16", max_model_len=max_len, page_size=16,
+                            num_pages=n * -(-max_len // 16), enable_prefix_caching=False,
+                            max_num_seqs=n, max_num_batched_tokens=1024, prefill_chunk_size=512,
+                            max_prefill_seqs=1, attention_backend=backend, compilation_cache_dir=None,
+                            quantization=args.quantization)
+        t0 = time.perf_counter()
+        engine = LLMEngine(ecfg)
+        load_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        compiles = engine.warmup()
+        warmup_s = time.perf_counter() - t0
+        requests = workload(args.model, engine.model_cfg.vocab_size)
+        runs = [run_engine(backend, engine, requests) for _ in range(2)]
+        traced = greedy_with_logprobs(engine, requests)
+        out["backends"][backend + (f" {args.quantization}" if args.quantization else "")] = dict(
+            resolved=engine.runner.backend, load_s=load_s, warmup_s=warmup_s, compiles=compiles,
+            tokens=runs[-1].output_tokens, seconds=[r.seconds for r in runs],
+            steps=runs[-1].profile.summary(runs[-1].seconds), outputs=runs[-1].outputs, traced=traced)
+        print(f"[{args.model} {backend}] warm-up {warmup_s:.1f}s ({compiles} compilations); "
+              f"{[round(r.tokens_per_s) for r in runs]} tok/s", flush=True)
+        del engine, runs
+        gc.collect()
+    return out
+
+
+def greedy_with_logprobs(engine, requests, top: int = 5) -> list[list]:
+    """The workload once more, greedy with the top-`top` logprobs of every output token: per
+    request, [token, [[id, logprob], ...]] per token. Where two backends' greedy outputs part,
+    these say whether the step was a near-tie (each side's token in the other's top list)."""
+    from jaxserve.config import SamplingParams
+
+    ids = [engine.add_request(r.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
+                                                                 ignore_eos=True, logprobs=top))
+           for r in requests]
+    got = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.outputs[0].logprobs)
+    return [[[res.token, [list(t) for t in res.top]] for res in got[i]] for i in ids]
+
+
+def near_ties(a: list[list], b: list[list]) -> str:
+    """Of the requests whose traced greedy outputs differ: at the first differing token, how many
+    have each side's token in the other's top list, and b's top-1 minus top-2 logprob there."""
+    found = []
+    for x, y in zip(a, b):
+        i = first_difference([t for t, _ in x], [t for t, _ in y])
+        if i is None or i >= min(len(x), len(y)):
+            continue
+        (ta, top_a), (tb, top_b) = x[i], y[i]
+        found.append((ta in {t for t, _ in top_b} and tb in {t for t, _ in top_a}, top_b[0][1] - top_b[1][1]))
+    if not found:
+        return f"all {len(a)} traced outputs identical"
+    gaps = sorted(g for _, g in found)
+    return (f"{len(a) - len(found)} of {len(a)} traced outputs identical; where the others part, "
+            f"{sum(c for c, _ in found)} of {len(found)} pick tokens in each other's top {len(a[0][0][1])}, "
+            f"top-2 logprob gap there median {gaps[len(gaps) // 2]:.3f}, largest {gaps[-1]:.3f} nats")
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> str:
+    """'k of n requests identical; others differ from token i (median)'."""
+    diffs = [first_difference(x, y) for x, y in zip(a, b)]
+    differ = sorted(d for d in diffs if d is not None)
+    text = f"{len(diffs) - len(differ)} of {len(diffs)} identical"
+    return text + (f"; the others from token {differ[len(differ) // 2]} (median), {differ[0]} (first)"
+                   if differ else "")
+
+
+def report(out_dir: str, models: list[str]) -> str:
+    lines = ["# The engine on a GPU", ""]
+    for name in models:
+        try:
+            with open(os.path.join(out_dir, f"jax_{name}.json")) as f:
+                jx = json.load(f)
+        except FileNotFoundError:
+            lines += [f"## {name}: no jaxserve result (see the run's log)", ""]
+            continue
+        if os.path.exists(os.path.join(out_dir, f"jax_{name}_int8.json")):   # int8 weights: more rows
+            with open(os.path.join(out_dir, f"jax_{name}_int8.json")) as f:
+                jx["backends"].update(json.load(f)["backends"])
+        hf = None
+        if os.path.exists(os.path.join(out_dir, f"hf_{name}.json")):
+            with open(os.path.join(out_dir, f"hf_{name}.json")) as f:
+                hf = json.load(f)
+        (lo_in, hi_in), (lo_out, hi_out), n = WORKLOADS[name]
+        lines += [f"## {name} on {jx['device']} (jax {jx['jax']})", "",
+                  f"{n} prompts of seeded random token ids, input {lo_in}-{hi_in}, output {lo_out}-{hi_out} "
+                  "tokens (forced: ignore_eos), greedy, bf16. jaxserve: max_num_seqs = all prompts, 1024 "
+                  "tokens a step, one prefill chunk of at most 512 a step, page size 16, no preemption; the workload run twice "
+                  "after warm-up (the second run counts).", ""]
+        backends = jx["backends"]
+        rows = [[b, r["resolved"], f"{r['warmup_s']:.1f}", r["compiles"],
+                 " / ".join(f"{r['tokens'] / s:.0f}" for s in r["seconds"]),
+                 f"{r['steps']['decode_step_ms']:.2f}", f"{r['steps']['prefill_step_ms']:.2f}"]
+                for b, r in backends.items()]
+        best_hf = None
+        if hf:
+            for run in hf["runs"]:
+                rows.append([run["system"], f"torch {hf['torch']}, SDPA", "", "", f"{run['tokens'] / run['seconds']:.0f}",
+                             "", ""])
+            best_hf = max(hf["runs"], key=lambda r: r["tokens"] / r["seconds"])
+        lines += markdown_table(["system", "attention", "warm-up s", "compilations", "output tok/s (run 1 / 2)",
+                                 "ms per decode step", "ms per prefill step"], rows) + [""]
+        if "pallas_gpu" in backends and "xla" in backends:
+            pallas, xla = backends["pallas_gpu"], backends["xla"]
+            lines.append("- Greedy outputs, pallas_gpu vs xla: " + agreement(pallas["outputs"], xla["outputs"])
+                         + ". Again with top-5 logprobs: " + near_ties(pallas["traced"], xla["traced"]) + ".")
+        for b, r in backends.items():
+            if best_hf:
+                tps = r["tokens"] / r["seconds"][-1]
+                lines.append(f"- {b} / {best_hf['system']}: **{tps / (best_hf['tokens'] / best_hf['seconds']):.2f}x**; "
+                             "greedy outputs vs transformers: " + agreement(r["outputs"], best_hf["outputs"]) + ".")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("phase", choices=("build", "hf", "jax", "report"))
+    p.add_argument("--model", choices=tuple(WORKLOADS), default="1b")
+    p.add_argument("--models", default="tiny,1b", help="report: the models to render")
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--quantization", choices=("int8",), default=None, help="jax: int8 weights")
+    p.add_argument("--hf-batch-sizes", default="64,128")
+    p.add_argument("--work-dir", default="/tmp/jaxserve_gpu")
+    p.add_argument("--out", required=True, help="the phases' JSON files")
+    p.add_argument("--results", default=None, help="report: the markdown file (default: engine_<gpu>.md)")
+    args = p.parse_args(argv)
+    args.backends = args.backends.split(",")
+    args.hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    if args.phase == "build":
+        build_1b(model_dir("1b", args.work_dir))
+        return
+    if args.phase == "report":
+        text = report(args.out, args.models.split(","))
+        print(text)
+        if args.results:
+            write_text(args.results, text)
+        return
+    result = hf_phase(args) if args.phase == "hf" else jax_phase(args)
+    suffix = f"_{args.quantization}" if args.phase == "jax" and args.quantization else ""
+    with open(os.path.join(args.out, f"{args.phase}_{args.model}{suffix}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
