@@ -88,8 +88,9 @@ def prefill_impls(platform, sm_scale):
             q, k, v, None, sm_scale=sm_scale, causal=True))
         config = attention_mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2,
                                              causal=True)
-        impls["jax attention_mgpu"] = (same, jax.jit(functools.partial(attention_mgpu.attention,
-                                                                       config=config)))
+        half = lambda q, k, v: tuple(x.astype(jnp.float16) for x in (q, k, v))  # noqa: E731  it takes float16 only
+        impls["jax attention_mgpu (f16)"] = (half, jax.jit(functools.partial(attention_mgpu.attention,
+                                                                             config=config)))
     if platform == "tpu":
         from jax.experimental.pallas.ops.tpu import flash_attention
         from jax.experimental.pallas.ops.tpu.splash_attention import (

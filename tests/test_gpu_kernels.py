@@ -71,6 +71,8 @@ def run_paged(c, **blocks):
     """The kernel on case c against the oracle; quantized pools when c has k_scale / v_scale (its
     k_pages / v_pages then are the dequantized pools the oracle reads)."""
     names = ("q", "stored_k", "stored_v") if "k_scale" in c else ("q", "k_pages", "v_pages")
+    if not INTERPRET and c["q"].dtype == np.float32:   # compiled, wgmma takes 16-bit operands only
+        c = dict(c, **{x: np.asarray(jnp.asarray(c[x], jnp.bfloat16)) for x in names if c[x].dtype == np.float32})
     args = [jnp.asarray(c[x]) for x in (*names, "page_table", "seq_lens", "query_start_loc")]
     out = paged_gpu.ragged_paged_attention(*args, max_q=c["max_q"], sm_scale=c["sm_scale"],
                                            sliding_window=c["sliding_window"], k_scale=c.get("k_scale"),

@@ -12,9 +12,12 @@ sequence's KV in tiles of `kv_block` keys, from the first tile its rows can see 
 to the last (causal): each tile is `kv_block / page_size` page copies ([page_size, D] blocks of
 KV head h in the [pages, KVH, page_size, D] layout), double-buffered as in the flash kernel,
 with an online softmax in f32 registers. S = Q @ K^T reads the K tile transposed in SMEM. Each
-token's rows are stored by their own TMA copy, only for tokens of the sequence, so programs of
-neighbouring sequences never write the same rows. Decode wastes most of the 64 rows (its q_len
-is 1); it is bound by reading K/V. No split over the KV length: a long decode with few sequences
+program stores its 64 output rows with one TMA copy into a block of its own, t0 // block_q + s
+for its first token t0 (sequence s's chunks start past those of the sequences before it), so
+programs of neighbouring sequences never write the same rows; XLA then gathers each token's rows. (Per-token copies of `group` rows, which
+this kernel made before, cut SMEM below its 8-row tiles: Mosaic GPU of jax 0.11 refuses them
+unless group is a multiple of 8.) Decode wastes most of the 64 rows (its q_len is 1); it is bound
+by reading K/V. No split over the KV length: a long decode with few sequences
 fills few SMs. Soft cap and ALiBi: pallas_kernels/scores.py; ALiBi slopes arrive one per row
 (its head's), copied to SMEM with Q.
 
@@ -40,8 +43,8 @@ MASK_VALUE = wgmma.MASK_VALUE
 ROWS = 64  # (token, head in group) rows per program: wgmma's M
 
 
-def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem, k_smem, v_smem, p_smem,
-            o_smem, q_bar, k_bar, v_bar, slope_smem=None, stored_smem=None, scale_smem=None,
+def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem, k_smem,
+            v_smem, p_smem, o_smem, q_bar, k_bar, v_bar, slope_smem=None, stored_smem=None, scale_smem=None,
             group, block_q, pages_per_tile, sm_scale, sliding_window, soft_cap, alibi, interpret):
     # Inputs after v: [ALiBi slopes [KVH, ROWS]], [K and V scales [N, KVH, 1, lanes]], then the
     # output. Quantized: stored_smem, scale_smem are the (K, V) pages and scales as copied in.
@@ -138,10 +141,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
 
         acc, _, l = lax.fori_loop(0, count, step, wgmma.softmax_start(ROWS, head_dim, interpret=interpret))
         wgmma.softmax_finish(acc, l, o_smem)
-        for r in range(block_q):  # only this sequence's tokens: the rows after belong to others
-            dst = o_ref.at[h, pl.ds((t0 + r) * group, group)]
-            pl.when(t0 + r < q_end)(
-                lambda r=r, dst=dst: plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r * group, group)], dst))
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[h, pl.ds((lax.div(t0, block_q) + s) * ROWS, ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -184,6 +184,10 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     pad = ROWS + (-t * group) % ROWS
     qg = jnp.pad(qg.reshape(num_kv_heads, t * group, head_dim), ((0, 0), (0, pad), (0, 0)))
     table = jnp.pad(page_table, ((0, 0), (0, pages_per_tile)))
+    # The program of tokens t0.. of sequence s writes output block t0 // block_q + s: sequence s
+    # starts at query_start_loc[s] // block_q + s, past the ceil(q_len / block_q) blocks of the
+    # one before. At most cdiv(t, block_q) + num_seqs blocks.
+    num_chunks = pl.cdiv(t, block_q) + num_seqs
 
     alibi = alibi_slopes is not None
     # Row (token, head in group) of KV head h: its head's slope.
@@ -196,7 +200,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     scratch = dict(
         q_smem=smem(ROWS, head_dim), k_smem=smem(*operand_tile), v_smem=smem(*operand_tile),
         p_smem=smem(ROWS, tile),
-        o_smem=plgpu.SMEM((ROWS, head_dim), q.dtype),  # output, untiled: stored a few rows at a time
+        o_smem=plgpu.SMEM((ROWS, head_dim), q.dtype),  # output, untiled (as Q in its buffer takes more registers)
         q_bar=plgpu.Barrier(num_arrivals=1 + alibi),  # Q (and slopes)
         k_bar=plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2),  # K pages, per slot
         v_bar=plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2))
@@ -212,15 +216,20 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     kernel = plgpu.kernel(
         functools.partial(_kernel, group=group, block_q=block_q, pages_per_tile=pages_per_tile, sm_scale=sm_scale,
                           sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi, interpret=interpret),
-        out_type=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        out_type=jax.ShapeDtypeStruct((num_kv_heads, num_chunks * ROWS, head_dim), q.dtype),
         scratch_types=scratch,
         grid=(pl.cdiv(max_q, block_q), num_kv_heads, num_seqs),
         grid_names=("q", "kv_heads", "seqs"),
         interpret=wgmma.interpret_params(copies_in_flight) if interpret else None,
     )
     out = kernel(query_start_loc, seq_lens, table, qg, k_pages, v_pages, *slopes, *scales)
-    out = out[:, :t * group].reshape(num_kv_heads, t, group, head_dim).transpose(1, 0, 2, 3)
-    # Tokens outside [query_start_loc[0], query_start_loc[-1]) belong to no program: never written.
+    # Token tok of sequence seq, local-th of it, in the program of t0 = tok - local % block_q.
     tok = jnp.arange(t)
+    seq = jnp.clip(jnp.searchsorted(query_start_loc, tok, side="right") - 1, 0, num_seqs - 1)
+    local = tok - query_start_loc[seq]
+    first_row = ((tok - local % block_q) // block_q + seq) * ROWS + local % block_q * group
+    rows = jnp.clip(first_row[:, None] + jnp.arange(group), 0, num_chunks * ROWS - 1)   # [t, group]
+    out = out[:, rows].transpose(1, 0, 2, 3).reshape(t, num_heads, head_dim)
+    # Tokens outside [query_start_loc[0], query_start_loc[-1]) belong to no program: never written.
     owned = (tok >= query_start_loc[0]) & (tok < query_start_loc[-1])
-    return jnp.where(owned[:, None, None], out.reshape(t, num_heads, head_dim), 0)
+    return jnp.where(owned[:, None, None], out, 0)
