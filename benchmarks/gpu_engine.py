@@ -120,6 +120,7 @@ def jax_phase(args) -> dict:
               f"{[round(r.tokens_per_s) for r in runs]} tok/s", flush=True)
         del engine, runs
         gc.collect()
+        save(args, out)   # after each backend: a run cut short keeps what it has
     return out
 
 
@@ -242,7 +243,10 @@ def main(argv=None):
         if args.results:
             write_text(args.results, text)
         return
-    result = hf_phase(args) if args.phase == "hf" else jax_phase(args)
+    save(args, hf_phase(args) if args.phase == "hf" else jax_phase(args))
+
+
+def save(args, result: dict) -> None:
     suffix = f"_{args.quantization}" if args.phase == "jax" and args.quantization else ""
     with open(os.path.join(args.out, f"{args.phase}_{args.model}{suffix}.json"), "w") as f:
         json.dump(result, f)

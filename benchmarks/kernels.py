@@ -260,6 +260,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke run)")
     parser.add_argument("--out", default=RESULTS_DIR)
+    parser.add_argument("--sections", default="prefill,decode,mixed,kv_write", help="which tables, in order")
     args = parser.parse_args()
 
     platform = jax.default_backend()
@@ -279,16 +280,17 @@ def main():
         mixed = [("4 x 512-token chunks + 60 decodes, ctx 2048", [512] * 4 + [1] * 60, [2048] * 64, 16)]
     decode = [(f"B={b} ctx={c} page={ps}", [1] * b, [c] * b, ps) for b, c, ps in decode]
 
-    sections = [   # each table printed as soon as it is measured: a run cut short keeps them in its log
-        ("Prefill: causal flash attention, batch 1",
-         lambda: bench_prefill(platform, seq_lens, heads, dtype, iters, peak_tflops)),
-        ("Decode: ragged paged attention, 1 token per sequence",
-         lambda: bench_paged(platform, decode, heads, dtype, iters, (peak_tflops, peak_gbs))),
-        ("Mixed: prefill chunks + decodes in one ragged batch",
-         lambda: bench_paged(platform, mixed, heads, dtype, iters, (peak_tflops, peak_gbs))),
-        ("KV write: scatter of new K/V into the page pool (bytes: read + write)",
-         lambda: bench_write_kv(tokens, 4096 if args.quick else 65536, 16, heads, dtype, iters, peak_gbs)),
-    ]
+    sections = {   # each table printed as soon as it is measured: a run cut short keeps them in its log
+        "prefill": ("Prefill: causal flash attention, batch 1",
+                    lambda: bench_prefill(platform, seq_lens, heads, dtype, iters, peak_tflops)),
+        "decode": ("Decode: ragged paged attention, 1 token per sequence",
+                   lambda: bench_paged(platform, decode, heads, dtype, iters, (peak_tflops, peak_gbs))),
+        "mixed": ("Mixed: prefill chunks + decodes in one ragged batch",
+                  lambda: bench_paged(platform, mixed, heads, dtype, iters, (peak_tflops, peak_gbs))),
+        "kv_write": ("KV write: scatter of new K/V into the page pool (bytes: read + write)",
+                     lambda: bench_write_kv(tokens, 4096 if args.quick else 65536, 16, heads, dtype, iters,
+                                            peak_gbs)),
+    }
     peak = (f"{peak_tflops} TFLOP/s bf16, {peak_gbs} GB/s HBM (datasheet)" if peak_tflops
             else "no datasheet peak for this device")
     report = [
@@ -298,7 +300,7 @@ def main():
         f"Per call: median of 5 rounds of {iters} calls dispatched back to back, after compile.",
         "" if accel else "CPU: XLA reference only (the Pallas kernels need a GPU or TPU).", "",
     ]
-    for title, measure in sections:
+    for title, measure in (sections[name] for name in args.sections.split(",")):
         report.append(table(title, measure()))
         print(report[-1], flush=True)
     text = "\n".join(report)

@@ -6,20 +6,18 @@ before, is deprecated from jax 0.11.
 
 Grid (q chunk, kv head, sequence). Program (j, h, s) takes `block_q` = 64 // group tokens of
 sequence s from its j-th chunk, for all query heads of KV head h: its 64 rows are (token, head
-in group), the M of one wgmma, so one K/V tile serves the whole group (GQA). Q arrives as
-[KVH, T * group, D] (one XLA transpose of q), so those rows are one TMA copy. It walks the
-sequence's KV in tiles of `kv_block` keys, from the first tile its rows can see (sliding window)
-to the last (causal): each tile is `kv_block / page_size` page copies ([page_size, D] blocks of
-KV head h in the [pages, KVH, page_size, D] layout), double-buffered as in the flash kernel,
-with an online softmax in f32 registers. S = Q @ K^T reads the K tile transposed in SMEM. Each
-program stores its 64 output rows with one TMA copy into a block of its own, t0 // block_q + s
-for its first token t0 (sequence s's chunks start past those of the sequences before it), so
-programs of neighbouring sequences never write the same rows; XLA then gathers each token's rows. (Per-token copies of `group` rows, which
-this kernel made before, cut SMEM below its 8-row tiles: Mosaic GPU of jax 0.11 refuses them
-unless group is a multiple of 8.) Decode wastes most of the 64 rows (its q_len is 1); it is bound
-by reading K/V. No split over the KV length: a long decode with few sequences
-fills few SMs. Soft cap and ALiBi: pallas_kernels/scores.py; ALiBi slopes arrive one per row
-(its head's), copied to SMEM with Q.
+in group), the M of one wgmma, so one K/V tile serves the whole group (GQA). Q and the output
+come in 64-row blocks, one per program, scattered and gathered by XLA around the kernel
+(`_blocks`): a program's Q is one TMA copy that starts at a multiple of 64 rows, as a copy into
+tiled SMEM must (jax 0.11's Mosaic GPU refuses other starts), and its output leaves in one copy
+without touching a neighbouring sequence's rows. It walks the sequence's KV in tiles of
+`kv_block` keys, from the first tile its rows can see (sliding window) to the last (causal):
+each tile is `kv_block / page_size` page copies ([page_size, D] blocks of KV head h in the
+[pages, KVH, page_size, D] layout), double-buffered as in the flash kernel, with an online
+softmax in f32 registers. S = Q @ K^T reads the K tile transposed in SMEM. Decode wastes most of
+the 64 rows (its q_len is 1); it is bound by reading K/V. No split over the KV length: a long
+decode with few sequences fills few SMs. Soft cap and ALiBi: pallas_kernels/scores.py; ALiBi
+slopes arrive one per row (its head's), copied to SMEM with Q.
 
 Quantized pools (int8, fp8 e4m3; jaxserve/kv_cache.py): the pages' TMA copies land in SMEM in
 their own dtype (double-buffered, half the bytes of a bf16 tile), and each page's per-slot f32
@@ -66,7 +64,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
             tile_lo = lax.div(jnp.maximum(t0 + offset - sliding_window + 1, 0), tile)
         count = lax.div(last + offset, tile) + 1 - tile_lo
 
-        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(t0 * group, ROWS)], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[h, _block_rows(t0, s, block_q)], q_smem, q_bar)
         if alibi:
             plgpu.copy_gmem_to_smem(slope_ref.at[h], slope_smem, q_bar)
         landing = stored_smem if quantized else (k_smem, v_smem)   # where K and V pages are copied to
@@ -141,8 +139,30 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
 
         acc, _, l = lax.fori_loop(0, count, step, wgmma.softmax_start(ROWS, head_dim, interpret=interpret))
         wgmma.softmax_finish(acc, l, o_smem)
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[h, pl.ds((lax.div(t0, block_q) + s) * ROWS, ROWS)])
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[h, _block_rows(t0, s, block_q)])
         plgpu.wait_smem_to_gmem(0)
+
+
+def _block_rows(t0, s, block_q):
+    """The rows of the block of the program of tokens t0.. of sequence s (see `_blocks`)."""
+    return pl.ds(pl.multiple_of((lax.div(t0, block_q) + s) * ROWS, ROWS), ROWS)
+
+
+def _blocks(query_start_loc, t, num_seqs, block_q, group):
+    """Block rows of the (token, head in group) rows, [t, group], and the number of blocks.
+
+    The program of tokens t0.. (block_q of them) of sequence s has block t0 // block_q + s:
+    sequence s starts at block query_start_loc[s] // block_q + s, past the ceil(q_len / block_q)
+    blocks of the one before, and there are at most cdiv(t, block_q) + num_seqs blocks. Tokens
+    outside [query_start_loc[0], query_start_loc[-1]) belong to no block: their rows are past the
+    last (dropped when scattered, 0 when gathered)."""
+    num_blocks = pl.cdiv(t, block_q) + num_seqs
+    tok = jnp.arange(t)
+    seq = jnp.clip(jnp.searchsorted(query_start_loc, tok, side="right") - 1, 0, num_seqs - 1)
+    local = tok - query_start_loc[seq]
+    first = ((tok - local % block_q) // block_q + seq) * ROWS + local % block_q * group
+    owned = (tok >= query_start_loc[0]) & (tok < query_start_loc[-1])
+    return jnp.where(owned, first, num_blocks * ROWS)[:, None] + jnp.arange(group), num_blocks
 
 
 @functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "soft_cap", "kv_block",
@@ -177,17 +197,12 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         raise ValueError(f"{q.dtype} inputs: wgmma needs float16 / bfloat16 operands")
     block_q, pages_per_tile = ROWS // group, tile // page_size
 
-    # Q rows (token, head in group) of each KV head back to back, padded so that every program's
-    # 64-row copy is in bounds and to whole 64-row tiles (TMA copies into tiled SMEM need whole
-    # 8-row tiles in GMEM too); page-table columns padded by a tile.
-    qg = q.reshape(t, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    pad = ROWS + (-t * group) % ROWS
-    qg = jnp.pad(qg.reshape(num_kv_heads, t * group, head_dim), ((0, 0), (0, pad), (0, 0)))
+    # Q rows (token, head in group) of each KV head in the programs' blocks; page-table columns
+    # padded by a tile.
+    rows, num_blocks = _blocks(query_start_loc, t, num_seqs, block_q, group)
+    qg = q.reshape(t, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)   # [KVH, t, group, D]
+    q_blocks = jnp.zeros((num_kv_heads, num_blocks * ROWS, head_dim), q.dtype).at[:, rows].set(qg, mode="drop")
     table = jnp.pad(page_table, ((0, 0), (0, pages_per_tile)))
-    # The program of tokens t0.. of sequence s writes output block t0 // block_q + s: sequence s
-    # starts at query_start_loc[s] // block_q + s, past the ceil(q_len / block_q) blocks of the
-    # one before. At most cdiv(t, block_q) + num_seqs blocks.
-    num_chunks = pl.cdiv(t, block_q) + num_seqs
 
     alibi = alibi_slopes is not None
     # Row (token, head in group) of KV head h: its head's slope.
@@ -200,7 +215,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     scratch = dict(
         q_smem=smem(ROWS, head_dim), k_smem=smem(*operand_tile), v_smem=smem(*operand_tile),
         p_smem=smem(ROWS, tile),
-        o_smem=plgpu.SMEM((ROWS, head_dim), q.dtype),  # output, untiled (as Q in its buffer takes more registers)
+        o_smem=plgpu.SMEM((ROWS, head_dim), q.dtype),  # output, untiled
         q_bar=plgpu.Barrier(num_arrivals=1 + alibi),  # Q (and slopes)
         k_bar=plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2),  # K pages, per slot
         v_bar=plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2))
@@ -216,20 +231,12 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     kernel = plgpu.kernel(
         functools.partial(_kernel, group=group, block_q=block_q, pages_per_tile=pages_per_tile, sm_scale=sm_scale,
                           sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi, interpret=interpret),
-        out_type=jax.ShapeDtypeStruct((num_kv_heads, num_chunks * ROWS, head_dim), q.dtype),
+        out_type=jax.ShapeDtypeStruct(q_blocks.shape, q.dtype),
         scratch_types=scratch,
         grid=(pl.cdiv(max_q, block_q), num_kv_heads, num_seqs),
         grid_names=("q", "kv_heads", "seqs"),
         interpret=wgmma.interpret_params(copies_in_flight) if interpret else None,
     )
-    out = kernel(query_start_loc, seq_lens, table, qg, k_pages, v_pages, *slopes, *scales)
-    # Token tok of sequence seq, local-th of it, in the program of t0 = tok - local % block_q.
-    tok = jnp.arange(t)
-    seq = jnp.clip(jnp.searchsorted(query_start_loc, tok, side="right") - 1, 0, num_seqs - 1)
-    local = tok - query_start_loc[seq]
-    first_row = ((tok - local % block_q) // block_q + seq) * ROWS + local % block_q * group
-    rows = jnp.clip(first_row[:, None] + jnp.arange(group), 0, num_chunks * ROWS - 1)   # [t, group]
-    out = out[:, rows].transpose(1, 0, 2, 3).reshape(t, num_heads, head_dim)
-    # Tokens outside [query_start_loc[0], query_start_loc[-1]) belong to no program: never written.
-    owned = (tok >= query_start_loc[0]) & (tok < query_start_loc[-1])
-    return jnp.where(owned[:, None, None], out, 0)
+    out = kernel(query_start_loc, seq_lens, table, q_blocks, k_pages, v_pages, *slopes, *scales)
+    out = out.at[:, rows].get(mode="fill", fill_value=0)   # [KVH, t, group, D]
+    return out.transpose(1, 0, 2, 3).reshape(t, num_heads, head_dim)
