@@ -22,7 +22,7 @@ import json
 import os
 import time
 
-from benchmarks.common import make_workload, markdown_table, save_word_tokenizer, write_text
+from benchmarks.common import make_workload, markdown_table, save_word_tokenizer, write_keeping_notes
 
 LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
@@ -241,7 +241,7 @@ def main(argv=None):
         text = report(args.out, args.models.split(","))
         print(text)
         if args.results:
-            write_text(args.results, text)
+            write_keeping_notes(args.results, text)
         return
     save(args, hf_phase(args) if args.phase == "hf" else jax_phase(args))
 

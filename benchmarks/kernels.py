@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a script: find benchmarks/
-from benchmarks.common import RESULTS_DIR, markdown_table, write_text  # noqa: E402
+from benchmarks.common import RESULTS_DIR, markdown_table, write_keeping_notes  # noqa: E402
 from jaxserve.kv_cache import LayerKV  # noqa: E402
 from pallas_kernels.flash_attention.reference import causal_attention  # noqa: E402
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_xla  # noqa: E402
@@ -305,7 +305,7 @@ def main():
         print(report[-1], flush=True)
     text = "\n".join(report)
     path = os.path.join(args.out, f"kernels_{slug}{'_quick' if args.quick else ''}.md")
-    write_text(path, text)
+    write_keeping_notes(path, text)
     print(f"wrote {path}")
 
 
