@@ -25,7 +25,7 @@ from jaxserve import attention
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache
 from jaxserve.models import llama
-from jaxserve.models.layers import ACTIVATIONS, LayerNorm, Linear
+from jaxserve.models.layers import ACTIVATIONS, LayerNorm, Linear, matmul_t
 
 
 def bloom_slopes(num_heads: int) -> tuple[float, ...]:
@@ -149,8 +149,8 @@ class AlibiDecoder(nn.Module):
             new_layers.append(kv)
         return self.norm(x), (None if kv_cache is None else KVCache(tuple(new_layers)))
 
-    def attend_embeddings(self, hidden):
-        return self.embed_tokens.attend(hidden)
+    def attend_embeddings(self, hidden):   # the tied LM head, as nn.Embed.attend but through matmul_t
+        return matmul_t(hidden.astype(self.dtype), self.embed_tokens.embedding)
 
 
 class AlibiForCausalLM(llama.LlamaForCausalLM):

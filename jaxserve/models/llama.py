@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jaxserve import attention
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache
-from jaxserve.models.layers import ACTIVATIONS, GatedMLP, Linear, RMSNorm, apply_rope, rope_from_hf, rope_inv_freq
+from jaxserve.models.layers import (ACTIVATIONS, GatedMLP, Linear, RMSNorm, apply_rope, matmul_t, rope_from_hf,
+                                    rope_inv_freq)
 
 
 def _config(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelConfig:
@@ -189,8 +190,8 @@ class LlamaModel(nn.Module):
             new_layers.append(kv)
         return self.norm(x), (None if kv_cache is None else KVCache(tuple(new_layers)))
 
-    def attend_embeddings(self, hidden):
-        return self.embed_tokens.attend(hidden)
+    def attend_embeddings(self, hidden):   # the tied LM head, as nn.Embed.attend but through matmul_t
+        return matmul_t(hidden.astype(self.dtype), self.embed_tokens.embedding)
 
 
 class LlamaForCausalLM(nn.Module):
