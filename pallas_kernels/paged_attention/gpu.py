@@ -41,8 +41,8 @@ MASK_VALUE = wgmma.MASK_VALUE
 ROWS = 64  # (token, head in group) rows per program: wgmma's M
 
 
-def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem, k_smem,
-            v_smem, p_smem, o_smem, q_bar, k_bar, v_bar, slope_smem=None, stored_smem=None, scale_smem=None,
+def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem, k_smem, v_smem, p_smem,
+            o_smem, q_bar, k_bar, v_bar, slope_smem=None, stored_smem=None, scale_smem=None,
             group, block_q, pages_per_tile, sm_scale, sliding_window, soft_cap, alibi, interpret):
     # Inputs after v: [ALiBi slopes [KVH, ROWS]], [K and V scales [N, KVH, 1, lanes]], then the
     # output. Quantized: stored_smem, scale_smem are the (K, V) pages and scales as copied in.
