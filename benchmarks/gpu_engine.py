@@ -171,22 +171,24 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
                    if differ else "")
 
 
+def load(out_dir: str, name: str) -> dict | None:
+    """A phase's JSON file (`save`), or None where that phase wrote none."""
+    path = os.path.join(out_dir, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def report(out_dir: str, models: list[str]) -> str:
     lines = ["# The engine on a GPU", ""]
     for name in models:
-        try:
-            with open(os.path.join(out_dir, f"jax_{name}.json")) as f:
-                jx = json.load(f)
-        except FileNotFoundError:
+        jx, int8, hf = (load(out_dir, f) for f in (f"jax_{name}", f"jax_{name}_int8", f"hf_{name}"))
+        if jx is None:
             lines += [f"## {name}: no jaxserve result (see the run's log)", ""]
             continue
-        if os.path.exists(os.path.join(out_dir, f"jax_{name}_int8.json")):   # int8 weights: more rows
-            with open(os.path.join(out_dir, f"jax_{name}_int8.json")) as f:
-                jx["backends"].update(json.load(f)["backends"])
-        hf = None
-        if os.path.exists(os.path.join(out_dir, f"hf_{name}.json")):
-            with open(os.path.join(out_dir, f"hf_{name}.json")) as f:
-                hf = json.load(f)
+        if int8 is not None:   # int8 weights: more rows
+            jx["backends"].update(int8["backends"])
         (lo_in, hi_in), (lo_out, hi_out), n = WORKLOADS[name]
         lines += [f"## {name} on {jx['device']} (jax {jx['jax']})", "",
                   f"{n} prompts of seeded random token ids, input {lo_in}-{hi_in}, output {lo_out}-{hi_out} "
@@ -229,7 +231,7 @@ def main(argv=None):
     p.add_argument("--hf-batch-sizes", default="64,128")
     p.add_argument("--work-dir", default="/tmp/jaxserve_gpu")
     p.add_argument("--out", required=True, help="the phases' JSON files")
-    p.add_argument("--results", default=None, help="report: the markdown file (default: engine_<gpu>.md)")
+    p.add_argument("--results", default=None, help="report: also write the tables into this markdown file")
     args = p.parse_args(argv)
     args.backends = args.backends.split(",")
     args.hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]

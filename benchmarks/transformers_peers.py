@@ -31,7 +31,8 @@ def run_generate(model, requests: list[Request], batch_size: int, pad_id: int) -
             mask[j, width - len(r.prompt_token_ids):] = 1
         n = max(r.max_tokens for r in batch)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=n, do_sample=False,
+            out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                 max_new_tokens=n, do_sample=False,
                                  pad_token_id=pad_id, eos_token_id=model.config.vocab_size)
         outputs += [out[j, width:width + r.max_tokens].tolist() for j, r in enumerate(batch)]
     seconds = time.perf_counter() - t0   # .tolist() above waited for the device
