@@ -13,6 +13,7 @@ import torch
 import transformers as tf
 
 from jaxserve import LLM, SamplingParams
+from tests.conftest import fake_devices_env
 from tests.hf_models import CONFIGS, save_byte_tokenizer, save_hf_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,10 +23,14 @@ NEW_TOKENS = 24
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16, max_prefill_seqs=1,
               page_size=8, max_model_len=128, num_pages=64, enable_prefix_caching=True,
               compilation_cache_dir=None)
-TP_MESHES = [{"model": 2}, {"model": 4}]
-# Under TP, one checkpoint per family (llama_mqa: K/V replicated at both meshes); the other
-# Llama variants change nothing that is sharded.
+# Under TP, one checkpoint per family, each at one mesh, TP 2 and TP 4 alternating in name order:
+# llama_mqa's one KV head and the 2 KV heads of the TP-4 families are replicated, and the two
+# 6-head ALiBi families take one mesh each. The other Llama variants change nothing that is sharded.
 TP_SKIP = {"llama_mha", "llama_gqa_rope3"}
+
+
+def tp_meshes(names) -> dict[str, dict]:
+    return {name: {"model": 2 if i % 2 == 0 else 4} for i, name in enumerate(sorted(set(names) - TP_SKIP))}
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -76,18 +81,20 @@ def test_engine_greedy_matches_transformers(name, checkpoints):
 
 
 def test_tensor_parallel_matches_transformers(checkpoints):
-    """TP 2 and TP 4 (4 heads, 2 kv heads: K/V replicated at TP 4) for every family."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    """Every family at TP 2 or TP 4 (4 heads, 2 kv heads: K/V replicated at TP 4)."""
+    env = fake_devices_env(4)
     dirs = {name: d for name, (d, _) in checkpoints.items() if name not in TP_SKIP}
+    assert {mesh["model"] for mesh in tp_meshes(dirs).values()} == {2, 4}
     proc = subprocess.run([sys.executable, "-m", "tests.test_family_engine", json.dumps(dirs)], cwd=ROOT,
                           capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(dirs) * len(TP_MESHES)
+    assert len(results) == len(dirs)
     for case, tokens in results.items():
         assert tokens == checkpoints[case.split("@")[0]][1], case
 
 
 if __name__ == "__main__":   # the TP runs, on the fake devices of this process
-    print(json.dumps({f"{name}@{json.dumps(mesh)}": engine_tokens(d, mesh=mesh)[0]
-                      for name, d in json.loads(sys.argv[1]).items() for mesh in TP_MESHES}))
+    dirs = json.loads(sys.argv[1])
+    print(json.dumps({f"{name}@{json.dumps(mesh)}": engine_tokens(dirs[name], mesh=mesh)[0]
+                      for name, mesh in tp_meshes(dirs).items()}))

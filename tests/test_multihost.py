@@ -16,6 +16,7 @@ import torch
 from jaxserve import multihost
 from jaxserve.config import DistributedConfig
 from jaxserve.tokenizer import load_tokenizer
+from tests.conftest import fake_devices_env
 from tests.hf_models import save_engine_model
 from tests.multihost_worker import WAVES
 
@@ -46,8 +47,7 @@ def run_workers(model_dir: str) -> list[dict]:
     port = free_port()
     procs = []
     for pid in range(2):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+        env = fake_devices_env(2)
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", model_dir,
                                        f"127.0.0.1:{port}", str(pid)],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE,

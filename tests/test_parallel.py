@@ -12,6 +12,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from jaxserve import parallel
 from jaxserve.checkpoint import param_shapes
 from jaxserve.config import ModelConfig
+from tests.conftest import fake_devices_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,8 +109,7 @@ def checks(tmp_path_factory) -> dict:
 
     model_dir = str(tmp_path_factory.mktemp("parallel_model"))
     save_engine_model(model_dir)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = fake_devices_env(8)
     proc = subprocess.run([sys.executable, "-m", "tests.parallel_checks", model_dir], cwd=ROOT,
                           capture_output=True, text=True, env=env, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -23,6 +23,7 @@ from jaxserve.checkpoint import load_params
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import TINY_MODEL_DIR
 from jaxserve.kv_cache import KVCache
+from tests.conftest import fake_devices_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = dict(max_num_seqs=4, max_model_len=256, kv_cache_mb=8, compilation_cache_dir=None)
@@ -157,8 +158,7 @@ def test_tensor_parallel_greedy_matches_one_device():
     layouts. The one-device tokens come from this process (the subprocess keeps its XLA flags,
     adding the fake devices). The int8 cache's scales are split over the KV heads like its pages:
     each device holds its one KV head's pages and scales."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",   # first: XLA stops at conftest's "intra_op_..." word
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4 " + os.environ.get("XLA_FLAGS", "")}
+    env = fake_devices_env(4)
     proc = subprocess.run([sys.executable, "-m", "tests.test_quantized_engine"], cwd=ROOT,
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -24,12 +24,15 @@ from jaxserve.packing import pack
 from jaxserve.roofline import Peaks
 from jaxserve.spec_decode import ngram, throttle
 from jaxserve.spec_decode.throttle import Throttle
+from tests.server_harness import store_of
 
 # Never throttled at max_num_seqs 8 (the throttle's tests lower the bound while they run).
 SPEC = {"method": "ngram", "num_tokens": 3, "ngram_min": 1, "ngram_max": 3, "disable_by_batch_size": 8}
 # Small buckets; a pool of 24 pages of 16 tokens for 6 sequences of up to ~190 tokens preempts.
-ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=32, max_prefill_seqs=2,
-              max_model_len=256, num_pages=24, page_size=16, compilation_cache_dir=None)
+# One executable store for both spec-decode files: the second loads the plain engine's executables.
+SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=32, max_prefill_seqs=2,
+                max_model_len=256, num_pages=24, page_size=16)
+ENGINE = dict(SETTINGS, compilation_cache_dir=store_of(SETTINGS))
 PROMPTS = ["The for statement is used to", "def square(x):\n    return x * x\n\ndef cube(x):\n",
            "A list is a sequence. A list is", "import os\nimport sys\nimport", "The with statement",
            "Exceptions are raised when"]
