@@ -30,7 +30,7 @@ TP_SKIP = {"llama_mha", "llama_gqa_rope3"}
 
 
 def tp_meshes(names) -> dict[str, dict]:
-    return {name: {"model": 2 if i % 2 == 0 else 4} for i, name in enumerate(sorted(set(names) - TP_SKIP))}
+    return {name: {"model": 2 if i % 2 == 0 else 4} for i, name in enumerate(sorted(names))}
 
 
 def _prompts(vocab: int) -> list[list[int]]:
