@@ -60,8 +60,7 @@ class StepError(RuntimeError):
 class LLMEngine:
     def __init__(self, engine_cfg: EngineConfig | None = None, *, params=None, mesh=None):
         self.ecfg = engine_cfg or EngineConfig()
-        model_dir = self.ecfg.model or TINY_MODEL_DIR
-        self.model_dir = model_dir
+        self.model_dir = model_dir = self.ecfg.model or TINY_MODEL_DIR
         self.model_cfg = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.dtype = _resolve_dtype(self.ecfg.dtype)
@@ -81,7 +80,6 @@ class LLMEngine:
                                        self.ecfg, self.runner.num_pages, self.max_model_len, mesh, self.dtype)
         self.throttle = spec and Throttle(spec, self.model_cfg, self.draft and self.draft.runner.cfg,
                                           jnp.dtype(self.dtype).itemsize)   # which steps speculate
-        self._step_started = None   # when the latest step() began (the throttle learns step times)
         self.block_manager = BlockManager(self.runner.num_pages, self.ecfg.page_size,
                                           self.ecfg.enable_prefix_caching, self.ecfg.poison_freed_pages)
         self.scheduler = Scheduler(self.ecfg, self.block_manager, self.max_model_len)
@@ -203,29 +201,32 @@ class LLMEngine:
         aborts them)."""
         previous, self._inflight = self._inflight, None
         outputs = []
-        if self.throttle is not None:   # the time since the last step's planning (None: idle since)
-            self.throttle.observe(self._step_started and time.perf_counter() - self._step_started)
-        self._step_started = time.perf_counter()
+        if self.throttle is not None:   # the time since the last step's planning prices a step
+            self.throttle.begins()
         if previous is not None and not self._can_overlap(previous[0]):
             outputs, previous = self._guarded([previous[0]], lambda: self._collect(*previous)), None
         speculate = self._speculates()
         if previous is not None and speculate:
             outputs, previous = self._guarded([previous[0]], lambda: self._collect(*previous)), None
+        planning, catching_up = time.perf_counter(), 0.0
         self._propose(speculate)
         out = self.last_schedule = self.scheduler.schedule()
         running = [previous[0]] if previous is not None else []
         if self.draft is not None:   # (a step with verify rows is never overlapped: nothing is running)
-            self.stats["spec_draft_steps"] += self._guarded([out], lambda: self.draft.propose(out))
+            steps, catching_up = self._guarded([out], lambda: self.draft.propose(out))
+            self.stats["spec_draft_steps"] += steps
         sample_later = previous is not None and any(reads_outputs(s.seq) for s in out.scheduled if s.num_sampled)
         if out.scheduled or out.page_copies:
             self._inflight = out, self._guarded(running + [out], lambda: self._launch(out, sample_later))
+        if self.throttle is not None:
+            self.throttle.planned(time.perf_counter() - planning, catching_up)
         if previous is not None:
             outputs += self._guarded(running + [out], lambda: self._collect(*previous))
         if sample_later:
             launched = self._inflight[1]
             self._inflight = out, self._guarded([out], lambda: self.runner.sample(launched))
-        if not self.has_unfinished():
-            self._step_started = None   # idle until the next request: no step's time
+        if self.throttle is not None and not self.has_unfinished():
+            self.throttle.idle()   # until the next request: no step's time
         return outputs
 
     def _guarded(self, steps: list[SchedulerOutput], run):
@@ -355,10 +356,8 @@ class LLMEngine:
         return the choice's delta. The sampler bans the ending tokens before min_tokens outputs;
         stop strings are not looked for then."""
         p, i, token = req.params, seq.index, res.token
-        reason = None
         is_stop_token = token in seq.end_token_ids
-        if is_stop_token:
-            reason = "stop"
+        reason = "stop" if is_stop_token else None
         if not is_stop_token or p.include_stop_str_in_output:
             req.texts[i] += req.detoks[i].step([token])
         if reason is None and p.stop and num_outputs >= p.min_tokens:

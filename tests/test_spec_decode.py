@@ -248,34 +248,43 @@ def test_throttle_switches_speculation_off_and_on(engines, monkeypatch):
 
 
 def test_throttle_learns_step_overheads_and_refreshes_the_plain_price(monkeypatch):
-    """Each kind's overhead: a running mean of its steps' time beyond their roofline time,
-    learned from that kind only, each interval pricing the step planned LAG steps before it;
-    a plain step every REFRESH_PLAIN steps that would speculate."""
+    """Each kind's overhead: the median of its latest steps' time beyond their roofline time,
+    learned from that kind only; each interval prices the step planned LAG steps before it, with
+    that step's planning in place of the latest one's (a draft's catch-up: no step's); a plain
+    step only where the next one is plain too (it overlaps it, as in a run of plain steps);
+    REFRESH_RUN plain steps every REFRESH_PLAIN steps in a row that would speculate."""
     monkeypatch.setattr(throttle, "_peaks", lambda: Peaks(1e30, 1e15, "test"))   # memory-bound, nanoseconds
     rule = Throttle(SpeculativeConfig(num_tokens=4), ModelConfig.from_pretrained(TINY_MODEL_DIR), None, 4)
     rule.mean_accepted = 1.0
     assert throttle.LAG == 2
     assert rule.speculates([5], False)     # nothing measured: verifying looks free
+    rule.planned(0.75, 0.5)                # its planning: 0.5 s of it the draft catching up
     assert not rule.speculates([5], True)  # a step with prompt tokens: not the rule's, not priced
-    rule.observe(3.0)                      # the interval that waited on the verify step took 3 s
-    assert rule.overheads[False] is None and rule.overheads[True] == pytest.approx(3.0)
-    assert not rule.speculates([5], False)   # 3 s against (1 + 1) x 0 s
+    rule.planned(0.125, 0.0)
+    rule.observe(3.0)                      # the verify step: 3 s - the latest's 0.125 s + its own 0.25 s
+    assert rule.overheads[False] is None and rule.overheads[True] == pytest.approx(3.125)
+    assert not rule.speculates([5], False)   # 3.125 s against (1 + 1) x 0 s
     rule.observe(99.0)                     # waited on the prompt's step: no price
     rule.observe(99.0)                     # observed twice for one step: nothing left to price
     assert not rule.speculates([5], False)
     rule.observe(1.0)                      # the plain step planned two steps before
-    assert rule.overheads == pytest.approx({False: 1.0, True: 3.0})
+    assert rule.overheads == pytest.approx({False: 1.0, True: 3.125})
     rule.observe(None)                     # idle since: the steps planned before are not priced
     assert not rule.speculates([5], False)
     rule.observe(99.0)
-    assert rule.overheads == pytest.approx({False: 1.0, True: 3.0})
-    for seconds in (0.0, 0.0):             # plain steps got faster: the mean follows
+    assert rule.overheads == pytest.approx({False: 1.0, True: 3.125})
+    for seconds, median in ((0.0, 0.5), (0.0, 0.0)):   # plain steps got faster: the median follows
         assert not rule.speculates([5], False)
         rule.observe(seconds)
-    assert rule.overheads[False] == pytest.approx(1.0 * (1 - 1 / throttle.MEAN_OVER_STEPS) ** 2)
-    rule.overheads = {False: 2.0, True: 3.0}   # now 3 < (1 + 1) x 2: speculate, with plain refreshes
-    decisions = [rule.speculates([5], False) for _ in range(3 * throttle.REFRESH_PLAIN)]
-    assert decisions.count(False) == 2 and decisions[throttle.REFRESH_PLAIN] is False
+        assert rule.overheads[False] == pytest.approx(median)
+    rule.overheads = {False: 2.0, True: 3.0}   # now 3 < (1 + 1) x 2: speculate
+    assert rule.speculates([5], False)
+    rule.observe(99.0)                     # the plain step before a verify step: not priced
+    assert rule.overheads == {False: 2.0, True: 3.0}
+    period = throttle.REFRESH_PLAIN + throttle.REFRESH_RUN   # with plain refreshes
+    decisions = [rule.speculates([5], False) for _ in range(2 * period - 1)]
+    plain = [i for i, speculates in enumerate(decisions) if not speculates]
+    assert plain == [i - 1 for i in range(throttle.REFRESH_PLAIN, 2 * period) if i % period >= throttle.REFRESH_PLAIN]
 
 
 def test_engine_prices_the_steps_it_runs(engines):

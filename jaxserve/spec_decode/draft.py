@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import weakref
 
 from jaxserve.checkpoint import load_for_mesh
@@ -83,10 +84,13 @@ class DraftProposer:
         (and reserves its pages) by them; `propose` fills in those it kept."""
         return [PENDING] * self.num_tokens
 
-    def propose(self, out: SchedulerOutput) -> int:
+    def propose(self, out: SchedulerOutput) -> tuple[int, float]:
         """Before `out` launches: mirror its page copies in the draft's pool, forget what
         preempted sequences had, and replace the placeholder proposals of each verify row by the
-        draft's (a row cut to one token keeps none). Returns the draft steps it ran."""
+        draft's (a row cut to one token keeps none). Returns the draft steps it ran and the
+        seconds of those before the last k: catching the draft's K/V up with the tokens (a
+        prompt's, a plain step's), a prefill's work, where the last k steps are each verify
+        step's own cost."""
         self.runner.copy_pages(out.page_copies)
         for seq in out.preempted:
             self._written.pop(seq, None)
@@ -96,18 +100,19 @@ class DraftProposer:
             if s.seq not in wanted:
                 s.seq.proposed_token_ids = []
         if not wanted:
-            return 0
+            return 0, 0.0
         views = {seq: self._view(seq) for seq in wanted}
-        steps = 0
+        steps = []   # their seconds
         while active := [v for seq, v in views.items() if len(v.output_token_ids) < wanted[seq]]:
+            start = time.perf_counter()
             self._step(self._rows(active))
-            steps += 1
+            steps.append(time.perf_counter() - start)
         for seq, view in views.items():
             seq.proposed_token_ids = view.output_token_ids
             # its K/V: every known token (the last one's came with the catch-up), then the
             # proposals but the last
             self._written[seq] = _Written(seq.num_tokens, view.output_token_ids[:-1])
-        return steps
+        return len(steps), sum(steps[:-self.num_tokens])
 
     def _view(self, seq: Sequence) -> Sequence:
         """The draft's side of `seq`: its known tokens as the prompt, its computed tokens those

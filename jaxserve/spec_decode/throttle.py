@@ -6,27 +6,36 @@ limited by memory bandwidth (every weight and the batch's K/V are read once, how
 tokens), the k extra tokens are close to free; once the batch is large, they cost k + 1 times
 the decode's FLOPs, and speculating is slower than not (the static shapes charge all k + 1 for
 every row: buckets.py). So before each step, over the B running sequences that would verify
-(with their context lengths), a step's time is predicted as
-    its overhead + max(FLOPs / peak FLOP/s, bytes / peak bandwidth)
-(the roofline: jaxserve/roofline.py, peaks from the datasheet or measured on this machine once
-per process; the overhead: what a step costs beyond that, packing, dispatch, the sampler, the
-results back on the host, the draft's steps' own overheads, and whether the step overlaps the
-one before: learned from the steps themselves, `observe`, a running mean of each kind's wall
-time less its roofline time, 0 until one of its kind ran; the engine times the interval
-between two steps' planning, and that interval waits on the device work of the step planned
-two steps before (a step collects its predecessor's results before or after launching its
-own), so that is the step it prices: else the first verify step after a prompt's prefill
-would be charged the prefill's compute and never tried again), for
+(with their context lengths), the throttle predicts the time of
     plain  = a decode step of B one-token rows,
     verify = a step of B rows of 1 + k tokens (+ with a draft model: k draft steps of B
              one-token rows),
+each as its kind's overhead + max(FLOPs / peak FLOP/s, bytes / peak bandwidth) (the roofline:
+jaxserve/roofline.py, peaks from the datasheet or measured on this machine once per process),
 and the step speculates while verify < (1 + a) x plain: more tokens a second. `a` is a running
-mean (exponential, over about the last 64 verify rows) that starts at k / 2. Each kind's
-overhead is learned from steps of its kind only: a verify step priced too low is tried, measured
-and dropped within a few steps; one priced too high is not tried again, which errs on the side
-of not speculating. So that the plain step's price cannot go stale while every step speculates
-(one measured at a larger batch would keep it speculating), every REFRESH_PLAIN-th step in a row
-that would speculate runs plain.
+mean (exponential, over about the last 64 verify rows) that starts at k / 2.
+
+A kind's overhead is what its steps cost beyond their roofline time: packing, dispatch, the
+sampler, the results back on the host, the draft's steps' own overheads, whether the step
+overlaps the one before. It is learned from the steps themselves (`observe`): the median of its
+latest MEDIAN_OVER_STEPS steps' time less their roofline time (a median: a kind's first step
+after a prompt pays one-time costs), 0 until one ran. A step's time: the engine times the
+interval between two steps' planning (`begins`). That interval waits on the device work of the step
+planned two steps before (a step collects its predecessor's results before or after launching
+its own), so that is the step it prices (else the first verify step after a prompt's prefill
+would be charged the prefill's compute), with that step's planning in place of the latest
+one's (`planned`; else a plain step followed by a verify step would be charged the draft
+model's k steps, and the plain price so inflated would keep every step speculating), less a
+draft's catch-up (prompts' K/V: a prefill's work, no step's). A plain step is priced only where
+the next step is plain too: in a run of plain steps each overlaps the next one's planning
+(engine.py), as the one before a verify step does not.
+
+Each overhead is learned from steps of its kind only: a verify step priced too low is tried,
+measured and dropped within a few steps; one priced too high is not tried again, which errs on
+the side of not speculating. So that the plain price cannot go stale while every step
+speculates (one measured at a larger batch would keep it speculating), after every
+REFRESH_PLAIN steps in a row that would speculate, REFRESH_RUN steps run plain (all but the
+last priced).
 
 Without overheads and K/V (short contexts), with P weights of s bytes each, that is: speculate
 up to B* = (1 + a) s F / (2 (k + 1) W) rows, F / W the peak FLOP/s over the bandwidth (there
@@ -52,6 +61,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 
 import numpy as np
 
@@ -59,8 +69,8 @@ from jaxserve.config import ModelConfig, SpeculativeConfig
 from jaxserve.roofline import CostModel, device_peaks
 
 MEAN_OVER_ROWS = 64      # the acceptance's running mean
-MEAN_OVER_STEPS = 4      # the overheads'
-REFRESH_PLAIN = 32
+MEDIAN_OVER_STEPS = 5    # the overheads'
+REFRESH_PLAIN, REFRESH_RUN = 32, 3
 LAG = 2                  # steps between a step's planning and the interval that waits on its device work
 
 _peaks = functools.cache(device_peaks)   # measured once per process on a device without a datasheet
@@ -73,9 +83,12 @@ class Throttle:
         self.mean_accepted = spec.num_tokens / 2
         # seconds a plain (False) and a speculating (True) step cost beyond their roofline time
         self.overheads: dict[bool, float | None] = {False: None, True: None}
-        # the latest LAG steps, oldest first: (speculates, its roofline time), None where the rule did not decide
+        self._extras = {kind: collections.deque(maxlen=MEDIAN_OVER_STEPS) for kind in self.overheads}
+        # the latest LAG steps, oldest first: [(speculates, its roofline time) or None where the
+        # rule did not decide, its planning's seconds, those and catching up]
         self._priced: collections.deque = collections.deque(maxlen=LAG)
-        self._speculating = 0   # steps in a row the rule let speculate
+        self._speculating = 0   # steps in a row the rule would speculate
+        self._began: float | None = None   # when the latest step's planning began, None: idle since
 
     @functools.cached_property
     def _costs(self) -> tuple[CostModel, CostModel | None]:
@@ -86,7 +99,7 @@ class Throttle:
         """Whether the next step speculates, its verify candidates having computed `contexts`
         tokens, `prefills`: whether it has prompt tokens to compute too."""
         if not contexts or self.spec.disable_by_batch_size is not None or prefills:
-            self._priced.append(None)
+            self._priced.append([None, 0.0, 0.0])
             limit = self.spec.disable_by_batch_size
             return bool(contexts) and limit is not None and len(contexts) <= limit
         k, (target, draft) = self.spec.num_tokens, self._costs
@@ -96,23 +109,44 @@ class Throttle:
             verify += k * _roofline_seconds(draft, contexts, 1)
         overhead = {kind: seconds or 0.0 for kind, seconds in self.overheads.items()}
         speculate = overhead[True] + verify < (1 + self.mean_accepted) * (overhead[False] + plain)
-        speculate = speculate and self._speculating < REFRESH_PLAIN
         self._speculating = self._speculating + 1 if speculate else 0
-        self._priced.append((speculate, verify if speculate else plain))
+        speculate = speculate and (self._speculating - 1) % (REFRESH_PLAIN + REFRESH_RUN) < REFRESH_PLAIN
+        self._priced.append([(speculate, verify if speculate else plain), 0.0, 0.0])
         return speculate
 
+    def begins(self) -> None:
+        """The engine begins planning a step: the interval since the last one is observed."""
+        now = time.perf_counter()
+        self.observe(self._began and now - self._began)
+        self._began = now
+
+    def idle(self) -> None:
+        """The engine waits for requests: the next interval is no step's time."""
+        self._began = None
+
+    def planned(self, seconds: float, catching_up: float) -> None:
+        """Planning and launching the latest step took `seconds`, `catching_up` of them the
+        draft's catch-up."""
+        self._priced[-1][1:] = seconds - catching_up, seconds
+
     def observe(self, seconds: float | None) -> None:
-        """`seconds` from the last step's planning to this one's: the price of the step planned
-        LAG steps before, if the rule decided it. None: the engine was idle since the last step,
-        and the steps before are not priced."""
+        """`seconds` from the last step's planning to this one's: with the planning moved, the
+        price of the step planned LAG steps before, if the rule decided it. None: the engine was
+        idle since the last step, and the steps before are not priced."""
         if seconds is None:
             self._priced.clear()
-        priced = self._priced.popleft() if len(self._priced) == LAG else None
+        if len(self._priced) < LAG:
+            return
+        priced, planning, _ = self._priced.popleft()
         if priced is None:
             return
         kind, roofline = priced
-        extra, mean = max(0.0, seconds - roofline), self.overheads[kind]
-        self.overheads[kind] = extra if mean is None else mean + (extra - mean) / MEAN_OVER_STEPS
+        latest = self._priced[-1]
+        if not kind and latest[0] is not None and latest[0][0]:
+            return   # a plain step that the latest, a verify step, did not overlap
+        seconds += planning - latest[2]   # its planning, not the latest step's
+        self._extras[kind].append(max(0.0, seconds - roofline))
+        self.overheads[kind] = float(np.median(self._extras[kind]))
 
     def accepted(self, proposals: int) -> None:
         """A verify row kept this many proposals."""
