@@ -258,9 +258,9 @@ def test_throttle_learns_step_overheads_and_refreshes_the_plain_price(monkeypatc
     rule.mean_accepted = 1.0
     assert throttle.LAG == 2
     assert rule.speculates([5], False)     # nothing measured: verifying looks free
-    rule.planned(0.75, 0.5)                # its planning: 0.5 s of it the draft catching up
+    rule.planned(0.75, 0.5, 1)             # its planning: 0.5 s of it the draft catching up
     assert not rule.speculates([5], True)  # a step with prompt tokens: not the rule's, not priced
-    rule.planned(0.125, 0.0)
+    rule.planned(0.125, 0.0, 0)
     rule.observe(3.0)                      # the verify step: 3 s - the latest's 0.125 s + its own 0.25 s
     assert rule.overheads[False] is None and rule.overheads[True] == pytest.approx(3.125)
     assert not rule.speculates([5], False)   # 3.125 s against (1 + 1) x 0 s
@@ -279,12 +279,23 @@ def test_throttle_learns_step_overheads_and_refreshes_the_plain_price(monkeypatc
         assert rule.overheads[False] == pytest.approx(median)
     rule.overheads = {False: 2.0, True: 3.0}   # now 3 < (1 + 1) x 2: speculate
     assert rule.speculates([5], False)
+    rule.planned(0.0, 0.0, 1)
     rule.observe(99.0)                     # the plain step before a verify step: not priced
     assert rule.overheads == {False: 2.0, True: 3.0}
-    period = throttle.REFRESH_PLAIN + throttle.REFRESH_RUN   # with plain refreshes
-    decisions = [rule.speculates([5], False) for _ in range(2 * period - 1)]
-    plain = [i for i, speculates in enumerate(decisions) if not speculates]
-    assert plain == [i - 1 for i in range(throttle.REFRESH_PLAIN, 2 * period) if i % period >= throttle.REFRESH_PLAIN]
+    assert rule.speculates([5, 6, 7], False)
+    rule.planned(0.0, 0.0, 0)              # no row got proposals: it ran plain-shaped
+    assert rule.mean_accepted == pytest.approx(1.0 * (1 - 1 / throttle.MEAN_OVER_ROWS) ** 3)   # 3 rows accepted 0
+    rule.observe(0.5)                      # prices the verify step planned before it
+    assert rule.overheads[True] == pytest.approx(np.median([3.125, 0.5]), rel=1e-6)
+    assert rule.speculates([5], False)
+    rule.observe(99.0)                     # the step that had no verify rows: not priced
+    assert rule.overheads[True] == pytest.approx(np.median([3.125, 0.5]), rel=1e-6)
+    rule = Throttle(SpeculativeConfig(num_tokens=4), ModelConfig.from_pretrained(TINY_MODEL_DIR), None, 4)
+    rule.overheads, rule.mean_accepted = {False: 2.0, True: 3.0}, 1.0   # speculate, with plain refreshes
+    period = throttle.REFRESH_PLAIN + throttle.REFRESH_RUN
+    decisions = [rule.speculates([5], False) for _ in range(2 * period)]
+    assert [i for i, speculates in enumerate(decisions) if not speculates] == [
+        i for i in range(2 * period) if i % period >= throttle.REFRESH_PLAIN]
 
 
 def test_engine_prices_the_steps_it_runs(engines):

@@ -13,7 +13,8 @@ every row: buckets.py). So before each step, over the B running sequences that w
 each as its kind's overhead + max(FLOPs / peak FLOP/s, bytes / peak bandwidth) (the roofline:
 jaxserve/roofline.py, peaks from the datasheet or measured on this machine once per process),
 and the step speculates while verify < (1 + a) x plain: more tokens a second. `a` is a running
-mean (exponential, over about the last 64 verify rows) that starts at k / 2.
+mean (exponential, over about the last 64 rows) of the proposals accepted per row a step
+speculated for (0 where the row did not verify: n-gram lookup found nothing), from k / 2.
 
 A kind's overhead is what its steps cost beyond their roofline time: packing, dispatch, the
 sampler, the results back on the host, the draft's steps' own overheads, whether the step
@@ -26,7 +27,8 @@ its own), so that is the step it prices (else the first verify step after a prom
 would be charged the prefill's compute), with that step's planning in place of the latest
 one's (`planned`; else a plain step followed by a verify step would be charged the draft
 model's k steps, and the plain price so inflated would keep every step speculating), less a
-draft's catch-up (prompts' K/V: a prefill's work, no step's). A plain step is priced only where
+draft's catch-up (prompts' K/V: a prefill's work, no step's). A step let speculate whose rows
+got no proposals runs plain-shaped and is not priced. A plain step is priced only where
 the next step is plain too: in a run of plain steps each overlaps the next one's planning
 (engine.py), as the one before a verify step does not.
 
@@ -60,6 +62,7 @@ target's tokens when speculation resumes (draft.py, `_valid`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 
@@ -76,6 +79,17 @@ LAG = 2                  # steps between a step's planning and the interval that
 _peaks = functools.cache(device_peaks)   # measured once per process on a device without a datasheet
 
 
+@dataclasses.dataclass
+class _Step:
+    """A planned step, as its price needs it."""
+    speculates: bool | None   # the rule's decision; None where it did not decide (not priced)
+    roofline: float = 0.0     # seconds
+    planning: float = 0.0     # seconds planning and launching it, less a draft's catch-up
+    held: float = 0.0         # seconds of the interval it was planned in that are not its predecessor's
+    candidates: int = 0       # rows that would verify
+    verifies: bool = False    # it has verify rows (a speculating step whose rows got no proposals has none)
+
+
 class Throttle:
     def __init__(self, spec: SpeculativeConfig, target: ModelConfig, draft: ModelConfig | None, itemsize: int):
         self.spec = spec
@@ -84,9 +98,7 @@ class Throttle:
         # seconds a plain (False) and a speculating (True) step cost beyond their roofline time
         self.overheads: dict[bool, float | None] = {False: None, True: None}
         self._extras = {kind: collections.deque(maxlen=MEDIAN_OVER_STEPS) for kind in self.overheads}
-        # the latest LAG steps, oldest first: [(speculates, its roofline time) or None where the
-        # rule did not decide, its planning's seconds, those and catching up]
-        self._priced: collections.deque = collections.deque(maxlen=LAG)
+        self._steps: collections.deque[_Step] = collections.deque(maxlen=LAG)   # the latest, oldest first
         self._speculating = 0   # steps in a row the rule would speculate
         self._began: float | None = None   # when the latest step's planning began, None: idle since
 
@@ -99,7 +111,7 @@ class Throttle:
         """Whether the next step speculates, its verify candidates having computed `contexts`
         tokens, `prefills`: whether it has prompt tokens to compute too."""
         if not contexts or self.spec.disable_by_batch_size is not None or prefills:
-            self._priced.append([None, 0.0, 0.0])
+            self._steps.append(_Step(None))
             limit = self.spec.disable_by_batch_size
             return bool(contexts) and limit is not None and len(contexts) <= limit
         k, (target, draft) = self.spec.num_tokens, self._costs
@@ -111,7 +123,7 @@ class Throttle:
         speculate = overhead[True] + verify < (1 + self.mean_accepted) * (overhead[False] + plain)
         self._speculating = self._speculating + 1 if speculate else 0
         speculate = speculate and (self._speculating - 1) % (REFRESH_PLAIN + REFRESH_RUN) < REFRESH_PLAIN
-        self._priced.append([(speculate, verify if speculate else plain), 0.0, 0.0])
+        self._steps.append(_Step(speculate, verify if speculate else plain, candidates=len(contexts)))
         return speculate
 
     def begins(self) -> None:
@@ -124,29 +136,31 @@ class Throttle:
         """The engine waits for requests: the next interval is no step's time."""
         self._began = None
 
-    def planned(self, seconds: float, catching_up: float) -> None:
+    def planned(self, seconds: float, catching_up: float, verify_rows: int) -> None:
         """Planning and launching the latest step took `seconds`, `catching_up` of them the
-        draft's catch-up."""
-        self._priced[-1][1:] = seconds - catching_up, seconds
+        draft's catch-up; it has `verify_rows`. Each row it speculated for that does not verify
+        (n-gram lookup found nothing) accepts nothing: it costs a verify row (the static shapes)."""
+        step = self._steps[-1]
+        step.planning, step.held, step.verifies = seconds - catching_up, seconds, verify_rows > 0
+        for _ in range(step.candidates - verify_rows if step.speculates else 0):
+            self.accepted(0)
 
     def observe(self, seconds: float | None) -> None:
         """`seconds` from the last step's planning to this one's: with the planning moved, the
         price of the step planned LAG steps before, if the rule decided it. None: the engine was
         idle since the last step, and the steps before are not priced."""
         if seconds is None:
-            self._priced.clear()
-        if len(self._priced) < LAG:
+            self._steps.clear()
+        if len(self._steps) < LAG:
             return
-        priced, planning, _ = self._priced.popleft()
-        if priced is None:
-            return
-        kind, roofline = priced
-        latest = self._priced[-1]
-        if not kind and latest[0] is not None and latest[0][0]:
-            return   # a plain step that the latest, a verify step, did not overlap
-        seconds += planning - latest[2]   # its planning, not the latest step's
-        self._extras[kind].append(max(0.0, seconds - roofline))
-        self.overheads[kind] = float(np.median(self._extras[kind]))
+        step, latest = self._steps.popleft(), self._steps[-1]
+        if step.speculates is None or step.speculates != step.verifies:
+            return   # not the rule's, or it ran plain-shaped without proposals
+        if not step.speculates and latest.speculates:
+            return   # a plain step that the latest, speculating, did not overlap
+        seconds += step.planning - latest.held   # its planning, not the latest step's
+        self._extras[step.speculates].append(max(0.0, seconds - step.roofline))
+        self.overheads[step.speculates] = float(np.median(self._extras[step.speculates]))
 
     def accepted(self, proposals: int) -> None:
         """A verify row kept this many proposals."""
