@@ -219,7 +219,8 @@ class LLMEngine:
         if out.scheduled or out.page_copies:
             self._inflight = out, self._guarded(running + [out], lambda: self._launch(out, sample_later))
         if self.throttle is not None:
-            self.throttle.planned(time.perf_counter() - planning, catching_up, sum(s.num_sampled > 1 for s in out.scheduled))
+            self.throttle.planned(time.perf_counter() - planning, catching_up,
+                                  sum(s.num_sampled > 1 for s in out.scheduled))
         if previous is not None:
             outputs += self._guarded(running + [out], lambda: self._collect(*previous))
         if sample_later:

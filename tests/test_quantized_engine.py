@@ -41,9 +41,9 @@ def greedy(llm):
 
 
 @functools.cache
-def quantized_engine(config: str | None, kv_cache_dtype: str = "auto") -> LLM:
+def quantized_engine(config: str | None, kv_cache_dtype: str) -> LLM:
     """The embedded model quantized as it loads (None: not), with that KV cache: one engine per
-    pair in this process."""
+    pair in this process (no default: a call that left it out would build a second one)."""
     return LLM(**bench.settings(config), kv_cache_dtype=kv_cache_dtype, **ENGINE)
 
 
@@ -104,7 +104,7 @@ def test_8bit_greedy_agrees_with_unquantized(config):
 def test_lm_head_stays_in_the_model_dtype_unless_asked():
     """The embedded model ties its head to the embeddings: by default the logits come from the
     f32 table; with quantize_lm_head from an int8 copy of it, the table kept for the lookups."""
-    dtypes = {config: jax.tree.map(lambda x: x.dtype.name, quantized_engine(config).llm_engine.runner.params)
+    dtypes = {config: jax.tree.map(lambda x: x.dtype.name, quantized_engine(config, "auto").llm_engine.runner.params)
               for config in ("w8a8", "w8a8+head")}
     for d in dtypes.values():
         assert d["model"]["embed_tokens"] == {"embedding": "float32"}
