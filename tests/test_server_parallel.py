@@ -8,6 +8,7 @@ import requests
 import torch
 from transformers import AutoTokenizer
 
+from tests.conftest import fake_devices_env
 from tests.hf_models import save_engine_model
 from tests.server_harness import ServerProcess, free_port
 
@@ -45,7 +46,7 @@ def complete_all(url: str) -> list[str]:
 
 def test_data_parallel_server(model, tmp_path, monkeypatch):
     path, hf, tok = model
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setenv("XLA_FLAGS", fake_devices_env(8)["XLA_FLAGS"])
     server = ServerProcess(tmp_path, path, "--dp", "2", "--tp", "2", **ENGINE)
     try:
         server.wait_ready()
@@ -63,7 +64,7 @@ def test_multihost_server(model, tmp_path, monkeypatch):
     """Two `jaxserve serve` processes (2 CPU devices each, TP 4): process 0 serves HTTP, process 1
     follows; after SIGTERM both exit 0."""
     path, hf, tok = model
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    monkeypatch.setenv("XLA_FLAGS", fake_devices_env(2)["XLA_FLAGS"])
     address = f"127.0.0.1:{free_port()}"
     for i in range(2):
         (tmp_path / str(i)).mkdir()
