@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import QUANTIZATION_MODES as MODES
+from jaxserve.matmul import matmul_t
 
 SCALES = {"int8": "scale", "int4": "scale", "w8a8": "channel_scale"}   # each mode's scale leaf
 LEAVES = ("qweight", "scale", "channel_scale")   # what a quantized Linear may hold instead of `weight`
@@ -157,9 +158,10 @@ def _blocked_dot(x, qweight, scale, dtype):
 
 def _int8_dot(x, qweight, scale, dtype):
     """w8a8: x quantized per token, an int8 x int8 -> int32 dot (exact: |sum| <= 127^2 * in, under
-    2^31 for up to 133,000 inputs), then the token's and the channel's scales."""
+    2^31 for up to 133,000 inputs; on CPU by columns for few rows, jaxserve/matmul.py), then the
+    token's and the channel's scales."""
     xq, x_scale = quantize_rows(x, jnp.int8)
-    acc = jax.lax.dot_general(xq, qweight, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    acc = matmul_t(xq, qweight, preferred_element_type=jnp.int32)
     return (acc.astype(jnp.float32) * x_scale[..., None] * scale).astype(dtype)
 
 

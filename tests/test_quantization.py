@@ -178,13 +178,15 @@ def test_cpu_plain_formulation_would_copy_the_weight():
     assert max(materialized_float_sizes(compiled.as_text())) == OUT * IN
 
 
-@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("tokens", [1, 4, 16])
 def test_cpu_w8a8_runs_an_int8_dot_of_at_least_two_rows(tokens):
     """w8a8's reason to exist on CPU: an s8 x s8 -> s32 dot, with one token doubled to two rows
-    (XLA CPU's one-row int8 dot is the slow path)."""
+    (XLA CPU's one-row int8 dot is the slow path), taken by columns (w @ x.T: [out, rows]) up to
+    8 rows (jaxserve/matmul.py)."""
     hlo = compiled_linear("w8a8", jax.devices("cpu")[0], tokens=tokens).as_text()
-    dots = re.findall(r"= (\w+)\[(\d+),1024\][^ ]* dot\(", hlo)
-    assert dots == [("s32", str(max(tokens, 2)))], dots
+    dots = re.findall(r"= (s32)\[(\d+),(\d+)\][^ ]* dot\(", hlo)
+    rows = str(max(tokens, 2))
+    assert dots == [("s32", "1024", rows) if tokens <= 8 else ("s32", rows, "1024")], dots
 
 
 @pytest.mark.parametrize("mode", quantization.MODES)

@@ -24,8 +24,9 @@ import numpy as np
 from jaxserve import attention
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache
+from jaxserve.matmul import matmul_t
 from jaxserve.models import llama
-from jaxserve.models.layers import ACTIVATIONS, LayerNorm, Linear, matmul_t
+from jaxserve.models.layers import ACTIVATIONS, LayerNorm, Linear
 
 
 def bloom_slopes(num_heads: int) -> tuple[float, ...]:

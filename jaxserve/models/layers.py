@@ -16,36 +16,12 @@ import numpy as np
 
 from jaxserve import quantization
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.matmul import matmul_t
 
 ROPE_KINDS = ("default", "linear", "llama3")
 # HF `hidden_act` / `hidden_activation` names of the MLPs' activations.
 ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
                "gelu": functools.partial(nn.gelu, approximate=False)}
-
-
-# XLA:CPU streams a weight at ~26 GB/s for one row of x, but at ~15 GB/s for 2-32 rows, where it
-# packs the weight for a general matrix product. The same product taken as w @ x.T (one pass over
-# w per row block, as for one row), kept by a barrier from being folded back and transposed
-# after, is 1.6-1.7x faster at 2-16 rows and 1.2x at 32 (768 x 8192 f32 weights, the 2-core dev
-# box), equal from 64. Steps of small decode batches and speculative verify rows (1 + k tokens
-# each) are such products. Other platforms keep the plain product.
-COLUMN_DOT_MAX_ROWS = 32
-
-
-def matmul_t(x, w):
-    """x [..., in] @ w.T for a weight w [out, in]: [..., out]."""
-    def plain(x, w):
-        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
-
-    rows = math.prod(x.shape[:-1])
-    if rows > COLUMN_DOT_MAX_ROWS:
-        return plain(x, w)
-
-    def by_columns(x, w):
-        y = jax.lax.dot_general(w, x.reshape(rows, x.shape[-1]), (((1,), (1,)), ((), ())))   # [out, rows]
-        return jax.lax.optimization_barrier(y).T.reshape(*x.shape[:-1], w.shape[0])
-
-    return jax.lax.platform_dependent(x, w, cpu=by_columns, default=plain)
 
 
 class Linear(nn.Module):

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jaxserve import attention
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache
-from jaxserve.models.layers import (ACTIVATIONS, GatedMLP, Linear, RMSNorm, apply_rope, matmul_t, rope_from_hf,
+from jaxserve.matmul import matmul_t
+from jaxserve.models.layers import (ACTIVATIONS, GatedMLP, Linear, RMSNorm, apply_rope, rope_from_hf,
                                     rope_inv_freq)
 
 
