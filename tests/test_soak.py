@@ -1,4 +1,4 @@
-"""A 60-second soak of the real server (benchmarks/soak.py): mixed load with injected engine
+"""A 40-second soak of the real server (benchmarks/soak.py): mixed load with injected engine
 faults, preemption, clients that leave, deadlines and malformed requests; nothing lost, pages
 back, memory flat, TTFT steady, a clean exit.
 
@@ -14,7 +14,7 @@ import warnings
 
 from benchmarks import soak
 
-DURATION_S = 60
+DURATION_S = 40
 
 
 def test_soak_loses_nothing(tmp_path):
