@@ -235,8 +235,16 @@ def tied_head(params: dict, mode: str, shardings=None) -> None:
 
 def quantize_placed(weight, mode: str, shardings: dict | None) -> dict:
     """quantize_weight, its qweight and scale placed by `shardings` (None: where jit puts them)."""
-    out = None if shardings is None else {k: shardings[k] for k in ("qweight", SCALES[mode])}
-    return jax.jit(functools.partial(quantize_weight, mode=mode), out_shardings=out)(weight)
+    out = None if shardings is None else (shardings["qweight"], shardings[SCALES[mode]])
+    return _quantizer(mode, out)(weight)
+
+
+@functools.cache
+def _quantizer(mode: str, out_shardings: tuple | None):
+    """One jitted quantize_weight per mode and placement: a model's layers repeat a few weight
+    shapes, so each compiles once (a jit made per weight compiled every weight again)."""
+    out = None if out_shardings is None else dict(zip(("qweight", SCALES[mode]), out_shardings))
+    return jax.jit(functools.partial(quantize_weight, mode=mode), out_shardings=out)
 
 
 def node(tree: dict, keys: tuple[str, ...]):

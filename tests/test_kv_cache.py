@@ -171,7 +171,9 @@ def test_quantized_cache_holds_more_pages_and_keeps_perplexity_within_one_percen
     prefill (prompt logprobs read back from the pages) against the float32 forward pass without a
     cache, and the pool at the same kv_cache_mb (fp8's arithmetic: test_paged_attention.py)."""
     reference = quantization_bench.heldout_perplexities(configs=(None,), max_windows=8)[None]
-    llm = LLM(kv_cache_dtype="int8", max_num_seqs=4, max_model_len=256, kv_cache_mb=4, compilation_cache_dir=None)
+    # 128-token chunks (9 step shapes to warm up, not the default 45): each window's later chunks read the int8 pages
+    llm = LLM(kv_cache_dtype="int8", max_num_seqs=4, max_num_batched_tokens=128, prefill_chunk_size=128,
+              max_prefill_seqs=1, max_model_len=256, kv_cache_mb=4, compilation_cache_dir=None)
     ppl = kv_bench.engine_perplexity(llm, kv_bench.heldout_windows(8))
     assert abs(ppl / reference - 1) < 0.01, (ppl, reference)
     # float32 head_dim 32: 128 bytes per head and slot against 32 + a 4-byte scale

@@ -16,7 +16,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import build_model
 from tests.hf_models import save_engine_model
 
-ENGINE = dict(max_num_seqs=4, max_model_len=128, kv_cache_mb=4, compilation_cache_dir=None)
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=32, max_prefill_seqs=1,   # 5 step shapes
+              max_model_len=128, kv_cache_mb=4, compilation_cache_dir=None)
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 84, 104, 101, 32, 102, 111, 114], [256, 100, 101, 102]]
 NEW_TOKENS = 16
 

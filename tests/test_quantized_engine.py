@@ -26,7 +26,9 @@ from jaxserve.kv_cache import KVCache
 from tests.conftest import fake_devices_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINE = dict(max_num_seqs=4, max_model_len=256, kv_cache_mb=8, compilation_cache_dir=None)
+# Small buckets (5 step shapes to warm up, not the default 45): the prompts are a few tokens.
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=32, max_prefill_seqs=1,
+              max_model_len=256, kv_cache_mb=8, compilation_cache_dir=None)
 PROMPTS = ["The for statement is used to", "A function definition defines", "The import statement"]
 # (weight quantization, kv_cache_dtype, mesh)
 # w8a8's Linears shard as in w8a8+head, which adds the tied head's int8 copy.
