@@ -1,13 +1,10 @@
 import os
 
-# Keep each xdist worker to its share of the 2 cores and never pick up an accelerator. Compiling
-# is most of the suite's time and the tests' programs are small, so XLA:CPU compiles them cheaply:
-# LLVM at -O0 (an engine's warm-up takes 28% less) and its older fusion code generator (a
-# sampler compiles in half the time; engine, model, quantization and paged-attention tests take
-# 161 s against 271 s). The compile-only TPU and GPU checks are not affected.
+# Keep each xdist worker to its share of the 2 cores and never pick up an accelerator. LLVM at
+# -O0: compiling is most of the suite's time and the tests' programs are small (an engine's
+# warm-up takes 28% less; the compile-only TPU and GPU checks pass alike).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 "
-                                   "--xla_cpu_use_fusion_emitters=false")
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0")
 
 
 def fake_devices_env(n: int) -> dict[str, str]:
