@@ -218,16 +218,19 @@ def test_schemas_regexes_and_choices_in_one_run(llm):
 
 def test_speculative_decoding_keeps_to_the_grammar(llm):
     """n-gram proposals are checked against the grammar (each verify position masked as if the
-    proposals before it were taken): greedy outputs equal those without speculation."""
+    proposals before it were taken): greedy outputs equal those without speculation. The last
+    case, 7{20}, leaves one token ('7') at each step whatever the model, so proposals drawn from
+    the earlier 7s must be accepted on any CPU's numerics."""
     from jaxserve import LLM
 
     spec = LLM(model=None, **ENGINE, speculative={"method": "ngram", "num_tokens": 3, "ngram_min": 1, "ngram_max": 3})
-    cases = [StructuredOutput.json_schema(s) for s in schemas()[::4]] + [StructuredOutput("regex", REGEX)]
+    cases = [StructuredOutput.json_schema(s) for s in schemas()[::4]] + [StructuredOutput("regex", REGEX),
+                                                                         StructuredOutput("regex", "7{20}")]
     params = [P(max_tokens=64, temperature=0.0, structured_output=c) for c in cases]
     prompts = [f"Example {i} as JSON:" for i in range(len(cases))]
     expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].text for o in spec.generate(prompts, params, use_tqdm=False)]
-    assert got == expected
+    assert got == expected and got[-1] == "7" * 20
     assert spec.llm_engine.stats["spec_accepted_tokens"] > 0
 
 
