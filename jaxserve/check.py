@@ -131,7 +131,8 @@ def quick_shapes(shapes: list[StepShape]) -> list[StepShape]:
 def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, dtype=jnp.bfloat16,
           backend: str | None = None, shapes: list[StepShape] | None = None, samplers: bool = True) -> Report:
     """Size the KV pool as the runner would on `tpu` and compile what warm-up compiles (or, for
-    a quicker look, only `shapes` of the step, and no sampler: it compiles slowest of all)."""
+    a quicker look, only `shapes` of the step and, with `samplers`, the sampler variants of
+    their logit rows)."""
     sizes = {"data": 1, "seq": 1, "model": 1, **ecfg.mesh}
     if np.prod(list(sizes.values())) > tpu.chips:
         raise ValueError(f"mesh {sizes} needs more than the {tpu.chips} chips of {tpu.name}")

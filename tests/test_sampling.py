@@ -2,12 +2,13 @@
 import dataclasses
 from collections import Counter
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
 
 from jaxserve.config import SamplingParams as P
-from jaxserve.sampling import SamplingMetadata, apply_penalties, sample
+from jaxserve.sampling import SamplingMetadata, _top_k_top_p_threshold, apply_penalties, sample
 
 
 def build(params, seeds=None, prompts=None, outputs=None, pad_to=None, history_len=None):
@@ -144,6 +145,48 @@ def test_filters_sample_exactly_the_allowed_set_with_reference_probabilities(tem
     expected = np.append(probs[big], probs[~big].sum()) * len(tokens)
     keep = expected > 0
     assert stats.chisquare(observed[keep], expected[keep]).pvalue > 1e-3
+
+
+def threshold_oracle(x, k, p):
+    """float64: the k-th largest value (ties kept), then the largest value v whose mass of values
+    >= v, renormalised over the top k, reaches p; and whether a mass within 1e-5 of p made
+    that choice (float32 sums may choose either side)."""
+    values = np.unique(x)[::-1]
+    kth = np.sort(x)[::-1][min(k, len(x)) - 1] if k > 0 else values[-1]
+    kept = x[x >= kth].astype(np.float64)
+    probs = np.exp(kept - kept.max()) / np.exp(kept - kept.max()).sum()
+    if p >= 1.0:
+        return kth, False
+    for v in values[values >= kth]:
+        mass = probs[kept >= v].sum()
+        if mass >= p:
+            return v, abs(mass - p) < 1e-5 or abs(probs[kept > v].sum() - p) < 1e-5
+
+
+def test_top_k_top_p_threshold_matches_the_float64_oracle():
+    """The radix select's threshold over rows with ties at every boundary (rounded logits),
+    masked tokens (-inf) and top_k beyond the unmasked count, as the sampler's filters see them."""
+    rng = np.random.default_rng(6)
+    checked = ambiguous = 0
+    for trial in range(24):
+        rows, vocab = 16, [7, 64, 1000, 32000][trial % 4]
+        x = (rng.normal(size=(rows, vocab)) * [0.1, 1.0, 10.0][trial % 3]).astype(np.float32)
+        if trial % 2:
+            x = np.round(x, 1)   # ties
+        if trial % 3 == 0:
+            x[:, rng.random(vocab) < 0.7] = -np.inf   # a grammar's mask
+            x[:, 0] = 0.0
+        top_k = rng.choice([0, 1, 2, 5, 50, vocab, vocab + 3], size=rows).astype(np.int32)
+        top_p = rng.choice([1.0, 0.95, 0.5, 0.1, 1e-3], size=rows).astype(np.float32)
+        got = np.asarray(_top_k_top_p_threshold(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p)))[:, 0]
+        for i in range(rows):
+            want, close = threshold_oracle(x[i], int(top_k[i]), float(top_p[i]))
+            ambiguous += close
+            checked += not close
+            assert close or got[i] == want, (trial, i, top_k[i], top_p[i], got[i], want)
+    assert checked > 360 and ambiguous < 8
+    no_filter = _top_k_top_p_threshold(jnp.zeros((2, 5)), jnp.array([0, 9]), jnp.array([1.0, 1.0]))
+    assert np.all(np.asarray(no_filter) == -np.inf)   # the select does not run
 
 
 def test_temperature_sampling_follows_softmax_over_temperature():

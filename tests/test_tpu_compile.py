@@ -149,16 +149,17 @@ def assert_serves(report: check.Report, what: str):
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
 def test_embedded_model_default_config_compiles(generation):
-    """configs/tiny-cpu.yaml's largest and smallest decode steps, largest prefill step and page
-    copy (bf16 and the Pallas kernels, as on a TPU), with the pool the runner would size from one
-    chip's HBM, head_dim 32 stored in 128 lanes. All 17 step shapes and the sampler: `jaxserve
-    check` (before the lane padding each step had 24-48 whole-pool copies and did not fit; the
-    sampler compiles ~30x slower than a step)."""
+    """configs/tiny-cpu.yaml's largest and smallest decode steps, largest prefill step, the
+    sampler variants of their logit rows and the page copy (bf16 and the Pallas kernels, as on a
+    TPU), with the pool the runner would size from one chip's HBM, head_dim 32 stored in 128
+    lanes. All 17 step shapes: `jaxserve check` (before the lane padding each step had 24-48
+    whole-pool copies and did not fit)."""
     ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "tiny-cpu.yaml"))
     shapes = check.quick_shapes(Buckets(ecfg).warmup_shapes(False))
     report = check.check(ecfg, ModelConfig.from_pretrained(TINY), check.tpu_slice(f"{generation}-1"),
-                         model_name="tiny", dtype=jnp.bfloat16, shapes=shapes, samplers=False)
-    assert len(report.results) == 3 + 1   # the steps, the page copy
+                         model_name="tiny", dtype=jnp.bfloat16, shapes=shapes)
+    rows = {s.logit_rows for s in shapes}
+    assert len(rows) == 2 and len(report.results) == 3 + 4 * len(rows) + 1   # steps, 4 samplers a row count, page copy
     assert_serves(report, f"tiny on {generation}-1")
 
 

@@ -1,0 +1,137 @@
+"""The sampler's top-k / top-p threshold: a radix select (jaxserve/sampling.py) against the
+full-vocabulary sort it replaced (kept here as the baseline), in one process.
+
+  * compile seconds of every sampler variant warm-up builds (plain, penalties+bias, mask, all
+    three) for real chips, no chip attached: XLA:TPU on a compile-only v6e device (libtpu),
+    and XLA:GPU + ptxas on a compile-only H100 (the jax-cuda12-plugin and an H100 target
+    description, tests/data/h100_sxm.txtpb), as `jaxserve check` compiles them;
+  * run time on this machine's CPU of a batch that takes the filter path (temperature 0.8,
+    top_p 0.9, top_k 50 on half the rows), the two arms alternating, medians.
+
+    python -m benchmarks.sampler [--vocab 128256] [--rows 8] [--targets v6e,h100,cpu] [--cpu-rows 1,8,64]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import time
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import (RESULTS_DIR, command_line, machine_info, machine_line, markdown_table,
+                               write_keeping_notes)
+from jaxserve import parallel, sampling
+from jaxserve.config import SamplingParams
+from jaxserve.step import sampler_args, serving_sample
+
+H100_TARGET = pathlib.Path(__file__).parent.parent / "tests" / "data" / "h100_sxm.txtpb"
+SELECT = sampling._top_k_top_p_threshold
+
+
+def sort_threshold(scaled, top_k, top_p):
+    """The threshold as jaxserve computed it before the radix select: one descending sort of
+    each row over the vocabulary, the top-p mass as a cumulative sum in that order."""
+    rows, vocab = scaled.shape
+    k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+
+    def by_sorting(x):
+        desc = jnp.sort(x, axis=-1, descending=True)
+        in_k = jnp.arange(vocab)[None, :] < k[:, None]
+        probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        n_p = jnp.sum(in_k & (mass_before < top_p[:, None]), axis=-1)
+        n = jnp.maximum(jnp.where(top_p < 1.0, n_p, k), 1)
+        return jnp.take_along_axis(desc, (n - 1)[:, None], axis=-1)
+
+    return jax.lax.cond(jnp.any(k < vocab) | jnp.any(top_p < 1.0), by_sorting,
+                        lambda x: jnp.full((rows, 1), -jnp.inf, x.dtype), scaled)
+
+
+ARMS = {"sort": sort_threshold, "radix select": SELECT}
+
+
+def use(arm: str) -> None:
+    sampling._top_k_top_p_threshold = ARMS[arm]
+    jax.clear_caches()   # the jitted sampler traced with the other arm
+
+
+def target_devices(target: str):
+    from jax.experimental import topologies
+    if target == "h100":
+        return topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                            target_config=H100_TARGET.read_text()).devices[:1]
+    if target == "cpu":
+        return jax.devices("cpu")[:1]
+    return topologies.get_topology_desc(platform="tpu", topology_name=f"{target}:2x2").devices[:1]
+
+
+def compile_seconds(target: str, rows: int, vocab: int) -> dict[str, list[tuple[str, float]]]:
+    mesh = parallel.make_mesh({"model": 1}, target_devices(target))
+    out = {}
+    for arm in ARMS:
+        use(arm)
+        out[arm] = []
+        for name, (logits, md) in sampler_args([rows], vocab, mesh, 8192):
+            t = time.perf_counter()
+            serving_sample.lower(logits, md, length=rows).compile()
+            out[arm].append((name, time.perf_counter() - t))
+    return out
+
+
+def cpu_run_ms(rows: int, vocab: int, rounds: int) -> dict[str, float]:
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(rows, vocab)).astype(np.float32) * 3)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50 if i % 2 else 0, seed=i) for i in range(rows)]
+    md = sampling.SamplingMetadata.build(params, [[0]] * rows, [[]] * rows, list(range(rows)), rows)
+    calls = {}
+    for arm in ARMS:
+        use(arm)
+        calls[arm] = jax.jit(sampling.sample.__wrapped__).lower(logits, md).compile()
+        calls[arm](logits, md).tokens.block_until_ready()
+    times = {arm: [] for arm in ARMS}
+    for _ in range(rounds):
+        for arm, call in calls.items():
+            t = time.perf_counter()
+            call(logits, md).tokens.block_until_ready()
+            times[arm].append(time.perf_counter() - t)
+    return {arm: statistics.median(ts) * 1e3 for arm, ts in times.items()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vocab", type=int, default=128256)   # Llama 3's
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--targets", default="v6e,h100,cpu")
+    ap.add_argument("--cpu-rows", default="1,8,64")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "sampler_compile.md"))
+    args = ap.parse_args(argv)
+    lines = [f"# Sampler threshold: radix select against sort\n", f"Command: `{command_line('sampler', argv)}`",
+             machine_line(machine_info()) + "\n",
+             f"## Compile seconds, {args.rows} logit rows, vocabulary {args.vocab}\n"]
+    rows = []
+    for target in args.targets.split(","):
+        seconds = compile_seconds(target, args.rows, args.vocab)
+        for (name, sort_s), (_, select_s) in zip(seconds["sort"], seconds["radix select"]):
+            rows.append([target, name, f"{sort_s:.1f}", f"{select_s:.1f}", f"{sort_s / select_s:.1f}x"])
+            print(*rows[-1], flush=True)
+    lines += markdown_table(["target", "variant", "sort s", "radix select s", "ratio"], rows, (2, 3, 4))
+    lines += [f"\n## CPU run time of a filtered batch (ms, median of {args.rounds}, alternating)\n"]
+    rows = []
+    for vocab in sorted({32000, args.vocab}):
+        for r in map(int, args.cpu_rows.split(",")):
+            ms = cpu_run_ms(r, vocab, args.rounds)
+            rows.append([vocab, r, f"{ms['sort']:.2f}", f"{ms['radix select']:.2f}", f"{ms['sort'] / ms['radix select']:.2f}x"])
+            print(*rows[-1], flush=True)
+    lines += markdown_table(["vocab", "rows", "sort ms", "radix select ms", "ratio"], rows, (0, 1, 2, 3, 4))
+    write_keeping_notes(args.out, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
