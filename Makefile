@@ -26,7 +26,7 @@ serve: $(STAMP)
 	$(BIN)/jaxserve serve
 
 test: $(COMPILERS_STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
