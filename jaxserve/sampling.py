@@ -230,14 +230,15 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
             - md.presence_penalty[:, None] * (counts > 0))
 
 
-def _sort_keys(x: jax.Array) -> jax.Array:
+def _ordered_keys(x: jax.Array) -> jax.Array:
     """uint32 keys in the order of the f32 values (negative floats: the bits below the sign
     flipped; then the sign bit flipped, so that unsigned order is float order)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def _from_sort_keys(keys: jax.Array) -> jax.Array:
+def _from_ordered_keys(keys: jax.Array) -> jax.Array:
+    """The f32 values of _ordered_keys' keys."""
     return jax.lax.bitcast_convert_type(jnp.where(keys >> 31 == 1, keys & jnp.uint32(0x7FFFFFFF), ~keys), jnp.float32)
 
 
@@ -261,12 +262,13 @@ def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array
     k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
 
     def by_selecting(x):
-        keys = _sort_keys(x)
+        keys = _ordered_keys(x)
         kth = _largest_key_holding(keys, jnp.ones((), jnp.int32), k)
         in_k = keys >= kth[:, None]
         probs = jax.nn.softmax(jnp.where(in_k, x, -jnp.inf), axis=-1)
         nucleus = _largest_key_holding(keys, probs, top_p)
-        return _from_sort_keys(jnp.where(top_p < 1.0, jnp.maximum(nucleus, kth), kth))[:, None]
+        # the maximum: a row's float32 mass may sum to just under a top_p close to 1
+        return _from_ordered_keys(jnp.where(top_p < 1.0, jnp.maximum(nucleus, kth), kth))[:, None]
 
     def keep_all(x):
         return jnp.full((rows, 1), -jnp.inf, x.dtype)
