@@ -178,7 +178,8 @@ def test_top_k_top_p_threshold_matches_the_float64_oracle():
             x[:, 0] = 0.0
         top_k = rng.choice([0, 1, 2, 5, 50, vocab, vocab + 3], size=rows).astype(np.int32)
         top_p = rng.choice([1.0, 0.95, 0.5, 0.1, 1e-3], size=rows).astype(np.float32)
-        got = np.asarray(_top_k_top_p_threshold(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p)))[:, 0]
+        got = np.asarray(_top_k_top_p_threshold(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p)))
+        got = got[:, 0]
         for i in range(rows):
             want, close = threshold_oracle(x[i], int(top_k[i]), float(top_p[i]))
             ambiguous += close
