@@ -154,7 +154,8 @@ def threshold_oracle(x, k, p):
     values = np.unique(x)[::-1]
     kth = np.sort(x)[::-1][min(k, len(x)) - 1] if k > 0 else values[-1]
     kept = x[x >= kth].astype(np.float64)
-    probs = np.exp(kept - kept.max()) / np.exp(kept - kept.max()).sum()
+    probs = np.exp(kept - kept.max())
+    probs /= probs.sum()
     if p >= 1.0:
         return kth, False
     for v in values[values >= kth]:
