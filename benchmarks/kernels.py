@@ -163,6 +163,8 @@ def paged_impls(platform, case, decode_only):
         from pallas_kernels.paged_attention import gpu, tpu
         name, module = {"gpu": ("ours (Mosaic GPU)", gpu), "tpu": ("ours (Mosaic TPU)", tpu)}[platform]
         impls[name] = (functools.partial(module.ragged_paged_attention, **kw), a)
+        if platform == "gpu" and decode_only:   # what splitting the KV gains (the default splits when few programs)
+            impls["ours, no KV split"] = (functools.partial(gpu.ragged_paged_attention, kv_splits=1, **kw), a)
     q, k_pages, v_pages, table, lens, qsl = a
     scaled_q = q * case["sm_scale"]  # JAX's paged kernels do not scale
     heads_major = lambda x: x.transpose(1, 0, 2, 3)  # noqa: E731  [KVH, N, page_size, D]

@@ -80,7 +80,7 @@ def test_flash_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
     assert regs <= 255 and (spills == 0 or head_dim > 128), (regs, spills)
 
 
-PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, soft cap and ALiBi, pool dtype)
+PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, soft cap and ALiBi, pool dtype[, kv_splits])
     "decode-d32": (32, None, 1, 16, 64, False, "bfloat16"),  # 64-byte swizzle
     "decode-d64": (64, None, 1, 16, 64, False, "bfloat16"),
     "mixed-d96": (96, None, 64, 16, 64, False, "bfloat16"),  # 64-byte swizzle, 3 spans a row
@@ -96,12 +96,15 @@ PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, soft c
     "mixed-d128-page128-int8": (128, None, 64, 128, 128, False, "int8"),  # 2 blocks of 64 rows a tile
     "decode-d32-fp8-softcap-alibi": (32, None, 1, 16, 64, True, "float8_e4m3fn"),  # 32-byte swizzle
     "mixed-d128-fp8": (128, None, 64, 16, 64, False, "float8_e4m3fn"),
+    # Split KV (each split's output and log-sum-exp written, then merged by XLA).
+    "decode-d128-split4": (128, None, 1, 16, 64, False, "bfloat16", 4),
+    "decode-d64-window-softcap-alibi-int8-split3": (64, 1024, 1, 16, 64, True, "int8", 3),
 }
 
 
 @pytest.mark.parametrize("name", PAGED)
 def test_paged_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
-    head_dim, window, max_q, page_size, kv_block, score_mods, pool_dtype = PAGED[name]
+    head_dim, window, max_q, page_size, kv_block, score_mods, pool_dtype, *kv_splits = PAGED[name]
     tokens, num_heads, num_kv_heads, num_pages, seqs, pages_per_seq = 125, 32, 8, 512, 64, 64
     pages = spec(h100, (num_pages, num_kv_heads, page_size, head_dim), jnp.dtype(pool_dtype))
     scales = spec(h100, (num_pages, num_kv_heads, 1, page_size), jnp.float32) if pool_dtype != "bfloat16" else None
@@ -110,7 +113,8 @@ def test_paged_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
             spec(h100, (seqs + 1,), jnp.int32), spec(h100, (num_heads,), jnp.float32) if score_mods else None,
             scales]
     kernel = functools.partial(paged_gpu.ragged_paged_attention, max_q=max_q, sm_scale=head_dim ** -0.5,
-                               sliding_window=window, soft_cap=30.0 if score_mods else None, kv_block=kv_block)
+                               sliding_window=window, soft_cap=30.0 if score_mods else None, kv_block=kv_block,
+                               kv_splits=kv_splits[0] if kv_splits else None)
     fn = jax.jit(lambda *a: kernel(*a[:-2], alibi_slopes=a[-2], k_scale=a[-1], v_scale=a[-1]))
     regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
     print(f"paged {name}: {regs} registers, {spills} bytes spilled")

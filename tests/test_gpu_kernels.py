@@ -122,6 +122,20 @@ def test_paged_kernel_reads_quantized_pools_without_races(kv_dtype, config):
     assert not INTERPRET or not gpu_interpret.get_races().races_found
 
 
+# Split KV: decodes whose tiles spread unevenly over the splits (the last ones short or empty:
+# 1 tile among 3 or 4 splits), beside a prefill chunk, under the race detector; with the window
+# some splits hold only tiles that some rows cannot see. None: the default, 2 splits here (5
+# sequences x 2 KV heads are few programs; a page table of 38 pages holds 9 tiles of 64 keys).
+@pytest.mark.parametrize("kv_splits, window", [(3, None), (4, 100), (None, None)])
+def test_paged_kernel_split_kv(kv_splits, window):
+    c = paged_case(3, seqs=[(1, 1), (1, 600), (9, 200), (0, 0), (1, 130)], num_kv_heads=2, group=4, head_dim=64,
+                   page_size=16, dtype=jnp.bfloat16, pad_tokens=2, sliding_window=window)
+    assert paged_gpu.pick_kv_splits(5 * 2, c["page_table"].shape[1] * 16 // 64) == 2
+    gpu_interpret.reset_gpu_interpret_mode_state()
+    run_paged(c, kv_splits=kv_splits)
+    assert not INTERPRET or not gpu_interpret.get_races().races_found
+
+
 def flash_against_reference(seq_len, *, group, head_dim, dtype, block_kv, **opts):
     kq, kk, kv = jax.random.split(jax.random.key(seq_len), 3)
     q = jax.random.normal(kq, (1, seq_len, group, head_dim), dtype)

@@ -15,9 +15,14 @@ without touching a neighbouring sequence's rows. It walks the sequence's KV in t
 each tile is `kv_block / page_size` page copies ([page_size, D] blocks of KV head h in the
 [pages, KVH, page_size, D] layout), double-buffered as in the flash kernel, with an online
 softmax in f32 registers. S = Q @ K^T reads the K tile transposed in SMEM. Decode wastes most of
-the 64 rows (its q_len is 1); it is bound by reading K/V. No split over the KV length: a long
-decode with few sequences fills few SMs. Soft cap and ALiBi: pallas_kernels/scores.py; ALiBi
-slopes arrive one per row (its head's), copied to SMEM with Q.
+the 64 rows (its q_len is 1); it is bound by reading K/V. Soft cap and ALiBi:
+pallas_kernels/scores.py; ALiBi slopes arrive one per row (its head's), copied to SMEM with Q.
+
+Split KV: a decode step of few sequences has few programs (one per sequence and KV head) and
+would leave most SMs idle while each walks a long context alone. With `kv_splits` > 1 the q
+axis of the grid also numbers splits: split c of a program's tiles takes the c-th run of
+ceil(tiles / kv_splits) of them and writes its own output and each row's log-sum-exp, which XLA
+then merges (`_merge_splits`). The default picks splits from the static shapes (`pick_kv_splits`).
 
 Quantized pools (int8, fp8 e4m3; jaxserve/kv_cache.py): the pages' TMA copies land in SMEM in
 their own dtype (double-buffered, half the bytes of a bf16 tile), and each page's per-slot f32
@@ -42,13 +47,16 @@ ROWS = 64  # (token, head in group) rows per program: wgmma's M
 
 
 def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem, k_smem, v_smem, p_smem,
-            o_smem, q_bar, k_bar, v_bar, slope_smem=None, stored_smem=None, scale_smem=None,
-            group, block_q, pages_per_tile, sm_scale, sliding_window, soft_cap, alibi, interpret):
+            o_smem, q_bar, k_bar, v_bar, slope_smem=None, stored_smem=None, scale_smem=None, lse_smem=None,
+            group, block_q, pages_per_tile, kv_splits, sm_scale, sliding_window, soft_cap, alibi, interpret):
     # Inputs after v: [ALiBi slopes [KVH, ROWS]], [K and V scales [N, KVH, 1, lanes]], then the
-    # output. Quantized: stored_smem, scale_smem are the (K, V) pages and scales as copied in.
-    slope_ref, *scale_refs, o_ref = refs if alibi else (None, *refs)
+    # output [splits, KVH, rows, D] (and with splits, each row's log-sum-exp [splits, KVH, rows]).
+    # Quantized: stored_smem, scale_smem are the (K, V) pages and scales as copied in.
+    refs, outs = (refs[:-2], refs[-2:]) if kv_splits > 1 else (refs[:-1], refs[-1:])
+    slope_ref, *scale_refs = refs if alibi else (None, *refs)
     quantized = bool(scale_refs)
-    j, h, s = lax.axis_index("q"), lax.axis_index("kv_heads"), lax.axis_index("seqs")
+    jc, h, s = lax.axis_index("q"), lax.axis_index("kv_heads"), lax.axis_index("seqs")
+    j, split = lax.div(jc, kv_splits), lax.rem(jc, kv_splits)
     page_size, head_dim = k_ref.shape[2], k_ref.shape[3]
     tile = pages_per_tile * page_size
     q_start, q_end = qsl_ref[s], qsl_ref[s + 1]
@@ -62,7 +70,10 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
         tile_lo = 0
         if sliding_window is not None:
             tile_lo = lax.div(jnp.maximum(t0 + offset - sliding_window + 1, 0), tile)
-        count = lax.div(last + offset, tile) + 1 - tile_lo
+        tiles = lax.div(last + offset, tile) + 1 - tile_lo
+        per_split = lax.div(tiles + kv_splits - 1, kv_splits)
+        tile_lo += split * per_split   # this split's run of tiles; the last runs may be short or empty
+        count = jnp.clip(tiles - split * per_split, 0, per_split)
 
         plgpu.copy_gmem_to_smem(q_ref.at[h, _block_rows(t0, s, block_q)], q_smem, q_bar)
         if alibi:
@@ -105,7 +116,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
             plgpu.commit_smem()
             return dst
 
-        fetch(0, 0)
+        pl.when(count > 0)(lambda: fetch(0, 0))
         plgpu.barrier_wait(q_bar)
         shape = (ROWS, tile)
         iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
@@ -137,9 +148,14 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
             pv = wgmma.matmul(p_smem, v_tile, interpret=interpret)
             return wgmma.softmax_accumulate(acc, alpha, pv), m, l
 
-        acc, _, l = lax.fori_loop(0, count, step, wgmma.softmax_start(ROWS, head_dim, interpret=interpret))
+        acc, m, l = lax.fori_loop(0, count, step, wgmma.softmax_start(ROWS, head_dim, interpret=interpret))
+        rows = _block_rows(t0, s, block_q)
+        if kv_splits > 1:   # an empty split (l = 0) gives 0 and a log-sum-exp of -inf: no weight
+            lse_smem[...] = m + jnp.log(l)
+            l = jnp.where(l > 0, l, 1.0)
         wgmma.softmax_finish(acc, l, o_smem)
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[h, _block_rows(t0, s, block_q)])
+        for src, out in zip((o_smem, lse_smem), outs):
+            plgpu.copy_smem_to_gmem(src, out.at[split, h, rows])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -165,11 +181,32 @@ def _blocks(query_start_loc, t, num_seqs, block_q, group):
     return jnp.where(owned, first, num_blocks * ROWS)[:, None] + jnp.arange(group), num_blocks
 
 
+def _merge_splits(out, lse):
+    """out [splits, KVH, rows, D], lse [splits, KVH, rows]: each split's softmax output and
+    log-sum-exp merged into [KVH, rows, D] (rows no split saw come out NaN, and are not read)."""
+    weights = jnp.exp(lse - lse.max(axis=0))
+    weights = weights / weights.sum(axis=0)
+    return (weights[..., None] * out.astype(jnp.float32)).sum(axis=0).astype(out.dtype)
+
+
+# Programs that keep every SM of an H100 / H200 (132) busy: two resident per SM, as a program's
+# SMEM (about 100 KB at head_dim 128) allows.
+BUSY_PROGRAMS = 2 * 132
+MIN_TILES_PER_SPLIT = 4   # a split's tiles amortize its Q copy, output and merge
+
+
+def pick_kv_splits(programs, max_tiles):
+    """KV splits for a grid of `programs` (q blocks x KV heads x sequences) over sequences of at
+    most `max_tiles` KV tiles (the page table's width): enough to fill the GPU, none that would be
+    left with fewer than MIN_TILES_PER_SPLIT tiles of the longest sequence."""
+    return max(1, min(-(-BUSY_PROGRAMS // programs), max_tiles // MIN_TILES_PER_SPLIT))
+
+
 @functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "soft_cap", "kv_block",
-                                             "interpret"))
+                                             "kv_splits", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
                            max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None,
-                           k_scale=None, v_scale=None, kv_block=64, interpret=False):
+                           k_scale=None, v_scale=None, kv_block=64, kv_splits=None, interpret=False):
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len (sets the grid).
     Returns [T, H, D], 0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
@@ -179,6 +216,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     SMEM (module docstring).
 
     kv_block: keys per tile, a multiple of 64 and of page_size (or page_size itself when larger).
+    kv_splits: how many parts each program's KV tiles are split into (module docstring); None:
+    `pick_kv_splits`.
     Needs D a multiple of 16 up to 256 (of 32 for quantized pools: a row of whole 32-byte swizzle
     spans), H / KVH at most 64, 16-bit inputs on a GPU (f32 too when interpreting), page_size a
     multiple of 8 (page copies fill whole 8-row SMEM tiles). interpret=True runs in Mosaic GPU
@@ -196,6 +235,10 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     if q.dtype.itemsize != 2 and not interpret:
         raise ValueError(f"{q.dtype} inputs: wgmma needs float16 / bfloat16 operands")
     block_q, pages_per_tile = ROWS // group, tile // page_size
+    q_blocks_per_seq = pl.cdiv(max_q, block_q)
+    if kv_splits is None:
+        kv_splits = pick_kv_splits(q_blocks_per_seq * num_kv_heads * num_seqs,
+                                   page_table.shape[1] * page_size // tile)
 
     # Q rows (token, head in group) of each KV head in the programs' blocks; page-table columns
     # padded by a tile.
@@ -221,6 +264,10 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         v_bar=plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2))
     if alibi:
         scratch["slope_smem"] = plgpu.SMEM((ROWS,), jnp.float32)  # ALiBi slopes of the rows
+    out_type = jax.ShapeDtypeStruct((kv_splits, *q_blocks.shape), q.dtype)
+    if kv_splits > 1:
+        scratch["lse_smem"] = plgpu.SMEM((ROWS,), jnp.float32)
+        out_type = (out_type, jax.ShapeDtypeStruct(out_type.shape[:-1], jnp.float32))
     scales = ()
     if quantized:
         scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
@@ -229,14 +276,16 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
                        scale_smem=[plgpu.SMEM((2, tile), jnp.float32) for _ in "kv"])
     copies_in_flight = 1 + alibi + 2 * 2 * pages_per_tile  # Q (and slopes), then K and V pages of both slots
     kernel = plgpu.kernel(
-        functools.partial(_kernel, group=group, block_q=block_q, pages_per_tile=pages_per_tile, sm_scale=sm_scale,
-                          sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi, interpret=interpret),
-        out_type=jax.ShapeDtypeStruct(q_blocks.shape, q.dtype),
+        functools.partial(_kernel, group=group, block_q=block_q, pages_per_tile=pages_per_tile, kv_splits=kv_splits,
+                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi,
+                          interpret=interpret),
+        out_type=out_type,
         scratch_types=scratch,
-        grid=(pl.cdiv(max_q, block_q), num_kv_heads, num_seqs),
+        grid=(q_blocks_per_seq * kv_splits, num_kv_heads, num_seqs),
         grid_names=("q", "kv_heads", "seqs"),
         interpret=wgmma.interpret_params(copies_in_flight) if interpret else None,
     )
     out = kernel(query_start_loc, seq_lens, table, q_blocks, k_pages, v_pages, *slopes, *scales)
+    out = _merge_splits(*out) if kv_splits > 1 else out[0]
     out = out.at[:, rows].get(mode="fill", fill_value=0)   # [KVH, t, group, D]
     return out.transpose(1, 0, 2, 3).reshape(t, num_heads, head_dim)
