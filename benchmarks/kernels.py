@@ -163,8 +163,10 @@ def paged_impls(platform, case, decode_only):
         from pallas_kernels.paged_attention import gpu, tpu
         name, module = {"gpu": ("ours (Mosaic GPU)", gpu), "tpu": ("ours (Mosaic TPU)", tpu)}[platform]
         impls[name] = (functools.partial(module.ragged_paged_attention, **kw), a)
-        if platform == "gpu" and decode_only:   # what splitting the KV gains (the default splits when few programs)
+        if platform == "gpu" and decode_only:   # what splitting the KV gains (the default splits when few
+            # programs), and whether tiles of 128 keys (half the per-tile work, one program per SM) beat 64
             impls["ours, no KV split"] = (functools.partial(gpu.ragged_paged_attention, kv_splits=1, **kw), a)
+            impls["ours, kv_block 128"] = (functools.partial(gpu.ragged_paged_attention, kv_block=128, **kw), a)
     q, k_pages, v_pages, table, lens, qsl = a
     scaled_q = q * case["sm_scale"]  # JAX's paged kernels do not scale
     heads_major = lambda x: x.transpose(1, 0, 2, 3)  # noqa: E731  [KVH, N, page_size, D]

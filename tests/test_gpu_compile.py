@@ -98,6 +98,7 @@ PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, soft c
     "mixed-d128-fp8": (128, None, 64, 16, 64, False, "float8_e4m3fn"),
     # Split KV (each split's output and log-sum-exp written, then merged by XLA).
     "decode-d128-split4": (128, None, 1, 16, 64, False, "bfloat16", 4),
+    "decode-d128-kv128": (128, None, 1, 16, 128, False, "bfloat16"),  # 8 page copies a tile
     "decode-d64-window-softcap-alibi-int8-split3": (64, 1024, 1, 16, 64, True, "int8", 3),
 }
 
