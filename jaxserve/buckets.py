@@ -75,10 +75,18 @@ class StepShape(NamedTuple):
                 np.zeros(rows + 1, np.int32), np.zeros(self.logit_rows, np.int32))
 
 
+def min_decode_rows(platform: str) -> int:
+    """The smallest decode bucket. A TPU computes 8 rows as fast as 1 (its sublanes), as a GPU's
+    GEMMs and kernels do, so smaller buckets would only add steps and samplers to compile; a
+    CPU pays for every row."""
+    return 1 if platform == "cpu" else 8
+
+
 class Buckets:
-    def __init__(self, ecfg: EngineConfig, seq_size: int = 1):
+    def __init__(self, ecfg: EngineConfig, seq_size: int = 1, platform: str = "cpu"):
         self.ecfg = ecfg
-        self.decode = powers_of_two(1, ecfg.max_num_seqs, halfway_from=32)
+        self.decode = powers_of_two(min(min_decode_rows(platform), ecfg.max_num_seqs), ecfg.max_num_seqs,
+                                    halfway_from=32)
         self.tokens = powers_of_two(min(16, ecfg.max_num_batched_tokens), ecfg.max_num_batched_tokens,
                                     halfway_from=128)
         self.prefill_rows = powers_of_two(1, ecfg.max_prefill_seqs)
