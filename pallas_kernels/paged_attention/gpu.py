@@ -182,8 +182,8 @@ def _blocks(query_start_loc, t, num_seqs, block_q, group):
 
 
 def _merge_splits(out, lse):
-    """out [splits, KVH, rows, D], lse [splits, KVH, rows]: each split's softmax output and
-    log-sum-exp merged into [KVH, rows, D] (rows no split saw come out NaN, and are not read)."""
+    """out [splits, ..., D], lse [splits, ...]: each split's softmax output and log-sum-exp,
+    merged into one output [..., D]."""
     weights = jnp.exp(lse - lse.max(axis=0))
     weights = weights / weights.sum(axis=0)
     return (weights[..., None] * out.astype(jnp.float32)).sum(axis=0).astype(out.dtype)
@@ -286,6 +286,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         interpret=wgmma.interpret_params(copies_in_flight) if interpret else None,
     )
     out = kernel(query_start_loc, seq_lens, table, q_blocks, k_pages, v_pages, *slopes, *scales)
-    out = _merge_splits(*out) if kv_splits > 1 else out[0]
-    out = out.at[:, rows].get(mode="fill", fill_value=0)   # [KVH, t, group, D]
+    # The tokens' rows, [splits, KVH, t, group, D] (lse without D), merged after the gather: it
+    # drops the rows that hold no token (most of a decode block's) and those no program wrote.
+    gather = lambda x: x.at[:, :, rows].get(mode="fill", fill_value=0)  # noqa: E731
+    out = _merge_splits(*map(gather, out)) if kv_splits > 1 else gather(out)[0]
     return out.transpose(1, 0, 2, 3).reshape(t, num_heads, head_dim)
