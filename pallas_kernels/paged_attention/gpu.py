@@ -199,7 +199,7 @@ def pick_kv_splits(programs, max_tiles):
     """KV splits for a grid of `programs` (q blocks x KV heads x sequences) over sequences of at
     most `max_tiles` KV tiles (the page table's width): enough to fill the GPU, none that would be
     left with fewer than MIN_TILES_PER_SPLIT tiles of the longest sequence."""
-    return max(1, min(-(-BUSY_PROGRAMS // programs), max_tiles // MIN_TILES_PER_SPLIT))
+    return max(1, min(-(-BUSY_PROGRAMS // max(programs, 1)), max_tiles // MIN_TILES_PER_SPLIT))
 
 
 @functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "soft_cap", "kv_block",
