@@ -243,8 +243,11 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     # Q rows (token, head in group) of each KV head in the programs' blocks; page-table columns
     # padded by a tile.
     rows, num_blocks = _blocks(query_start_loc, t, num_seqs, block_q, group)
-    qg = q.reshape(t, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)   # [KVH, t, group, D]
-    q_blocks = jnp.zeros((num_kv_heads, num_blocks * ROWS, head_dim), q.dtype).at[:, rows].set(qg, mode="drop")
+    # Gathered, not scattered into zeros: XLA:GPU allocates a scatter's zeros early, so every
+    # layer's blocks would be live at once (17 MiB a layer at 128 sequences).
+    sources = jnp.full(num_blocks * ROWS, t * group).at[rows.ravel()].set(jnp.arange(t * group), mode="drop")
+    qg = q.reshape(t, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(num_kv_heads, t * group, head_dim)
+    q_blocks = qg.at[:, sources].get(mode="fill", fill_value=0)
     table = jnp.pad(page_table, ((0, 0), (0, pages_per_tile)))
 
     alibi = alibi_slopes is not None
