@@ -4,7 +4,7 @@ full-vocabulary sort it replaced (kept here as the baseline), in one process.
   * compile seconds of every sampler variant warm-up builds (plain, penalties+bias, mask, all
     three) for real chips, no chip attached: XLA:TPU on a compile-only v6e device (libtpu),
     and XLA:GPU + ptxas on a compile-only H100 (the jax-cuda12-plugin and an H100 target
-    description, tests/data/h100_sxm.txtpb), as `jaxserve check` compiles them;
+    description, jaxserve/assets/targets), as `jaxserve check` compiles them;
   * run time on this machine's CPU of a batch that takes the filter path (temperature 0.8,
     top_p 0.9, top_k 50 on half the rows), the two arms alternating, medians.
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
 import time
 
@@ -26,11 +25,11 @@ import numpy as np
 
 from benchmarks.common import (RESULTS_DIR, command_line, machine_info, machine_line, markdown_table,
                                write_keeping_notes)
-from jaxserve import parallel, sampling
+from jaxserve import check, parallel, sampling
 from jaxserve.config import SamplingParams
 from jaxserve.step import sampler_args, serving_sample
 
-H100_TARGET = pathlib.Path(__file__).parent.parent / "tests" / "data" / "h100_sxm.txtpb"
+
 SELECT = sampling._top_k_top_p_threshold
 
 
@@ -62,13 +61,9 @@ def use(arm: str) -> None:
 
 
 def target_devices(target: str):
-    from jax.experimental import topologies
-    if target == "h100":
-        return topologies.get_topology_desc(platform="cuda", topology="1x1x1",
-                                            target_config=H100_TARGET.read_text()).devices[:1]
     if target == "cpu":
         return jax.devices("cpu")[:1]
-    return topologies.get_topology_desc(platform="tpu", topology_name=f"{target}:2x2").devices[:1]
+    return check.target_slice(target if target == "h100" else f"{target}-1").devices[:1]
 
 
 def compile_seconds(target: str, rows: int, vocab: int) -> dict[str, list[tuple[str, float]]]:

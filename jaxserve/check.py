@@ -1,11 +1,13 @@
-"""`jaxserve check`: will this engine config serve on that TPU slice? Answered on any machine
-with libtpu installed (`pip install jaxserve[tpu]`), no TPU and no weights needed.
+"""`jaxserve check`: will this engine config serve on that TPU slice, or on those H100s? Answered
+on any machine with the compilers installed (libtpu: `pip install jaxserve[tpu]`; for GPUs the CUDA
+plugin and ptxas, as the Makefile installs them), no TPU, no GPU and no weights needed.
 
 The model is built from its config.json alone (ShapeDtypeStructs for the weights and KV pools,
 sharded as parallel.py shards them) on compile-only devices of the slice
-(`jax.experimental.topologies`). Every computation warm-up would compile (the step for every
-bucket, the sampler, the page copy, sequence-parallel prefills) goes through XLA:TPU and
-Mosaic. Per chip it reports the weights, the KV pool the runner would size, the step
+(`jax.experimental.topologies`; GPUs from the H100 SXM target description in assets/targets).
+Every computation warm-up would compile (the step for every bucket, the sampler, the page copy,
+sequence-parallel prefills) goes through XLA:TPU and Mosaic TPU, or XLA:GPU, Mosaic GPU and
+ptxas. Per chip it reports the weights, the KV pool the runner would size, the step
 temporaries, whether that fits in HBM, and what each step costs (step_cost.py).
 Exit status 1 when it does not fit or does not compile.
 """
@@ -16,6 +18,7 @@ import dataclasses
 import logging
 import math
 import os
+import pathlib
 import re
 import time
 from typing import NamedTuple
@@ -44,6 +47,7 @@ _TOPOLOGY_2D = {1: "2x2", 2: "2x2", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64
 _TOPOLOGY_3D = {1: "2x2x1", 2: "2x2x1", 4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}
 # Cloud TPU names count TensorCores for v5p (two per chip: v5p-8 is 4 chips), chips for v5e and v6e.
 _CORES_PER_CHIP = {"v5p": 2, "v5e": 1, "v6e": 1}
+H100_TARGET = pathlib.Path(__file__).parent / "assets" / "targets" / "h100_sxm.txtpb"
 
 
 class Slice(NamedTuple):
@@ -67,6 +71,27 @@ def tpu_slice(name: str) -> Slice:
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name=f"{generation}:{shapes[chips]}")
     return Slice(name, generation, chips, list(topology.devices[:chips]), int(sizing.TPU_HBM_GIB[generation] * GiB))
+
+
+def gpu_slice(name: str) -> Slice:
+    """h100 or h100-N (N GPUs of one host, 1 to 8). A GPU's usable memory is what JAX's client
+    takes of the card: XLA_PYTHON_CLIENT_MEM_FRACTION of it (0.75 unless set), as the runner
+    sees it in `bytes_limit`."""
+    m = re.fullmatch(r"h100(?:-(\d+))?", name)
+    gpus = int(m.group(1) or 1) if m else 0
+    if not 1 <= gpus <= 8:
+        raise ValueError(f"unknown GPU topology {name!r}: expected h100 or h100-N, N up to 8")
+    from jax.experimental import topologies
+
+    target = H100_TARGET.read_text()
+    topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{gpus}", target_config=target)
+    card = int(re.search(r"device_memory_size: (\d+)", target).group(1))
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
+    return Slice(name, "h100", gpus, list(topology.devices), int(card * fraction))
+
+
+def target_slice(name: str) -> Slice:
+    return gpu_slice(name) if name.startswith("h100") else tpu_slice(name)
 
 
 class Compiled(NamedTuple):
@@ -128,25 +153,25 @@ def quick_shapes(shapes: list[StepShape]) -> list[StepShape]:
     return [decode[-1], decode[0]] + [s for s in shapes if s.prefill_rows][-1:]
 
 
-def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, dtype=jnp.bfloat16,
+def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: str, dtype=jnp.bfloat16,
           backend: str | None = None, shapes: list[StepShape] | None = None, samplers: bool = True) -> Report:
-    """Size the KV pool as the runner would on `tpu` and compile what warm-up compiles (or, for
+    """Size the KV pool as the runner would on `target` and compile what warm-up compiles (or, for
     a quicker look, only `shapes` of the step and, with `samplers`, the sampler variants of
     their logit rows)."""
     sizes = {"data": 1, "seq": 1, "model": 1, **ecfg.mesh}
-    if np.prod(list(sizes.values())) > tpu.chips:
-        raise ValueError(f"mesh {sizes} needs more than the {tpu.chips} chips of {tpu.name}")
+    if np.prod(list(sizes.values())) > target.chips:
+        raise ValueError(f"mesh {sizes} needs more than the {target.chips} chips of {target.name}")
     # Data-parallel replicas are independent engines: one replica's mesh is the one to check.
-    mesh = parallel.make_mesh({**sizes, "data": 1}, tpu.devices[:sizes["seq"] * sizes["model"]])
-    model_axis = mesh.shape["model"]
+    mesh = parallel.make_mesh({**sizes, "data": 1}, target.devices[:sizes["seq"] * sizes["model"]])
+    model_axis, tpu = mesh.shape["model"], parallel.platform(mesh) == "tpu"
     weight_bytes = sizing.weight_bytes_per_chip(cfg, dtype, model_axis, ecfg.quantization, ecfg.quantize_lm_head)
     try:
         num_pages = ecfg.num_pages or sizing.kv_pool_pages(cfg, ecfg, dtype, model_axis=model_axis,
-                                                           hbm_bytes=tpu.hbm_bytes, used_bytes=weight_bytes,
-                                                           tpu=True, chip=tpu.generation, name=model_name)
+                                                           hbm_bytes=target.hbm_bytes, used_bytes=weight_bytes,
+                                                           tpu=tpu, chip=target.generation, name=model_name)
     except sizing.PoolDoesNotFit as e:
-        return Report(weight_bytes, 0, 0, tpu.hbm_bytes, [], str(e))
-    page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=True, kv_cache_dtype=ecfg.kv_cache_dtype)
+        return Report(weight_bytes, 0, 0, target.hbm_bytes, [], str(e))
+    page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=tpu, kv_cache_dtype=ecfg.kv_cache_dtype)
 
     unsharded = param_shapes(cfg, dtype, ecfg.quantization, ecfg.quantize_lm_head)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -157,7 +182,7 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
     backend = resolve_backend(backend or ecfg.attention_backend, parallel.platform(mesh))
     step = make_step(model, cfg, mesh, backend)
     max_pages = sizing.pages_per_seq(cfg, ecfg)
-    buckets = Buckets(ecfg, mesh.shape["seq"])
+    buckets = Buckets(ecfg, mesh.shape["seq"], parallel.platform(mesh))
     shapes = shapes or buckets.warmup_shapes(mesh.shape["seq"] > 1)
 
     last_sampled = last_sampled_spec(mesh, buckets.max_logit_rows)
@@ -174,7 +199,7 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, tpu: Slice, *, model_name: str, 
     work.append(("page-copy", lambda: KVCache.copy_pages.lower(kv, src, dst)))
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as executor:   # XLA compiles without the GIL
         results = list(executor.map(lambda w: _compile(*w, pool_bytes), work))
-    return Report(weight_bytes, num_pages, num_pages * page_bytes, tpu.hbm_bytes, results, None)
+    return Report(weight_bytes, num_pages, num_pages * page_bytes, target.hbm_bytes, results, None)
 
 
 def format_report(report: Report, header: str) -> str:
@@ -198,8 +223,8 @@ def format_report(report: Report, header: str) -> str:
         if r.error:
             lines.append(f"  {r.name:30} DOES NOT COMPILE: {r.error}")
         else:
-            lines.append(f"  {r.name:30} {r.temp_bytes / MiB:8.1f} MiB {r.whole_pool_copies:18d} "
-                         f"{r.heaviest_loop_cycles:12,d} cycles {r.seconds:7.1f}s")
+            cycles = f"{r.heaviest_loop_cycles:12,d} cycles" if r.heaviest_loop_cycles else f"{'-':>19}"  # TPU only
+            lines.append(f"  {r.name:30} {r.temp_bytes / MiB:8.1f} MiB {r.whole_pool_copies:18d} {cycles} {r.seconds:7.1f}s")
     ok = report.fits and report.compiles
     lines.append("OK: compiles and fits" if ok else
                  "FAILED: " + ", ".join(w for w, bad in (("does not compile", not report.compiles),
@@ -219,16 +244,17 @@ def run(config: str, topology: str, model: str | None = None, backend: str | Non
     # a checkpoint stored quantized is served so, as the engine does
     ecfg = dataclasses.replace(ecfg, quantization=ecfg.quantization or saved_quantization(ecfg.model),
                                quantize_lm_head=ecfg.quantize_lm_head or saved_lm_head(ecfg.model))
-    dtype = jnp.float32 if ecfg.dtype == "float32" else jnp.bfloat16   # auto: bf16 on TPU
-    tpu = tpu_slice(topology)
+    dtype = jnp.float32 if ecfg.dtype == "float32" else jnp.bfloat16   # auto: bf16 on TPU and GPU
+    target = target_slice(topology)
     name = os.path.basename(os.path.normpath(ecfg.model))
-    shapes = quick_shapes(Buckets(ecfg, ecfg.mesh.get("seq", 1)).warmup_shapes(ecfg.mesh.get("seq", 1) > 1))
-    report = check(ecfg, cfg, tpu, model_name=name, dtype=dtype, backend=backend,
+    seq = ecfg.mesh.get("seq", 1)
+    shapes = quick_shapes(Buckets(ecfg, seq, target.devices[0].platform).warmup_shapes(seq > 1))
+    report = check(ecfg, cfg, target, model_name=name, dtype=dtype, backend=backend,
                    shapes=shapes if quick else None, samplers=not quick)
     weights = jnp.dtype(dtype).name + (f", {ecfg.quantization} weights" if ecfg.quantization else "") + (
         " and LM head" if ecfg.quantize_lm_head else "")
     header = (f"jaxserve check: {name} ({cfg.num_params / 1e9:.2f}B parameters, {weights}) "
-              f"with {config} on {tpu.name} ({tpu.chips} chip(s)), mesh {ecfg.mesh}"
+              f"with {config} on {target.name} ({target.chips} chip(s)), mesh {ecfg.mesh}"
               f"{', quick: 3 step shapes, no sampler' if quick else ''}, per chip:")
     print(format_report(report, header))
     return 0 if report.fits and report.compiles else 1

@@ -1,35 +1,36 @@
 """The GPU kernels through the real CUDA compilers, with no GPU attached.
 
-jax's compile-only CUDA devices (an H100 SXM target description, tests/data/h100_sxm.txtpb) take
+jax's compile-only CUDA devices (an H100 SXM target description, jaxserve/assets/targets) take
 each kernel as `jax.jit` would on an H100: Mosaic GPU to PTX, and ptxas to sm_90a machine code
 inside the executable. What they refuse, an H100 would refuse.
 Needs the jax-cuda12-plugin and nvidia-cuda-nvcc-cu12 (ptxas) wheels, no CUDA driver; JAX must
 run on CPU (tests/conftest.py), or the plugin would look for a GPU."""
 import functools
-import pathlib
+import os
 import re
 
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.experimental import topologies
 from jax.experimental.serialize_executable import serialize
 
+from jaxserve import check, cli
+from jaxserve.buckets import Buckets
+from jaxserve.config import EngineConfig, ModelConfig
 from pallas_kernels.flash_attention import gpu as flash_gpu
 from pallas_kernels.paged_attention import gpu as paged_gpu
+from tests.test_tpu_compile import CI_LAYERS, LLAMA3_8B, ROOT, assert_serves, with_ci_layers
 
-TARGET = pathlib.Path(__file__).parent / "data" / "h100_sxm.txtpb"
 ELF_MAGIC = b"\x7fELF"
 
 
 @pytest.fixture(scope="module")
 def h100():
-    topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
-                                        target_config=TARGET.read_text())
+    device = check.gpu_slice("h100").devices[0]
     # An engine test may have switched on the persistent cache: a hit would skip ptxas.
     cache = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
-    yield jax.sharding.SingleDeviceSharding(topo.devices[0])
+    yield jax.sharding.SingleDeviceSharding(device)
     jax.config.update("jax_enable_compilation_cache", cache)
 
 
@@ -120,3 +121,31 @@ def test_paged_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
     regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
     print(f"paged {name}: {regs} registers, {spills} bytes spilled")
     assert regs <= 255 and spills == 0, (regs, spills)
+
+
+def test_llama3_8b_steps_compile_for_one_h100(monkeypatch):
+    """`jaxserve check` on one H100: configs/llama3-8b-h100.yaml's smallest and largest decode
+    steps and its largest prefill step (CI_LAYERS of the 32 layers, the pool sized for all 32)
+    through XLA:GPU, Mosaic GPU and ptxas: decode-8 has few programs, so its paged kernel splits
+    the KV; the prefill step runs the flash kernel beside the paged one."""
+    splits = []   # each paged kernel call's KV splits, as traced
+    pick = paged_gpu.pick_kv_splits
+    monkeypatch.setattr(paged_gpu, "pick_kv_splits", lambda *a: splits.append(pick(*a)) or splits[-1])
+    ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "llama3-8b-h100.yaml"))
+    h100 = check.gpu_slice("h100")
+    cfg = with_ci_layers(ModelConfig.from_pretrained(LLAMA3_8B), ecfg, h100, 1, "llama3-8b")
+    shapes = check.quick_shapes(Buckets(ecfg, platform="gpu").warmup_shapes(False))
+    assert [s.name for s in shapes] == ["decode-128", "decode-8", "prefill-1024x4q512"]
+    report = check.check(ecfg, cfg, h100, model_name="llama3-8b", dtype=jnp.bfloat16, shapes=shapes, samplers=False)
+    assert_serves(report, f"llama3-8b ({CI_LAYERS} layers) on h100")
+    assert 1 in splits and max(splits) > 1, splits
+
+
+def test_llama3_70b_on_one_h100_is_refused(capsys):
+    """141 GB of bf16 weights beside the 59 GiB JAX takes of an 80 GB card: refused, with the
+    GPU count that fits."""
+    code = cli.main(["check", "--config", os.path.join(ROOT, "configs", "llama3-8b-h100.yaml"),
+                     "--topology", "h100", "--model", os.path.join(ROOT, "configs", "models", "llama3-70b")])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "DOES NOT FIT: llama3-70b bfloat16 needs at least 4 h100 chips: set mesh model: 4" in out, out

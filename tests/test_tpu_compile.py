@@ -175,7 +175,7 @@ def with_ci_layers(full: ModelConfig, ecfg: EngineConfig, tpu: check.Slice, tp: 
     """`full` cut to CI_LAYERS layers, with ecfg's KV pool sized (in place) for all its layers."""
     ecfg.num_pages = sizing.kv_pool_pages(full, ecfg, jnp.bfloat16, model_axis=tp, hbm_bytes=tpu.hbm_bytes,
                                           used_bytes=sizing.weight_bytes_per_chip(full, jnp.bfloat16, tp),
-                                          tpu=True, chip=tpu.generation, name=name)
+                                          tpu=tpu.devices[0].platform == "tpu", chip=tpu.generation, name=name)
     return dataclasses.replace(full, num_layers=CI_LAYERS, sliding_windows=())
 
 
