@@ -48,6 +48,10 @@ _TOPOLOGY_3D = {1: "2x2x1", 2: "2x2x1", 4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32:
 # Cloud TPU names count TensorCores for v5p (two per chip: v5p-8 is 4 chips), chips for v5e and v6e.
 _CORES_PER_CHIP = {"v5p": 2, "v5e": 1, "v6e": 1}
 H100_TARGET = pathlib.Path(__file__).parent / "assets" / "targets" / "h100_sxm.txtpb"
+# Chips whose compiler offloads scatters to their SparseCores (the sampler's penalties do): libtpu
+# 0.0.42's SparseCore code generator crashes the process (SIGSEGV) when another compilation runs
+# beside it (2 threads: most runs), so for these one computation compiles at a time.
+_SPARSECORE = ("v5p", "v6e")
 
 
 class Slice(NamedTuple):
@@ -154,10 +158,11 @@ def quick_shapes(shapes: list[StepShape]) -> list[StepShape]:
 
 
 def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: str, dtype=jnp.bfloat16,
-          backend: str | None = None, shapes: list[StepShape] | None = None, samplers: bool = True) -> Report:
+          backend: str | None = None, shapes: list[StepShape] | None = None, samplers: bool = True,
+          sampler_rows: list[int] | None = None) -> Report:
     """Size the KV pool as the runner would on `target` and compile what warm-up compiles (or, for
     a quicker look, only `shapes` of the step and, with `samplers`, the sampler variants of
-    their logit rows)."""
+    their logit rows, or of `sampler_rows` only)."""
     sizes = {"data": 1, "seq": 1, "model": 1, **ecfg.mesh}
     if np.prod(list(sizes.values())) > target.chips:
         raise ValueError(f"mesh {sizes} needs more than the {target.chips} chips of {target.name}")
@@ -189,7 +194,7 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
     work = [(s.name, lambda s=s: lower_step(step, params, kv, s, max_pages, num_pages * ecfg.page_size, last_sampled))
             for s in shapes]
     if samplers:
-        work += sampler_lowerings([s.logit_rows for s in shapes], cfg.vocab_size, mesh,
+        work += sampler_lowerings(sampler_rows or [s.logit_rows for s in shapes], cfg.vocab_size, mesh,
                                   ecfg.max_model_len or cfg.max_position_embeddings, buckets.max_logit_rows)
     if mesh.shape["seq"] > 1:
         work += [(f"sequence-parallel-prefill-{t}", lambda t=t: sequence_parallel_prefill.lower(
@@ -197,7 +202,8 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
             for t in buckets.tokens]
     src, dst = next(page_copy_batches([(0, 0)], ecfg.max_num_seqs, num_pages))
     work.append(("page-copy", lambda: KVCache.copy_pages.lower(kv, src, dst)))
-    with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as executor:   # XLA compiles without the GIL
+    workers = 1 if target.generation in _SPARSECORE else os.cpu_count()
+    with concurrent.futures.ThreadPoolExecutor(workers) as executor:   # XLA compiles without the GIL
         results = list(executor.map(lambda w: _compile(*w, pool_bytes), work))
     return Report(weight_bytes, num_pages, num_pages * page_bytes, target.hbm_bytes, results, None)
 
