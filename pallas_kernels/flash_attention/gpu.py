@@ -72,8 +72,11 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
         def apply_mask(s):
             q_pos, kv_pos = i * block_q + iota(0), kv_positions()
             kv_seg = layout(kv_seg_smem.at[slot][...], col_layout)
-            ok = mask.visible(q_pos, kv_pos, lax.broadcast_in_dim(q_seg, shape, [0]),
-                              lax.broadcast_in_dim(kv_seg, shape, [1]))
+            # Tiles laid out as S is: without the causal comparison against iota (bidirectional
+            # masks), jax 0.11's layout inference finds none for the broadcasts (H100, 2026-11-27).
+            seg_tiles = [layout(lax.broadcast_in_dim(x, shape, [dim]), plgpu.Layout.WGMMA)
+                         for x, dim in ((q_seg, 0), (kv_seg, 1))]
+            ok = mask.visible(q_pos, kv_pos, *seg_tiles)
             return jnp.where(ok, s, MASK_VALUE)
 
         s = lax.cond(kind_ref[b, i, j] == FULL, lambda s: s, apply_mask, s)
