@@ -50,26 +50,28 @@ def device_info():
     return kind.lower().replace(" ", "-"), kind, None, None
 
 
-def time_ms(fn, *args, iters):
-    """Per-call time of fn(*args) in ms, after one call to compile: the median over 5 rounds of
-    `iters` calls dispatched back to back and waited for once, so that an accelerator's figure is
-    its own work and not the host's wait after each call. Inputs are arguments, not closures, so
-    jit never bakes them into the program as constants."""
-    jax.block_until_ready(fn(*args))
-    rounds = []
-    for _ in range(5):
-        start = time.perf_counter()
-        jax.block_until_ready([fn(*args) for _ in range(iters)])
-        rounds.append((time.perf_counter() - start) / iters)
-    return float(np.median(rounds)) * 1e3
-
-
-def attempt(fn):
-    """Run one timing; a kernel that fails on this chip becomes a row saying why."""
-    try:
-        return fn()
-    except Exception as e:  # noqa: BLE001 - a benchmark row, not control flow
-        return f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
+def time_ms(calls, *, iters, rounds=7):
+    """name -> per-call ms of each fn(*args) in `calls` (name -> (fn, args)), or an error string
+    for one that fails on this chip. Each is called once first (compile). Then, in each of
+    `rounds` rounds, every fn in turn runs `iters` calls dispatched back to back and waited for
+    once (an accelerator's figure is its own work, not the host's wait after each call); a fn's
+    figure is its median round. Taking turns within each round keeps drift (clocks, heat) out of
+    the comparison: timed one after another, two identical kernels measured 0.31 and 0.40 ms on an
+    H100 (2026-11-27). Inputs are arguments, not closures, so jit never bakes them in as constants."""
+    times = {}
+    for name, (fn, args) in calls.items():
+        try:
+            jax.block_until_ready(fn(*args))
+            times[name] = []
+        except Exception as e:  # noqa: BLE001 - a benchmark row, not control flow
+            times[name] = f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
+    for _ in range(rounds):
+        for name, (fn, args) in calls.items():
+            if isinstance(times[name], list):
+                start = time.perf_counter()
+                jax.block_until_ready([fn(*args) for _ in range(iters)])
+                times[name].append((time.perf_counter() - start) / iters)
+    return {n: t if isinstance(t, str) else float(np.median(t)) * 1e3 for n, t in times.items()}
 
 
 # ---------------------------------------------------------------- prefill (flash attention)
@@ -128,9 +130,8 @@ def bench_prefill(platform, seq_lens, heads, dtype, iters, peak_tflops):
         k = jax.random.normal(kk, (1, t, num_kv_heads, head_dim), dtype)
         v = jax.random.normal(kv, (1, t, num_kv_heads, head_dim), dtype)
         flops = 4 * num_heads * head_dim * t * (t + 1) / 2  # QK^T and PV over the causal half
-        for name, (prepare, run) in impls.items():
-            ms = attempt(lambda: time_ms(run, *prepare(q, k, v), iters=iters))
-            rows.append(perf_row(name, f"T={t}", ms, flops=flops, peak_tflops=peak_tflops))
+        times = time_ms({name: (run, prepare(q, k, v)) for name, (prepare, run) in impls.items()}, iters=iters)
+        rows += [perf_row(name, f"T={t}", ms, flops=flops, peak_tflops=peak_tflops) for name, ms in times.items()]
     return rows
 
 
@@ -163,9 +164,12 @@ def paged_impls(platform, case, decode_only):
         from pallas_kernels.paged_attention import gpu, tpu
         name, module = {"gpu": ("ours (Mosaic GPU)", gpu), "tpu": ("ours (Mosaic TPU)", tpu)}[platform]
         impls[name] = (functools.partial(module.ragged_paged_attention, **kw), a)
-        if platform == "gpu" and decode_only:   # what splitting the KV gains (the default splits when few
-            # programs), and whether tiles of 128 keys (half the per-tile work, one program per SM) beat 64
-            impls["ours, no KV split"] = (functools.partial(gpu.ragged_paged_attention, kv_splits=1, **kw), a)
+        if platform == "gpu" and decode_only:   # what splitting the KV gains (where the default splits:
+            # few programs), and whether tiles of 128 keys (half the per-tile work, one program per SM) beat 64
+            _, num_kv_heads, page_size, _ = case["k_pages"].shape
+            seqs, table_width = case["page_table"].shape
+            if gpu.pick_kv_splits(num_kv_heads * seqs, table_width * page_size // max(64, page_size)) > 1:
+                impls["ours, no KV split"] = (functools.partial(gpu.ragged_paged_attention, kv_splits=1, **kw), a)
             impls["ours, kv_block 128"] = (functools.partial(gpu.ragged_paged_attention, kv_block=128, **kw), a)
     q, k_pages, v_pages, table, lens, qsl = a
     scaled_q = q * case["sm_scale"]  # JAX's paged kernels do not scale
@@ -205,8 +209,8 @@ def bench_paged(platform, batches, heads, dtype, iters, peaks):
         visible = sum(ql * c - ql * (ql - 1) / 2 for ql, c in zip(q_lens, ctx_lens))
         impls = paged_impls(platform, case, decode_only=max(q_lens) == 1)
         expected = None
-        for name, (run, inputs) in impls.items():
-            ms = attempt(lambda: time_ms(run, *inputs, iters=iters))
+        for name, ms in time_ms(impls, iters=iters).items():
+            run, inputs = impls[name]
             err = ""
             if name.startswith("ours") and not isinstance(ms, str):
                 if expected is None:
@@ -233,7 +237,7 @@ def bench_write_kv(tokens, pool_pages, page_size, heads, dtype, iters, peak_gbs)
             pools[:] = [write(pools[0], k, v, slots)]
             return pools
 
-        ms = time_ms(step, iters=iters)
+        ms = time_ms({"write": (step, ())}, iters=iters)["write"]
         new_kv = 2 * t * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize  # read once, written once
         rows.append(perf_row("write_kv (XLA scatter)", f"T={t}", ms, bytes_=2 * new_kv,
                              peak_gbs=peak_gbs))
@@ -301,7 +305,8 @@ def main():
         f"# Attention kernels on {kind}", "",
         f"jax {jax.__version__}, {datetime.date.today()}, dtype {jnp.dtype(dtype).name}, "
         f"heads (q, kv, dim) = {heads}, {'--quick' if args.quick else 'full'} run. Peak: {peak}.",
-        f"Per call: median of 5 rounds of {iters} calls dispatched back to back, after compile.",
+        f"Per call: median of 7 rounds of {iters} calls dispatched back to back, after compile; in each "
+        "round the kernels of a shape take turns.",
         "" if accel else "CPU: XLA reference only (the Pallas kernels need a GPU or TPU).", "",
     ]
     for title, measure in (sections[name] for name in args.sections.split(",")):
