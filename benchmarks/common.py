@@ -7,11 +7,14 @@ and the writing of reports (markdown tables, JSON, PNG plots, hand-written notes
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
+import glob
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -241,3 +244,52 @@ def kept_notes(path: str) -> str:
         with open(path) as f:
             text = f.read()
     return text[text.index(NOTES_MARKER):] if NOTES_MARKER in text else NOTES_MARKER + "\n"
+
+
+def gpu_kernel_times(trace_dir: str) -> tuple[collections.Counter, int, list[str]]:
+    """(ns per kernel name, ns the GPU was busy: the union of the kernels' intervals, the names of
+    the GPU planes' lines) over the lines of the GPU's streams."""
+    from jax.profiler import ProfileData
+    data = ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+    totals, intervals, lines = collections.Counter(), [], []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            lines.append(line.name)
+            if not line.name.startswith("Stream"):   # derived lines ("XLA Ops", ...) repeat the kernels
+                continue
+            for e in line.events:
+                totals[re.sub(r"\.\d+", "", e.name)[:90]] += e.duration_ns
+                intervals.append((e.start_ns, e.start_ns + e.duration_ns))
+    busy, end = 0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            busy, end = busy + stop - start, stop
+        elif stop > end:
+            busy, end = busy + stop - end, stop
+    return totals, busy, lines
+
+
+def print_gpu_profile(trace_dir: str, traced: int, wall_s: float, top: int) -> None:
+    totals, busy, lines = gpu_kernel_times(trace_dir)
+    print(f"GPU plane lines: {sorted(set(lines))}")
+    print(f"GPU busy {busy / 1e6 / traced:.2f} ms a step of {1e3 * wall_s / traced:.2f} ms wall (profiler on): "
+          f"{busy / 1e9 / wall_s:.0%}")
+    kernels = sum(totals.values())
+    print("| kernel | ms a step | share |\n|---|---|---|")
+    for name, ns in totals.most_common(top):
+        print(f"| {name} | {ns / 1e6 / traced:.3f} | {ns / max(kernels, 1):.1%} |")
+
+
+def profile_gpu(label: str, fn, *args, calls: int = 5, top: int = 12) -> None:
+    """Trace `calls` calls of fn(*args) (compiled already) and print print_gpu_profile's table."""
+    import jax
+    trace_dir = tempfile.mkdtemp(prefix="jaxserve-trace-")
+    jax.profiler.start_trace(trace_dir)
+    start = time.perf_counter()
+    jax.block_until_ready([fn(*args) for _ in range(calls)])
+    wall = time.perf_counter() - start
+    jax.profiler.stop_trace()
+    print(f"profile: {label}, {calls} calls")
+    print_gpu_profile(trace_dir, calls, wall, top)

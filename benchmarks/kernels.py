@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a script: find benchmarks/
-from benchmarks.common import RESULTS_DIR, markdown_table, write_keeping_notes  # noqa: E402
+from benchmarks.common import RESULTS_DIR, markdown_table, profile_gpu, write_keeping_notes  # noqa: E402
 from jaxserve.kv_cache import LayerKV  # noqa: E402
 from pallas_kernels.flash_attention.reference import causal_attention  # noqa: E402
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_xla  # noqa: E402
@@ -196,9 +196,10 @@ def paged_impls(platform, case, decode_only):
     return impls
 
 
-def bench_paged(platform, batches, heads, dtype, iters, peaks):
+def bench_paged(platform, batches, heads, dtype, iters, peaks, profile=False):
     """batches: (label, q_lens, ctx_lens, page_size). Reports GB/s of the K/V the batch must read
-    (plus q and out) and TFLOP/s of the visible scores; our kernels' max error vs XLA."""
+    (plus q and out) and TFLOP/s of the visible scores; our kernels' max error vs XLA. `profile`
+    (a GPU): also prints the kernels of one of our calls and the share of it the GPU was busy."""
     num_heads, num_kv_heads, head_dim = heads
     itemsize = jnp.dtype(dtype).itemsize
     peak_tflops, peak_gbs = peaks
@@ -217,6 +218,8 @@ def bench_paged(platform, batches, heads, dtype, iters, peaks):
                     ref_run, ref_inputs = impls["xla reference"]
                     expected = ref_run(*ref_inputs).astype(jnp.float32)
                 err = f"{float(jnp.abs(run(*inputs).astype(jnp.float32) - expected).max()):.1e}"
+                if profile and platform == "gpu" and name.startswith(("ours (", "jax paged")):
+                    profile_gpu(f"{name}, {label}", run, *inputs)
             rows.append(perf_row(name, label, ms, bytes_=moved, flops=4 * num_heads * head_dim * visible,
                                  peak_gbs=peak_gbs, peak_tflops=peak_tflops, err=err))
     return rows
@@ -269,6 +272,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke run)")
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--sections", default="prefill,decode,mixed,kv_write", help="which tables, in order")
+    parser.add_argument("--profile", action="store_true", help="a GPU: print the kernels of our decode and mixed calls")
     args = parser.parse_args()
 
     platform = jax.default_backend()
@@ -292,9 +296,9 @@ def main():
         "prefill": ("Prefill: causal flash attention, batch 1",
                     lambda: bench_prefill(platform, seq_lens, heads, dtype, iters, peak_tflops)),
         "decode": ("Decode: ragged paged attention, 1 token per sequence",
-                   lambda: bench_paged(platform, decode, heads, dtype, iters, (peak_tflops, peak_gbs))),
+                   lambda: bench_paged(platform, decode, heads, dtype, iters, (peak_tflops, peak_gbs), args.profile)),
         "mixed": ("Mixed: prefill chunks + decodes in one ragged batch",
-                  lambda: bench_paged(platform, mixed, heads, dtype, iters, (peak_tflops, peak_gbs))),
+                  lambda: bench_paged(platform, mixed, heads, dtype, iters, (peak_tflops, peak_gbs), args.profile)),
         "kv_write": ("KV write: scatter of new K/V into the page pool (bytes: read + write)",
                      lambda: bench_write_kv(tokens, 4096 if args.quick else 65536, 16, heads, dtype, iters,
                                             peak_gbs)),

@@ -7,10 +7,14 @@
 #   hf       a random 1.1B bf16 Llama under transformers generate (static batches)
 #   1b       the engine on it, both backends
 #   int8     the engine on it with int8 weights
+#   profile  where the time goes: the kernels of our paged-attention calls (kernels.py --profile) and
+#            of the 1.1B engine's decode and prefill steps (benchmarks/step_profile.py), and how much
+#            of each the GPU was busy
 # tests and tiny check tokens, not time: they run side by side. The timed stages (kernels, hf, 1b,
-# int8) run alone. At their limits all stages take 14 minutes; one device call runs 10 at most, so
-# give them in two calls, back to back while the machine is warm:
-#   bash benchmarks/on_gpu.sh tests tiny kernels hf 1b;  bash benchmarks/on_gpu.sh int8
+# int8, profile) run alone. At their limits all stages take 16 minutes; one device call runs 10 at
+# most, so give them in two calls, back to back while the machine is warm:
+#   bash benchmarks/on_gpu.sh tests tiny kernels hf 1b;  bash benchmarks/on_gpu.sh int8 profile
+# (2026-11-27, H100: the first call took 527 s.)
 # XLA's GEMM autotuning results go to one cache folder, shared by the stages: the engines of the
 # 1.1B model tune the same matrix products once.
 # `python -m benchmarks.gpu_engine report --out $OUT` renders the engine tables.
@@ -23,7 +27,7 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 PY=${PY:-python3}
-STAGES=" ${*:-tests tiny kernels hf 1b int8} "
+STAGES=" ${*:-tests tiny kernels hf 1b int8 profile} "
 # 30% of the GPU's memory for each JAX process: torch writes the 1.1B model beside the tests.
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 \
   JAX_TRACEBACK_FILTERING=off
@@ -53,7 +57,7 @@ stage() {   # stage NAME SECONDS COMMAND...: if NAME was asked for, run it with 
 transformers.__version__, torch.__version__)'; } >>"$LOG" 2>&1
 
 # The 1.1B model is written by torch while the first stages run.
-if [[ $STAGES == *" hf "* || $STAGES == *" 1b "* || $STAGES == *" int8 "* ]]; then
+if [[ $STAGES == *" hf "* || $STAGES == *" 1b "* || $STAGES == *" int8 "* || $STAGES == *" profile "* ]]; then
   $PY -m benchmarks.gpu_engine build --out "$OUT" >>"$LOG.build" 2>&1 &
 fi
 stage tests 150 $PY -m pytest -q -p no:cacheprovider --maxfail 3 tests/test_gpu_kernels.py \
@@ -65,5 +69,9 @@ stage kernels 100 $PY benchmarks/kernels.py --sections decode,prefill,mixed,kv_w
 stage hf 80 $PY -m benchmarks.gpu_engine hf --model 1b --out "$OUT"
 stage 1b 240 $PY -m benchmarks.gpu_engine jax --model 1b --out "$OUT"
 stage int8 150 $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --quantization int8 --out "$OUT"
+MODEL_1B=/tmp/jaxserve_gpu/llama-1b
+stage profile 240 bash -c "$PY benchmarks/kernels.py --sections decode,mixed --profile --out $OUT/profile &&
+  $PY -m benchmarks.step_profile --model $MODEL_1B --dtype bfloat16 --rows 64 --context 400 &&
+  $PY -m benchmarks.step_profile --model $MODEL_1B --dtype bfloat16 --prefill 2 --context 256"
 grep -E "passed|failed|^\[" "$LOG" | tail -8
 echo "stages:$STAGES in $SECONDS s"

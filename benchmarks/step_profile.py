@@ -1,13 +1,16 @@
-"""Where an engine step's time goes on XLA CPU: the step's median wall time, then XLA's own op
-profile (`--xla_cpu_enable_xprof_traceme`) as self time per op kind, split into ops inside a
-while loop (the XLA attention path's block and row-group loops) and ops outside one.
+"""Where an engine step's time goes: the step's median wall time, then the profiler's view.
+On XLA CPU: XLA's own op profile (`--xla_cpu_enable_xprof_traceme`) as self time per op kind,
+split into ops inside a while loop (the XLA attention path's block and row-group loops) and ops
+outside one; self time is summed over XLA's worker threads, so a multi-threaded dot counts once
+per thread. On a GPU: the kernels on the GPU's streams, time per kernel name, and how much of a
+step the GPU was busy at all (the rest is the host: scheduling, transfers, launches).
 
 Decode: --rows sequences with --context-token prompts, timed once all of them decode.
 Prefill: --prefill rows of --context fresh tokens per step (chunks of 256, 512-token steps).
-Self time is summed over XLA's worker threads, so a multi-threaded dot counts once per thread.
 
   python -m benchmarks.step_profile --model 100m --rows 64 --context 400
   python -m benchmarks.step_profile --model 100m --prefill 2 --context 256
+  python -m benchmarks.step_profile --model /tmp/jaxserve_gpu/llama-1b --dtype bfloat16   # a GPU
 """
 from __future__ import annotations
 
@@ -26,14 +29,14 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import MODEL_NAMES, WORK_DIR, prepare_model  # noqa: E402
+from benchmarks.common import MODEL_NAMES, WORK_DIR, prepare_model, print_gpu_profile  # noqa: E402
 from jaxserve import roofline  # noqa: E402
 from jaxserve.config import EngineConfig, SamplingParams  # noqa: E402
 from jaxserve.engine import LLMEngine  # noqa: E402
 
 
-def engine_for(model_dir: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_model_len=768, page_size=16,
+def engine_for(model_dir: str, dtype: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_dir, dtype=dtype, max_model_len=768, page_size=16,
                                   enable_prefix_caching=False, num_pages=64 * 48, max_num_seqs=64,
                                   max_num_batched_tokens=512, prefill_chunk_size=256))
 
@@ -100,8 +103,9 @@ def main(argv=None) -> None:
     p.add_argument("--traced-steps", type=int, default=5)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--work-dir", default=WORK_DIR)
+    p.add_argument("--dtype", default="float32")
     args = p.parse_args(argv)
-    engine, rng = engine_for(prepare_model(args.model, args.work_dir)), np.random.default_rng(0)
+    engine, rng = engine_for(prepare_model(args.model, args.work_dir), args.dtype), np.random.default_rng(0)
     if args.prefill:   # one untimed round compiles the step; each later step prefills fresh rows
         add_requests(engine, args.prefill, args.context, 1, rng)
         timed_steps(engine, None)
@@ -124,8 +128,12 @@ def main(argv=None) -> None:
           f"{roofline.measure_matmul_flops(2048) / 1e9:.0f} GFLOP/s")
     trace_dir = tempfile.mkdtemp(prefix="jaxserve-trace-")
     jax.profiler.start_trace(trace_dir)
-    traced = len(timed_steps(engine, args.traced_steps))
+    traced_times = timed_steps(engine, args.traced_steps)
     jax.profiler.stop_trace()
+    traced = len(traced_times)
+    if jax.devices()[0].platform == "gpu":
+        print_gpu_profile(trace_dir, traced, sum(traced_times), args.top)
+        return
     totals = op_self_times(trace_dir)
     ops = sum(v for (name, _), v in totals.items() if not name.startswith("ThunkExecutor"))
     print(f"XLA op self time, all worker threads, traced (profiler on): {ops / 1e6 / traced:.1f} ms a step")
