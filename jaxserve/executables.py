@@ -24,6 +24,7 @@ that came from JAX's cache anyway (JAX_COMPILATION_CACHE_DIR set by the user) se
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -47,6 +48,10 @@ KEEP_CONTEXTS = 8
 
 
 _jax_cache_hits = threading.local()   # this thread's hits in JAX's persistent cache
+# XLA:CPU executables load one at a time: two threads deserializing at once segfaulted in CI (jax
+# 0.10.2, 2026-11-27). It costs a warm start of the embedded model ~1 s (2.3 -> 3.4 s for its 39
+# executables on 2 cores); compiles beside a load, and loads on accelerators, still run in parallel.
+_cpu_loading = threading.Lock()
 
 
 def _count_jax_cache_hit(event: str, *args, **kwargs) -> None:
@@ -128,7 +133,8 @@ class Executables:
             self.directory, hashlib.sha256(repr(k).encode()).hexdigest() + ".bin")
         if path is not None and os.path.exists(path):
             try:
-                with open(path, "rb") as f:
+                on_cpu = self.devices[0].platform == "cpu"
+                with open(path, "rb") as f, _cpu_loading if on_cpu else contextlib.nullcontext():
                     return serialize_executable.deserialize_and_load(*pickle.load(f),
                                                                  execution_devices=self.devices), True
             except Exception as e:   # a damaged or foreign file: compile instead
