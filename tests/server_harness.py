@@ -123,7 +123,7 @@ class ServerProcess:
                 seen.append(r.status_code)
                 if r.status_code == 200:
                     return seen
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):   # not listening yet; starting on a busy box
                 pass
             time.sleep(0.25)
         raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
