@@ -246,11 +246,16 @@ def kept_notes(path: str) -> str:
     return text[text.index(NOTES_MARKER):] if NOTES_MARKER in text else NOTES_MARKER + "\n"
 
 
+def load_trace(trace_dir: str):
+    """The jax.profiler.ProfileData of the trace written under trace_dir."""
+    from jax.profiler import ProfileData
+    return ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+
+
 def gpu_kernel_times(trace_dir: str) -> tuple[collections.Counter, int, list[str]]:
     """(ns per kernel name, ns the GPU was busy: the union of the kernels' intervals, the names of
     the GPU planes' lines) over the lines of the GPU's streams."""
-    from jax.profiler import ProfileData
-    data = ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+    data = load_trace(trace_dir)
     totals, intervals, lines = collections.Counter(), [], []
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import re
 import statistics
@@ -29,7 +28,7 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import MODEL_NAMES, WORK_DIR, prepare_model, print_gpu_profile  # noqa: E402
+from benchmarks.common import MODEL_NAMES, WORK_DIR, load_trace, prepare_model, print_gpu_profile  # noqa: E402
 from jaxserve import roofline  # noqa: E402
 from jaxserve.config import EngineConfig, SamplingParams  # noqa: E402
 from jaxserve.engine import LLMEngine  # noqa: E402
@@ -66,8 +65,7 @@ def dot_flops(rows: int, hidden: int, out: int) -> float:
 
 def op_self_times(trace_dir: str) -> collections.Counter:
     """ns of self time per (op kind, inside a while loop) over XLA's CPU worker threads."""
-    from jax.profiler import ProfileData
-    data = ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+    data = load_trace(trace_dir)
     totals = collections.Counter()
     for plane in data.planes:
         for line in plane.lines:
