@@ -86,6 +86,11 @@ def prefill_impls(platform, sm_scale):
         from jax.experimental.pallas.ops.gpu import attention, attention_mgpu
         from pallas_kernels.flash_attention import gpu
         impls["ours (Mosaic GPU)"] = (same, functools.partial(gpu.flash_attention, sm_scale=sm_scale))
+        # Beside the default, the structure before two consumer warpgroups: one warpgroup on 64 q
+        # rows (P in registers now, as in the default); with kv blocks of 64, 2 CTAs share an SM.
+        for label, blocks in (("", dict(block_q=64)), (", block_kv 64", dict(block_q=64, block_kv=64))):
+            impls[f"ours, 1 warpgroup{label}"] = (same, functools.partial(gpu.flash_attention, sm_scale=sm_scale,
+                                                                          **blocks))
         impls["jax mha (Triton)"] = (repeated, lambda q, k, v: attention.mha(
             q, k, v, None, sm_scale=sm_scale, causal=True))
         config = attention_mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2,

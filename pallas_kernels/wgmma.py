@@ -1,6 +1,6 @@
 """What the two Mosaic GPU kernels (flash_attention/gpu.py, paged_attention/gpu.py) share: SMEM
-tiles laid out as wgmma reads them, a matmul of two such tiles, the online softmax over KV tiles,
-and the interpreter settings.
+tiles laid out as wgmma reads them, a matmul of two such tiles, the online softmax over KV tiles
+(P through SMEM, or kept in registers for P @ V), and the interpreter settings.
 
 On CPU the kernels run under Mosaic GPU's own interpreter (`InterpretGPUParams`, private in jax
 0.10 and 0.11), which simulates SMEM, TMA copies, barriers (their phases exactly) and wgmma, here
@@ -54,19 +54,35 @@ def softmax_start(rows, head_dim, *, interpret):
             layout_cast(jnp.zeros((rows,), jnp.float32), row, interpret=interpret))
 
 
-def softmax_weights(scores, m, l, p_smem):
-    """One KV tile of the online softmax: writes the tile's weights to p_smem (the P @ V operand)
-    and returns the new running max, the factor that rescales what was accumulated, the new sum."""
+def online_softmax(scores, m, l):
+    """One KV tile of the online softmax: the tile's weights P (f32), the new running max, the
+    factor that rescales what was accumulated, the new sum."""
     m_new = jnp.maximum(m, scores.max(axis=1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(scores - lax.broadcast_in_dim(m_new, scores.shape, [0]))
+    return p, m_new, alpha, l * alpha + p.sum(axis=1)
+
+
+def softmax_weights(scores, m, l, p_smem):
+    """online_softmax, with P written to p_smem (the P @ V operand); returns (m, alpha, l)."""
+    p, m, alpha, l = online_softmax(scores, m, l)
     p_smem[...] = p.astype(p_smem.dtype)
     plgpu.commit_smem()
-    return m_new, alpha, l * alpha + p.sum(axis=1)
+    return m, alpha, l
 
 
 def softmax_accumulate(acc, alpha, pv):
     return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+
+
+def accumulate_pv(acc, alpha, p, v_smem, *, interpret):
+    """acc * alpha + P @ V. P stays in registers as wgmma's A operand (in V's 16-bit dtype) and
+    the product accumulates into acc in place: no P tile in SMEM, no second f32 [M, N] tile."""
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    p = p.astype(v_smem.dtype)
+    if interpret:
+        return acc + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
+    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_smem))(plgpu.ACC.init(acc))
 
 
 def softmax_finish(acc, l, out_smem):

@@ -63,6 +63,10 @@ FLASH = {  # name: (head_dim, segment ids, flash_attention options; alibi=True: 
     "all-but-alibi-d128": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0)),
     "causal-d256": (256, False, dict(causal=True)),  # block_kv 64: the largest that fits
     "bidirectional-d64": (64, False, dict(causal=False)),
+    # One consumer warpgroup: the structure before two, kept as a knob for side-by-side timing.
+    "causal-d128-1wg": (128, False, dict(causal=True, block_q=64)),
+    "all-features-d128-1wg-kv64": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True,
+                                                   block_q=64, block_kv=64)),
 }
 
 

@@ -142,7 +142,7 @@ def flash_against_reference(seq_len, *, group, head_dim, dtype, block_kv, **opts
     k = jax.random.normal(kk, (1, seq_len, 1, head_dim), dtype)
     v = jax.random.normal(kv, (1, seq_len, 1, head_dim), dtype)
     gpu_interpret.reset_gpu_interpret_mode_state()
-    out = flash_gpu.flash_attention(q, k, v, block_q=64, block_kv=block_kv, interpret=INTERPRET, **opts)
+    out = flash_gpu.flash_attention(q, k, v, block_kv=block_kv, interpret=INTERPRET, **opts)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     ref = causal_attention(f32(q), f32(k), f32(v), sm_scale=head_dim ** -0.5, **opts)
     err = float(jnp.abs(f32(out) - ref).max())
@@ -152,8 +152,9 @@ def flash_against_reference(seq_len, *, group, head_dim, dtype, block_kv, **opts
     assert not INTERPRET or not gpu_interpret.get_races().races_found
 
 
-# A 320-token causal prompt in blocks of 64: the last q block visits 5 kv blocks, so each K/V
-# slot is refilled and its barriers complete 2-3 phases; the window and soft cap keep 3 visits.
+# A 320-token causal prompt, kv blocks of 64: the last q block visits 5 kv blocks (6 compiled,
+# where q blocks default to 128 rows), so each K/V slot is refilled and its barriers complete 2-3
+# phases; the window and soft cap keep 3 visits (5).
 @pytest.mark.parametrize("opts", [dict(causal=True), dict(causal=False),
                                   dict(causal=True, sliding_window=150, soft_cap=20.0)],
                          ids=["causal", "bidirectional", "window-softcap"])
@@ -173,7 +174,7 @@ def test_flash_kernel_head_dim_256():
 def test_flash_smem_budget_matches_mosaic_gpu(head_dim, block_kv):
     q = jax.ShapeDtypeStruct((1, 256, 1, head_dim), jnp.bfloat16)
     fn = jax.jit(lambda q, k, v: flash_gpu.flash_attention(q, k, v, block_kv=block_kv))
-    expected = flash_gpu.smem_bytes(head_dim, jnp.bfloat16, 64, block_kv) <= flash_gpu.SMEM_BUDGET
+    expected = flash_gpu.smem_bytes(head_dim, jnp.bfloat16, block_kv=block_kv) <= flash_gpu.SMEM_BUDGET
     try:
         fn.trace(q, q, q).lower(lowering_platforms=("cuda",))
         lowered = True
@@ -186,8 +187,8 @@ def test_flash_smem_budget_matches_mosaic_gpu(head_dim, block_kv):
 
 
 def test_flash_fits_refuses_head_dims_past_wgmma():
-    q = jax.ShapeDtypeStruct((1, 256, 1, 320), jnp.bfloat16)  # fits shared memory at block_kv 64
+    q = jax.ShapeDtypeStruct((1, 256, 1, 320), jnp.bfloat16)  # fits shared memory: 64 q rows, 64 kv rows
     with pytest.raises(ValueError, match="N must be a multiple of 8 and <= 256"):
-        jax.jit(lambda q: flash_gpu.flash_attention(q, q, q, block_kv=64)).trace(q).lower(
+        jax.jit(lambda q: flash_gpu.flash_attention(q, q, q, block_q=64, block_kv=64)).trace(q).lower(
             lowering_platforms=("cuda",))
     assert not flash_gpu.fits(320, jnp.bfloat16)

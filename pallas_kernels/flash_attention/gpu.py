@@ -7,12 +7,20 @@ Ampere, no ROCm, and on CPU the kernel runs under Mosaic GPU's own interpreter, 
 (pallas_kernels/wgmma.py). Operands must be 16-bit on a GPU: wgmma on f32 (tf32) cannot read the
 row-major V tile. f32 runs in interpret mode only.
 
-One CTA (one warpgroup) per (q block, q head, batch). It reads its visit list from
-`masks.block_schedule` and loops over exactly `count` kv blocks, double-buffering K/V/segment-id
-TMA copies; EMPTY tiles are never copied, FULL tiles skip masking. S = Q @ K^T reads the K tile
-transposed in SMEM; P goes through SMEM before P @ V. GQA: q head h reads kv head h // group
-straight from K/V, which are never repeated. Soft cap and ALiBi (the CTA's head's slope, one
-scalar read): pallas_kernels/scores.py.
+One CTA per (q block, q head, batch); a q block of `block_q` rows (128 by default) is split between
+block_q // 64 consumer warpgroups (Mosaic GPU threads), each owning 64 rows (wgmma's M) and its own
+online softmax. Both read the same K/V tiles in SMEM, so each K/V byte loaded serves 128 q rows,
+and while one warpgroup computes its softmax the other can keep the tensor cores busy. The CTA
+reads its visit list from `masks.block_schedule` (at block_q granularity) and loops over exactly
+`count` kv blocks, double-buffering K/V/segment-id TMA copies; EMPTY tiles are never copied, FULL
+tiles skip masking. Warpgroup 0 issues every copy: the tile of step j + 1 goes to the slot that
+step j - 1 read, once every warpgroup has arrived on that slot's K (or V) release barrier; K is released
+after S and the mask and refilled at the start of the next step, V after P @ V and refilled after
+the next softmax, so that warpgroup 0 seldom waits for the other. S = Q @ K^T reads the K tile
+transposed in SMEM; P stays in registers as the P @ V wgmma's A operand, accumulated into the
+output in place. GQA: q head h reads kv head h // group straight from K/V, which are never
+repeated. Soft cap and ALiBi (the CTA's head's slope, one scalar read): pallas_kernels/scores.py.
+block_q=64 (one warpgroup) is kept as a knob (benchmarks/kernels.py times both).
 """
 import functools
 
@@ -28,29 +36,50 @@ from pallas_kernels.flash_attention.masks import (
 from pallas_kernels.scores import modify_scores
 
 
+WG_ROWS = 64  # q rows per consumer warpgroup: wgmma's M
+BLOCK_Q = 128  # q rows per CTA (2 warpgroups): each K/V tile loaded serves twice the rows of 64
+
+
 def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *refs,
             mask, sm_scale, soft_cap, alibi, group, block_q, block_kv, interpret):
     slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
-    o_ref, q_smem, k_smem, v_smem, p_smem, q_seg_smem, kv_seg_smem, q_bar, k_bar, v_bar = refs
-    i, h, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    o_ref, q_smem, k_smem, v_smem, q_seg_smem, kv_seg_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
+    i, h, b, wg = (lax.axis_index(name) for name in ("q", "heads", "batch", "wg"))
     kvh = h // group
+    rows = i * block_q + wg * WG_ROWS  # this warpgroup's first q row
+    q_smem, q_seg_smem, q_bar = q_smem.at[wg], q_seg_smem.at[wg], q_bar.at[wg]
     layout = functools.partial(wgmma.layout_cast, interpret=interpret)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(i * block_q, block_q), h], q_smem, q_bar)
-    plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(i * block_q, block_q)], q_seg_smem, q_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rows, WG_ROWS), h], q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(rows, WG_ROWS)], q_seg_smem, q_bar)
     count = count_ref[b, i]
 
-    def fetch(j, slot):
+    def fetch_k(j, slot):
         kv = pl.ds(kv_block_ref[b, i, j] * block_kv, block_kv)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kv, kvh], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(seg_ref.at[b, kv], kv_seg_smem.at[slot], k_bar.at[slot])
+
+    def fetch_v(j, slot):
+        kv = pl.ds(kv_block_ref[b, i, j] * block_kv, block_kv)
         plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_smem.at[slot], v_bar.at[slot])
 
-    pl.when(count > 0)(lambda: fetch(0, 0))
+    def refill(j, slot, fetch, free):
+        # Warpgroup 0 issues every K/V copy. Step j + 1's tile goes to the slot that step j - 1
+        # read, once every warpgroup has let go of it (`free` completes when all have arrived).
+        @pl.when((wg == 0) & (j + 1 < count))
+        def _():
+            pl.when(j > 0)(lambda: plgpu.barrier_wait(free.at[1 - slot]))
+            fetch(j + 1, 1 - slot)
+
+    @pl.when((wg == 0) & (count > 0))
+    def _():
+        fetch_k(0, 0)
+        fetch_v(0, 0)
+
     plgpu.barrier_wait(q_bar)
     q_seg = layout(q_seg_smem[...], row_layout)
-    shape = (block_q, block_kv)
+    shape = (WG_ROWS, block_kv)
     iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
                              layout=None if interpret else plgpu.Layout.WGMMA)
     slope = None if slope_ref is None else slope_ref[h]
@@ -58,7 +87,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
     def step(j, carry):
         acc, m, l = carry
         slot = lax.rem(j, 2)
-        pl.when(j + 1 < count)(lambda: fetch(j + 1, 1 - slot))  # the other slot was freed at j - 1
+        refill(j, slot, fetch_k, k_free)
         plgpu.barrier_wait(k_bar.at[slot])
         s = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret) * sm_scale
 
@@ -70,7 +99,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
         s = modify_scores(s, None if slope is None else kv_positions(), soft_cap=soft_cap, slopes=slope)
 
         def apply_mask(s):
-            q_pos, kv_pos = i * block_q + iota(0), kv_positions()
+            q_pos, kv_pos = rows + iota(0), kv_positions()
             kv_seg = layout(kv_seg_smem.at[slot][...], col_layout)
             # Tiles laid out as S is: without the causal comparison against iota (bidirectional
             # masks), jax 0.11's layout inference finds none for the broadcasts (H100, 2026-11-27).
@@ -79,16 +108,28 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
             ok = mask.visible(q_pos, kv_pos, *seg_tiles)
             return jnp.where(ok, s, MASK_VALUE)
 
+        # A tile FULL for the CTA's block is FULL for each warpgroup's rows; a PARTIAL one may
+        # hide all of a warpgroup's rows: MASK_VALUE is finite, so the rescale wipes them out.
         s = lax.cond(kind_ref[b, i, j] == FULL, lambda s: s, apply_mask, s)
-        m, alpha, l = wgmma.softmax_weights(s, m, l, p_smem)
+        plgpu.barrier_arrive(k_free.at[slot])  # done with K and the kv segment ids
+        p, m, alpha, l = wgmma.online_softmax(s, m, l)
+        refill(j, slot, fetch_v, v_free)
         plgpu.barrier_wait(v_bar.at[slot])
-        pv = wgmma.matmul(p_smem, v_smem.at[slot], interpret=interpret)
-        return wgmma.softmax_accumulate(acc, alpha, pv), m, l
+        acc = wgmma.accumulate_pv(acc, alpha, p, v_smem.at[slot], interpret=interpret)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m, l
 
-    start = wgmma.softmax_start(block_q, q_smem.shape[1], interpret=interpret)
+    start = wgmma.softmax_start(WG_ROWS, q_smem.shape[-1], interpret=interpret)
     acc, _, l = lax.fori_loop(0, count, step, start)
     wgmma.softmax_finish(acc, l, q_smem)
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(i * block_q, block_q), h])
+    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(rows, WG_ROWS), h])
+
+    def drain(j, _):  # the last two steps' releases, never awaited by a refill
+        plgpu.barrier_wait(k_free.at[lax.rem(j, 2)])
+        plgpu.barrier_wait(v_free.at[lax.rem(j, 2)])
+
+    # A thread that waits on a barrier must see all its phases (Mosaic GPU's interpreter checks).
+    pl.when(wg == 0)(lambda: lax.fori_loop(jnp.maximum(count - 2, 0), count, drain, None))
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -97,19 +138,19 @@ SMEM_OVERHEAD = 4 * 1024  # barriers, cross-warp reduction scratch, 1 KB alignme
 BLOCK_KV_CHOICES = (128, 64)  # largest first: fewer loop steps; 64 leaves room for head_dim 256
 
 
-def smem_bytes(head_dim, dtype, block_q=64, block_kv=128):
+def smem_bytes(head_dim, dtype, block_q=BLOCK_Q, block_kv=128):
     """Shared memory one CTA allocates (the scratch_types below, plus SMEM_OVERHEAD)."""
-    tiles = block_q * head_dim + 2 * head_dim * block_kv + 2 * block_kv * head_dim + block_q * block_kv
+    tiles = block_q * head_dim + 2 * head_dim * block_kv + 2 * block_kv * head_dim
     return tiles * jnp.dtype(dtype).itemsize + 4 * (block_q + 2 * block_kv) + SMEM_OVERHEAD
 
 
-def pick_block_kv(head_dim, dtype, block_q=64):
+def pick_block_kv(head_dim, dtype, block_q=BLOCK_Q):
     """The largest kv block whose tiles fit in shared memory, or None when none does."""
     return next((bkv for bkv in BLOCK_KV_CHOICES
                  if smem_bytes(head_dim, dtype, block_q, bkv) <= SMEM_BUDGET), None)
 
 
-def fits(head_dim, dtype, block_q=64) -> bool:
+def fits(head_dim, dtype, block_q=BLOCK_Q) -> bool:
     """Whether the kernel takes this head_dim and dtype on a GPU: wgmma shapes (head_dim a
     multiple of 64 and at most 256, P @ V's N), 16-bit operands, and the shared-memory budget.
     When it does not, callers take the XLA path (Mosaic GPU would refuse the kernel)."""
@@ -120,20 +161,28 @@ def fits(head_dim, dtype, block_q=64) -> bool:
 @functools.partial(jax.jit, static_argnames=(
     "causal", "sliding_window", "soft_cap", "sm_scale", "block_q", "block_kv", "interpret"))
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
-                    alibi_slopes=None, sm_scale=None, block_q=64, block_kv=None, interpret=False):
+                    alibi_slopes=None, sm_scale=None, block_q=None, block_kv=None, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
-    alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. Needs D, block_q and block_kv
-    multiples of 64 and 16-bit inputs (f32 too when interpreting); block_kv defaults to the largest that fits in shared memory
-    (see `fits`; Mosaic GPU refuses a kernel over budget). interpret=True runs in Mosaic GPU
-    interpret mode (CPU), with its race detector."""
+    alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. block_q: q rows per CTA, 64 (one
+    consumer warpgroup) or 128 (two, the default on a GPU). Needs D and block_kv multiples of 64
+    and 16-bit inputs (f32 too when interpreting); block_kv defaults to the largest that fits in
+    shared memory (see `fits`; Mosaic GPU refuses a kernel over budget). interpret=True runs in
+    Mosaic GPU interpret mode (CPU), with its race detector, on one warpgroup unless block_q says."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
+    if block_q is None:
+        # Interpreted, each warpgroup is a program of its own on XLA:CPU's threads; on a 2-core
+        # host one warpgroup's program blocked on a barrier while the other's never started, in
+        # about half the runs (jax 0.10.2): one warpgroup unless asked (tests ask, in a subprocess).
+        block_q = WG_ROWS if interpret else BLOCK_Q
     if block_kv is None:
         block_kv = pick_block_kv(d, q.dtype, block_q) or BLOCK_KV_CHOICES[-1]
     if h % kvh:
         raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
-    if d % 64 or block_q % 64 or block_kv % 64:
-        raise ValueError(f"head_dim {d}, block_q {block_q}, block_kv {block_kv}: need multiples of 64")
+    if block_q not in (WG_ROWS, 2 * WG_ROWS):  # a third warpgroup would leave each under 170 registers
+        raise ValueError(f"block_q {block_q}: need 64 or 128")
+    if d % 64 or block_kv % 64:
+        raise ValueError(f"head_dim {d}, block_kv {block_kv}: need multiples of 64")
     if q.dtype.itemsize != 2 and not interpret:
         raise ValueError(f"{q.dtype} inputs: wgmma needs float16 / bfloat16 operands")
     mask = Mask(causal, sliding_window)
@@ -141,26 +190,31 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     q, k, v, seg = pad_to_blocks(q, k, v, segment_ids, block_q, block_kv)
     nq = q.shape[1] // block_q
     sched = block_schedule(mask, seg, block_q, block_kv)
+    warpgroups = block_q // WG_ROWS
 
     smem = wgmma.tiled_smem(q.dtype, d)
     kernel = plgpu.kernel(
         functools.partial(_kernel, mask=mask, sm_scale=sm_scale, soft_cap=soft_cap, alibi=alibi_slopes is not None,
                           group=h // kvh, block_q=block_q, block_kv=block_kv, interpret=interpret),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch_types=[  # what smem_bytes counts
-            smem(block_q, d),               # Q, then the output tile
+        scratch_types=[  # what smem_bytes counts; shared by the warpgroups
+            smem(warpgroups, WG_ROWS, d),   # each warpgroup's Q rows, then its output rows
             smem(2, block_kv, d),           # K, double-buffered
             smem(2, block_kv, d),           # V
-            smem(block_q, block_kv),        # P
-            plgpu.SMEM((block_q,), jnp.int32),
+            plgpu.SMEM((warpgroups, WG_ROWS), jnp.int32),
             plgpu.SMEM((2, block_kv), jnp.int32),
-            plgpu.Barrier(num_arrivals=2),  # Q + its segment ids
+            plgpu.Barrier(num_arrivals=2, num_barriers=warpgroups),  # Q + its segment ids
             plgpu.Barrier(num_arrivals=2, num_barriers=2),  # K + kv segment ids, per slot
             plgpu.Barrier(num_barriers=2),  # V, per slot
+            plgpu.Barrier(num_arrivals=warpgroups, num_barriers=2),  # K slot read by all
+            plgpu.Barrier(num_arrivals=warpgroups, num_barriers=2),  # V slot read by all
         ],
         grid=(nq, h, b),
         grid_names=("q", "heads", "batch"),
-        interpret=wgmma.interpret_params(copies_in_flight=8) if interpret else None,  # Q, 2 x 3
+        num_threads=warpgroups,
+        thread_name="wg",
+        # Q + its segment ids per warpgroup, 2 slots x 3
+        interpret=wgmma.interpret_params(copies_in_flight=2 * warpgroups + 6) if interpret else None,
     )
     slopes = () if alibi_slopes is None else (alibi_slopes.astype(jnp.float32),)
     out = kernel(q, k, v, seg, sched.kv_block, sched.kind, sched.count, *slopes)
