@@ -265,7 +265,7 @@ class LLMEngine:
         results = self.runner.collect(launched)
         live = [s for s in out.scheduled if s.num_sampled and not s.seq.is_finished]
         accepted = {s.seq.seq_id: self._accept(s.seq.proposed_token_ids, results[s.seq.seq_id]) for s in live}
-        before = {s.seq.seq_id: s.seq.output_token_ids.index(PENDING) for s in live}   # outputs before this step
+        before = {s.seq.seq_id: s.seq.num_known_outputs for s in live}   # outputs before this step
         self.scheduler.resolve(out, {k: [r.token for r in v] for k, v in accepted.items()})
         self.stats["steps"] += 1
         now = time.monotonic()

@@ -1,6 +1,7 @@
 """Packing: a scheduled ragged batch as one step's bucketed fixed-shape host arrays."""
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -50,37 +51,45 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
         max_q = dq
     shape = cover(StepShape(t, sd, sp, max_q, dq), ready)
     t, sd, sp, max_q, dq = shape.tokens, shape.decode_rows, shape.prefill_rows, shape.max_q, shape.decode_q
-    p = max_pages_per_seq
     rows: list = prefill + [None] * (sp - len(prefill)) + decode + [None] * (sd - len(decode))
-    tokens = np.zeros(t, np.int32)
-    positions = np.zeros(t, np.int32)
+    # Each row's figures as Python ints, then every array at once (per-row numpy calls cost
+    # more than all the rest of a step's host work).
+    real = [(r, s) for r, s in enumerate(rows) if s is not None]
+    index = np.array([r for r, _ in real], np.int64)
+    starts = np.array([s.seq.num_computed_tokens for _, s in real], np.int64)
+    counts = np.array([s.num_query_tokens for _, s in real], np.int64)
+    sampled = np.array([s.num_sampled for _, s in real], np.int64)
+    queries = [s.query_token_ids for _, s in real]
+    qsl = np.zeros(len(rows) + 1, np.int32)
+    qsl[index + 1] = counts
+    qsl = np.cumsum(qsl, dtype=np.int32)
+    cursors = qsl[index]                        # each row's first token in the step
+    seq_lens = np.zeros(len(rows), np.int32)
+    seq_lens[index] = starts + counts
+    used = -(-(starts + counts) // page_size)   # pages holding each row's context
+    page_table = np.zeros((len(rows), max_pages_per_seq), np.int32)
+    page_table[np.repeat(index, used), _ranges(np.zeros_like(used), used)] = list(
+        itertools.chain.from_iterable(s.seq.page_table[:u] for (_, s), u in zip(real, used.tolist())))
+    num_real = int(qsl[-1])
+    tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
+    tokens[:num_real] = list(itertools.chain.from_iterable(queries))
+    positions[:num_real] = _ranges(starts, counts)
+    pages = page_table[np.repeat(index, counts), positions[:num_real] // page_size]
     slots = np.full(t, num_pages * page_size, np.int32)  # padding: not written
-    page_table = np.zeros((sp + sd, p), np.int32)
-    seq_lens = np.zeros(sp + sd, np.int32)
-    qsl = np.zeros(sp + sd + 1, np.int32)
+    slots[:num_real] = pages * page_size + positions[:num_real] % page_size
+    # A row sampling k tokens: its last k positions, and its sequence k times.
     logits_index = np.zeros(sd * dq, np.int32)  # sampled positions first
-    sampling_seqs, starts, pending = [], [], []
-    cursor = 0
-    for r, s in enumerate(rows):
-        if s is not None:
-            seq, n = s.seq, s.num_query_tokens
-            start = seq.num_computed_tokens
-            pos = np.arange(start, start + n)
-            pages = np.asarray(seq.page_table, np.int32)
-            query = s.query_token_ids
-            tokens[cursor:cursor + n] = query
-            if query[-1] == PENDING:   # sampled by the step still running: only ever the last
-                pending.append((cursor + n - 1, seq))
-            positions[cursor:cursor + n] = pos
-            slots[cursor:cursor + n] = pages[pos // page_size] * page_size + pos % page_size
-            used = -(-(start + n) // page_size)
-            page_table[r, :used] = pages[:used]
-            seq_lens[r] = start + n
-            starts.append((s, cursor))
-            cursor += n
-            for position in range(cursor - s.num_sampled, cursor):
-                logits_index[len(sampling_seqs)] = position
-                sampling_seqs.append(seq)
-        qsl[r + 1] = cursor
+    logits_index[:sampled.sum()] = _ranges(cursors + counts - sampled, sampled)
+    sampling_seqs = [s.seq for _, s in real for _ in range(s.num_sampled)]
+    ends = (cursors + counts - 1).tolist()
+    # A PENDING input (sampled by the step still running) is only ever a row's last token.
+    pending = [(end, s.seq) for (_, s), query, end in zip(real, queries, ends) if query[-1] == PENDING]
+    first_tokens = [(s, c) for (_, s), c in zip(real, cursors.tolist())]
     arrays = (tokens, positions, slots, page_table, seq_lens, qsl, logits_index)
-    return Batch(arrays, sampling_seqs, sp, max_q, dq, prompt_logprobs.pack(starts, t), pending)
+    return Batch(arrays, sampling_seqs, sp, max_q, dq, prompt_logprobs.pack(first_tokens, t), pending)
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """range(starts[i], starts[i] + counts[i]) for every i, concatenated."""
+    offsets = np.cumsum(counts) - counts
+    return np.repeat(starts - offsets, counts) + np.arange(counts.sum())

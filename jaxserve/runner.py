@@ -172,10 +172,12 @@ class ModelRunner:
                                            multihost.local_value(sampled), SampleResult)
                 continue
             res: SampleOutput = jax.device_get(multihost.local_value(sampled))
+            # As Python lists at once: per-row numpy indexing cost more than the rest of a row's collection.
+            tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()
             for i, seq in enumerate(op.seqs):
-                n = seq.sampling.logprobs or 0
-                top = list(zip(res.top_ids[i, :n].tolist(), res.top_logprobs[i, :n].tolist()))
-                results.setdefault(seq.seq_id, []).append(SampleResult(int(res.tokens[i]), float(res.logprobs[i]), top))
+                n = seq.sampling.logprobs
+                top = list(zip(res.top_ids[i, :n].tolist(), res.top_logprobs[i, :n].tolist())) if n else []
+                results.setdefault(seq.seq_id, []).append(SampleResult(tokens[i], logprobs[i], top))
         return results
 
     def _sequence_parallel_op(self, s, seeds: dict[int, int]) -> "_Op":

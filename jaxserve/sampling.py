@@ -173,7 +173,9 @@ def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: in
     outputs, aheads, listed = [], [], collections.Counter()
     for s in seqs:
         aheads.append(s.proposed_token_ids[:listed[s.seq_id]])
-        outputs.append(s.output_token_ids[:-1 if launched else None] + aheads[-1])
+        # (copied only when it differs from the sequence's own list: a per-row cost of every step)
+        outputs.append(s.output_token_ids[:-1 if launched else None] + aheads[-1]
+                       if launched or aheads[-1] else s.output_token_ids)
         listed[s.seq_id] += 1
     return SamplingMetadata.build(
         params, [s.prompt_token_ids for s in seqs], outputs,

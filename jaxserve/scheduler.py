@@ -76,8 +76,12 @@ class ScheduledSeq:
 
     @property
     def query_token_ids(self) -> list[int]:
-        start = self.seq.num_computed_tokens
-        return (self.seq.token_ids + self.seq.proposed_token_ids)[start:start + self.num_query_tokens]
+        """Its tokens from prompt, outputs and proposals, sliced without joining them whole
+        (a per-row cost of every step)."""
+        seq, start = self.seq, self.seq.num_computed_tokens
+        end, p = start + self.num_query_tokens, seq.num_prompt_tokens
+        ids = seq.prompt_token_ids[start:end] + seq.output_token_ids[max(start - p, 0):max(end - p, 0)]
+        return ids + seq.proposed_token_ids[:max(end - seq.num_tokens, 0)]
 
 
 @dataclasses.dataclass
@@ -254,11 +258,12 @@ class Scheduler:
                 tokens = accepted[seq.seq_id]
                 if not 1 <= len(tokens) <= s.num_sampled:
                     raise ValueError(f"{len(tokens)} accepted tokens from a row sampling {s.num_sampled}")
-                i = seq.output_token_ids.index(PENDING)
+                i = seq.num_known_outputs
                 seq.output_token_ids[i:i + 1] = tokens
                 rejected = s.num_sampled - len(tokens)
             if seq.status is SequenceStatus.RUNNING:
-                self.bm.rollback(seq, rejected)
+                if rejected:
+                    self.bm.rollback(seq, rejected)
                 self.bm.cache_full_pages(seq, s.start + s.num_query_tokens - rejected)
 
     # ---- internals ----

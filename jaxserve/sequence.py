@@ -61,6 +61,15 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def num_known_outputs(self) -> int:
+        """Outputs whose values the host has: all but the PENDING ones, which are always the last
+        (one per step in flight), so this looks only at those."""
+        i = len(self.output_token_ids)
+        while i and self.output_token_ids[i - 1] == PENDING:
+            i -= 1
+        return i
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -1,0 +1,137 @@
+"""The host's share of a decode step: how long `engine.step()` takes when the model costs next to
+nothing, so that the planning, packing, launching, collecting and detokenizing of B rows is all
+that is left.
+
+Why: on a GPU the overlapped loop hides the host's work only while the device's step takes longer.
+On an H100 the embedded tiny model's decode step took 3.2 ms at 64 rows and the 1.1B model's
+6.8 ms at 128 (benchmarks/results/engine_h100.md), about what this benchmark measures for the
+host alone on the 2-core dev box: the host, not the GPU, set the pace of those steps.
+
+The model: a seeded random 1-layer Llama (hidden 64, the embedded model's tokenizer and 4,096
+vocabulary) written with save_pretrained. Per batch size B: B requests of 32 random prompt tokens,
+greedy, ignore_eos; once all B decode, `steps` steps are timed (medians): the wall time of
+`engine.step()`, the CPU time of the thread that ran it (the host's own work, without the time
+XLA's threads took from it on a CPU "device"), and the time it waited in `jax.device_get` for the
+device (blocked: near zero here, the host is the bottleneck).
+
+Trees are compared side by side: the driver runs each tree's engine in its own process, in
+alternating order for `rounds` rounds, and keeps each tree's best round per B.
+
+  python -m benchmarks.host_time --trees /tmp/base,. [--rows 16,64,128] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+WORK_DIR = os.path.join("/tmp", "jaxserve-bench", "host-time")
+MICRO = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=32, max_position_embeddings=2048, tie_word_embeddings=True,
+             bos_token_id=1, eos_token_id=2, architectures=["LlamaForCausalLM"])
+
+
+def build_model(out_dir: str) -> None:
+    import shutil
+
+    import torch
+    import transformers as tf
+    from jaxserve.engine import TINY_MODEL_DIR
+
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**MICRO)).save_pretrained(out_dir)
+    for name in os.listdir(TINY_MODEL_DIR):
+        if name.startswith("tokenizer"):
+            shutil.copy(os.path.join(TINY_MODEL_DIR, name), out_dir)
+
+
+def worker(rows: list[int], steps: int) -> dict:
+    """This process's tree (PYTHONPATH): {B: [step ms, blocked ms]}."""
+    import jax
+    import numpy as np
+    from jaxserve.config import EngineConfig, SamplingParams
+    from jaxserve.engine import LLMEngine
+
+    blocked = [0.0]
+    device_get = jax.device_get
+
+    def timed_device_get(x):
+        t = time.perf_counter()
+        jax.block_until_ready(x)
+        blocked[0] += time.perf_counter() - t
+        return device_get(x)
+
+    jax.device_get = timed_device_get
+    model = os.path.join(WORK_DIR, "micro")
+    n = max(rows)
+    engine = LLMEngine(EngineConfig(model=model, max_model_len=512, page_size=16, num_pages=n * 32 + 8,
+                                    max_num_seqs=n, max_num_batched_tokens=1024,
+                                    compilation_cache_dir=os.path.join(WORK_DIR, "cache")))
+    engine.warmup()
+    rng = np.random.default_rng(0)
+    out = {}
+    for b in rows:
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+        ids = [engine.add_request(rng.integers(5, 4000, 32).tolist(), params) for _ in range(b)]
+        while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
+            engine.step()
+        for _ in range(5):
+            engine.step()
+        walls, cpus, waits = [], [], []
+        for _ in range(steps):
+            blocked[0] = 0.0
+            t, c = time.perf_counter(), time.thread_time()
+            engine.step()
+            walls.append(time.perf_counter() - t)
+            cpus.append(time.thread_time() - c)
+            waits.append(blocked[0])
+        for request_id in ids:
+            engine.abort(request_id)
+        while engine.has_unfinished():
+            engine.step()
+        out[b] = [1e3 * statistics.median(x) for x in (walls, cpus, waits)]
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trees", default=".", help="comma-separated jaxserve trees, compared side by side")
+    p.add_argument("--rows", default="16,64,128")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.worker:
+        print("RESULT " + json.dumps(worker(rows, args.steps)))
+        return
+    if not os.path.exists(os.path.join(WORK_DIR, "micro", "model.safetensors")):
+        build_model(os.path.join(WORK_DIR, "micro"))
+    trees = [os.path.abspath(t) for t in args.trees.split(",")]
+    best: dict[str, dict[int, list[float]]] = {t: {} for t in trees}
+    for r in range(args.rounds):
+        for tree in trees if r % 2 == 0 else trees[::-1]:
+            env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+            run = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--rows", args.rows,
+                                  "--steps", str(args.steps)], env=env, capture_output=True, text=True, check=True)
+            result = json.loads(run.stdout.split("RESULT ", 1)[1])
+            print(f"round {r + 1} {tree}: " + ", ".join(f"B={b} {w:.2f} ms (host thread {c:.2f}, blocked {k:.2f})"
+                                                        for b, (w, c, k) in result.items()), flush=True)
+            for b, figures in result.items():
+                if int(b) not in best[tree] or figures[0] < best[tree][int(b)][0]:
+                    best[tree][int(b)] = figures
+    print("\n| B | " + " | ".join(f"{t}: step ms (host thread CPU ms, blocked ms)" for t in trees)
+          + " | step ratio | host CPU ratio |")
+    print("|---|" + "---|" * (len(trees) + 2))
+    for b in rows:
+        first, last = best[trees[0]][b], best[trees[-1]][b]
+        cells = [f"{w:.2f} ({c:.2f}, {k:.2f})" for w, c, k in (best[t][b] for t in trees)]
+        print(f"| {b} | " + " | ".join(cells) + f" | {first[0] / last[0]:.2f}x | {first[1] / last[1]:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
