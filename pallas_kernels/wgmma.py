@@ -1,6 +1,6 @@
 """What the two Mosaic GPU kernels (flash_attention/gpu.py, paged_attention/gpu.py) share: SMEM
 tiles laid out as wgmma reads them, a matmul of two such tiles, the online softmax over KV tiles
-(P through SMEM, or kept in registers for P @ V), and the interpreter settings.
+(P kept in registers as the P @ V wgmma's A operand), and the interpreter settings.
 
 On CPU the kernels run under Mosaic GPU's own interpreter (`InterpretGPUParams`, private in jax
 0.10 and 0.11), which simulates SMEM, TMA copies, barriers (their phases exactly) and wgmma, here
@@ -61,18 +61,6 @@ def online_softmax(scores, m, l):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(scores - lax.broadcast_in_dim(m_new, scores.shape, [0]))
     return p, m_new, alpha, l * alpha + p.sum(axis=1)
-
-
-def softmax_weights(scores, m, l, p_smem):
-    """online_softmax, with P written to p_smem (the P @ V operand); returns (m, alpha, l)."""
-    p, m, alpha, l = online_softmax(scores, m, l)
-    p_smem[...] = p.astype(p_smem.dtype)
-    plgpu.commit_smem()
-    return m, alpha, l
-
-
-def softmax_accumulate(acc, alpha, pv):
-    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
 
 
 def accumulate_pv(acc, alpha, p, v_smem, *, interpret):

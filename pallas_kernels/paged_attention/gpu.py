@@ -14,7 +14,8 @@ without touching a neighbouring sequence's rows. It walks the sequence's KV in t
 `kv_block` keys, from the first tile its rows can see (sliding window) to the last (causal):
 each tile is `kv_block / page_size` page copies ([page_size, D] blocks of KV head h in the
 [pages, KVH, page_size, D] layout), double-buffered as in the flash kernel, with an online
-softmax in f32 registers. S = Q @ K^T reads the K tile transposed in SMEM. Decode wastes most of
+softmax in f32 registers. S = Q @ K^T reads the K tile transposed in SMEM; P stays in registers
+as the P @ V wgmma's A operand, accumulated into the output in place. Decode wastes most of
 the 64 rows (its q_len is 1); it is bound by reading K/V. Soft cap and ALiBi:
 pallas_kernels/scores.py; ALiBi slopes arrive one per row (its head's), copied to SMEM with Q.
 
@@ -46,8 +47,8 @@ MASK_VALUE = wgmma.MASK_VALUE
 ROWS = 64  # (token, head in group) rows per program: wgmma's M
 
 
-def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem, k_smem, v_smem, p_smem,
-            o_smem, q_bar, k_bar, v_bar, slope_smem=None, stored_smem=None, scale_smem=None, lse_smem=None,
+def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem, k_smem, v_smem, o_smem,
+            q_bar, k_bar, v_bar, slope_smem=None, stored_smem=None, scale_smem=None, lse_smem=None,
             group, block_q, pages_per_tile, kv_splits, sm_scale, sliding_window, soft_cap, alibi, interpret):
     # Inputs after v: [ALiBi slopes [KVH, ROWS]], [K and V scales [N, KVH, 1, lanes]], then the
     # output [splits, KVH, rows, D] (and with splits, each row's log-sum-exp [splits, KVH, rows]).
@@ -98,9 +99,14 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
             return tile_ref[...] if interpret else plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA)
 
         def zero_rows_from(tile_ref, n):
-            x = load(tile_ref)
-            rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=None if interpret else plgpu.Layout.WGMMA)
-            tile_ref[...] = jnp.where(rows < n, x, jnp.zeros_like(x))
+            # 64 rows at a time: a whole 128-key tile in registers beside P and the output
+            # accumulator spilled (tests/test_gpu_compile.py).
+            for r in range(0, tile, ROWS):
+                block = tile_ref.at[pl.ds(r, ROWS)]
+                x = load(block)
+                rows = r + plgpu.broadcasted_iota(jnp.int32, x.shape, 0,
+                                                  layout=None if interpret else plgpu.Layout.WGMMA)
+                block[...] = jnp.where(rows < n, x, jnp.zeros_like(x))
             plgpu.commit_smem()
 
         def operand(kv, slot):
@@ -138,15 +144,14 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
             visible = kv_pos <= q_pos
             if sliding_window is not None:
                 visible &= kv_pos > q_pos - sliding_window
-            m, alpha, l = wgmma.softmax_weights(jnp.where(visible, scores, MASK_VALUE), m, l, p_smem)
+            p, m, alpha, l = wgmma.online_softmax(jnp.where(visible, scores, MASK_VALUE), m, l)
             plgpu.barrier_wait(v_bar.at[slot])
             v_tile = operand(1, slot)
             # The last tile's slots past the sequence's length hold stale (maybe inf or NaN)
             # data, which a zero weight does not cancel: zero them in V.
             kv0 = (tile_lo + c) * tile
             pl.when(kv0 + tile > seq_lens_ref[s])(lambda: zero_rows_from(v_tile, seq_lens_ref[s] - kv0))
-            pv = wgmma.matmul(p_smem, v_tile, interpret=interpret)
-            return wgmma.softmax_accumulate(acc, alpha, pv), m, l
+            return wgmma.accumulate_pv(acc, alpha, p, v_tile, interpret=interpret), m, l
 
         acc, m, l = lax.fori_loop(0, count, step, wgmma.softmax_start(ROWS, head_dim, interpret=interpret))
         rows = _block_rows(t0, s, block_q)
@@ -260,7 +265,6 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     operand_tile = (tile, head_dim) if quantized else (2, tile, head_dim)
     scratch = dict(
         q_smem=smem(ROWS, head_dim), k_smem=smem(*operand_tile), v_smem=smem(*operand_tile),
-        p_smem=smem(ROWS, tile),
         o_smem=plgpu.SMEM((ROWS, head_dim), q.dtype),  # output, untiled
         q_bar=plgpu.Barrier(num_arrivals=1 + alibi),  # Q (and slopes)
         k_bar=plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2),  # K pages, per slot
