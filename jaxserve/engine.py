@@ -380,7 +380,7 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             hold = 0
         else:
-            hold = max(map(len, p.stop), default=1) - 1  # a stop string may still be completing
+            hold = max(map(len, p.stop)) - 1 if p.stop else 0  # a stop string may still be completing
         end = max(req.emitted[i], len(req.texts[i]) - hold)
         text = req.texts[i][req.emitted[i]:end]
         req.emitted[i] = end
