@@ -148,11 +148,13 @@ class BlockManager:
         """Make seq's page table cover num_computed_tokens + num_tokens_ahead tokens (known or
         proposed), replacing every page this step writes into that is shared or cached by a private
         copy. Returns the (src, dst) page copies, or None (nothing changed) when the pool is short."""
-        start = seq.num_computed_tokens
+        start, table = seq.num_computed_tokens, seq.page_table
         end_page = self.pages_for(start + num_tokens_ahead)
-        written = range(start // self.page_size, min(end_page, len(seq.page_table)))
-        shared = [i for i in written if self.ref_counts[seq.page_table[i]] > 1 or seq.page_table[i] in self.page_key]
-        new = end_page - len(seq.page_table)
+        written = range(start // self.page_size, min(end_page, len(table)))
+        shared = [i for i in written if self.ref_counts[table[i]] > 1 or table[i] in self.page_key]
+        new = end_page - len(table)
+        if not shared and new <= 0:
+            return []   # most decode steps: the token goes into the sequence's own last page
         if len(shared) + max(new, 0) > self.num_free_pages:
             return None
         copies = [(seq.page_table[i], self._take_page()) for i in shared]

@@ -135,8 +135,9 @@ class SamplingMetadata:
         for i, b in enumerate(biases):
             if len(b) > width:
                 raise ValueError(f"{len(b)} biased tokens in a row; the sampler takes {BIAS_WIDTH}")
-            bias_ids[i, :len(b)] = list(b)
-            bias[i, :len(b)] = list(b.values())
+            if b:
+                bias_ids[i, :len(b)] = list(b)
+                bias[i, :len(b)] = list(b.values())
 
         return cls(
             temperature=column([p.temperature for p in params], 0.0, np.float32),
