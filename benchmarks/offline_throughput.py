@@ -18,6 +18,7 @@ timed apart and excluded. Writes benchmarks/results/offline_throughput.md.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
 import time
@@ -63,14 +64,19 @@ class KVPeak:
 
 class StepProfile:
     """Wraps one engine's runner (instance attributes only) to record, per step, the real and
-    bucket-padded token counts and the host time spent inside runner.launch and runner.collect
-    (with the overlapped loop, collect waits for the step while the next one is already queued)."""
+    bucket-padded token counts and the host time spent inside runner.launch, runner.sample (a
+    sampler launched after the next step's planning) and runner.collect (with the overlapped loop,
+    collect waits for the step while the next one is already queued). Steps are sampled and
+    collected in the order they were launched."""
 
     def __init__(self, engine: LLMEngine):
         self.runner = engine.runner
-        self.launch, self.collect, self.run = self.runner.launch, self.runner.collect, self.runner._run
-        self.runner.launch, self.runner.collect, self.runner._run = self._launch, self._collect, self._run
+        self.launch, self.collect, self.sample = self.runner.launch, self.runner.collect, self.runner.sample
+        self.run = self.runner._run
+        self.runner.launch, self.runner.collect, self.runner.sample = self._launch, self._collect, self._sample
+        self.runner._run = self._run
         self.rows: list[list] = []   # [has prefill, tokens, padded, seconds]
+        self._uncollected: collections.deque[list] = collections.deque()   # their rows, oldest first
         self._padded = 0
 
     def _run(self, name, fn, fixed, args, **static):
@@ -78,20 +84,28 @@ class StepProfile:
             self._padded = len(args[0])
         return self.run(name, fn, fixed, args, **static)
 
-    def _launch(self, out, seeds, sample_later=False):   # its workload never defers a sampler
+    def _launch(self, out, seeds, sample_later=False):
         t0 = time.perf_counter()
         launched = self.launch(out, seeds, sample_later)
         self.rows.append([out.num_prefill_seqs > 0, out.num_tokens, self._padded, time.perf_counter() - t0])
-        return launched, self.rows[-1]
+        self._uncollected.append(self.rows[-1])
+        return launched
+
+    def _sample(self, launched):
+        t0 = time.perf_counter()
+        launched = self.sample(launched)
+        self._uncollected[0][3] += time.perf_counter() - t0
+        return launched
 
     def _collect(self, launched):
-        (launched, row), t0 = launched, time.perf_counter()
+        t0 = time.perf_counter()
         res = self.collect(launched)
-        row[3] += time.perf_counter() - t0
+        self._uncollected.popleft()[3] += time.perf_counter() - t0
         return res
 
     def detach(self) -> None:
-        self.runner.launch, self.runner.collect, self.runner._run = self.launch, self.collect, self.run
+        self.runner.launch, self.runner.collect, self.runner.sample = self.launch, self.collect, self.sample
+        self.runner._run = self.run
 
     def summary(self, total_s: float) -> dict:
         rows = np.array([r[:3] for r in self.rows], dtype=np.int64).reshape(-1, 3)

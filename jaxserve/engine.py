@@ -32,7 +32,6 @@ from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingP
 from jaxserve.block_manager import BlockManager
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
 from jaxserve.runner import Launched, ModelRunner, SampleResult
-from jaxserve.sampling import reads_outputs
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import PENDING, Sequence
 from jaxserve.spec_decode import ngram
@@ -183,31 +182,29 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Plan and launch one step, and return the outputs of the step launched before it.
 
-        Overlapped (`overlap`): the previous step still runs on the device while this call plans
-        and launches the next one, whose decode rows read their input tokens (PENDING on the
-        host) from the previous step's sampled tokens on the device; only then are the previous
-        step's results collected, detokenized, checked for stops and returned, while the device
-        runs the new step. A stop found there is found one step late: the sequence's row in the
-        new step is discarded when that step is collected (its pages were freed when it
-        finished). A row whose sampler reads its outputs' values (a grammar's mask, penalties'
-        history) needs the previous step's token on the host, but the model does not: such a
-        step's model runs at once and its sampler, its logits waiting on the device, is launched
-        after the previous step's collection (the grammars took its tokens), while the device
-        still runs the model. Speculative decoding (proposals, and the verify row's accepted run)
-        and sequence-parallel prefill (its samples are not the batched step's) collect the
-        previous step first (the synchronous order): a step that speculates (spec_decode/throttle.py
-        decides which), or follows one that did (before deciding: the accepted runs are the context).
-        Raises StepError naming the requests of the steps involved when one fails (the caller
-        aborts them)."""
+        Overlapped (`overlap`): the previous step's model still runs on the device while this call
+        plans the next one, whose decode rows read their input tokens (PENDING on the host) from
+        the previous step's sampled tokens on the device. Then the previous step's sampler is
+        launched (its arrays built now: grammar masks and penalty history see every output
+        collected so far), then the new step's model; the previous step's results are collected,
+        detokenized, checked for stops and returned while the device runs the new step. The
+        sampler waits for the planning because on one GPU a computation with a conditional (the
+        sampler has some) holds its launching thread until the device reaches it. A stop found at
+        collection is found one step late: the sequence's row in the new step is discarded when
+        that step is collected (its pages were freed when it finished). Speculative decoding and
+        sequence-parallel prefill (its samples are not the batched step's) collect the previous
+        step first (the synchronous order): a step that speculates (spec_decode/throttle.py
+        decides which), or follows one that did (the accepted runs are the context). Raises
+        StepError naming the requests of the steps involved when one fails (the caller aborts them)."""
         previous, self._inflight = self._inflight, None
         outputs = []
         if self.throttle is not None:   # the time since the last step's planning prices a step
             self.throttle.begins()
         if previous is not None and not self._can_overlap(previous[0]):
-            outputs, previous = self._guarded([previous[0]], lambda: self._collect(*previous)), None
+            outputs, previous = self._guarded([previous[0]], lambda: self._collect(*self._sampled(previous))), None
         speculate = self._speculates()
         if previous is not None and speculate:
-            outputs, previous = self._guarded([previous[0]], lambda: self._collect(*previous)), None
+            outputs, previous = self._guarded([previous[0]], lambda: self._collect(*self._sampled(previous))), None
         planning, catching_up = time.perf_counter(), 0.0
         self._propose(speculate)
         out = self.last_schedule = self.scheduler.schedule()
@@ -215,20 +212,22 @@ class LLMEngine:
         if self.draft is not None:   # (a step with verify rows is never overlapped: nothing is running)
             steps, catching_up = self._guarded([out], lambda: self.draft.propose(out))
             self.stats["spec_draft_steps"] += steps
-        sample_later = previous is not None and any(reads_outputs(s.seq) for s in out.scheduled if s.num_sampled)
+        previous = previous and self._guarded(running, lambda: self._sampled(previous))
         if out.scheduled or out.page_copies:
-            self._inflight = out, self._guarded(running + [out], lambda: self._launch(out, sample_later))
+            self._inflight = out, self._guarded(running + [out], lambda: self._launch(out))
         if self.throttle is not None:
             self.throttle.planned(time.perf_counter() - planning, catching_up,
                                   sum(s.num_sampled > 1 for s in out.scheduled))
         if previous is not None:
             outputs += self._guarded(running + [out], lambda: self._collect(*previous))
-        if sample_later:
-            launched = self._inflight[1]
-            self._inflight = out, self._guarded([out], lambda: self.runner.sample(launched))
         if self.throttle is not None and not self.has_unfinished():
             self.throttle.idle()   # until the next request: no step's time
         return outputs
+
+    def _sampled(self, step: tuple[SchedulerOutput, Launched]) -> tuple[SchedulerOutput, Launched]:
+        """The step with its sampler launched, if it was waiting (see `step`)."""
+        out, launched = step
+        return out, launched if launched.sampler_arrays is None else self.runner.sample(launched)
 
     def _guarded(self, steps: list[SchedulerOutput], run):
         try:
@@ -244,7 +243,7 @@ class LLMEngine:
         return (self.overlap and not self.runner.prefills_sequence_parallel
                 and not any(s.num_sampled > 1 for s in previous.scheduled))
 
-    def _launch(self, out: SchedulerOutput, sample_later: bool) -> Launched:
+    def _launch(self, out: SchedulerOutput) -> Launched:
         self._launches += 1
         if self._launches in self._fault_steps:
             raise InjectedFault(f"step {self._launches} fails ({FAULT_STEPS_ENV})")
@@ -255,6 +254,7 @@ class LLMEngine:
                 req.first_scheduled_time = now
         if self.ecfg.poison_freed_pages:
             out = self._poison_stale_pages(out)
+        sample_later = self._can_overlap(out) and any(s.num_sampled for s in out.scheduled)   # see `step`
         launched = self.runner.launch(out, {s.seq.seq_id: s.seq.seed for s in out.scheduled}, sample_later)
         self.scheduler.launched(out)
         return launched
