@@ -10,6 +10,9 @@
 #   profile  where the time goes: the kernels of our paged-attention calls (kernels.py --profile) and
 #            of the 1.1B engine's decode and prefill steps (benchmarks/step_profile.py), and how much
 #            of each the GPU was busy
+#   cmdbuf   (only when named) the 1b stage on pallas_gpu with XLA's conditionals and loops in CUDA
+#            graphs (command buffers): XLA:GPU otherwise reads each conditional's predicate on the
+#            host, holding the launching thread (the sampler has 3, a prefill step one per layer)
 # tests and tiny check tokens, not time: they run side by side. The timed stages (kernels, hf, 1b,
 # int8, profile) run alone. At their limits all stages take 16 minutes; one device call runs 10 at
 # most, so give them in two calls, back to back while the machine is warm:
@@ -69,6 +72,8 @@ stage kernels 100 $PY benchmarks/kernels.py --sections decode,prefill,mixed,kv_w
 stage hf 80 $PY -m benchmarks.gpu_engine hf --model 1b --out "$OUT"
 stage 1b 240 $PY -m benchmarks.gpu_engine jax --model 1b --out "$OUT"
 stage int8 150 $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --quantization int8 --out "$OUT"
+stage cmdbuf 240 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
+  bash -c "mkdir -p $OUT/cmdbuf && $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --out $OUT/cmdbuf"
 MODEL_1B=/tmp/jaxserve_gpu/llama-1b
 stage profile 240 bash -c "$PY benchmarks/kernels.py --sections decode,mixed --profile --out $OUT/profile &&
   $PY -m benchmarks.step_profile --model $MODEL_1B --dtype bfloat16 --rows 64 --context 400 &&
