@@ -81,8 +81,9 @@ class SamplingMetadata:
               allowed: np.ndarray | None = None) -> "SamplingMetadata":
         """Numpy arrays for `len(params)` rows padded to `pad_to` greedy rows.
 
-        `seeds` must be set for every row (the caller draws one for unseeded requests and gives
-        each of a request's n sequences its own). `history_len` fixes the penalty history width
+        `output_ids`: each row's outputs so far; only their count is read for a row without
+        penalties. `seeds` must be set for every row (the caller draws one for unseeded requests
+        and gives each of a request's n sequences its own). `history_len` fixes the penalty history width
         (else the next power of two >= MIN_HISTORY_LEN); unused when no row has penalties or a bias.
         `end_token_ids` are the tokens that end each row's sequence: banned while it has fewer
         than min_tokens outputs. When a row needs penalties or a bias, both arrays come (the
@@ -168,9 +169,10 @@ def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: in
     outputs, aheads, listed = [], [], collections.Counter()
     for s in seqs:
         aheads.append(s.proposed_token_ids[:listed[s.seq_id]])
-        # (copied only when it differs from the sequence's own list: a per-row cost of every step)
-        outputs.append(s.output_token_ids[:-1 if launched else None] + aheads[-1]
-                       if launched or aheads[-1] else s.output_token_ids)
+        if uses_penalties(s.sampling):
+            outputs.append(s.output_token_ids[:-1 if launched else None] + aheads[-1])
+        else:   # only their count is read (step, min_tokens): no copy of the outputs per row and step
+            outputs.append(range(len(s.output_token_ids) - launched + len(aheads[-1])))
         listed[s.seq_id] += 1
     return SamplingMetadata.build(
         params, [s.prompt_token_ids for s in seqs], outputs,
