@@ -32,6 +32,7 @@ from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingP
 from jaxserve.block_manager import BlockManager
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
 from jaxserve.runner import Launched, ModelRunner, SampleResult
+from jaxserve.sampling import reads_outputs
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import PENDING, Sequence
 from jaxserve.spec_decode import ngram
@@ -94,6 +95,8 @@ class LLMEngine:
         self.last_schedule = None   # the SchedulerOutput of the latest step (roofline accounting)
         # Plan step N+1 while step N runs (see `step`); off: each step is collected before the next is planned.
         self.overlap = True
+        # On a GPU launching a conditional (the sampler has 3) holds the host until the device gets there.
+        self._defer_all_samplers = parallel.platform(mesh) in ("gpu", "cuda")
         self._inflight: tuple[SchedulerOutput, Launched] | None = None   # launched, not yet collected
         self._launches = 0
 
@@ -185,17 +188,14 @@ class LLMEngine:
         Overlapped (`overlap`): the previous step's model still runs on the device while this call
         plans the next one, whose decode rows read their input tokens (PENDING on the host) from
         the previous step's sampled tokens on the device. Then the previous step's sampler is
-        launched (its arrays built now: grammar masks and penalty history see every output
-        collected so far), then the new step's model; the previous step's results are collected,
-        detokenized, checked for stops and returned while the device runs the new step. The
-        sampler waits for the planning because on one GPU a computation with a conditional (the
-        sampler has some) holds its launching thread until the device reaches it. A stop found at
-        collection is found one step late: the sequence's row in the new step is discarded when
-        that step is collected (its pages were freed when it finished). Speculative decoding and
-        sequence-parallel prefill (its samples are not the batched step's) collect the previous
-        step first (the synchronous order): a step that speculates (spec_decode/throttle.py
-        decides which), or follows one that did (the accepted runs are the context). Raises
-        StepError naming the requests of the steps involved when one fails (the caller aborts them)."""
+        launched if it waited (all do on a GPU, `_defer_all_samplers`; elsewhere those whose arrays
+        read outputs: grammar masks, penalty history), then the new step's model; the previous
+        step's results are collected, detokenized, checked for stops and returned while the device
+        runs the new step. A stop found there is found one step late: the sequence's row in the new
+        step is discarded when that step is collected. Speculative decoding and sequence-parallel
+        prefill collect the previous step first (the synchronous order): a step that speculates
+        (spec_decode/throttle.py decides which), or follows one that did. Raises StepError naming
+        the requests of the steps involved when one fails (the caller aborts them)."""
         previous, self._inflight = self._inflight, None
         outputs = []
         if self.throttle is not None:   # the time since the last step's planning prices a step
@@ -225,8 +225,7 @@ class LLMEngine:
         return outputs
 
     def _sampled(self, step: tuple[SchedulerOutput, Launched]) -> tuple[SchedulerOutput, Launched]:
-        """The step with its sampler launched, if it was waiting (see `step`)."""
-        out, launched = step
+        out, launched = step   # its sampler launched, if it was waiting (see `step`)
         return out, launched if launched.sampler_arrays is None else self.runner.sample(launched)
 
     def _guarded(self, steps: list[SchedulerOutput], run):
@@ -254,7 +253,8 @@ class LLMEngine:
                 req.first_scheduled_time = now
         if self.ecfg.poison_freed_pages:
             out = self._poison_stale_pages(out)
-        sample_later = self._can_overlap(out) and any(s.num_sampled for s in out.scheduled)   # see `step`
+        sample_later = self._can_overlap(out) and any(   # see `step`
+            s.num_sampled and (self._defer_all_samplers or reads_outputs(s.seq)) for s in out.scheduled)
         launched = self.runner.launch(out, {s.seq.seq_id: s.seq.seed for s in out.scheduled}, sample_later)
         self.scheduler.launched(out)
         return launched

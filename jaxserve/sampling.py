@@ -38,6 +38,12 @@ def uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+def reads_outputs(seq) -> bool:
+    """Whether the sampler's arrays for `seq` read its output tokens' values (its grammar's mask,
+    the penalty history), not only their count: they wait for its previous token on the host."""
+    return seq.grammar is not None or uses_penalties(seq.sampling)
+
+
 @struct.dataclass
 class SamplingMetadata:
     temperature: jax.Array         # f32[S]; 0 = greedy

@@ -67,20 +67,21 @@ def test_overlapped_loop_gives_the_synchronous_outputs(llm):
     prompts, params = requests()
     results, orders = {}, {}
     before = CompileCounter.count
-    try:
-        for overlap in (False, True):
-            engine.overlap = overlap
-            orders[overlap] = order = LaunchOrder(engine.runner)
+    try:   # overlapped, also as on a GPU: every sampler deferred (engine.step)
+        for mode in ("synchronous", "overlapped", "all deferred"):
+            engine.overlap, engine._defer_all_samplers = mode != "synchronous", mode == "all deferred"
+            orders[mode] = order = LaunchOrder(engine.runner)
             try:
                 outputs = llm.generate(prompts, params, use_tqdm=False)
             finally:
                 order.detach()
-            results[overlap] = outputs
+            results[mode] = outputs
             assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
     finally:
-        engine.overlap = True
+        engine.overlap, engine._defer_all_samplers = True, False
     assert CompileCounter.count == before, "a deferred sampler compiled after warm-up"
-    for synchronous, overlapped in zip(results[False], results[True]):
+    for synchronous, overlapped in [pair for mode in ("overlapped", "all deferred")
+                                    for pair in zip(results["synchronous"], results[mode])]:
         assert [(c.text, c.token_ids, c.finish_reason) for c in overlapped.outputs] == \
             [(c.text, c.token_ids, c.finish_reason) for c in synchronous.outputs]
         # Logprobs: the same ids and ranks; values to float noise (a step's batch differs by the
@@ -89,10 +90,11 @@ def test_overlapped_loop_gives_the_synchronous_outputs(llm):
                 (a.logprobs, b.logprobs) for a, b in zip(overlapped.outputs, synchronous.outputs)]:
             assert flatten(got)[0] == flatten(want)[0]
             np.testing.assert_allclose(flatten(got)[1], flatten(want)[1], rtol=0, atol=1e-5)
-    finishes = [c.finish_reason for o in results[True] for c in o.outputs]
+    finishes = [c.finish_reason for o in results["overlapped"] for c in o.outputs]
     assert finishes.count("stop") >= 9 and "length" in finishes   # grammars completed; free rows ran out
-    assert orders[False].overlapped == orders[False].samplers == 0
-    assert orders[True].overlapped > 20 and orders[True].samplers >= orders[True].overlapped
+    assert orders["synchronous"].overlapped == orders["synchronous"].samplers == 0
+    assert orders["overlapped"].overlapped > 20 and orders["overlapped"].samplers >= orders["overlapped"].overlapped
+    assert orders["all deferred"].samplers > orders["overlapped"].samplers
 
 
 def flatten(logprobs) -> tuple[list, list[float]]:
