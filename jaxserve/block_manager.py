@@ -157,10 +157,10 @@ class BlockManager:
             return []   # most decode steps: the token goes into the sequence's own last page
         if len(shared) + max(new, 0) > self.num_free_pages:
             return None
-        copies = [(seq.page_table[i], self._take_page()) for i in shared]
-        seq.page_table.extend(self._take_page() for _ in range(new))
+        copies = [(table[i], self._take_page()) for i in shared]
+        table.extend(self._take_page() for _ in range(new))
         for i, (src, dst) in zip(shared, copies):
-            seq.page_table[i] = dst
+            table[i] = dst
             self._decref(src)               # after all takes, so no src is reused in this call
         return copies
 

@@ -34,7 +34,7 @@ from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
 from jaxserve.runner import Launched, ModelRunner, SampleResult
 from jaxserve.sampling import reads_outputs
 from jaxserve.scheduler import Scheduler, SchedulerOutput
-from jaxserve.sequence import PENDING, Sequence
+from jaxserve.sequence import Sequence
 from jaxserve.spec_decode import ngram
 from jaxserve.spec_decode.draft import DraftProposer, default_draft_dir
 from jaxserve.spec_decode.throttle import Throttle
