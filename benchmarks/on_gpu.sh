@@ -12,7 +12,7 @@
 #            of each the GPU was busy
 #   cmdbuf   (only when named) the 1b stage on pallas_gpu with XLA's conditionals and loops in CUDA
 #            graphs (command buffers): XLA:GPU otherwise reads each conditional's predicate on the
-#            host, holding the launching thread (the sampler has 3, a prefill step one per layer)
+#            host, holding the launching thread (the sampler has 3; the steps have none)
 # tests and tiny check tokens, not time: they run side by side. The timed stages (kernels, hf, 1b,
 # int8, profile) run alone. At their limits all stages take 16 minutes; one device call runs 10 at
 # most, so give them in two calls, back to back while the machine is warm:

@@ -8,11 +8,12 @@ Two modes:
     causally to its sequence's pages through the page table.
 
 Kernels per backend: "xla" runs pallas_kernels/paged_attention/xla.py (CPU serving). The Pallas
-backends run the paged kernel of their platform; in steps with prefill rows they also hold the
+backends run the paged kernel of their platform, and in steps with prefill rows also the
 block-sparse flash kernel (pallas_kernels/flash_attention) where it takes the shapes (GPU:
-head_dim a multiple of 64), chosen at run time: when no prefill row has a cached prefix, the
-prefill tokens attend with flash over the packed flat batch (one segment per row) and only the
-decode rows go through the paged kernel; otherwise the paged kernel takes the whole batch.
+head_dim a multiple of 64): the prefill rows without a cached prefix, which the runner packs
+first, attend with flash over the packed new K/V, every other row through the paged kernel
+(`_pallas_rows`). No lax.cond picks between them: on a GPU each would hold the host until the
+device reached it.
 
 KV layout: jaxserve/kv_cache.py (the one place it is described).
 """
@@ -146,13 +147,13 @@ def paged_attention(q, kv: LayerKV, meta: AttentionMetadata, *, sliding_window, 
     heads = P(None, head_axis, None)
     pools = jax.tree.map(lambda x: P(None, head_axis, *(None,) * (x.ndim - 2)), kv)   # pages and scales
     args, specs = (q, kv, *tables), (heads, pools, P(), P(), P())
+    flash = None
     if _flash_fits(meta, q, k, interpret):
         flash = importlib.import_module(f"pallas_kernels.flash_attention.{kernels}").flash_attention
-        call = functools.partial(_fresh_prefill_or_paged, paged=paged, num_prefill_rows=meta.num_prefill_rows,
-                                 max_q=meta.max_q, decode_q=meta.decode_q, flash=functools.partial(flash, interpret=interpret, **kwargs))
+        flash = functools.partial(flash, interpret=interpret, **kwargs)
         args, specs = args + (k, v), specs + (heads, heads)
-    else:
-        call = functools.partial(paged, max_q=meta.max_q)
+    call = functools.partial(_pallas_rows, paged=paged, flash=flash, num_prefill_rows=meta.num_prefill_rows,
+                             max_q=meta.max_q, decode_q=meta.decode_q)
     if alibi_slopes is not None:   # the last argument, split with the query heads
         args, specs = args + (alibi_slopes.astype(jnp.float32),), specs + (P(head_axis),)
         call = functools.partial(_slopes_last, call)
@@ -212,34 +213,52 @@ def _paged_kernel(kernel, q, kv: LayerKV, *tables, **kwargs):
     return kernel(q, kv.k, kv.v, *tables, k_scale=kv.k_scale, v_scale=kv.v_scale, **kwargs)
 
 
-def _fresh_prefill_or_paged(q, kv, page_table, seq_lens, query_start_loc, k, v, *,
-                            paged, flash, num_prefill_rows, max_q, decode_q, alibi_slopes=None):
-    """Chosen at run time (both branches live in one compiled step): when no prefill row has a
-    cached prefix, the prefill tokens go through the flash kernel and the decode rows through
-    the paged kernel; otherwise the whole batch goes through the paged kernel."""
-    p, qsl = num_prefill_rows, query_start_loc
-    paged, flash = (functools.partial(f, alibi_slopes=alibi_slopes) for f in (paged, flash))
-    # The flash kernel sees only this step's K/V, and masks by in-row index. A row without
-    # cached prefix (first chunk of a prompt, no prefix hit) has all its K/V in this step, and
-    # packed back to back its in-row indices keep its positions' order and differences (all
-    # that the masks and ALiBi, which adds slope * key index, need).
-    fresh = jnp.all(seq_lens[:p] == qsl[1:p + 1] - qsl[:p])
-
-    def flash_then_paged():
-        end = qsl[p]
+def _pallas_rows(q, kv, page_table, seq_lens, qsl, k=None, v=None, *, paged, flash, num_prefill_rows,
+                 max_q, decode_q, alibi_slopes=None):
+    """A step's rows through the Pallas kernels, with no run-time branch (on a GPU a lax.cond
+    stops the host until the device hands it the predicate, once per layer):
+      * the leading prefill rows whose K/V are all in this step (no cached prefix; the runner
+        puts such rows first) attend with `flash` (None: no such path) over the new K/V;
+      * the other prefill rows with the paged kernel, its grid sized for max_q tokens a row;
+      * the decode rows with the paged kernel sized for decode_q tokens a row, over their tokens.
+    Each call gives 0 for the tokens it does not take, so the output is their sum."""
+    paged = functools.partial(paged, alibi_slopes=alibi_slopes)
+    p = num_prefill_rows
+    if not p:
+        return paged(q, kv, page_table, seq_lens, qsl, max_q=max_q)
+    out = _decode_rows(paged, q, kv, page_table, seq_lens, qsl, first=p, decode_q=decode_q)
+    lead = jnp.int32(0)
+    if flash is not None:
+        # The flash kernel sees only this step's K/V, and masks by in-row index. A row without
+        # cached prefix (first chunk of a prompt, no prefix hit) has all its K/V in this step, and
+        # packed back to back its in-row indices keep its positions' order and differences (all
+        # that the masks and ALiBi, which adds slope * key index, need).
+        fresh = seq_lens[:p] == qsl[1:p + 1] - qsl[:p]
+        lead = jnp.sum(jnp.cumprod(fresh.astype(jnp.int32)))
         tok = jnp.arange(q.shape[0])
-        # One segment per prefill row; every later token (decode, padding) one of its own, so
-        # ids stay non-decreasing (exact block skipping, masks.py) and those tokens skip the rest.
-        seg = jnp.where(tok < end, jnp.searchsorted(qsl, tok, side="right") - 1, p + tok)
-        prefill = flash(q[None], k[None], v[None], segment_ids=seg[None])[0]
-        # Prefill rows emptied (no tokens, no KV): the paged kernel does the decode rows only.
-        rows = jnp.arange(qsl.shape[0])
-        decode = paged(q, kv, page_table, jnp.where(rows[:-1] < p, 0, seq_lens),
-                       jnp.where(rows < p, end, qsl), max_q=decode_q)
-        return jnp.where(((tok >= qsl[0]) & (tok < end))[:, None, None], prefill, decode)
+        # One segment per leading fresh row; every later token one of its own, so ids stay
+        # non-decreasing (exact block skipping, masks.py) and those tokens skip the rest.
+        seg = jnp.where(tok < qsl[lead], jnp.searchsorted(qsl, tok, side="right") - 1, p + tok)
+        mine = (tok >= qsl[0]) & (tok < qsl[lead])
+        prefill = flash(q[None], k[None], v[None], segment_ids=seg[None], alibi_slopes=alibi_slopes)[0]
+        out += jnp.where(mine[:, None, None], prefill, jnp.zeros_like(prefill))
+    # The leading fresh rows emptied (no tokens, no KV): the paged kernel takes the rest.
+    rows = jnp.arange(p + 1)
+    return out + paged(q, kv, page_table[:p], jnp.where(rows[:-1] < lead, 0, seq_lens[:p]),
+                       jnp.where(rows < lead, qsl[lead], qsl[:p + 1]), max_q=max_q)
 
-    return lax.cond(fresh, flash_then_paged,
-                    lambda: paged(q, kv, page_table, seq_lens, qsl, max_q=max_q))
+
+def _decode_rows(paged, q, kv, page_table, seq_lens, qsl, *, first, decode_q):
+    """Rows `first` on (decode rows, at most decode_q tokens each) through `paged`, which sees
+    only their tokens: they follow the prefill rows', so a window of all they could bring
+    (sliced from q's end when it would run past it) holds them. 0 for the other tokens."""
+    n = min(q.shape[0], (page_table.shape[0] - first) * decode_q)
+    if not n:
+        return jnp.zeros_like(q)
+    start = jnp.minimum(qsl[first], q.shape[0] - n)
+    out = paged(lax.dynamic_slice_in_dim(q, start, n), kv, page_table[first:], seq_lens[first:],
+                qsl[first:] - start, max_q=decode_q)
+    return lax.dynamic_update_slice_in_dim(jnp.zeros_like(q), out, start, axis=0)
 
 
 def _kv_head_axis(kv_sharding):

@@ -104,6 +104,7 @@ class Compiled(NamedTuple):
     temp_bytes: int
     whole_pool_copies: int
     heaviest_loop_cycles: int
+    conditionals: int       # a host round trip each on a GPU (step_cost.py)
     error: str | None
 
 
@@ -134,13 +135,14 @@ def _compile(name: str, lowered, pool_bytes: int) -> Compiled:
         compiled = lowered().compile()
     except Exception as e:  # a compiler's refusal is this check's answer, reported per computation
         log.info("%s does not compile", name)
-        return Compiled(name, time.perf_counter() - t0, 0, 0, 0, str(e).strip().splitlines()[0][:300])
+        return Compiled(name, time.perf_counter() - t0, 0, 0, 0, 0, str(e).strip().splitlines()[0][:300])
     seconds = time.perf_counter() - t0
     cost, temp = step_cost(compiled.as_text(), pool_bytes), compiled.memory_analysis().temp_size_in_bytes
     # each result as it comes: a long check stopped part way still says what it found
-    log.info("compiled %s in %.1f s: temporaries %.1f MiB, %d whole-pool copies, heaviest loop body %d cycles",
-             name, seconds, temp / MiB, cost.whole_pool_copies, cost.heaviest_loop_cycles)
-    return Compiled(name, seconds, temp, cost.whole_pool_copies, cost.heaviest_loop_cycles, None)
+    log.info("compiled %s in %.1f s: temporaries %.1f MiB, %d whole-pool copies, heaviest loop body %d cycles, "
+             "%d conditionals", name, seconds, temp / MiB, cost.whole_pool_copies, cost.heaviest_loop_cycles,
+             cost.conditionals)
+    return Compiled(name, seconds, temp, cost.whole_pool_copies, cost.heaviest_loop_cycles, cost.conditionals, None)
 
 
 def pool_bytes_per_chip(kv: KVCache) -> int:

@@ -26,13 +26,14 @@ class Batch(NamedTuple):
 def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pages: int,
          page_size: int, ready: frozenset[StepShape] | None = None) -> Batch:
     """The scheduled rows as the step's fixed-shape host arrays (see the runner's docstring):
-    prefill rows first, then decode rows (one token, or a verify row's 1 + k) longest context
+    prefill rows first, those without a cached prefix leading (jaxserve/attention.py runs them
+    through the flash kernel), then decode rows (one token, or a verify row's 1 + k) longest context
     first, padded to `buckets` (to the smallest `ready` shape that holds them while warm-up
     builds the others: buckets.cover); decode rows are 1 + k wide only in a step with a verify
     row. A row sampling n tokens has its last n positions in logits_index and its sequence n
     times in sampling_seqs. A PENDING input token (a decode row's token sampled by the step
     still running) is left for the device to read (`pending`)."""
-    prefill = [s for s in out.scheduled if s.is_prefill_row]
+    prefill = sorted((s for s in out.scheduled if s.is_prefill_row), key=lambda s: s.seq.num_computed_tokens > 0)
     decode = sorted((s for s in out.scheduled if not s.is_prefill_row),
                     key=lambda s: -s.seq.num_computed_tokens)
     num_tokens = out.num_tokens

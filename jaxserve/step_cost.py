@@ -10,7 +10,9 @@ came out negative, and "bytes accessed" counts the whole aliased pool). What doe
     memory-space assignment moves one layer's pool into another memory space in 4 MiB
     slices, joins them, updates it there and copies it back: two passes, not 23 slices);
   * the heaviest loop body: the sum of the TPU compiler's per-op `estimated_cycles` over one
-    while loop's body, the most expensive such body of the step.
+    while loop's body, the most expensive such body of the step;
+  * conditionals: XLA:GPU hands each one's predicate to the host and waits for it, which holds
+    the launching thread until the device gets there (a TPU decides on the chip).
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class StepCost(NamedTuple):
     whole_pool_copies: int
     heaviest_loop_cycles: int       # 0 when the step has no loop
     copies: tuple[str, ...]         # the copying instructions, "opcode name"
+    conditionals: int               # in the HLO text (one in a loop runs every iteration)
 
 
 def _split_result(rest: str) -> tuple[str, str]:
@@ -117,4 +120,5 @@ def step_cost(hlo_text: str, pool_bytes: int) -> StepCost:
     bodies = {m.group(1) for ops in computations.values() for i in ops if i.opcode == "while"
               for m in [_BODY.search(i.line)] if m}
     cycles = [sum(int(c) for i in computations.get(body, []) for c in _CYCLES.findall(i.line)) for body in bodies]
-    return StepCost(len(copies), max(cycles, default=0), copies)
+    conditionals = sum(i.opcode == "conditional" for ops in computations.values() for i in ops)
+    return StepCost(len(copies), max(cycles, default=0), copies, conditionals)

@@ -132,7 +132,8 @@ def test_llama3_8b_steps_compile_for_one_h100(monkeypatch):
     """`jaxserve check` on one H100: configs/llama3-8b-h100.yaml's smallest and largest decode
     steps and its largest prefill step (CI_LAYERS of the 32 layers, the pool sized for all 32)
     through XLA:GPU, Mosaic GPU and ptxas: decode-8 has few programs, so its paged kernel splits
-    the KV; the prefill step runs the flash kernel beside the paged one."""
+    the KV; the prefill step runs the flash kernel beside the paged one. No step holds a
+    conditional: XLA:GPU would stop the host at each one until the GPU got there."""
     splits = []   # each paged kernel call's KV splits, as traced
     pick = paged_gpu.pick_kv_splits
     monkeypatch.setattr(paged_gpu, "pick_kv_splits", lambda *a: splits.append(pick(*a)) or splits[-1])
@@ -143,6 +144,7 @@ def test_llama3_8b_steps_compile_for_one_h100(monkeypatch):
     assert [s.name for s in shapes] == ["decode-128", "decode-8", "prefill-1024x4q512"]
     report = check.check(ecfg, cfg, h100, model_name="llama3-8b", dtype=jnp.bfloat16, shapes=shapes, samplers=False)
     assert_serves(report, f"llama3-8b ({CI_LAYERS} layers) on h100")
+    assert [r.conditionals for r in report.results] == [0] * len(report.results), report.results
     assert 1 in splits and max(splits) > 1, splits
 
 

@@ -1,5 +1,5 @@
 """packing.pack builds a step's arrays at once; checked against a plain row-by-row packing of the
-same scheduled batches (tests/scheduler_sim.py's runs: prefill chunks, decode rows with PENDING
+same scheduled batches (tests/scheduler_sim.py's runs: prefill chunks (those without a cached prefix first), decode rows with PENDING
 inputs in the overlapped order, verify rows with proposals, forked choices, prefix-cache hits)."""
 import numpy as np
 import pytest
@@ -16,7 +16,8 @@ def row_by_row(out, batch):
     """The arrays pack should give for `out`, one row at a time."""
     sp = batch.num_prefill_rows
     rows = len(batch.arrays[3])
-    prefill = [s for s in out.scheduled if s.is_prefill_row]
+    fresh = [s for s in out.scheduled if s.is_prefill_row and s.seq.num_computed_tokens == 0]
+    prefill = fresh + [s for s in out.scheduled if s.is_prefill_row and s.seq.num_computed_tokens > 0]
     decode = sorted((s for s in out.scheduled if not s.is_prefill_row), key=lambda s: -s.seq.num_computed_tokens)
     order = prefill + [None] * (sp - len(prefill)) + decode + [None] * (rows - sp - len(decode))
     t, logit_rows = len(batch.arrays[0]), len(batch.arrays[6])

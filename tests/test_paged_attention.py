@@ -245,9 +245,11 @@ def test_kernels_lower_for_their_platform(kernel, platform):
 
 
 # The Pallas backends' flash path for prefill rows: `attend` writes the new K/V into the pages
-# and, when no prefill row has a cached prefix, runs those rows through the flash kernel.
+# and runs the leading prefill rows without a cached prefix through the flash kernel.
 FRESH = [(20, 20), (5, 5), (0, 0), (1, 40), (1, 1), (0, 0)]   # 3 prefill rows (1 padding), decodes
 CACHED = [(20, 20), (5, 37), (0, 0), (1, 40), (1, 1), (0, 0)]  # row 1: 32 tokens already cached
+# Row 2 is fresh but follows a cached row (the runner puts fresh rows first): the paged kernel's.
+MIXED = [(20, 20), (5, 37), (6, 6), (1, 40), (1, 1), (0, 0)]
 
 
 def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="auto", **mods):
@@ -289,9 +291,9 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
 @pytest.mark.parametrize("mods", ["none", "both"])
-def test_attend_fresh_prefill_rows_match_oracle(backend, mods):
-    """The flash kernel (prefill rows) and the paged one (decode rows), with soft cap and ALiBi too."""
-    out, case = attend_case(FRESH, backend, sliding_window=7, **SCORE_MODS.get(mods, {}))
+def test_attend_prefill_rows_match_oracle(backend, mods):
+    """Flash (leading fresh prefill rows) and paged (the rest), with soft cap and ALiBi too."""
+    out, case = attend_case(MIXED, backend, sliding_window=7, **SCORE_MODS.get(mods, {}))
     assert_close(out, case)
 
 
@@ -321,19 +323,16 @@ def test_pool_head_dim_pads_only_on_tpu():
 
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
-def test_flash_runs_only_for_fresh_prefill_rows(monkeypatch, backend):
-    # A flash kernel that returns zeros: the fresh step's prefill tokens must show it, its
-    # decode tokens and the step with a cached prefix (paged kernel only) must not.
+def test_flash_runs_only_for_leading_fresh_prefill_rows(monkeypatch, backend):
+    # A flash kernel that returns zeros: the leading fresh rows' tokens must show it, no other.
     flash = importlib.import_module(f"pallas_kernels.flash_attention.{backend.removeprefix('pallas_')}")
     monkeypatch.setattr(flash, "flash_attention", lambda q, *a, **k: jnp.zeros_like(q))
-    out, case = attend_case(FRESH, backend)
-    prefill = int(case["query_start_loc"][3])
-    assert not np.asarray(out[:prefill]).any()
-    want = oracle(case)
-    assert np.abs(want[:prefill]).max() > 0.1
-    assert np.abs(np.asarray(out[prefill:]) - want[prefill:]).max() < TOL["float32"]
-    out, case = attend_case(CACHED, backend)
-    assert_close(out, case)
+    for seqs, flashed_rows in ((FRESH, 2), (CACHED, 1), (MIXED, 1)):
+        out, case = attend_case(seqs, backend)
+        end, want = int(case["query_start_loc"][flashed_rows]), oracle(case)
+        assert not np.asarray(out[:end]).any()
+        assert np.abs(want[:end]).max() > 0.1
+        assert np.abs(np.asarray(out[end:]) - want[end:]).max() < TOL["float32"]
 
 
 def quantized(pages, dtype, lanes=None):

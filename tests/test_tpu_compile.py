@@ -265,7 +265,8 @@ def test_llama3_8b_on_one_v5e_chip_is_refused(capsys):
 def test_step_cost_counts_whole_pool_copies():
     """The counter behind the zero-copies assertions: an in-place page write is no copy; a
     flat view of a [pages, heads, slots, dim] pool gathered by page (a relayout: the slots
-    dim is tiled) is one per pool; a looped body's estimated cycles are read."""
+    dim is tiled) is one per pool; a looped body's estimated cycles are read; conditionals
+    are counted."""
     dev = device("v5e")
     pool = abstract((512, 8, 16, 128), jnp.bfloat16, dev)
     pool_bytes = 512 * 8 * 16 * 128 * 2
@@ -280,7 +281,9 @@ def test_step_cost_counts_whole_pool_copies():
     def cost(f, **jit):
         return check.step_cost(jax.jit(f, **jit).lower(pool, page).compile().as_text(), pool_bytes)
 
-    assert cost(write, donate_argnums=0).whole_pool_copies == 0
+    written = cost(write, donate_argnums=0)
+    assert written.whole_pool_copies == written.conditionals == 0
+    assert cost(lambda pool, page: jax.lax.cond(page[0] > 0, write, lambda *_: pool, pool, page)).conditionals == 1
     gathered = cost(flat_gather)
     assert gathered.whole_pool_copies >= 1, gathered
     assert gathered.heaviest_loop_cycles > 0

@@ -1,5 +1,5 @@
 """Block-sparse flash attention for prefill. Used by jaxserve.attention (Pallas backends) in
-steps whose prefill rows have no cached prefix (see `_fresh_prefill_or_paged` there).
+steps with prefill rows, for those without a cached prefix (see `_pallas_rows` there).
 
   masks.py      the one mask description (causal, sliding window, segment ids) and the per-q-block
                 list of kv blocks to visit, shared by both kernels
