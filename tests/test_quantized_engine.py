@@ -32,8 +32,7 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=32, 
 PROMPTS = ["The for statement is used to", "A function definition defines", "The import statement"]
 # (weight quantization, kv_cache_dtype, mesh)
 # w8a8's Linears shard as in w8a8+head, which adds the tied head's int8 copy.
-TP_CASES = [("int8", "auto", {"model": 2}), ("int4", "auto", {"model": 4}), (None, "int8", {"model": 2}),
-            ("w8a8+head", "auto", {"model": 2})]
+TP_CASES = [("int8", "auto", {"model": 2}), ("int4", "auto", {"model": 4}), ("w8a8+head", "int8", {"model": 2})]
 NEW_TOKENS = 32
 
 
@@ -98,7 +97,9 @@ def test_heldout_perplexity_within_thresholds():
     assert abs(ppl["int4"] / ppl[None] - 1) < 0.05, ppl
 
 
-@pytest.mark.parametrize("config", ["int8", "w8a8", "int8+head", "w8a8+head"])
+# Through the engine, each 8-bit Linear and the int8 head once: w8a8 and int8+head differ from
+# these only in the parts the perplexity test above checks.
+@pytest.mark.parametrize("config", ["int8", "w8a8+head"])
 def test_8bit_greedy_agrees_with_unquantized(config):
     prefix, same = bench.agreement(quantized_greedy(None), quantized_greedy(config))
     assert sum(same) >= 0.9 * NEW_TOKENS * len(PROMPTS), (prefix, same)
@@ -155,7 +156,7 @@ def test_unquantized_orbax_checkpoint_quantizes_as_it_loads(tmp_path):
 
 
 def test_tensor_parallel_greedy_matches_one_device():
-    """int8 and w8a8+head weights at TP 2, int4 at TP 4 and an int8 KV cache at TP 2 on fake CPU devices
+    """int8 weights at TP 2, int4 at TP 4, and w8a8+head with an int8 KV cache at TP 2, on fake CPU devices
     (tiny model: 8 heads, 2 kv heads, so K/V replicated at TP 4; int4 o_proj has 2 input groups, so
     its scales are replicated at TP 4). One mesh each: the other pairs add engines to compile, not
     layouts. The one-device tokens come from this process (the subprocess keeps its XLA flags,
@@ -170,13 +171,13 @@ def test_tensor_parallel_greedy_matches_one_device():
     for mode, kv_cache_dtype, mesh in TP_CASES:
         assert results[tp_case(mode, kv_cache_dtype, mesh)]["tokens"] == quantized_greedy(mode, kv_cache_dtype), \
             (mode, kv_cache_dtype, mesh)
-    kv = results[tp_case(None, "int8", {"model": 2})]["kv"]
+    kv = results[tp_case("w8a8+head", "int8", {"model": 2})]["kv"]
     heads = [None, "model", None, None]   # [pages, KV heads, slots or 1, head_dim or scale lanes]
     (k_spec, (pages, *k_shard)), (v_spec, v_shard) = kv["k"], kv["v"]
     assert k_spec == v_spec == heads and k_shard == [1, 16, 32] and v_shard == [pages, *k_shard], kv
     assert kv["k_scale"] == kv["v_scale"] == [heads, [pages, 1, 1, 16]], kv
-    head = results[tp_case("w8a8+head", "auto", {"model": 2})]["kv"]   # the tied head's int8 copy: vocab split
-    assert head["qweight"] == [["model", None], [2048, 256]] and head["channel_scale"] == [["model"], [2048]], head
+    # the tied head's int8 copy: vocab split
+    assert kv["qweight"] == [["model", None], [2048, 256]] and kv["channel_scale"] == [["model"], [2048]], kv
 
 
 # An int8 KV cache: pages of 32 slots (whole 32-row int8 tiles, as the TPU kernel's page DMAs need).

@@ -318,7 +318,7 @@ def test_engine_prices_the_steps_it_runs(engines):
 
 # ---- exactness when sampling: the output distribution is the target's own ----
 
-DRAWS = 600   # the power check below rejects temperature 2 at p ~ 1e-7 with 400
+DRAWS = 400   # the power check below rejects temperature 2 at p ~ 1e-7 with 400
 CHOICES = 10
 
 
