@@ -12,7 +12,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 import transformers
 
 import jaxserve.runner as runner_module
@@ -25,6 +24,7 @@ from jaxserve.roofline import Peaks
 from jaxserve.spec_decode import ngram, throttle
 from jaxserve.spec_decode.throttle import Throttle
 from tests.server_harness import store_of
+from tests.target_distribution import DRAWS, chi_square_p, exact_triples, next_logits, sampled_triples
 
 # Never throttled at max_num_seqs 8 (the throttle's tests lower the bound while they run).
 SPEC = {"method": "ngram", "num_tokens": 3, "ngram_min": 1, "ngram_max": 3, "disable_by_batch_size": 8}
@@ -318,75 +318,9 @@ def test_engine_prices_the_steps_it_runs(engines):
 
 # ---- exactness when sampling: the output distribution is the target's own ----
 
-DRAWS = 400   # the power check below rejects temperature 2 at p ~ 1e-7 with 400
-CHOICES = 10
-
-
-def _filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """numpy oracle of the sampler's filters (jaxserve/sampling.py's documented order):
-    temperature, top-k, then top-p over the renormalised top-k (a token is kept while the mass
-    before it is under top_p); the result renormalised."""
-    p = np.exp((logits - logits.max()) / temperature)
-    p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    keep = np.zeros_like(p, bool)
-    kept = order[:top_k]
-    mass_before = np.cumsum(p[kept] / p[kept].sum()) - p[kept] / p[kept].sum()
-    # the oracle must not hinge on float error at the top-p boundary
-    assert np.abs(mass_before - top_p).min() > 1e-4
-    keep[kept[mass_before < top_p]] = True
-    q = np.where(keep, p, 0.0)
-    return q / q.sum()
-
-
-def _exact_triples(hf, prompt: list[int], temperature: float, top_k: int, top_p: float) -> dict:
-    """P(t1, t2, t3) of the target alone, enumerated over the filtered supports (transformers, f32)."""
-    def dist(prefix):
-        return _filtered_probs(_next_logits(hf, prefix), temperature, top_k, top_p)
-
-    out, p1 = {}, dist(prompt)
-    for t1 in np.flatnonzero(p1):
-        p2 = dist(prompt + [int(t1)])
-        for t2 in np.flatnonzero(p2):
-            p3 = dist(prompt + [int(t1), int(t2)])
-            for t3 in np.flatnonzero(p3):
-                out[(int(t1), int(t2), int(t3))] = p1[t1] * p2[t2] * p3[t3]
-    return out
-
-
-def _chi_square_p(counts: dict, exact: dict, draws: int) -> float:
-    """Pearson's test of the observed triples against `exact`; cells expecting under 5 pooled."""
-    from scipy.stats import chisquare
-
-    assert set(counts) <= set(exact)   # nothing outside the filtered support was ever sampled
-    big = sorted(c for c in exact if exact[c] * draws >= 5)
-    observed = [counts.get(c, 0) for c in big] + [draws - sum(counts.get(c, 0) for c in big)]
-    expected = [exact[c] * draws for c in big] + [draws * (1 - sum(exact[c] for c in big))]
-    return chisquare(observed, expected).pvalue
-
-
-def _next_logits(hf, prefix: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return hf(torch.tensor([prefix])).logits[0, -1].double().numpy()
-
-
 @pytest.fixture(scope="module")
 def target():
     return transformers.AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, torch_dtype="float32").eval()
-
-
-def sampled_triples(llm, prompt: list[int], filters: dict):
-    """DRAWS seeded draws of 3 tokens after `prompt` at temperature 1: (Counter of the triples,
-    draft tokens proposed, accepted). n choices a request (seeds seed..seed+n-1): the prompt is
-    prefilled once per request."""
-    stats = llm.llm_engine.stats
-    before = dict(stats)
-    params = [SamplingParams(temperature=1.0, n=CHOICES, seed=i * CHOICES, max_tokens=3, ignore_eos=True, **filters)
-              for i in range(DRAWS // CHOICES)]
-    outs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
-    counts = collections.Counter(tuple(c.token_ids) for o in outs for c in o.outputs)
-    return (counts, stats["spec_proposed_tokens"] - before["spec_proposed_tokens"],
-            stats["spec_accepted_tokens"] - before["spec_accepted_tokens"])
 
 
 @pytest.mark.parametrize("draft, filters", [("agreeing", dict(top_k=4, top_p=1.0)),
@@ -399,7 +333,7 @@ def test_sampled_tokens_follow_the_targets_distribution(engines, target, monkeyp
     proposes a token the model gives almost no probability). The n-gram lookup is replaced by
     these drafts: the embedded model seldom repeats its prompt within three tokens. The test has
     power: the same counts reject the distribution at temperature 2."""
-    greedy = functools.cache(lambda prefix: [int(np.argmax(_next_logits(target, list(prefix))))])
+    greedy = functools.cache(lambda prefix: [int(np.argmax(next_logits(target, list(prefix))))])
     draft_tokens = {"agreeing": lambda tokens: greedy(tuple(tokens)), "bad": lambda tokens: [0]}[draft]
     monkeypatch.setattr(ngram, "propose", lambda tokens, *_: draft_tokens(tokens))
     _, spec = engines
@@ -407,5 +341,5 @@ def test_sampled_tokens_follow_the_targets_distribution(engines, target, monkeyp
     counts, proposed, accepted = sampled_triples(spec, prompt, filters)
     assert proposed >= DRAWS   # every request's second step was a verify row
     assert accepted > 0.2 * proposed if draft == "agreeing" else accepted < 0.01 * proposed
-    assert _chi_square_p(counts, _exact_triples(target, prompt, 1.0, **filters), DRAWS) > 1e-3
-    assert _chi_square_p(counts, _exact_triples(target, prompt, 2.0, **filters), DRAWS) < 1e-6
+    assert chi_square_p(counts, exact_triples(target, prompt, 1.0, **filters), DRAWS) > 1e-3
+    assert chi_square_p(counts, exact_triples(target, prompt, 2.0, **filters), DRAWS) < 1e-6

@@ -16,8 +16,8 @@ from jaxserve.compilations import CompileCounter
 from jaxserve.config import EngineConfig
 from jaxserve.engine import TINY_MODEL_DIR
 from jaxserve.spec_decode.draft import default_draft_dir
-from tests.test_spec_decode import (CASES, DRAWS, PROMPTS, _chi_square_p, _exact_triples, _run, check_throttled_run,
-                                     plain_llm, plain_outputs, sampled_triples, warm_llm)
+from tests.target_distribution import DRAWS, chi_square_p, exact_triples, sampled_triples
+from tests.test_spec_decode import CASES, PROMPTS, _run, check_throttled_run, plain_llm, plain_outputs, warm_llm
 
 DRAFT = {"method": "draft", "num_tokens": 3, "disable_by_batch_size": 8}   # as test_spec_decode.SPEC
 DRAFT_DIR = os.path.join(TINY_MODEL_DIR, "draft")
@@ -125,5 +125,5 @@ def test_sampled_tokens_follow_the_targets_distribution(engines):
     counts, proposed, accepted = sampled_triples(draft, prompt, filters)
     assert proposed >= DRAWS and accepted > 0
     target = _hf(TINY_MODEL_DIR)
-    assert _chi_square_p(counts, _exact_triples(target, prompt, 1.0, **filters), DRAWS) > 1e-3
-    assert _chi_square_p(counts, _exact_triples(target, prompt, 2.0, **filters), DRAWS) < 1e-6
+    assert chi_square_p(counts, exact_triples(target, prompt, 1.0, **filters), DRAWS) > 1e-3
+    assert chi_square_p(counts, exact_triples(target, prompt, 2.0, **filters), DRAWS) < 1e-6
