@@ -13,6 +13,9 @@
 #   cmdbuf   (only when named) the 1b stage on pallas_gpu with XLA's conditionals and loops in CUDA
 #            graphs (command buffers): XLA:GPU otherwise reads each conditional's predicate on the
 #            host, holding the launching thread (the sampler has 3; the steps have none)
+#   ab       (only when named, with BASE=<tree>) the 1b stage on pallas_gpu for an earlier tree and
+#            then this one, on the same warm GPU: e.g. `mkdir base && git archive d2d8cc4 | tar -x -C
+#            base` here before the call (an untracked folder travels with the working tree)
 # tests and tiny check tokens, not time: they run side by side. The timed stages (kernels, hf, 1b,
 # int8, profile) run alone. At their limits all stages take 16 minutes; one device call runs 10 at
 # most, so give them in two calls, back to back while the machine is warm:
@@ -60,7 +63,7 @@ stage() {   # stage NAME SECONDS COMMAND...: if NAME was asked for, run it with 
 transformers.__version__, torch.__version__)'; } >>"$LOG" 2>&1
 
 # The 1.1B model is written by torch while the first stages run.
-if [[ $STAGES == *" hf "* || $STAGES == *" 1b "* || $STAGES == *" int8 "* || $STAGES == *" profile "* ]]; then
+if [[ $STAGES =~ " "(hf|1b|int8|profile|cmdbuf|ab)" " ]]; then
   $PY -m benchmarks.gpu_engine build --out "$OUT" >>"$LOG.build" 2>&1 &
 fi
 stage tests 150 $PY -m pytest -q -p no:cacheprovider --maxfail 3 tests/test_gpu_kernels.py \
@@ -74,6 +77,8 @@ stage 1b 240 $PY -m benchmarks.gpu_engine jax --model 1b --out "$OUT"
 stage int8 150 $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --quantization int8 --out "$OUT"
 stage cmdbuf 240 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
   bash -c "mkdir -p $OUT/cmdbuf && $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --out $OUT/cmdbuf"
+stage ab 300 bash -c "for tree in ${BASE:-} $PWD; do out=$OUT/ab/\$(basename \$tree) && mkdir -p \$out &&
+  PYTHONPATH=/tmp/site:\$tree $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --out \$out; done"
 MODEL_1B=/tmp/jaxserve_gpu/llama-1b
 stage profile 240 bash -c "$PY benchmarks/kernels.py --sections decode,mixed --profile --out $OUT/profile &&
   $PY -m benchmarks.step_profile --model $MODEL_1B --dtype bfloat16 --rows 64 --context 400 &&
