@@ -13,8 +13,8 @@
 #   cmdbuf   (only when named) the 1b stage on pallas_gpu with XLA's conditionals and loops in CUDA
 #            graphs (command buffers): XLA:GPU otherwise reads each conditional's predicate on the
 #            host, holding the launching thread (the sampler has 3; the steps have none)
-#   ab       (only when named, with BASE=<tree>) the 1b stage on pallas_gpu for an earlier tree and
-#            then this one, on the same warm GPU: e.g. `mkdir base && git archive d2d8cc4 | tar -x -C
+#   ab       (only when named, with BASE=<tree>) the 1b stage on pallas_gpu for this tree and then
+#            an earlier one, on the same warm GPU: e.g. `mkdir base && git archive d2d8cc4 | tar -x -C
 #            base` here before the call (an untracked folder travels with the working tree)
 # tests and tiny check tokens, not time: they run side by side. The timed stages (kernels, hf, 1b,
 # int8, profile) run alone. At their limits all stages take 16 minutes; one device call runs 10 at
@@ -77,7 +77,7 @@ stage 1b 240 $PY -m benchmarks.gpu_engine jax --model 1b --out "$OUT"
 stage int8 150 $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --quantization int8 --out "$OUT"
 stage cmdbuf 240 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
   bash -c "mkdir -p $OUT/cmdbuf && $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --out $OUT/cmdbuf"
-stage ab 300 bash -c "for tree in ${BASE:-} $PWD; do out=$OUT/ab/\$(basename \$tree) && mkdir -p \$out &&
+stage ab 300 bash -c "for tree in $PWD ${BASE:-}; do out=$OUT/ab/\$(basename \$tree) && mkdir -p \$out &&
   PYTHONPATH=/tmp/site:\$tree $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --out \$out; done"
 MODEL_1B=/tmp/jaxserve_gpu/llama-1b
 stage profile 240 bash -c "$PY benchmarks/kernels.py --sections decode,mixed --profile --out $OUT/profile &&

@@ -242,23 +242,30 @@ def _pallas_rows(q, kv, page_table, seq_lens, qsl, k=None, v=None, *, paged, fla
         mine = (tok >= qsl[0]) & (tok < qsl[lead])
         prefill = flash(q[None], k[None], v[None], segment_ids=seg[None], alibi_slopes=alibi_slopes)[0]
         out += jnp.where(mine[:, None, None], prefill, jnp.zeros_like(prefill))
-    # The leading fresh rows emptied (no tokens, no KV): the paged kernel takes the rest.
-    rows = jnp.arange(p + 1)
-    return out + paged(q, kv, page_table[:p], jnp.where(rows[:-1] < lead, 0, seq_lens[:p]),
-                       jnp.where(rows < lead, qsl[lead], qsl[:p + 1]), max_q=max_q)
+    # The leading fresh rows emptied: the paged kernel takes the rest.
+    return out + paged(q, kv, page_table[:p], *_emptied(seq_lens[:p], qsl[:p + 1], lead), max_q=max_q)
 
 
 def _decode_rows(paged, q, kv, page_table, seq_lens, qsl, *, first, decode_q):
     """Rows `first` on (decode rows, at most decode_q tokens each) through `paged`, which sees
     only their tokens: they follow the prefill rows', so a window of all they could bring
-    (sliced from q's end when it would run past it) holds them. 0 for the other tokens."""
+    (sliced from q's end when it would run past it) holds them. 0 for the other tokens. The rows
+    before `first` are emptied, not sliced off: XLA:GPU hands a kernel a slice such as
+    seq_lens[first:] as a view into its operand, and Mosaic GPU refuses a buffer that is not
+    256-byte aligned (H200, 2026-11-27)."""
     n = min(q.shape[0], (page_table.shape[0] - first) * decode_q)
     if not n:
         return jnp.zeros_like(q)
     start = jnp.minimum(qsl[first], q.shape[0] - n)
-    out = paged(lax.dynamic_slice_in_dim(q, start, n), kv, page_table[first:], seq_lens[first:],
-                qsl[first:] - start, max_q=decode_q)
+    seq_lens, qsl = _emptied(seq_lens, qsl, first)
+    out = paged(lax.dynamic_slice_in_dim(q, start, n), kv, page_table, seq_lens, qsl - start, max_q=decode_q)
     return lax.dynamic_update_slice_in_dim(jnp.zeros_like(q), out, start, axis=0)
+
+
+def _emptied(seq_lens, qsl, n):
+    """seq_lens and query_start_loc with rows [0, n) left without tokens or KV (n may be traced)."""
+    rows = jnp.arange(qsl.shape[0])
+    return jnp.where(rows[:-1] < n, 0, seq_lens), jnp.where(rows < n, qsl[n], qsl)
 
 
 def _kv_head_axis(kv_sharding):

@@ -105,6 +105,7 @@ class Compiled(NamedTuple):
     whole_pool_copies: int
     heaviest_loop_cycles: int
     conditionals: int       # a host round trip each on a GPU (step_cost.py)
+    sliced_kernel_operands: int   # refused by Mosaic GPU at run time when not 256-byte aligned
     error: str | None
 
 
@@ -135,14 +136,15 @@ def _compile(name: str, lowered, pool_bytes: int) -> Compiled:
         compiled = lowered().compile()
     except Exception as e:  # a compiler's refusal is this check's answer, reported per computation
         log.info("%s does not compile", name)
-        return Compiled(name, time.perf_counter() - t0, 0, 0, 0, 0, str(e).strip().splitlines()[0][:300])
+        return Compiled(name, time.perf_counter() - t0, 0, 0, 0, 0, 0, str(e).strip().splitlines()[0][:300])
     seconds = time.perf_counter() - t0
     cost, temp = step_cost(compiled.as_text(), pool_bytes), compiled.memory_analysis().temp_size_in_bytes
     # each result as it comes: a long check stopped part way still says what it found
     log.info("compiled %s in %.1f s: temporaries %.1f MiB, %d whole-pool copies, heaviest loop body %d cycles, "
-             "%d conditionals", name, seconds, temp / MiB, cost.whole_pool_copies, cost.heaviest_loop_cycles,
-             cost.conditionals)
-    return Compiled(name, seconds, temp, cost.whole_pool_copies, cost.heaviest_loop_cycles, cost.conditionals, None)
+             "%d conditionals, %d sliced kernel operands", name, seconds, temp / MiB, cost.whole_pool_copies,
+             cost.heaviest_loop_cycles, cost.conditionals, cost.sliced_kernel_operands)
+    return Compiled(name, seconds, temp, cost.whole_pool_copies, cost.heaviest_loop_cycles, cost.conditionals,
+                    cost.sliced_kernel_operands, None)
 
 
 def pool_bytes_per_chip(kv: KVCache) -> int:

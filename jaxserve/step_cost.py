@@ -12,7 +12,10 @@ came out negative, and "bytes accessed" counts the whole aliased pool). What doe
   * the heaviest loop body: the sum of the TPU compiler's per-op `estimated_cycles` over one
     while loop's body, the most expensive such body of the step;
   * conditionals: XLA:GPU hands each one's predicate to the host and waits for it, which holds
-    the launching thread until the device gets there (a TPU decides on the chip).
+    the launching thread until the device gets there (a TPU decides on the chip);
+  * sliced kernel operands: Mosaic GPU kernels' operands that are slices not starting at 0. XLA:GPU
+    passes such a slice as a view into the sliced buffer, and Mosaic GPU refuses at run time one
+    that is not 256-byte aligned ("Input buffer 1 is not 256-byte aligned", H200, 2026-11-27).
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ _OPCODE = re.compile(r"^([a-z][a-z0-9\-]*)\(")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _BODY = re.compile(r"body=%?([\w.\-]+)")
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_OPERANDS = re.compile(r"custom-call\(([^)]*)\)")
+_SLICE_STARTS = re.compile(r"slice=\{([^}]*)\}")
 
 # Ops that name or pass on a buffer without writing one.
 _NO_NEW_BUFFER = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
@@ -50,6 +55,7 @@ class StepCost(NamedTuple):
     heaviest_loop_cycles: int       # 0 when the step has no loop
     copies: tuple[str, ...]         # the copying instructions, "opcode name"
     conditionals: int               # in the HLO text (one in a loop runs every iteration)
+    sliced_kernel_operands: int     # Mosaic GPU kernel operands that are views at an offset
 
 
 def _split_result(rest: str) -> tuple[str, str]:
@@ -121,4 +127,23 @@ def step_cost(hlo_text: str, pool_bytes: int) -> StepCost:
               for m in [_BODY.search(i.line)] if m}
     cycles = [sum(int(c) for i in computations.get(body, []) for c in _CYCLES.findall(i.line)) for body in bodies]
     conditionals = sum(i.opcode == "conditional" for ops in computations.values() for i in ops)
-    return StepCost(len(copies), max(cycles, default=0), copies, conditionals)
+    return StepCost(len(copies), max(cycles, default=0), copies, conditionals, _sliced_kernel_operands(computations))
+
+
+def _sliced_kernel_operands(computations: dict[str, list[Instruction]]) -> int:
+    """Operands of Mosaic GPU custom calls made by a slice (bare, or a fusion's root) whose start
+    is not 0 in some dimension."""
+    def offset_slice(i: Instruction) -> bool:
+        if i.opcode == "fusion" and (called := _CALLS.search(i.line)):
+            i = next((f for f in computations.get(called.group(1), []) if f.line.lstrip().startswith("ROOT ")), i)
+        starts = _SLICE_STARTS.search(i.line) if i.opcode == "slice" else None
+        return starts is not None and any(not s.startswith("[0:") for s in starts.group(1).split(", "))
+
+    count = 0
+    for ops in computations.values():
+        defined = {i.name: i for i in ops}
+        for i in ops:
+            if i.opcode == "custom-call" and 'custom_call_target="mosaic_gpu' in i.line:
+                operands = re.findall(r"%([\w.\-]+)", _OPERANDS.search(i.line).group(1))
+                count += sum(offset_slice(defined[o]) for o in operands if o in defined)
+    return count

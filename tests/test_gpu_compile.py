@@ -144,7 +144,8 @@ def test_llama3_8b_steps_compile_for_one_h100(monkeypatch):
     assert [s.name for s in shapes] == ["decode-128", "decode-8", "prefill-1024x4q512"]
     report = check.check(ecfg, cfg, h100, model_name="llama3-8b", dtype=jnp.bfloat16, shapes=shapes, samplers=False)
     assert_serves(report, f"llama3-8b ({CI_LAYERS} layers) on h100")
-    assert [r.conditionals for r in report.results] == [0] * len(report.results), report.results
+    assert [(r.conditionals, r.sliced_kernel_operands) for r in report.results] == [(0, 0)] * len(report.results), \
+        report.results
     assert 1 in splits and max(splits) > 1, splits
 
 
