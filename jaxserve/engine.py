@@ -269,6 +269,7 @@ class LLMEngine:
         self.scheduler.resolve(out, {k: [r.token for r in v] for k, v in accepted.items()})
         self.stats["steps"] += 1
         now = time.monotonic()
+        first_texts = self._detokenize_first(live, accepted)
         deltas: dict[str, list[CompletionOutput]] = {}
         for s in live:
             seq, tokens = s.seq, accepted[s.seq.seq_id]
@@ -283,7 +284,7 @@ class LLMEngine:
             for i, res in enumerate(tokens):   # one, or a verify row's accepted run: cut where it ends
                 req.num_generated += 1
                 self.stats["generation_tokens"] += 1
-                d = self._advance(req, seq, res, first + i + 1)
+                d = self._advance(req, seq, res, first + i + 1, first_texts[seq.seq_id] if i == 0 else None)
                 delta = d if delta is None else join(delta, d)
                 if seq.is_finished:   # drops what followed, a later step's PENDING token too
                     del seq.output_token_ids[first + i + 1:]
@@ -352,24 +353,27 @@ class LLMEngine:
             self.stats["spec_accepted_tokens"] += n
         return sampled[:n + 1]
 
-    def _advance(self, req: Request, seq: Sequence, res: SampleResult, num_outputs: int) -> CompletionOutput:
-        """Detokenize the new token (the sequence's num_outputs-th output), apply stop conditions,
-        return the choice's delta. The sampler bans the ending tokens before min_tokens outputs;
-        stop strings are not looked for then."""
+    def _detokenize_first(self, live: list, accepted: dict[int, list[SampleResult]]) -> dict[int, str]:
+        """Each row's first new token's text by seq_id, all rows in one tokenizer call (two calls
+        a row cost more); a stop token's too, kept only if asked for (`_advance`)."""
+        seqs = [s.seq for s in live if self._requests[s.seq.request_id].params.max_tokens]
+        texts = IncrementalDetokenizer.step_all([self._requests[q.request_id].detoks[q.index] for q in seqs],
+                                                [[accepted[q.seq_id][0].token] for q in seqs])
+        return {q.seq_id: text for q, text in zip(seqs, texts)}
+
+    def _advance(self, req: Request, seq: Sequence, res: SampleResult, num_outputs: int,
+                 text: str | None) -> CompletionOutput:
+        """Detokenize the new token (the sequence's num_outputs-th output; `text`: its text if
+        already detokenized), apply stop conditions, return the choice's delta. The sampler bans
+        the ending tokens before min_tokens outputs; stop strings are not looked for then."""
         p, i, token = req.params, seq.index, res.token
         is_stop_token = token in seq.end_token_ids
         reason = "stop" if is_stop_token else None
+        text = req.detoks[i].step([token]) if text is None else text
         if not is_stop_token or p.include_stop_str_in_output:
-            req.texts[i] += req.detoks[i].step([token])
-        if reason is None and p.stop and num_outputs >= p.min_tokens:
-            # Search only where a new match can start.
-            start = max(0, req.emitted[i] - max(map(len, p.stop)))
-            hits = [(req.texts[i].find(s, start), s) for s in p.stop]
-            hits = [(pos, s) for pos, s in hits if pos >= 0]
-            if hits:
-                pos, s = min(hits)
-                req.texts[i] = req.texts[i][:pos + len(s) if p.include_stop_str_in_output else pos]
-                reason = "stop"
+            req.texts[i] += text
+        if reason is None and p.stop and num_outputs >= p.min_tokens and req.cut_at_stop_string(i):
+            reason = "stop"
         if reason is None and seq.grammar is not None and seq.grammar.accept(token):
             reason = "stop"   # the grammar is complete
         if reason is None and (num_outputs >= p.max_tokens or seq.num_prompt_tokens + num_outputs >= self.max_model_len):
@@ -378,14 +382,9 @@ class LLMEngine:
             if reason == "length":
                 req.texts[i] += req.detoks[i].flush()
             self.scheduler.finish(seq, reason)
-            hold = 0
-        else:
-            hold = max(map(len, p.stop)) - 1 if p.stop else 0  # a stop string may still be completing
-        end = max(req.emitted[i], len(req.texts[i]) - hold)
-        text = req.texts[i][req.emitted[i]:end]
-        req.emitted[i] = end
         token_ids = [] if is_stop_token and not p.include_stop_str_in_output else [token]
-        return CompletionOutput(i, text, token_ids, [res] if p.logprobs is not None else None, reason)
+        return CompletionOutput(i, req.take_text(i, finished=reason is not None), token_ids,
+                                [res] if p.logprobs is not None else None, reason)
 
     def _output(self, req: Request, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
         return RequestOutput(

@@ -52,6 +52,25 @@ class Request:
     num_generated: int = 0
     prompt_logprobs_sent: bool = False
 
+    def cut_at_stop_string(self, i: int) -> bool:
+        """Cut choice i's text at the first stop string that ends in its new part (kept with
+        include_stop_str_in_output); whether there was one."""
+        stop, text = self.params.stop, self.texts[i]
+        start = max(0, self.emitted[i] - max(map(len, stop)))   # where a new match can start
+        hits = [(pos, s) for s in stop for pos in [text.find(s, start)] if pos >= 0]
+        if hits:
+            pos, s = min(hits)
+            self.texts[i] = text[:pos + len(s) if self.params.include_stop_str_in_output else pos]
+        return bool(hits)
+
+    def take_text(self, i: int, finished: bool) -> str:
+        """Choice i's text not sent yet; unless finished, less the end that may be the start of a
+        stop string still completing."""
+        hold = max(map(len, self.params.stop)) - 1 if self.params.stop and not finished else 0
+        end = max(self.emitted[i], len(self.texts[i]) - hold)
+        text, self.emitted[i] = self.texts[i][self.emitted[i]:end], end
+        return text
+
 
 def join(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
     """One choice's deltas of one step (a verify row's tokens) as one."""

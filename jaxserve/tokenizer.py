@@ -44,6 +44,9 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
 
+    def decode_batch(self, batch: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in batch]
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         raise NotImplementedError
 
@@ -106,6 +109,10 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids, skip_special_tokens=True):
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_batch(self, batch, skip_special_tokens=True):
+        # One call into the Rust library, which decodes the batch on its own threads.
+        return self.tk.decode_batch(batch, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids):
         return [self.tk.id_to_token(i) for i in ids]
@@ -180,7 +187,8 @@ class IncrementalDetokenizer:
     (kept as left context so word-boundary spaces and byte pieces decode as they do in the
     full text), `read_offset:` is new. While the window's text ends in U+FFFD (an incomplete
     UTF-8 character) nothing is emitted. Call `flush()` when the sequence ends to emit anything
-    still held back (an output that ends mid-character)."""
+    still held back (an output that ends mid-character). `step_all` steps many detokenizers of one
+    tokenizer with one decode_batch call (per skip_special_tokens setting): an engine step's rows."""
 
     CONTEXT = 5  # prompt tokens of left context, as vLLM
 
@@ -198,20 +206,37 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def _delta(self) -> tuple[str, str]:
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        return prefix, self._decode(self.ids[self.prefix_offset:])
+    @staticmethod
+    def _windows(detoks: list[IncrementalDetokenizer]) -> list[tuple[str, str]]:
+        """Each detokenizer's (emitted context, whole window) texts."""
+        texts: list[tuple[str, str]] = [("", "")] * len(detoks)
+        for skip in {d.skip_special_tokens for d in detoks}:
+            mine = [i for i, d in enumerate(detoks) if d.skip_special_tokens == skip]
+            windows = [w for i in mine for d in [detoks[i]] for w in (d.ids[d.prefix_offset:d.read_offset],
+                                                                    d.ids[d.prefix_offset:])]
+            decoded = detoks[mine[0]].tokenizer.decode_batch(windows, skip)
+            for k, i in enumerate(mine):
+                texts[i] = decoded[2 * k], decoded[2 * k + 1]
+        return texts
+
+    @staticmethod
+    def step_all(detoks: list[IncrementalDetokenizer], new_token_ids: list[list[int]]) -> list[str]:
+        """Each detokenizer's `step` with its new ids."""
+        for d, ids in zip(detoks, new_token_ids):
+            d.ids.extend(ids)
+        deltas = []
+        for d, (prefix, text) in zip(detoks, IncrementalDetokenizer._windows(detoks)):
+            held = len(text) <= len(prefix) or text.endswith("\ufffd")
+            if not held:
+                d._advance()
+            deltas.append("" if held else text[len(prefix):])
+        return deltas
 
     def step(self, new_token_ids: list[int]) -> str:
-        self.ids.extend(new_token_ids)
-        prefix, text = self._delta()
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
-            return ""
-        self._advance()
-        return text[len(prefix):]
+        return self.step_all([self], [new_token_ids])[0]
 
     def flush(self) -> str:
-        prefix, text = self._delta()
+        [(prefix, text)] = self._windows([self])
         self._advance()
         return text[len(prefix):]
 

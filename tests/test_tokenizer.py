@@ -260,13 +260,34 @@ def test_detokenizer_work_is_bounded(tokenizer):
     """Each step decodes a short window, however long the output grows."""
     ids = tokenizer.encode(" ".join(TEXTS * 8))
     widths = []
-    decode = tokenizer.decode
-    tokenizer.decode = lambda window, skip_special_tokens=True: widths.append(len(window)) or decode(window, skip_special_tokens)
+    decode_batch = tokenizer.decode_batch
+    tokenizer.decode_batch = lambda windows, skip: widths.extend(map(len, windows)) or decode_batch(windows, skip)
     detok = IncrementalDetokenizer(tokenizer, ids[:50])
     text = "".join(detok.step([i]) for i in ids[50:]) + detok.flush()
-    del tokenizer.decode
+    del tokenizer.decode_batch
     assert len(ids) > 400 and max(widths) <= 16
-    assert text == decode(ids)[len(decode(ids[:50])):]
+    assert text == tokenizer.decode(ids)[len(tokenizer.decode(ids[:50])):]
+
+
+def test_detokenizers_stepped_together_match_the_full_decode(tokenizer):
+    """step_all, as the engine steps its rows: one decode_batch call per skip_special_tokens
+    setting, and each output's deltas add up to its full decode."""
+    rng = random.Random(2)
+    outputs = [random_ids(tokenizer, rng, rng.randint(1, 40)) for _ in range(8)]
+    skips = [i % 2 == 0 for i in range(8)]
+    detoks = [IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip) for skip in skips]
+    texts, calls = [""] * 8, []
+    decode_batch = tokenizer.decode_batch
+    tokenizer.decode_batch = lambda windows, skip: calls.append(skip) or decode_batch(windows, skip)
+    for step in range(max(map(len, outputs))):
+        live = [i for i in range(8) if step < len(outputs[i])]
+        calls.clear()
+        deltas = IncrementalDetokenizer.step_all([detoks[i] for i in live], [[outputs[i][step]] for i in live])
+        assert sorted(calls) == sorted({skips[i] for i in live})
+        for i, delta in zip(live, deltas):
+            texts[i] += delta
+    del tokenizer.decode_batch
+    assert [text + d.flush() for text, d in zip(texts, detoks)] == [tokenizer.decode(o, s) for o, s in zip(outputs, skips)]
 
 
 def _rss_mib() -> float:
