@@ -2,7 +2,8 @@
 # Everything a lent GPU is for, each stage under its own time limit so that one failing stage
 # leaves the others' results:
 #   tests    the GPU kernel tests compiled for real (tests/test_gpu_kernels.py, the GPU flash tests)
-#   tiny     the engine on the embedded model: greedy tokens, pallas_gpu against xla
+#   tiny     the engine on the embedded model: greedy tokens, pallas_gpu against xla, with prompts
+#            packed into steps (the flash kernel's segment ids)
 #   kernels  benchmarks/kernels.py: our kernels against XLA and JAX's shipped GPU kernels
 #   hf       a random 1.1B bf16 Llama under transformers generate (static batches)
 #   1b       the engine on it, both backends
@@ -67,9 +68,10 @@ transformers.__version__, torch.__version__)'; } >>"$LOG" 2>&1
 if [[ $STAGES =~ " "(hf|1b|int8|profile|cmdbuf|ab)" " ]]; then
   $PY -m benchmarks.gpu_engine build --out "$OUT" >>"$LOG.build" 2>&1 &
 fi
-stage tests 240 $PY -m pytest -q -p no:cacheprovider --maxfail 3 tests/test_gpu_kernels.py \
-  tests/test_flash_attention.py -k "gpu" &
-stage tiny 150 $PY -m benchmarks.gpu_engine jax --model tiny --out "$OUT"
+# The flash kernel's segment-id tests first: packed prompts (the tiny stage's steps) depend on them.
+stage tests 240 $PY -m pytest -q -p no:cacheprovider --maxfail 3 tests/test_flash_attention.py \
+  tests/test_gpu_kernels.py -k "gpu" &
+stage tiny 200 $PY -m benchmarks.gpu_engine jax --model tiny --out "$OUT"
 wait
 [[ -f "$LOG.build" ]] && cat "$LOG.build" >>"$LOG" && rm "$LOG.build"
 stage kernels 100 $PY benchmarks/kernels.py --sections decode,prefill,mixed,kv_write --out "$OUT"
