@@ -1,6 +1,7 @@
 """What the two Mosaic GPU kernels (flash_attention/gpu.py, paged_attention/gpu.py) share: SMEM
-tiles laid out as wgmma reads them, a matmul of two such tiles, the online softmax over KV tiles
-(P kept in registers as the P @ V wgmma's A operand), and the interpreter settings.
+tiles laid out as wgmma reads them, a matmul of such tiles (A also from registers), the online
+softmax over KV tiles (P kept in registers as the P @ V wgmma's A operand), and the interpreter
+settings.
 
 On CPU the kernels run under Mosaic GPU's own interpreter (`InterpretGPUParams`, private in jax
 0.10 and 0.11), which simulates SMEM, TMA copies, barriers (their phases exactly) and wgmma, here
@@ -9,6 +10,7 @@ takes transposed operands, so when interpreting, `matmul` reads both tiles with 
 the detector checks) and multiplies them with jnp.dot; on a GPU it is one wgmma. Neither does it
 know `layout_cast` (layout hints only matter to the compiler): `layout_cast` drops them.
 """
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -29,17 +31,19 @@ def tiled_smem(dtype, head_dim):
     return lambda *shape: plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
-def matmul(a_smem, b_smem, *, transpose_b=False, interpret):
-    """a [M, K] @ b [K, N] in f32 (b stored [N, K] with transpose_b), both SMEM tiles."""
+def matmul(a, b_smem, *, transpose_b=False, interpret):
+    """a [M, K] @ b [K, N] in f32 (b stored [N, K] with transpose_b). b is an SMEM tile; a one
+    too, or an array already in registers (16-bit, WGMMA layout), which wgmma also takes as A."""
     if interpret:
         b = b_smem[...]
-        return jnp.dot(a_smem[...], b.T if transpose_b else b, preferred_element_type=jnp.float32)
+        a = a if isinstance(a, jax.Array) else a[...]   # a ref is no jax.Array
+        return jnp.dot(a, b.T if transpose_b else b, preferred_element_type=jnp.float32)
     n = b_smem.shape[0 if transpose_b else 1]
 
     def run(acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)) if transpose_b else b_smem)
+        plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b_smem, (1, 0)) if transpose_b else b_smem)
         return acc_ref[...]
-    return pl.run_scoped(run, plgpu.ACC((a_smem.shape[0], n), jnp.float32))
+    return pl.run_scoped(run, plgpu.ACC((a.shape[0], n), jnp.float32))
 
 
 def layout_cast(x, layout, *, interpret):
