@@ -166,6 +166,7 @@ def paged_impls(platform, case, decode_only):
     kw = dict(max_q=case["max_q"], sm_scale=case["sm_scale"])
     impls = {"xla reference": (functools.partial(ragged_paged_attention_xla, **kw), a)}
     if platform in ("gpu", "tpu"):
+        from pallas_kernels import wgmma
         from pallas_kernels.paged_attention import gpu, tpu
         name, module = {"gpu": ("ours (Mosaic GPU)", gpu), "tpu": ("ours (Mosaic TPU)", tpu)}[platform]
         impls[name] = (functools.partial(module.ragged_paged_attention, **kw), a)
@@ -180,7 +181,7 @@ def paged_impls(platform, case, decode_only):
             impls["ours, kv_block 128"] = (functools.partial(gpu.ragged_paged_attention, kv_block=128, **kw), a)
             for label, blocks in [(f"{n} stages", dict(stages=n)) for n in (2, 3, 4)] + [
                     ("kv_block 128, 3 stages", dict(kv_block=128, stages=3))]:
-                if gpu.smem_bytes(head_dim, case["q"].dtype, page_size=page_size, **blocks) <= gpu.SMEM_BUDGET:
+                if gpu.smem_bytes(head_dim, case["q"].dtype, page_size=page_size, **blocks) <= wgmma.SMEM_BUDGET:
                     impls[f"ours, {label}"] = (functools.partial(gpu.ragged_paged_attention, **blocks, **kw), a)
     q, k_pages, v_pages, table, lens, qsl = a
     scaled_q = q * case["sm_scale"]  # JAX's paged kernels do not scale

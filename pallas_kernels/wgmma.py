@@ -18,6 +18,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SWIZZLES = (128, 64, 32)  # bytes that wgmma reads swizzled; the widest is fastest
 MASK_VALUE = -1e30  # finite: a row masked in one tile is wiped out by the next tile's rescale
+SMEM_BUDGET = 227 * 1024  # bytes of SMEM one CTA may use on H100 / H200 (sm_90); Mosaic GPU refuses more
 
 
 def tiled_smem(dtype, head_dim):

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 
+from pallas_kernels import wgmma
 from pallas_kernels.flash_attention import gpu as flash_gpu
 from pallas_kernels.flash_attention.reference import causal_attention
 from pallas_kernels.paged_attention import gpu as paged_gpu
@@ -199,7 +200,7 @@ def test_flash_kernel_head_dim_256():
 def test_flash_smem_budget_matches_mosaic_gpu(head_dim, block_kv):
     q = jax.ShapeDtypeStruct((1, 256, 1, head_dim), jnp.bfloat16)
     fn = jax.jit(lambda q, k, v: flash_gpu.flash_attention(q, k, v, block_kv=block_kv))
-    expected = flash_gpu.smem_bytes(head_dim, jnp.bfloat16, block_kv=block_kv) <= flash_gpu.SMEM_BUDGET
+    expected = flash_gpu.smem_bytes(head_dim, jnp.bfloat16, block_kv=block_kv) <= wgmma.SMEM_BUDGET
     try:
         fn.trace(q, q, q).lower(lowering_platforms=("cuda",))
         lowered = True
@@ -234,10 +235,10 @@ def test_paged_smem_budget_matches_mosaic_gpu(head_dim, kv_block, pool, stages, 
     need = paged_gpu.smem_bytes(head_dim, jnp.bfloat16, pool_dtype=pool if quantized else None, kv_block=kv_block,
                                 stages=stages, alibi=extras, split=extras)
     lower = lambda: fn.trace(*args).lower(lowering_platforms=("cuda",))  # noqa: E731
-    if need > paged_gpu.SMEM_BUDGET:
+    if need > wgmma.SMEM_BUDGET:
         with pytest.raises(ValueError, match=f"stages {stages}: .* \\({need} needed\\)"):
             lower()
-    monkeypatch.setattr(paged_gpu, "SMEM_BUDGET", 1 << 30)   # past the kernel's own refusal
+    monkeypatch.setattr(wgmma, "SMEM_BUDGET", 1 << 30)   # past the kernel's own refusal
     monkeypatch.setattr(mosaic_gpu_core, "_SMEM_SIZE_BOUND", 0)
     with pytest.raises(ValueError, match="exceeds available shared memory") as refused:
         lower()

@@ -133,7 +133,6 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
     plgpu.wait_smem_to_gmem(0)
 
 
-SMEM_BUDGET = 227 * 1024  # bytes of shared memory one CTA may use on H100 / H200 (sm_90)
 SMEM_OVERHEAD = 4 * 1024  # barriers, cross-warp reduction scratch, 1 KB alignment of each buffer
 BLOCK_KV_CHOICES = (128, 64)  # largest first: fewer loop steps; 64 leaves room for head_dim 256
 
@@ -147,7 +146,7 @@ def smem_bytes(head_dim, dtype, block_q=BLOCK_Q, block_kv=128):
 def pick_block_kv(head_dim, dtype, block_q=BLOCK_Q):
     """The largest kv block whose tiles fit in shared memory, or None when none does."""
     return next((bkv for bkv in BLOCK_KV_CHOICES
-                 if smem_bytes(head_dim, dtype, block_q, bkv) <= SMEM_BUDGET), None)
+                 if smem_bytes(head_dim, dtype, block_q, bkv) <= wgmma.SMEM_BUDGET), None)
 
 
 def fits(head_dim, dtype, block_q=BLOCK_Q) -> bool:

@@ -234,7 +234,6 @@ def pick_kv_splits(programs, max_tiles):
     return max(1, min(-(-BUSY_PROGRAMS // max(programs, 1)), max_tiles // MIN_TILES_PER_SPLIT))
 
 
-SMEM_BUDGET = 227 * 1024   # bytes of SMEM one CTA may use on H100 / H200 (sm_90); Mosaic GPU refuses more
 TWO_PER_SM = 228 * 1024 // 2 - 1024   # the most that lets two programs share an SM (1 KB reserved per CTA)
 MAX_STAGES = 4   # the deepest ring `pick_stages` takes
 REDUCTION_SCRATCH = 2 * 1024   # Mosaic GPU's SMEM for cross-warp reductions (CompilerParams' default, 1 KB aligned)
@@ -298,7 +297,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     kv_block: keys per tile, a multiple of 64 and of page_size (or page_size itself when larger).
     kv_splits: how many parts each program's KV tiles are split into (module docstring); None:
     `pick_kv_splits`. stages: K/V slots in the copy ring (module docstring), at least 2, within
-    SMEM_BUDGET (`smem_bytes`); None: `pick_stages`.
+    wgmma.SMEM_BUDGET (`smem_bytes`); None: `pick_stages`.
     Needs D a multiple of 16 up to 256 (of 32 for quantized pools: a row of whole 32-byte swizzle
     spans), H / KVH at most 64, 16-bit inputs on a GPU (f32 too when interpreting), page_size a
     multiple of 8 (page copies fill whole 8-row SMEM tiles). interpret=True runs in Mosaic GPU
@@ -326,8 +325,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     if stages is None:
         stages = pick_stages(head_dim, q.dtype, **smem_args)
     smem = smem_bytes(head_dim, q.dtype, stages=stages, **smem_args)
-    if stages < 2 or smem > SMEM_BUDGET:
-        raise ValueError(f"stages {stages}: need at least 2, and SMEM within {SMEM_BUDGET} bytes ({smem} needed)")
+    if stages < 2 or smem > wgmma.SMEM_BUDGET:
+        raise ValueError(f"stages {stages}: need at least 2, and SMEM within {wgmma.SMEM_BUDGET} bytes ({smem} needed)")
 
     # Q rows (token, head in group) of each KV head in the programs' blocks; page-table columns
     # padded by a tile.
