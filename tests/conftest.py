@@ -5,10 +5,12 @@ import os
 # is most of the suite's time and the tests' programs are small: LLVM at -O0 (an engine's warm-up
 # takes 28% less), and XLA:CPU's older loop emitters rather than its MLIR fusion emitters, which
 # owned half of what remained (the test engine's 30 compilations: 21 -> 11 s, 2026-11-27). The
-# compile-only TPU and GPU checks pass alike.
+# compile-only TPU and GPU checks pass alike. Not on a GPU (benchmarks/on_gpu.sh): -O0 would
+# reach its code too, and the kernel tests there are meant as they run in serving.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 "
-                                   "--xla_cpu_use_fusion_emitters=false")
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 "
+                                       "--xla_cpu_use_fusion_emitters=false")
 
 import jax  # noqa: E402  after the flags: they are read as JAX starts its CPU client
 import pytest  # noqa: E402
