@@ -8,8 +8,7 @@ On an H100 the embedded tiny model's decode step took 3.2 ms at 64 rows and the 
 host alone on the 2-core dev box: the host, not the GPU, set the pace of those steps.
 
 The model: a seeded random 1-layer Llama (hidden 64, the embedded model's tokenizer and 4,096
-vocabulary) written with save_pretrained. After warm-up the heap is frozen as the server freezes
-it once warm (gc.freeze). Per batch size B: B requests of 32 random prompt tokens,
+vocabulary) written with save_pretrained. Per batch size B: B requests of 32 random prompt tokens,
 greedy, ignore_eos; once all B decode, `steps` steps are timed (medians): the wall time of
 `engine.step()`, the CPU time of the thread that ran it (the host's own work, without the time
 XLA's threads took from it on a CPU "device"), and the time it waited in `jax.device_get` for the
@@ -23,7 +22,6 @@ alternating order for `rounds` rounds, and keeps each tree's best round per B.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -74,8 +72,6 @@ def worker(rows: list[int], steps: int) -> dict:
                                     max_num_seqs=n, max_num_batched_tokens=1024,
                                     compilation_cache_dir=os.path.join(WORK_DIR, "cache")))
     engine.warmup()
-    gc.collect()
-    gc.freeze()   # as the server does once warm (jaxserve/server/host.py)
     rng = np.random.default_rng(0)
     out = {}
     for b in rows:

@@ -5,7 +5,6 @@ and drains on shutdown."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import hashlib
 import importlib.metadata
 import json
@@ -56,11 +55,6 @@ class EngineHost:
             # has finished in the background: its compilations would share the cores.
             for engine in client.engines:
                 engine.runner.wait_warm()
-            # What is alive once warm (the model, the compiled programs, the modules) lives as long
-            # as the process: frozen, the collector's passes skip its ~150,000 objects (0.54 -> 0.08
-            # ms of each decode step of 128 rows on the 2-core dev box: benchmarks/host_time.py).
-            gc.collect()
-            gc.freeze()
             self.metrics.roofline = RooflineMeter(client.engine, device_peaks())
             client.step_listeners.append(self.metrics.roofline.on_step)
         except Exception as e:
