@@ -166,23 +166,16 @@ def paged_impls(platform, case, decode_only):
     kw = dict(max_q=case["max_q"], sm_scale=case["sm_scale"])
     impls = {"xla reference": (functools.partial(ragged_paged_attention_xla, **kw), a)}
     if platform in ("gpu", "tpu"):
-        from pallas_kernels import wgmma
         from pallas_kernels.paged_attention import gpu, tpu
         name, module = {"gpu": ("ours (Mosaic GPU)", gpu), "tpu": ("ours (Mosaic TPU)", tpu)}[platform]
         impls[name] = (functools.partial(module.ragged_paged_attention, **kw), a)
         if platform == "gpu" and decode_only:   # what splitting the KV gains (where the default splits:
-            # few programs), whether tiles of 128 keys (half the per-tile work, one program per SM) beat 64,
-            # and how deep a K/V copy ring pays: 2 stages (a double buffer) to 4, beside the default
-            # (`pick_stages`: 3 at D 128, two programs an SM; 4 leaves one), and 3 of 128 keys (one an SM)
-            _, num_kv_heads, page_size, head_dim = case["k_pages"].shape
+            # few programs), and whether tiles of 128 keys (half the per-tile work, one program per SM) beat 64
+            _, num_kv_heads, page_size, _ = case["k_pages"].shape
             seqs, table_width = case["page_table"].shape
             if gpu.pick_kv_splits(num_kv_heads * seqs, table_width * page_size // max(64, page_size)) > 1:
                 impls["ours, no KV split"] = (functools.partial(gpu.ragged_paged_attention, kv_splits=1, **kw), a)
             impls["ours, kv_block 128"] = (functools.partial(gpu.ragged_paged_attention, kv_block=128, **kw), a)
-            for label, blocks in [(f"{n} stages", dict(stages=n)) for n in (2, 3, 4)] + [
-                    ("kv_block 128, 3 stages", dict(kv_block=128, stages=3))]:
-                if gpu.smem_bytes(head_dim, case["q"].dtype, page_size=page_size, **blocks) <= wgmma.SMEM_BUDGET:
-                    impls[f"ours, {label}"] = (functools.partial(gpu.ragged_paged_attention, **blocks, **kw), a)
     q, k_pages, v_pages, table, lens, qsl = a
     scaled_q = q * case["sm_scale"]  # JAX's paged kernels do not scale
     heads_major = lambda x: x.transpose(1, 0, 2, 3)  # noqa: E731  [KVH, N, page_size, D]

@@ -69,7 +69,7 @@ if [[ $STAGES =~ " "(hf|1b|int8|profile|cmdbuf|ab)" " ]]; then
   $PY -m benchmarks.gpu_engine build --out "$OUT" >>"$LOG.build" 2>&1 &
 fi
 # The flash kernel's segment-id tests first: packed prompts (the tiny stage's steps) depend on them.
-stage tests 240 $PY -m pytest -q -p no:cacheprovider --maxfail 3 tests/test_flash_attention.py \
+stage tests 240 $PY -m pytest -q -p no:cacheprovider --maxfail 20 tests/test_flash_attention.py \
   tests/test_gpu_kernels.py -k "gpu" &
 stage tiny 200 $PY -m benchmarks.gpu_engine jax --model tiny --out "$OUT"
 wait

@@ -1,7 +1,6 @@
 """What the two Mosaic GPU kernels (flash_attention/gpu.py, paged_attention/gpu.py) share: SMEM
-tiles laid out as wgmma reads them, a matmul of such tiles (A also from registers), the online
-softmax over KV tiles (P kept in registers as the P @ V wgmma's A operand), and the interpreter
-settings.
+tiles laid out as wgmma reads them, a matmul of two such tiles, the online softmax over KV tiles
+(P kept in registers as the P @ V wgmma's A operand), and the interpreter settings.
 
 On CPU the kernels run under Mosaic GPU's own interpreter (`InterpretGPUParams`, private in jax
 0.10 and 0.11), which simulates SMEM, TMA copies, barriers (their phases exactly) and wgmma, here
@@ -10,7 +9,6 @@ takes transposed operands, so when interpreting, `matmul` reads both tiles with 
 the detector checks) and multiplies them with jnp.dot; on a GPU it is one wgmma. Neither does it
 know `layout_cast` (layout hints only matter to the compiler): `layout_cast` drops them.
 """
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -18,7 +16,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SWIZZLES = (128, 64, 32)  # bytes that wgmma reads swizzled; the widest is fastest
 MASK_VALUE = -1e30  # finite: a row masked in one tile is wiped out by the next tile's rescale
-SMEM_BUDGET = 227 * 1024  # bytes of SMEM one CTA may use on H100 / H200 (sm_90); Mosaic GPU refuses more
+# Each kernel names its lowering semantics: jax 0.11 made Warpgroup the default (0.10: Lane), and
+# each kernel is shown correct on a GPU under one (an H200, jax 0.11.2). The flash kernel under
+# Lane (2026-11-27; under Warpgroup, layout inference found no layouts for bidirectional masks),
+# the paged kernel under Warpgroup (the same day, before). Named, the compile checks here (jax
+# 0.10) lower what a GPU runs.
+LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+WARPGROUP = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
 def tiled_smem(dtype, head_dim):
@@ -32,19 +36,17 @@ def tiled_smem(dtype, head_dim):
     return lambda *shape: plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
-def matmul(a, b_smem, *, transpose_b=False, interpret):
-    """a [M, K] @ b [K, N] in f32 (b stored [N, K] with transpose_b). b is an SMEM tile; a one
-    too, or an array already in registers (16-bit, WGMMA layout), which wgmma also takes as A."""
+def matmul(a_smem, b_smem, *, transpose_b=False, interpret):
+    """a [M, K] @ b [K, N] in f32 (b stored [N, K] with transpose_b), both SMEM tiles."""
     if interpret:
         b = b_smem[...]
-        a = a if isinstance(a, jax.Array) else a[...]   # a ref is no jax.Array
-        return jnp.dot(a, b.T if transpose_b else b, preferred_element_type=jnp.float32)
+        return jnp.dot(a_smem[...], b.T if transpose_b else b, preferred_element_type=jnp.float32)
     n = b_smem.shape[0 if transpose_b else 1]
 
     def run(acc_ref):
-        plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b_smem, (1, 0)) if transpose_b else b_smem)
+        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)) if transpose_b else b_smem)
         return acc_ref[...]
-    return pl.run_scoped(run, plgpu.ACC((a.shape[0], n), jnp.float32))
+    return pl.run_scoped(run, plgpu.ACC((a_smem.shape[0], n), jnp.float32))
 
 
 def layout_cast(x, layout, *, interpret):

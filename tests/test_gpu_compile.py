@@ -86,7 +86,7 @@ def test_flash_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
     assert regs <= 255 and (spills == 0 or head_dim > 128), (regs, spills)
 
 
-PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, soft cap and ALiBi, pool dtype[, options])
+PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, soft cap and ALiBi, pool dtype[, kv_splits])
     "decode-d32": (32, None, 1, 16, 64, False, "bfloat16"),  # 64-byte swizzle
     "decode-d64": (64, None, 1, 16, 64, False, "bfloat16"),
     "mixed-d96": (96, None, 64, 16, 64, False, "bfloat16"),  # 64-byte swizzle, 3 spans a row
@@ -103,25 +103,15 @@ PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, soft c
     "decode-d32-fp8-softcap-alibi": (32, None, 1, 16, 64, True, "float8_e4m3fn"),  # 32-byte swizzle
     "mixed-d128-fp8": (128, None, 64, 16, 64, False, "float8_e4m3fn"),
     # Split KV (each split's output and log-sum-exp written, then merged by XLA).
-    "decode-d128-split4": (128, None, 1, 16, 64, False, "bfloat16", dict(kv_splits=4)),
+    "decode-d128-split4": (128, None, 1, 16, 64, False, "bfloat16", 4),
     "decode-d128-kv128": (128, None, 1, 16, 128, False, "bfloat16"),  # 8 page copies a tile
-    "decode-d64-window-softcap-alibi-int8-split3": (64, 1024, 1, 16, 64, True, "int8", dict(kv_splits=3)),
-    # K/V copy rings of 2 to 4 slots. By default (`pick_stages`) 3 for bf16 at D 128 (mixed-d128,
-    # decode-d128-window), 4 for int8 (decode-d128-int8): not again here; int8 at 4 slots in a
-    # mixed batch: the last case.
-    "decode-d128-stages2": (128, None, 1, 16, 64, False, "bfloat16", dict(stages=2)),
-    "decode-d128-stages4": (128, None, 1, 16, 64, False, "bfloat16", dict(stages=4)),
-    "decode-d128-kv128-stages3": (128, None, 1, 16, 128, False, "bfloat16", dict(stages=3)),
-    "decode-d128-int8-stages2": (128, None, 1, 16, 64, False, "int8", dict(stages=2)),
-    "mixed-d128-int8-stages3": (128, None, 64, 16, 64, False, "int8", dict(stages=3)),
-    "mixed-d128-window-softcap-alibi-int8-split2-stages4": (128, 1024, 64, 16, 64, True, "int8",
-                                                            dict(kv_splits=2, stages=4)),
+    "decode-d64-window-softcap-alibi-int8-split3": (64, 1024, 1, 16, 64, True, "int8", 3),
 }
 
 
 @pytest.mark.parametrize("name", PAGED)
 def test_paged_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
-    head_dim, window, max_q, page_size, kv_block, score_mods, pool_dtype, *options = PAGED[name]
+    head_dim, window, max_q, page_size, kv_block, score_mods, pool_dtype, *kv_splits = PAGED[name]
     tokens, num_heads, num_kv_heads, num_pages, seqs, pages_per_seq = 125, 32, 8, 512, 64, 64
     pages = spec(h100, (num_pages, num_kv_heads, page_size, head_dim), jnp.dtype(pool_dtype))
     scales = spec(h100, (num_pages, num_kv_heads, 1, page_size), jnp.float32) if pool_dtype != "bfloat16" else None
@@ -131,7 +121,7 @@ def test_paged_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
             scales]
     kernel = functools.partial(paged_gpu.ragged_paged_attention, max_q=max_q, sm_scale=head_dim ** -0.5,
                                sliding_window=window, soft_cap=30.0 if score_mods else None, kv_block=kv_block,
-                               **(options[0] if options else {}))
+                               kv_splits=kv_splits[0] if kv_splits else None)
     fn = jax.jit(lambda *a: kernel(*a[:-2], alibi_slopes=a[-2], k_scale=a[-1], v_scale=a[-1]))
     regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
     print(f"paged {name}: {regs} registers, {spills} bytes spilled")

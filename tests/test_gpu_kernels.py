@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 
-from pallas_kernels import wgmma
 from pallas_kernels.flash_attention import gpu as flash_gpu
 from pallas_kernels.flash_attention.reference import causal_attention
 from pallas_kernels.paged_attention import gpu as paged_gpu
@@ -102,49 +101,24 @@ def test_paged_kernel_random_batches(spec):
     run_paged(paged_case(**spec))
 
 
-def with_quantized_pools(c, kv_dtype):
-    """Case c over a quantized pool (run_paged's stored_k / k_scale ...). Pages no row may read get
-    NaN scales, as freed pages of a poisoned cache do."""
-    page_size = c["k_pages"].shape[2]
-    (stored_k, k_scale, k_pages), (stored_v, v_scale, v_pages) = (
-        quantized(jnp.asarray(c[x], jnp.float32), KV_CACHE_DTYPES[kv_dtype]) for x in ("k_pages", "v_pages"))
-    read = {int(c["page_table"][s, p]) for s, n in enumerate(c["seq_lens"]) for p in range(-(-n // page_size))}
-    unread = np.array(sorted(set(range(len(stored_k))) - read))
-    k_scale, v_scale = (x.at[unread].set(np.nan) for x in (k_scale, v_scale))
-    return dict(c, stored_k=stored_k, stored_v=stored_v, k_scale=k_scale, v_scale=v_scale, k_pages=k_pages,
-                v_pages=v_pages)
-
-
-# Quantized pools over 3 and more KV tiles in a double buffer (2 stages: page and scale buffers
-# refilled, barrier phases flipped) under the interpreter's race detector: int8 with 2 pages a
-# tile, fp8 with 8 pages and 2 blocks of 64 rows a tile to dequantize.
+# Quantized pools over 3 and more KV tiles (page and scale buffers refilled, barrier phases
+# flipped) under the interpreter's race detector: int8 with 2 pages a tile, fp8 with 8 pages
+# and 2 blocks of 64 rows a tile to dequantize. Pages no row may read get NaN scales, as freed
+# pages of a poisoned cache do.
 @pytest.mark.parametrize("kv_dtype, config", [("int8", (4, 2, 64, 32, jnp.bfloat16, None, 64)),
                                               ("fp8", (1, 1, 32, 16, np.float32, 37, 128))])
 def test_paged_kernel_reads_quantized_pools_without_races(kv_dtype, config):
     group, kvh, head_dim, page_size, dtype, window, kv_block = config
     c = paged_case(1, seqs=[(1, 1), (0, 0), (5, 2 * page_size + 3), (1, 300)], num_kv_heads=kvh, group=group,
                    head_dim=head_dim, page_size=page_size, dtype=dtype, pad_tokens=2, sliding_window=window)
+    (stored_k, k_scale, k_pages), (stored_v, v_scale, v_pages) = (
+        quantized(jnp.asarray(c[x], jnp.float32), KV_CACHE_DTYPES[kv_dtype]) for x in ("k_pages", "v_pages"))
+    read = {int(c["page_table"][s, p]) for s, n in enumerate(c["seq_lens"]) for p in range(-(-n // page_size))}
+    unread = np.array(sorted(set(range(len(stored_k))) - read))
+    k_scale, v_scale = (x.at[unread].set(np.nan) for x in (k_scale, v_scale))
     gpu_interpret.reset_gpu_interpret_mode_state()
-    run_paged(with_quantized_pools(c, kv_dtype), kv_block=kv_block, stages=2)
-    assert not INTERPRET or not gpu_interpret.get_races().races_found
-
-
-# Deeper copy rings under the race detector: a decode of 8 tiles of 64 keys and a prefill chunk
-# of 7 (both at least stages + 2: every slot refilled, its barriers through 2 phases or more),
-# beside sequences of fewer tiles than the ring has slots (1, 2, 3: some slots never filled);
-# bf16 and int8 pools, with and without a window (380 keys: the decode starts at its second
-# tile, 7 in all; the chunk's rows each see part of 7). Split KV, 3 splits: the decode's tiles
-# in runs of 3, 3, 2 (with the window of 100, its 2 tiles in 1, 1, 0), the 3 tiles of 130 keys
-# in 1, 1, 1, the 2 of 65 keys in 1, 1, 0: runs shorter than the stages - 1 tiles a ring issues
-# before its loop, and empty ones.
-@pytest.mark.parametrize("stages, kv_dtype, window, kv_splits", [
-    (3, None, None, 1), (4, None, 380, 1), (3, "int8", 380, 1), (4, "int8", None, 1),
-    (3, None, None, 3), (4, "int8", 100, 3)])
-def test_paged_kernel_ring_of_stages(stages, kv_dtype, window, kv_splits):
-    c = paged_case(4, seqs=[(1, 500), (9, 430), (0, 0), (1, 130), (1, 1), (1, 65)], num_kv_heads=1, group=4,
-                   head_dim=64, page_size=16, dtype=jnp.bfloat16, pad_tokens=2, sliding_window=window)
-    gpu_interpret.reset_gpu_interpret_mode_state()
-    run_paged(with_quantized_pools(c, kv_dtype) if kv_dtype else c, stages=stages, kv_splits=kv_splits)
+    run_paged(dict(c, stored_k=stored_k, stored_v=stored_v, k_scale=k_scale, v_scale=v_scale, k_pages=k_pages,
+                   v_pages=v_pages), kv_block=kv_block)
     assert not INTERPRET or not gpu_interpret.get_races().races_found
 
 
@@ -200,7 +174,7 @@ def test_flash_kernel_head_dim_256():
 def test_flash_smem_budget_matches_mosaic_gpu(head_dim, block_kv):
     q = jax.ShapeDtypeStruct((1, 256, 1, head_dim), jnp.bfloat16)
     fn = jax.jit(lambda q, k, v: flash_gpu.flash_attention(q, k, v, block_kv=block_kv))
-    expected = flash_gpu.smem_bytes(head_dim, jnp.bfloat16, block_kv=block_kv) <= wgmma.SMEM_BUDGET
+    expected = flash_gpu.smem_bytes(head_dim, jnp.bfloat16, block_kv=block_kv) <= flash_gpu.SMEM_BUDGET
     try:
         fn.trace(q, q, q).lower(lowering_platforms=("cuda",))
         lowered = True
@@ -210,59 +184,6 @@ def test_flash_smem_budget_matches_mosaic_gpu(head_dim, block_kv):
     assert lowered == expected
     assert flash_gpu.fits(head_dim, jnp.bfloat16)  # with block_kv 64
     assert not flash_gpu.fits(head_dim, jnp.float32) and not flash_gpu.fits(head_dim + 32, jnp.bfloat16)
-
-
-# The paged kernel's SMEM, `smem_bytes`, byte for byte as Mosaic GPU counts it when lowering (its
-# count read from its refusal under a bound of 0 bytes), and its refusal of a ring over the
-# budget where Mosaic GPU would refuse it: rings of 64- and 128-key tiles, bf16 and int8 pools,
-# with ALiBi slopes and split KV's log-sum-exp.
-@pytest.mark.parametrize("head_dim, kv_block, pool, stages, extras", [
-    (128, 64, "bfloat16", 3, False), (128, 64, "bfloat16", 4, True), (128, 128, "bfloat16", 3, False),
-    (128, 128, "bfloat16", 4, False), (256, 64, "bfloat16", 3, True), (256, 64, "bfloat16", 4, False),
-    (128, 128, "int8", 4, True), (256, 128, "int8", 3, False)])
-def test_paged_smem_budget_matches_mosaic_gpu(head_dim, kv_block, pool, stages, extras, monkeypatch):
-    from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
-    quantized, num_heads, num_kv_heads, seqs = pool != "bfloat16", 32, 8, 4
-    spec = jax.ShapeDtypeStruct
-    pages = spec((64, num_kv_heads, 16, head_dim), jnp.dtype(pool))
-    args = (spec((seqs, num_heads, head_dim), jnp.bfloat16), pages, pages, spec((seqs, 16), jnp.int32),
-            spec((seqs,), jnp.int32), spec((seqs + 1,), jnp.int32),
-            spec((num_heads,), jnp.float32) if extras else None,
-            spec((64, num_kv_heads, 1, 16), jnp.float32) if quantized else None)
-    fn = jax.jit(lambda q, k, v, table, lens, qsl, slopes, scale: paged_gpu.ragged_paged_attention(
-        q, k, v, table, lens, qsl, max_q=1, sm_scale=1.0, alibi_slopes=slopes, k_scale=scale, v_scale=scale,
-        kv_block=kv_block, kv_splits=2 if extras else 1, stages=stages))
-    need = paged_gpu.smem_bytes(head_dim, jnp.bfloat16, pool_dtype=pool if quantized else None, kv_block=kv_block,
-                                stages=stages, alibi=extras, split=extras)
-    lower = lambda: fn.trace(*args).lower(lowering_platforms=("cuda",))  # noqa: E731
-    if need > wgmma.SMEM_BUDGET:
-        with pytest.raises(ValueError, match=f"stages {stages}: .* \\({need} needed\\)"):
-            lower()
-    monkeypatch.setattr(wgmma, "SMEM_BUDGET", 1 << 30)   # past the kernel's own refusal
-    monkeypatch.setattr(mosaic_gpu_core, "_SMEM_SIZE_BOUND", 0)
-    with pytest.raises(ValueError, match="exceeds available shared memory") as refused:
-        lower()
-    assert f"smem_bytes={need} " in str(refused.value)
-    monkeypatch.setattr(mosaic_gpu_core, "_SMEM_SIZE_BOUND", None)   # the H100's 227 KB
-    try:
-        lower()
-        lowered = True
-    except ValueError as e:
-        assert "exceeds available shared memory" in str(e)
-        lowered = False
-    assert lowered == (need <= 227 * 1024)
-
-
-# The default ring: as deep as leaves two programs an SM (up to 4 slots), else a double buffer.
-@pytest.mark.parametrize("head_dim, kv_block, pool, stages", [
-    (128, 64, None, 3), (128, 64, "int8", 4), (128, 128, None, 2), (128, 128, "int8", 2), (64, 64, None, 4),
-    (256, 64, None, 2)])
-def test_paged_default_stages(head_dim, kv_block, pool, stages):
-    def two_per_sm(n):   # 2 x (115712 + 1 KB reserved a CTA) = 228 KB, an H100 / H200 SM's
-        return paged_gpu.smem_bytes(head_dim, jnp.bfloat16, pool_dtype=pool, kv_block=kv_block, stages=n) <= 115712
-
-    assert paged_gpu.pick_stages(head_dim, jnp.bfloat16, pool_dtype=pool, kv_block=kv_block) == stages
-    assert (stages == 2 or two_per_sm(stages)) and not any(two_per_sm(n) for n in range(stages + 1, 5))
 
 
 def test_flash_fits_refuses_head_dims_past_wgmma():

@@ -101,8 +101,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
         def apply_mask(s):
             q_pos, kv_pos = rows + iota(0), kv_positions()
             kv_seg = layout(kv_seg_smem.at[slot][...], col_layout)
-            # Tiles laid out as S is: without the causal comparison against iota (bidirectional
-            # masks), jax 0.11's layout inference finds none for the broadcasts (H100, 2026-11-27).
+            # Tiles laid out as S is (jax 0.11's Warpgroup layout inference found no layouts for
+            # the broadcasts of bidirectional masks, nor with these casts: the kernel lowers as Lane).
             seg_tiles = [layout(lax.broadcast_in_dim(x, shape, [dim]), plgpu.Layout.WGMMA)
                          for x, dim in ((q_seg, 0), (kv_seg, 1))]
             ok = mask.visible(q_pos, kv_pos, *seg_tiles)
@@ -133,6 +133,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
     plgpu.wait_smem_to_gmem(0)
 
 
+SMEM_BUDGET = 227 * 1024  # bytes of shared memory one CTA may use on H100 / H200 (sm_90)
 SMEM_OVERHEAD = 4 * 1024  # barriers, cross-warp reduction scratch, 1 KB alignment of each buffer
 BLOCK_KV_CHOICES = (128, 64)  # largest first: fewer loop steps; 64 leaves room for head_dim 256
 
@@ -146,7 +147,7 @@ def smem_bytes(head_dim, dtype, block_q=BLOCK_Q, block_kv=128):
 def pick_block_kv(head_dim, dtype, block_q=BLOCK_Q):
     """The largest kv block whose tiles fit in shared memory, or None when none does."""
     return next((bkv for bkv in BLOCK_KV_CHOICES
-                 if smem_bytes(head_dim, dtype, block_q, bkv) <= wgmma.SMEM_BUDGET), None)
+                 if smem_bytes(head_dim, dtype, block_q, bkv) <= SMEM_BUDGET), None)
 
 
 def fits(head_dim, dtype, block_q=BLOCK_Q) -> bool:
@@ -211,6 +212,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         grid=(nq, h, b),
         grid_names=("q", "heads", "batch"),
         num_threads=warpgroups,
+        compiler_params=wgmma.LANE,
         thread_name="wg",
         # Q + its segment ids per warpgroup, 2 slots x 3
         interpret=wgmma.interpret_params(copies_in_flight=2 * warpgroups + 6) if interpret else None,

@@ -13,26 +13,11 @@ tiled SMEM must (jax 0.11's Mosaic GPU refuses other starts), and its output lea
 without touching a neighbouring sequence's rows. It walks the sequence's KV in tiles of
 `kv_block` keys, from the first tile its rows can see (sliding window) to the last (causal):
 each tile is `kv_block / page_size` page copies ([page_size, D] blocks of KV head h in the
-[pages, KVH, page_size, D] layout) into a ring of K/V slots (below), with an online softmax in
-f32 registers. Q is loaded into registers once, the A operand of every S = Q @ K^T wgmma, which
-reads the K tile transposed in SMEM; P stays in registers as the P @ V wgmma's A operand,
-accumulated into the output in place. Decode wastes most of the 64 rows (its q_len is 1); it is
-bound by reading K/V. Soft cap and ALiBi: pallas_kernels/scores.py; ALiBi slopes arrive one per
-row (its head's), copied to SMEM with Q.
-
-The copy ring: decode waits on K/V copies (an H100 took as long as an H200 with 1.43x its HBM
-bandwidth), so the bytes in flight set its speed. `stages` slots each hold one tile of K and one
-of V, with a barrier each. The program issues tiles 0 .. stages - 2 before its loop; step c
-issues tile c + stages - 1 into the slot of tile c - 1, then waits for tile c: stages - 1 tiles
-are in flight while one is computed (stages 2: a double buffer). One warpgroup issues the copies
-and reads the slots, so a slot is free once step c - 1 is over: its wgmmas were awaited (their
-results read) and its threads' own SMEM reads and writes committed (the interpreter's wgmma is
-synchronous: its race detector checks the copies against the reads, not these awaits). Q lands
-in the last K slot (free until step 0's copies) and the output leaves through the first (free
-after the last step), both in the operand tile with quantized pools: no SMEM of their own.
-`smem_bytes` counts a program's SMEM; by default (`pick_stages`) the ring is as deep as leaves
-room for two programs an SM (up to 4 slots), which the registers (up to 255 a thread) allow
-anyway: at D 128, 3 slots of 64-key bf16 tiles (98 KB), 4 of int8 (84 KB).
+[pages, KVH, page_size, D] layout), double-buffered as in the flash kernel, with an online
+softmax in f32 registers. S = Q @ K^T reads the K tile transposed in SMEM; P stays in registers
+as the P @ V wgmma's A operand, accumulated into the output in place. Decode wastes most of
+the 64 rows (its q_len is 1); it is bound by reading K/V. Soft cap and ALiBi:
+pallas_kernels/scores.py; ALiBi slopes arrive one per row (its head's), copied to SMEM with Q.
 
 Split KV: a decode step of few sequences has few programs (one per sequence and KV head) and
 would leave most SMs idle while each walks a long context alone. With `kv_splits` > 1 the q
@@ -40,14 +25,14 @@ axis of the grid also numbers splits: split c of a program's tiles takes the c-t
 ceil(tiles / kv_splits) of them and writes its own output and each row's log-sum-exp, which XLA
 then merges (`_merge_splits`). The default picks splits from the static shapes (`pick_kv_splits`).
 
-Quantized pools (int8, fp8 e4m3; jaxserve/kv_cache.py): the pages' TMA copies land in a ring
-of their own dtype (half the bytes of a bf16 ring), and each page's per-slot f32 scales of KV
-head h beside them (loaded by the threads: too small for TMA); once a tile is in, it is
-dequantized (stored * scale, 64 rows at a time in registers) into the one tile in q's dtype that
-the wgmmas read: K, then (S = Q @ K^T awaited) V. Pools in q's dtype skip all of this.
+Quantized pools (int8, fp8 e4m3; jaxserve/kv_cache.py): the pages' TMA copies land in SMEM in
+their own dtype (double-buffered, half the bytes of a bf16 tile), and each page's per-slot f32
+scales of KV head h beside them (loaded by the threads: too small for TMA); once a tile is in,
+it is dequantized (stored * scale, 64 rows at a time in registers) into one tile in q's dtype
+that the wgmmas read. The copies of the next tile stay in flight meanwhile. Pools in q's dtype
+skip all of this.
 """
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -62,12 +47,12 @@ MASK_VALUE = wgmma.MASK_VALUE
 ROWS = 64  # (token, head in group) rows per program: wgmma's M
 
 
-def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, kv_smem, q_bar, k_bar, v_bar,
-            slope_smem=None, stored_smem=None, scale_smem=None, lse_smem=None,
-            group, block_q, pages_per_tile, stages, kv_splits, sm_scale, sliding_window, soft_cap, alibi, interpret):
+def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem, k_smem, v_smem, o_smem,
+            q_bar, k_bar, v_bar, slope_smem=None, stored_smem=None, scale_smem=None, lse_smem=None,
+            group, block_q, pages_per_tile, kv_splits, sm_scale, sliding_window, soft_cap, alibi, interpret):
     # Inputs after v: [ALiBi slopes [KVH, ROWS]], [K and V scales [N, KVH, 1, lanes]], then the
     # output [splits, KVH, rows, D] (and with splits, each row's log-sum-exp [splits, KVH, rows]).
-    # kv_smem [2 (K, V), slots, tile, D]: the wgmma operands; quantized, one tile that K and V take in turn.
+    # Quantized: stored_smem, scale_smem are the (K, V) pages and scales as copied in.
     refs, outs = (refs[:-2], refs[-2:]) if kv_splits > 1 else (refs[:-1], refs[-1:])
     slope_ref, *scale_refs = refs if alibi else (None, *refs)
     quantized = bool(scale_refs)
@@ -91,65 +76,54 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, kv_sme
         tile_lo += split * per_split   # this split's run of tiles; the last runs may be short or empty
         count = jnp.clip(tiles - split * per_split, 0, per_split)
 
-        # Q lands in the last K slot (quantized: the operand tile), which no copy fills before step 0.
-        q_tile = kv_smem.at[0, kv_smem.shape[1] - 1, pl.ds(0, ROWS)]
-        plgpu.copy_gmem_to_smem(q_ref.at[h, _block_rows(t0, s, block_q)], q_tile, q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[h, _block_rows(t0, s, block_q)], q_smem, q_bar)
         if alibi:
             plgpu.copy_gmem_to_smem(slope_ref.at[h], slope_smem, q_bar)
-        landing = stored_smem if quantized else kv_smem   # where K and V pages are copied to
+        landing = stored_smem if quantized else (k_smem, v_smem)   # where K and V pages are copied to
+        scales = tuple(zip(scale_refs, scale_smem)) if quantized else ()
 
         def fetch(c, slot):
             for p in range(pages_per_tile):
                 idx = (tile_lo + c) * pages_per_tile + p
                 page = jnp.where(idx < page_end, table_ref[s, idx], 0)  # masked below anyway
                 rows = pl.ds(p * page_size, page_size)
-                for kv, (src, bar) in enumerate(((k_ref, k_bar), (v_ref, v_bar))):
-                    plgpu.copy_gmem_to_smem(src.at[page, h], landing.at[kv, slot, rows], bar.at[slot])
+                for src, dst, bar in zip((k_ref, v_ref), landing, (k_bar, v_bar)):
+                    plgpu.copy_gmem_to_smem(src.at[page, h], dst.at[slot, rows], bar.at[slot])
                 # A page's scales of head h (4 bytes a slot) are too few bytes for a TMA copy
                 # (whole 128 bytes): the threads load them, unrolled so the loads overlap.
-                for kv, src in enumerate(scale_refs):
+                for src, dst in scales:
                     for i in range(page_size):
-                        scale_smem[kv, slot, p * page_size + i] = src[page, h, 0, i]
+                        dst[slot, p * page_size + i] = src[page, h, 0, i]
 
         def load(tile_ref):
             return tile_ref[...] if interpret else plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA)
 
-        def rewrite(dst, src, scale, n):
-            """dst = src (times each row's scale: quantized), its rows from n on zeroed (n None:
-            none): slots past the sequence's length hold stale data, maybe inf or NaN, which a
-            zero weight in P does not cancel. 64 rows at a time, a wgmma-layout block of
-            registers: a whole 128-key tile beside P and the accumulator spilled."""
+        def zero_rows_from(tile_ref, n):
+            # 64 rows at a time: a whole 128-key tile in registers beside P and the output
+            # accumulator spilled (tests/test_gpu_compile.py).
             for r in range(0, tile, ROWS):
-                rows = pl.ds(r, ROWS)
-                x = load(src.at[rows])
-                if scale is not None:
-                    row_scale = wgmma.layout_cast(scale.at[rows][...], plgpu.Layout.WGMMA.reduce(1),
-                                                  interpret=interpret)
-                    x = (x.astype(jnp.float32) * lax.broadcast_in_dim(row_scale, x.shape, [0])).astype(dst.dtype)
-                if n is not None:
-                    row = r + plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0,
-                                                     layout=None if interpret else plgpu.Layout.WGMMA.reduce(1))
-                    x = jnp.where(lax.broadcast_in_dim(row < n, x.shape, [0]), x, jnp.zeros_like(x))
-                dst.at[rows][...] = x
+                block = tile_ref.at[pl.ds(r, ROWS)]
+                x = load(block)
+                rows = r + plgpu.broadcasted_iota(jnp.int32, x.shape, 0,
+                                                  layout=None if interpret else plgpu.Layout.WGMMA)
+                block[...] = jnp.where(rows < n, x, jnp.zeros_like(x))
             plgpu.commit_smem()
 
-        def operand(kv, slot, n=None):
-            """The K (kv 0) or V (1) tile of `slot` as wgmma reads it, once its copies are in, its
-            rows from n on zeroed (`rewrite`)."""
+        def operand(kv, slot):
+            """The K (kv 0) or V (1) tile of `slot` as wgmma reads it, once its copies are in."""
             if not quantized:
-                tile_ref = kv_smem.at[kv, slot]
-                if n is not None:
-                    pl.when(n < tile)(lambda: rewrite(tile_ref, tile_ref, None, n))
-                return tile_ref
-            # One tile for both: S = Q @ K^T (awaited: S is read) is done with K before V comes in.
-            rewrite(kv_smem.at[0, 0], stored_smem.at[kv, slot], scale_smem.at[kv, slot], n)
-            return kv_smem.at[0, 0]
+                return (k_smem, v_smem)[kv].at[slot]
+            stored, scale, dst = stored_smem[kv].at[slot], scale_smem[kv].at[slot], (k_smem, v_smem)[kv]
+            for r in range(0, tile, ROWS):   # 64 rows at a time: a wgmma-layout block of registers
+                rows = pl.ds(r, ROWS)
+                row_scale = wgmma.layout_cast(scale.at[rows][...], plgpu.Layout.WGMMA.reduce(1), interpret=interpret)
+                x = load(stored.at[rows]).astype(jnp.float32)
+                dst.at[rows][...] = (x * lax.broadcast_in_dim(row_scale, x.shape, [0])).astype(dst.dtype)
+            plgpu.commit_smem()
+            return dst
 
-        for c in range(stages - 1):   # the first tiles, each into its own slot
-            pl.when(c < count)(functools.partial(fetch, c, c))
+        pl.when(count > 0)(lambda: fetch(0, 0))
         plgpu.barrier_wait(q_bar)
-        q = load(q_tile)   # Q stays in registers, wgmma's A operand of every S = Q @ K^T
-        plgpu.commit_smem()   # every thread has read Q before a copy refills its slot
         shape = (ROWS, tile)
         iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
                                  layout=None if interpret else plgpu.Layout.WGMMA)
@@ -161,14 +135,10 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, kv_sme
 
         def step(c, carry):
             acc, m, l = carry
-            slot = lax.rem(c, stages)
-            # Tile c + stages - 1 refills the slot of tile c - 1 (at step 0: Q's), released at the
-            # end of step c - 1: its wgmmas were awaited (their results read), its threads' reads
-            # and writes committed (commit_smem).
-            ahead = c + stages - 1
-            pl.when(ahead < count)(lambda: fetch(ahead, lax.rem(ahead, stages)))
+            slot = lax.rem(c, 2)
+            pl.when(c + 1 < count)(lambda: fetch(c + 1, 1 - slot))  # the other slot was freed at c - 1
             plgpu.barrier_wait(k_bar.at[slot])
-            scores = wgmma.matmul(q, operand(0, slot), transpose_b=True, interpret=interpret)
+            scores = wgmma.matmul(q_smem, operand(0, slot), transpose_b=True, interpret=interpret)
             kv_pos = (tile_lo + c) * tile + iota(1)
             scores = modify_scores(scores * sm_scale, kv_pos, soft_cap=soft_cap, slopes=slopes)
             visible = kv_pos <= q_pos
@@ -176,7 +146,11 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, kv_sme
                 visible &= kv_pos > q_pos - sliding_window
             p, m, alpha, l = wgmma.online_softmax(jnp.where(visible, scores, MASK_VALUE), m, l)
             plgpu.barrier_wait(v_bar.at[slot])
-            v_tile = operand(1, slot, n=seq_lens_ref[s] - (tile_lo + c) * tile)   # K's stale rows are masked in S
+            v_tile = operand(1, slot)
+            # The last tile's slots past the sequence's length hold stale (maybe inf or NaN)
+            # data, which a zero weight does not cancel: zero them in V.
+            kv0 = (tile_lo + c) * tile
+            pl.when(kv0 + tile > seq_lens_ref[s])(lambda: zero_rows_from(v_tile, seq_lens_ref[s] - kv0))
             return wgmma.accumulate_pv(acc, alpha, p, v_tile, interpret=interpret), m, l
 
         acc, m, l = lax.fori_loop(0, count, step, wgmma.softmax_start(ROWS, head_dim, interpret=interpret))
@@ -184,9 +158,8 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, kv_sme
         if kv_splits > 1:   # an empty split (l = 0) gives 0 and a log-sum-exp of -inf: no weight
             lse_smem[...] = m + jnp.log(l)
             l = jnp.where(l > 0, l, 1.0)
-        o_tile = kv_smem.at[0, 0, pl.ds(0, ROWS)]   # every copy has landed and been read: K slot 0 is free
-        wgmma.softmax_finish(acc, l, o_tile)
-        for src, out in zip((o_tile, lse_smem), outs):
+        wgmma.softmax_finish(acc, l, o_smem)
+        for src, out in zip((o_smem, lse_smem), outs):
             plgpu.copy_smem_to_gmem(src, out.at[split, h, rows])
         plgpu.wait_smem_to_gmem(0)
 
@@ -222,7 +195,7 @@ def _merge_splits(out, lse):
 
 
 # Programs that keep every SM of an H100 / H200 (132) busy: two resident per SM, as a program's
-# registers (up to 255 a thread) allow, and its SMEM where it is at most TWO_PER_SM (`pick_stages`).
+# SMEM (about 100 KB at head_dim 128) allows.
 BUSY_PROGRAMS = 2 * 132
 MIN_TILES_PER_SPLIT = 4   # a split's tiles amortize its Q copy, output and merge
 
@@ -234,58 +207,11 @@ def pick_kv_splits(programs, max_tiles):
     return max(1, min(-(-BUSY_PROGRAMS // max(programs, 1)), max_tiles // MIN_TILES_PER_SPLIT))
 
 
-TWO_PER_SM = 228 * 1024 // 2 - 1024   # the most that lets two programs share an SM (1 KB reserved per CTA)
-MAX_STAGES = 4   # the deepest ring `pick_stages` takes
-REDUCTION_SCRATCH = 2 * 1024   # Mosaic GPU's SMEM for cross-warp reductions (CompilerParams' default, 1 KB aligned)
-
-
-def _scratch(head_dim, dtype, pool_dtype, tile, pages_per_tile, stages, alibi, split):
-    """The kernel's SMEM buffers and barriers (what `smem_bytes` counts); pool_dtype None: pools
-    in q's dtype."""
-    quantized = pool_dtype is not None
-    smem = wgmma.tiled_smem(dtype, head_dim)
-    scratch = dict(
-        # K and V: pages land in a ring of `stages` slots each, the wgmma operands; quantized they
-        # land in stored_smem and are dequantized into one operand tile. Q lands here too, and the
-        # output leaves from here (the kernel says where).
-        kv_smem=smem(2, stages, tile, head_dim) if not quantized else smem(1, 1, tile, head_dim),
-        q_bar=plgpu.Barrier(num_arrivals=1 + alibi),  # Q (and slopes)
-        k_bar=plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),  # K pages, per slot
-        v_bar=plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages))
-    if alibi:
-        scratch["slope_smem"] = plgpu.SMEM((ROWS,), jnp.float32)  # ALiBi slopes of the rows
-    if quantized:
-        scratch["stored_smem"] = wgmma.tiled_smem(pool_dtype, head_dim)(2, stages, tile, head_dim)
-        scratch["scale_smem"] = plgpu.SMEM((2, stages, tile), jnp.float32)
-    if split:
-        scratch["lse_smem"] = plgpu.SMEM((ROWS,), jnp.float32)
-    return scratch
-
-
-def smem_bytes(head_dim, dtype, *, pool_dtype=None, kv_block=64, page_size=16, stages=2, alibi=False,
-               split=False):
-    """SMEM one program allocates, as Mosaic GPU counts it: each buffer rounded up to 1 KB, the
-    reduction scratch, 8 bytes a barrier. pool_dtype: None for pools in q's dtype; split: kv_splits > 1."""
-    tile = max(kv_block, page_size)
-    scratch = _scratch(head_dim, dtype, pool_dtype, tile, tile // page_size, stages, alibi, split)
-    buffers = [x for x in scratch.values() if not isinstance(x, plgpu.Barrier)]
-    sizes = [-(-math.prod(x.shape) * jnp.dtype(x.dtype).itemsize // 1024) * 1024 for x in buffers]
-    return sum(sizes) + REDUCTION_SCRATCH + 8 * (1 + 2 * stages)
-
-
-def pick_stages(head_dim, dtype, **kwargs):
-    """The deepest ring (up to MAX_STAGES) whose SMEM keeps two programs on an SM, or 2 (one
-    program an SM) when none does. kwargs: `smem_bytes`'."""
-    fits = [n for n in range(3, MAX_STAGES + 1) if smem_bytes(head_dim, dtype, stages=n, **kwargs) <= TWO_PER_SM]
-    return max(fits, default=2)
-
-
 @functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "soft_cap", "kv_block",
-                                             "kv_splits", "stages", "interpret"))
+                                             "kv_splits", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
                            max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None,
-                           k_scale=None, v_scale=None, kv_block=64, kv_splits=None, stages=None,
-                           interpret=False):
+                           k_scale=None, v_scale=None, kv_block=64, kv_splits=None, interpret=False):
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len (sets the grid).
     Returns [T, H, D], 0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
@@ -296,8 +222,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
 
     kv_block: keys per tile, a multiple of 64 and of page_size (or page_size itself when larger).
     kv_splits: how many parts each program's KV tiles are split into (module docstring); None:
-    `pick_kv_splits`. stages: K/V slots in the copy ring (module docstring), at least 2, within
-    wgmma.SMEM_BUDGET (`smem_bytes`); None: `pick_stages`.
+    `pick_kv_splits`.
     Needs D a multiple of 16 up to 256 (of 32 for quantized pools: a row of whole 32-byte swizzle
     spans), H / KVH at most 64, 16-bit inputs on a GPU (f32 too when interpreting), page_size a
     multiple of 8 (page copies fill whole 8-row SMEM tiles). interpret=True runs in Mosaic GPU
@@ -319,14 +244,6 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     if kv_splits is None:
         kv_splits = pick_kv_splits(q_blocks_per_seq * num_kv_heads * num_seqs,
                                    page_table.shape[1] * page_size // tile)
-    alibi = alibi_slopes is not None
-    smem_args = dict(pool_dtype=k_pages.dtype if quantized else None, kv_block=kv_block, page_size=page_size,
-                     alibi=alibi, split=kv_splits > 1)
-    if stages is None:
-        stages = pick_stages(head_dim, q.dtype, **smem_args)
-    smem = smem_bytes(head_dim, q.dtype, stages=stages, **smem_args)
-    if stages < 2 or smem > wgmma.SMEM_BUDGET:
-        raise ValueError(f"stages {stages}: need at least 2, and SMEM within {wgmma.SMEM_BUDGET} bytes ({smem} needed)")
 
     # Q rows (token, head in group) of each KV head in the programs' blocks; page-table columns
     # padded by a tile.
@@ -337,22 +254,42 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     qg = q.reshape(t, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(num_kv_heads, t * group, head_dim)
     q_blocks = qg.at[:, sources].get(mode="fill", fill_value=0)
     table = jnp.pad(page_table, ((0, 0), (0, pages_per_tile)))
+
+    alibi = alibi_slopes is not None
     # Row (token, head in group) of KV head h: its head's slope.
     slopes = (jnp.tile(alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group), (1, block_q)),) if alibi else ()
-    scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if quantized else ()
 
+    smem = wgmma.tiled_smem(q.dtype, head_dim)
+    # Pages land double-buffered in the wgmma operands, or quantized in their own buffers and are
+    # dequantized into one operand tile each.
+    operand_tile = (tile, head_dim) if quantized else (2, tile, head_dim)
+    scratch = dict(
+        q_smem=smem(ROWS, head_dim), k_smem=smem(*operand_tile), v_smem=smem(*operand_tile),
+        o_smem=plgpu.SMEM((ROWS, head_dim), q.dtype),  # output, untiled
+        q_bar=plgpu.Barrier(num_arrivals=1 + alibi),  # Q (and slopes)
+        k_bar=plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2),  # K pages, per slot
+        v_bar=plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2))
+    if alibi:
+        scratch["slope_smem"] = plgpu.SMEM((ROWS,), jnp.float32)  # ALiBi slopes of the rows
     out_type = jax.ShapeDtypeStruct((kv_splits, *q_blocks.shape), q.dtype)
     if kv_splits > 1:
+        scratch["lse_smem"] = plgpu.SMEM((ROWS,), jnp.float32)
         out_type = (out_type, jax.ShapeDtypeStruct(out_type.shape[:-1], jnp.float32))
-    copies_in_flight = 1 + alibi + 2 * stages * pages_per_tile  # Q (and slopes), then K and V pages of every slot
+    scales = ()
+    if quantized:
+        scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
+        stored = wgmma.tiled_smem(k_pages.dtype, head_dim)
+        scratch.update(stored_smem=[stored(2, tile, head_dim) for _ in "kv"],
+                       scale_smem=[plgpu.SMEM((2, tile), jnp.float32) for _ in "kv"])
+    copies_in_flight = 1 + alibi + 2 * 2 * pages_per_tile  # Q (and slopes), then K and V pages of both slots
     kernel = plgpu.kernel(
-        functools.partial(_kernel, group=group, block_q=block_q, pages_per_tile=pages_per_tile, stages=stages,
-                          kv_splits=kv_splits, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                          alibi=alibi, interpret=interpret),
+        functools.partial(_kernel, group=group, block_q=block_q, pages_per_tile=pages_per_tile, kv_splits=kv_splits,
+                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi,
+                          interpret=interpret),
         out_type=out_type,
-        scratch_types=_scratch(head_dim, q.dtype, smem_args["pool_dtype"], tile, pages_per_tile, stages, alibi,
-                               kv_splits > 1),
+        scratch_types=scratch,
         grid=(q_blocks_per_seq * kv_splits, num_kv_heads, num_seqs),
+        compiler_params=wgmma.WARPGROUP,
         grid_names=("q", "kv_heads", "seqs"),
         interpret=wgmma.interpret_params(copies_in_flight) if interpret else None,
     )
