@@ -162,6 +162,20 @@ def near_ties(a: list[list], b: list[list]) -> str:
             f"top-2 logprob gap there median {gaps[len(gaps) // 2]:.3f}, largest {gaps[-1]:.3f} nats")
 
 
+def logprob_gaps(a: list[list], b: list[list]) -> str:
+    """Over the tokens where two traced greedy outputs still agree (the same context on both
+    sides): |a's logprob - b's logprob| of that token, median and largest. bf16 rounding keeps it to
+    hundredths; a kernel that is wrong shows here even where it changes no greedy token."""
+    gaps = []
+    for x, y in zip(a, b):
+        same = first_difference([t for t, _ in x], [t for t, _ in y])
+        for (t, top_x), (_, top_y) in zip(x[:same], y[:same]):
+            gaps.append(abs(dict(map(tuple, top_x))[t] - dict(map(tuple, top_y))[t]))
+    gaps.sort()
+    return (f"|logprob difference| of the {len(gaps)} tokens before the outputs part: median "
+            f"{gaps[len(gaps) // 2]:.4f}, largest {gaps[-1]:.4f} nats") if gaps else "no tokens in common"
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
@@ -216,7 +230,8 @@ def report(out_dir: str, models: list[str]) -> str:
         if "pallas_gpu" in backends and "xla" in backends:
             pallas, xla = backends["pallas_gpu"], backends["xla"]
             lines.append("- Greedy outputs, pallas_gpu vs xla: " + agreement(pallas["outputs"], xla["outputs"])
-                         + ". Again with top-5 logprobs: " + near_ties(pallas["traced"], xla["traced"]) + ".")
+                         + ". Again with top-5 logprobs: " + near_ties(pallas["traced"], xla["traced"]) + "; "
+                         + logprob_gaps(pallas["traced"], xla["traced"]) + ".")
         for b, r in backends.items():
             if best_hf:
                 tps = r["tokens"] / r["seconds"][-1]

@@ -169,6 +169,8 @@ def paged_impls(platform, case, decode_only):
         from pallas_kernels.paged_attention import gpu, tpu
         name, module = {"gpu": ("ours (Mosaic GPU)", gpu), "tpu": ("ours (Mosaic TPU)", tpu)}[platform]
         impls[name] = (functools.partial(module.ragged_paged_attention, **kw), a)
+        if platform == "gpu":   # its other Mosaic GPU lowering semantics (wgmma.LOWERINGS)
+            impls["ours, Lane lowering"] = (functools.partial(gpu.ragged_paged_attention, lowering="lane", **kw), a)
         if platform == "gpu" and decode_only:   # what splitting the KV gains (where the default splits:
             # few programs), and whether tiles of 128 keys (half the per-tile work, one program per SM) beat 64
             _, num_kv_heads, page_size, _ = case["k_pages"].shape

@@ -16,13 +16,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SWIZZLES = (128, 64, 32)  # bytes that wgmma reads swizzled; the widest is fastest
 MASK_VALUE = -1e30  # finite: a row masked in one tile is wiped out by the next tile's rescale
-# Each kernel names its lowering semantics: jax 0.11 made Warpgroup the default (0.10: Lane), and
-# each kernel is shown correct on a GPU under one (an H200, jax 0.11.2). The flash kernel under
-# Lane (2026-11-27; under Warpgroup, layout inference found no layouts for bidirectional masks),
-# the paged kernel under Warpgroup (the same day, before). Named, the compile checks here (jax
-# 0.10) lower what a GPU runs.
-LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-WARPGROUP = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+# Mosaic GPU's two lowering semantics. jax 0.11 made Warpgroup the default (0.10: Lane), so each
+# kernel names one, the one it was shown correct under on a GPU (an H200, jax 0.11.2), and the
+# compile checks here (jax 0.10) lower what a GPU runs: the flash kernel Lane (under Warpgroup,
+# layout inference found no layouts for bidirectional masks), the paged kernel Warpgroup (an
+# option of its: tests and a benchmark row try Lane on a GPU).
+LOWERINGS = {name: plgpu.CompilerParams(lowering_semantics=getattr(plgpu.LoweringSemantics, name.capitalize()))
+             for name in ("lane", "warpgroup")}
 
 
 def tiled_smem(dtype, head_dim):

@@ -67,6 +67,16 @@ def paged_oracle(c):
     return out
 
 
+# Compiled on a GPU, the paged kernel also runs under its other lowering semantics (wgmma.LOWERINGS):
+# Lane is timed beside the default in benchmarks/kernels.py. The interpreter lowers neither.
+LOWERINGS = ("warpgroup",) if INTERPRET else ("warpgroup", "lane")
+
+
+@pytest.fixture(params=LOWERINGS)
+def lowering(request):
+    return request.param
+
+
 def run_paged(c, **blocks):
     """The kernel on case c against the oracle; quantized pools when c has k_scale / v_scale (its
     k_pages / v_pages then are the dequantized pools the oracle reads)."""
@@ -85,12 +95,12 @@ def run_paged(c, **blocks):
 @pytest.mark.parametrize("config", [(1, 2, 32, 16, "float32", None), (8, 2, 128, 16, "bfloat16", 37),
                                     (3, 1, 64, 32, "float32", 7)],  # 21 tokens in 63 of 64 rows
                          ids=lambda c: "g{}-kvh{}-d{}-ps{}-{}-w{}".format(*c))
-def test_paged_kernel_mixed_batch(config):
+def test_paged_kernel_mixed_batch(config, lowering):
     group, kvh, head_dim, page_size, dtype, window = config
     dtype = jnp.bfloat16 if dtype == "bfloat16" else np.float32
     run_paged(paged_case(0, seqs=mixed_batch(page_size), num_kv_heads=kvh, group=group,
                          head_dim=head_dim, page_size=page_size, dtype=dtype, pad_tokens=3,
-                         lead_tokens=2, sliding_window=window))
+                         lead_tokens=2, sliding_window=window), lowering=lowering)
 
 
 # Small blocks so that random batches cross q-block, sequence and KV-chunk boundaries.
@@ -107,7 +117,7 @@ def test_paged_kernel_random_batches(spec):
 # pages of a poisoned cache do.
 @pytest.mark.parametrize("kv_dtype, config", [("int8", (4, 2, 64, 32, jnp.bfloat16, None, 64)),
                                               ("fp8", (1, 1, 32, 16, np.float32, 37, 128))])
-def test_paged_kernel_reads_quantized_pools_without_races(kv_dtype, config):
+def test_paged_kernel_reads_quantized_pools_without_races(kv_dtype, config, lowering):
     group, kvh, head_dim, page_size, dtype, window, kv_block = config
     c = paged_case(1, seqs=[(1, 1), (0, 0), (5, 2 * page_size + 3), (1, 300)], num_kv_heads=kvh, group=group,
                    head_dim=head_dim, page_size=page_size, dtype=dtype, pad_tokens=2, sliding_window=window)
@@ -118,7 +128,7 @@ def test_paged_kernel_reads_quantized_pools_without_races(kv_dtype, config):
     k_scale, v_scale = (x.at[unread].set(np.nan) for x in (k_scale, v_scale))
     gpu_interpret.reset_gpu_interpret_mode_state()
     run_paged(dict(c, stored_k=stored_k, stored_v=stored_v, k_scale=k_scale, v_scale=v_scale, k_pages=k_pages,
-                   v_pages=v_pages), kv_block=kv_block)
+                   v_pages=v_pages), kv_block=kv_block, lowering=lowering)
     assert not INTERPRET or not gpu_interpret.get_races().races_found
 
 
@@ -127,12 +137,12 @@ def test_paged_kernel_reads_quantized_pools_without_races(kv_dtype, config):
 # some splits hold only tiles that some rows cannot see. None: the default, 2 splits here (5
 # sequences x 2 KV heads are few programs; a page table of 38 pages holds 9 tiles of 64 keys).
 @pytest.mark.parametrize("kv_splits, window", [(3, None), (4, 100), (None, None)])
-def test_paged_kernel_split_kv(kv_splits, window):
+def test_paged_kernel_split_kv(kv_splits, window, lowering):
     c = paged_case(3, seqs=[(1, 1), (1, 600), (9, 200), (0, 0), (1, 130)], num_kv_heads=2, group=4, head_dim=64,
                    page_size=16, dtype=jnp.bfloat16, pad_tokens=2, sliding_window=window)
     assert paged_gpu.pick_kv_splits(5 * 2, c["page_table"].shape[1] * 16 // 64) == 2
     gpu_interpret.reset_gpu_interpret_mode_state()
-    run_paged(c, kv_splits=kv_splits)
+    run_paged(c, kv_splits=kv_splits, lowering=lowering)
     assert not INTERPRET or not gpu_interpret.get_races().races_found
 
 

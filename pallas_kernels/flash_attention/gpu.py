@@ -212,7 +212,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         grid=(nq, h, b),
         grid_names=("q", "heads", "batch"),
         num_threads=warpgroups,
-        compiler_params=wgmma.LANE,
+        compiler_params=wgmma.LOWERINGS["lane"],
         thread_name="wg",
         # Q + its segment ids per warpgroup, 2 slots x 3
         interpret=wgmma.interpret_params(copies_in_flight=2 * warpgroups + 6) if interpret else None,

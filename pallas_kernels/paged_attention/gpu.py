@@ -208,10 +208,11 @@ def pick_kv_splits(programs, max_tiles):
 
 
 @functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "soft_cap", "kv_block",
-                                             "kv_splits", "interpret"))
+                                             "kv_splits", "lowering", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
                            max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None,
-                           k_scale=None, v_scale=None, kv_block=64, kv_splits=None, interpret=False):
+                           k_scale=None, v_scale=None, kv_block=64, kv_splits=None, lowering="warpgroup",
+                           interpret=False):
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len (sets the grid).
     Returns [T, H, D], 0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
@@ -222,7 +223,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
 
     kv_block: keys per tile, a multiple of 64 and of page_size (or page_size itself when larger).
     kv_splits: how many parts each program's KV tiles are split into (module docstring); None:
-    `pick_kv_splits`.
+    `pick_kv_splits`. lowering: Mosaic GPU's lowering semantics, "warpgroup" (shown correct on a
+    GPU) or "lane" (wgmma.LOWERINGS).
     Needs D a multiple of 16 up to 256 (of 32 for quantized pools: a row of whole 32-byte swizzle
     spans), H / KVH at most 64, 16-bit inputs on a GPU (f32 too when interpreting), page_size a
     multiple of 8 (page copies fill whole 8-row SMEM tiles). interpret=True runs in Mosaic GPU
@@ -289,7 +291,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         out_type=out_type,
         scratch_types=scratch,
         grid=(q_blocks_per_seq * kv_splits, num_kv_heads, num_seqs),
-        compiler_params=wgmma.WARPGROUP,
+        compiler_params=wgmma.LOWERINGS[lowering],
         grid_names=("q", "kv_heads", "seqs"),
         interpret=wgmma.interpret_params(copies_in_flight) if interpret else None,
     )
