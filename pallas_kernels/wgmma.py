@@ -19,8 +19,8 @@ MASK_VALUE = -1e30  # finite: a row masked in one tile is wiped out by the next 
 # Mosaic GPU's two lowering semantics. jax 0.11 made Warpgroup the default (0.10: Lane), so each
 # kernel names one, the one it was shown correct under on a GPU (an H200, jax 0.11.2), and the
 # compile checks here (jax 0.10) lower what a GPU runs: the flash kernel Lane (under Warpgroup,
-# layout inference found no layouts for bidirectional masks), the paged kernel Warpgroup (an
-# option of its: tests and a benchmark row try Lane on a GPU).
+# layout inference found no layouts for bidirectional masks), the paged kernel Warpgroup (its
+# `lowering` option: its GPU tests and a benchmark row try Lane too).
 LOWERINGS = {name: plgpu.CompilerParams(lowering_semantics=getattr(plgpu.LoweringSemantics, name.capitalize()))
              for name in ("lane", "warpgroup")}
 
