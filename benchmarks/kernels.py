@@ -160,8 +160,9 @@ def paged_case(q_lens, ctx_lens, page_size, heads, dtype, seed=0):
         max_q=max(q_lens), sm_scale=head_dim ** -0.5)
 
 
-def paged_impls(platform, case, decode_only):
-    """name -> (run, inputs), inputs in the kernel's own layout, made once."""
+def paged_impls(platform, case, decode_only, lane=False):
+    """name -> (run, inputs), inputs in the kernel's own layout, made once. lane (a GPU): our
+    paged kernel under its Lane lowering too (wgmma.LOWERINGS)."""
     a = tuple(case[n] for n in ("q", "k_pages", "v_pages", "page_table", "seq_lens", "query_start_loc"))
     kw = dict(max_q=case["max_q"], sm_scale=case["sm_scale"])
     impls = {"xla reference": (functools.partial(ragged_paged_attention_xla, **kw), a)}
@@ -169,7 +170,7 @@ def paged_impls(platform, case, decode_only):
         from pallas_kernels.paged_attention import gpu, tpu
         name, module = {"gpu": ("ours (Mosaic GPU)", gpu), "tpu": ("ours (Mosaic TPU)", tpu)}[platform]
         impls[name] = (functools.partial(module.ragged_paged_attention, **kw), a)
-        if platform == "gpu":   # its other Mosaic GPU lowering semantics (wgmma.LOWERINGS)
+        if platform == "gpu" and lane:
             impls["ours, Lane lowering"] = (functools.partial(gpu.ragged_paged_attention, lowering="lane", **kw), a)
         if platform == "gpu" and decode_only:   # what splitting the KV gains (where the default splits:
             # few programs), and whether tiles of 128 keys (half the per-tile work, one program per SM) beat 64
@@ -203,7 +204,7 @@ def paged_impls(platform, case, decode_only):
     return impls
 
 
-def bench_paged(platform, batches, heads, dtype, iters, peaks, profile=False):
+def bench_paged(platform, batches, heads, dtype, iters, peaks, profile=False, lane=False):
     """batches: (label, q_lens, ctx_lens, page_size). Reports GB/s of the K/V the batch must read
     (plus q and out) and TFLOP/s of the visible scores; our kernels' max error vs XLA. `profile`
     (a GPU): also prints the kernels of one of our calls and the share of it the GPU was busy."""
@@ -215,7 +216,7 @@ def bench_paged(platform, batches, heads, dtype, iters, peaks, profile=False):
         case = paged_case(q_lens, ctx_lens, page_size, heads, dtype)
         moved = (2 * sum(ctx_lens) * num_kv_heads + 2 * sum(q_lens) * num_heads) * head_dim * itemsize
         visible = sum(ql * c - ql * (ql - 1) / 2 for ql, c in zip(q_lens, ctx_lens))
-        impls = paged_impls(platform, case, decode_only=max(q_lens) == 1)
+        impls = paged_impls(platform, case, decode_only=max(q_lens) == 1, lane=lane)
         expected = None
         for name, ms in time_ms(impls, iters=iters).items():
             run, inputs = impls[name]
@@ -280,6 +281,7 @@ def main():
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--sections", default="prefill,decode,mixed,kv_write", help="which tables, in order")
     parser.add_argument("--profile", action="store_true", help="a GPU: print the kernels of our decode and mixed calls")
+    parser.add_argument("--lane", action="store_true", help="a GPU: also our paged kernel under its Lane lowering")
     args = parser.parse_args()
 
     platform = jax.default_backend()
@@ -303,9 +305,11 @@ def main():
         "prefill": ("Prefill: causal flash attention, batch 1",
                     lambda: bench_prefill(platform, seq_lens, heads, dtype, iters, peak_tflops)),
         "decode": ("Decode: ragged paged attention, 1 token per sequence",
-                   lambda: bench_paged(platform, decode, heads, dtype, iters, (peak_tflops, peak_gbs), args.profile)),
+                   lambda: bench_paged(platform, decode, heads, dtype, iters, (peak_tflops, peak_gbs), args.profile,
+                                       args.lane)),
         "mixed": ("Mixed: prefill chunks + decodes in one ragged batch",
-                  lambda: bench_paged(platform, mixed, heads, dtype, iters, (peak_tflops, peak_gbs), args.profile)),
+                  lambda: bench_paged(platform, mixed, heads, dtype, iters, (peak_tflops, peak_gbs), args.profile,
+                                      args.lane)),
         "kv_write": ("KV write: scatter of new K/V into the page pool (bytes: read + write)",
                      lambda: bench_write_kv(tokens, 4096 if args.quick else 65536, 16, heads, dtype, iters,
                                             peak_gbs)),

@@ -5,6 +5,9 @@
 #   tiny     the engine on the embedded model: greedy tokens, pallas_gpu against xla, with prompts
 #            packed into steps (the flash kernel's segment ids)
 #   kernels  benchmarks/kernels.py: our kernels against XLA and JAX's shipped GPU kernels
+#   lane     the paged kernel under its Lane lowering (pallas_kernels/wgmma.py): its tests, then the
+#            decode and mixed tables with it beside the default (in $OUT/lane). Apart from the
+#            stages before it, which a GPU fault in an unproven lowering would otherwise cut short
 #   hf       a random 1.1B bf16 Llama under transformers generate (static batches)
 #   1b       the engine on it, both backends
 #   int8     the engine on it with int8 weights
@@ -17,10 +20,10 @@
 #   ab       (only when named, with BASE=<tree>) the 1b stage on pallas_gpu for this tree and then
 #            an earlier one, on the same warm GPU: e.g. `mkdir base && git archive d2d8cc4 | tar -x -C
 #            base` here before the call (an untracked folder travels with the working tree)
-# tests and tiny check tokens, not time: they run side by side. The timed stages (kernels, hf, 1b,
-# int8, profile) run alone. At their limits all stages take 18 minutes; one device call runs 10 at
-# most, so give them in two calls, back to back while the machine is warm:
-#   bash benchmarks/on_gpu.sh tests tiny kernels hf 1b;  bash benchmarks/on_gpu.sh int8 profile
+# tests and tiny check tokens, not time: they run side by side. The timed stages (kernels, lane,
+# hf, 1b, int8, profile) run alone. At their limits all stages take 22 minutes; one device call
+# runs 10 at most, so give them in two or three calls, back to back while the machine is warm:
+#   bash benchmarks/on_gpu.sh tests tiny kernels lane;  bash benchmarks/on_gpu.sh hf 1b int8
 # (2026-11-27: the first call took 527 s on an H100; `tests tiny kernels hf` took 326 s on an H200.)
 # XLA's GEMM autotuning results go to one cache folder, shared by the stages: the engines of the
 # 1.1B model tune the same matrix products once.
@@ -34,7 +37,7 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 PY=${PY:-python3}
-STAGES=" ${*:-tests tiny kernels hf 1b int8 profile} "
+STAGES=" ${*:-tests tiny kernels lane hf 1b int8 profile} "
 # 30% of the GPU's memory for each JAX process: torch writes the 1.1B model beside the tests.
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 \
   JAX_TRACEBACK_FILTERING=off
@@ -70,11 +73,14 @@ if [[ $STAGES =~ " "(hf|1b|int8|profile|cmdbuf|ab)" " ]]; then
 fi
 # The flash kernel's segment-id tests first: packed prompts (the tiny stage's steps) depend on them.
 stage tests 240 $PY -m pytest -q -p no:cacheprovider --maxfail 20 tests/test_flash_attention.py \
-  tests/test_gpu_kernels.py -k "gpu" &
+  tests/test_gpu_kernels.py -k "gpu and not lane" &
 stage tiny 200 $PY -m benchmarks.gpu_engine jax --model tiny --out "$OUT"
 wait
 [[ -f "$LOG.build" ]] && cat "$LOG.build" >>"$LOG" && rm "$LOG.build"
 stage kernels 100 $PY benchmarks/kernels.py --sections decode,prefill,mixed,kv_write --out "$OUT"
+mkdir -p "$OUT/lane"
+stage lane 200 bash -c "$PY -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k lane;
+  $PY benchmarks/kernels.py --sections decode,mixed --lane --out $OUT/lane"
 stage hf 80 $PY -m benchmarks.gpu_engine hf --model 1b --out "$OUT"
 stage 1b 240 $PY -m benchmarks.gpu_engine jax --model 1b --out "$OUT"
 stage int8 150 $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --quantization int8 --out "$OUT"
