@@ -67,8 +67,9 @@ def paged_oracle(c):
     return out
 
 
-# Compiled on a GPU, the paged kernel also runs under its other lowering semantics (wgmma.LOWERINGS):
-# Lane is timed beside the default in benchmarks/kernels.py. The interpreter lowers neither.
+# Compiled on a GPU, the paged kernel also runs under its other lowering semantics (wgmma.LOWERINGS),
+# timed by `benchmarks/kernels.py --lane`; on_gpu.sh's lane stage runs both apart. The interpreter
+# lowers neither.
 LOWERINGS = ("warpgroup",) if INTERPRET else ("warpgroup", "lane")
 
 
