@@ -9,6 +9,8 @@ takes transposed operands, so when interpreting, `matmul` reads both tiles with 
 the detector checks) and multiplies them with jnp.dot; on a GPU it is one wgmma. Neither does it
 know `layout_cast` (layout hints only matter to the compiler): `layout_cast` drops them.
 """
+import math
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -16,6 +18,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SWIZZLES = (128, 64, 32)  # bytes that wgmma reads swizzled; the widest is fastest
 MASK_VALUE = -1e30  # finite: a row masked in one tile is wiped out by the next tile's rescale
+LOG2E = math.log2(math.e)
 # Mosaic GPU's two lowering semantics. jax 0.11 made Warpgroup the default (0.10: Lane), so each
 # kernel names one, the one it was shown correct under on a GPU (an H200, jax 0.11.2), and the
 # compile checks here (jax 0.10) lower what a GPU runs: the flash kernel Lane (under Warpgroup,
@@ -53,21 +56,32 @@ def layout_cast(x, layout, *, interpret):
     return x if interpret else plgpu.layout_cast(x, layout)
 
 
-def softmax_start(rows, head_dim, *, interpret):
-    """The online softmax's (output accumulator, running max, running sum) before any KV tile."""
+def softmax_start(rows, head_dim, *, scale, interpret):
+    """The online softmax's (output accumulator, running max, running sum) before any KV tile.
+    The running max starts halfway to where a MASK_VALUE score lands (see online_softmax): far
+    below any real logit, and so far above masked ones that their weights are exactly 0, whatever
+    the rounding of a fused multiply-add (a row masked in every tile: softmax_finish)."""
     row = plgpu.Layout.WGMMA.reduce(1)
     return (layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret=interpret),
-            layout_cast(jnp.full((rows,), MASK_VALUE, jnp.float32), row, interpret=interpret),
+            layout_cast(jnp.full((rows,), MASK_VALUE / 2 * scale * LOG2E, jnp.float32), row, interpret=interpret),
             layout_cast(jnp.zeros((rows,), jnp.float32), row, interpret=interpret))
 
 
-def online_softmax(scores, m, l):
-    """One KV tile of the online softmax: the tile's weights P (f32), the new running max, the
-    factor that rescales what was accumulated, the new sum."""
-    m_new = jnp.maximum(m, scores.max(axis=1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(scores - lax.broadcast_in_dim(m_new, scores.shape, [0]))
+def online_softmax(scores, m, l, *, scale):
+    """One KV tile of the online softmax, whose logits are scores * scale (scale > 0): the tile's
+    weights P (f32), the new running max, the factor that rescales what was accumulated, the new
+    sum. The max is kept in base-2 units (logits * log2 e), so a weight is one fused multiply-add
+    and one ex2 instruction: exp would add a multiply and, unless approximated, a long expansion."""
+    c = scale * LOG2E
+    m_new = jnp.maximum(m, scores.max(axis=1) * c)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(scores * c - lax.broadcast_in_dim(m_new, scores.shape, [0]))
     return p, m_new, alpha, l * alpha + p.sum(axis=1)
+
+
+def log_sum_exp(m, l):
+    """The natural log-sum-exp of a row's logits from online_softmax's running max and sum."""
+    return m / LOG2E + jnp.log(l)
 
 
 def accumulate_pv(acc, alpha, p, v_smem, *, interpret):
@@ -81,7 +95,9 @@ def accumulate_pv(acc, alpha, p, v_smem, *, interpret):
 
 
 def softmax_finish(acc, l, out_smem):
-    """The normalized output into out_smem, ready for its copy to GMEM."""
+    """The normalized output into out_smem, ready for its copy to GMEM; 0 in a row that saw no
+    key (its sum is 0)."""
+    l = jnp.where(l > 0, l, 1.0)
     out_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(out_smem.dtype)
     plgpu.commit_smem()
 

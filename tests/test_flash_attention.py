@@ -119,20 +119,21 @@ def test_gpu_kernel_one_warpgroup_reuses_kv_slots():
     check_gpu(KV_SLOT_REUSE, block_q=64, block_kv=64)
 
 
-def check_two_warpgroups():
+def check_more_warpgroups():
     for case in (ALL_FEATURES, BIDIRECTIONAL, KV_SLOT_REUSE):
         check_gpu(case, block_q=128, block_kv=64)
+    check_gpu(KV_SLOT_REUSE, block_q=192, block_kv=64)  # the 3-warpgroup knob
 
 
-def test_gpu_kernel_two_warpgroups():
-    """The default: two consumer warpgroups sharing each K/V tile."""
+def test_gpu_kernel_two_and_three_warpgroups():
+    """The default: two consumer warpgroups sharing each K/V tile; and three."""
     if not GPU_INTERPRET:
-        return check_two_warpgroups()
+        return check_more_warpgroups()
     # Interpreted, each warpgroup is a program of its own and both run at once on XLA:CPU's
     # threads. In a process of one CPU device on 2 cores, one warpgroup's program blocked on a
     # barrier while the other's never started, in about half the runs (jax 0.10.2); with 4 fake
     # devices none hung in 5 runs.
-    proc = subprocess.run([sys.executable, "-c", "import tests.test_flash_attention as t; t.check_two_warpgroups()"],
+    proc = subprocess.run([sys.executable, "-c", "import tests.test_flash_attention as t; t.check_more_warpgroups()"],
                           cwd=ROOT, env=fake_devices_env(4), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

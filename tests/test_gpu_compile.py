@@ -65,6 +65,7 @@ FLASH = {  # name: (head_dim, segment ids, flash_attention options; alibi=True: 
     "bidirectional-d64": (64, False, dict(causal=False)),
     # One consumer warpgroup: the structure before two, kept as a knob for side-by-side timing.
     "causal-d128-1wg": (128, False, dict(causal=True, block_q=64)),
+    "causal-d128-3wg": (128, False, dict(causal=True, block_q=192)),  # 384 threads: at most 168 registers
     "all-features-d128-1wg-kv64": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True,
                                                    block_q=64, block_kv=64)),
 }
@@ -83,7 +84,7 @@ def test_flash_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
         q, k, v, segment_ids=seg, alibi_slopes=slopes, **opts))
     regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
     print(f"flash {name}: {regs} registers, {spills} bytes spilled")
-    assert regs <= 255 and (spills == 0 or head_dim > 128), (regs, spills)
+    assert regs <= 65536 // (128 * (opts.get("block_q", 128) // 64)) and (spills == 0 or head_dim > 128), (regs, spills)
 
 
 PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, soft cap and ALiBi, pool dtype[, kv_splits])

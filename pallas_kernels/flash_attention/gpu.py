@@ -20,7 +20,8 @@ the next softmax, so that warpgroup 0 seldom waits for the other. S = Q @ K^T re
 transposed in SMEM; P stays in registers as the P @ V wgmma's A operand, accumulated into the
 output in place. GQA: q head h reads kv head h // group straight from K/V, which are never
 repeated. Soft cap and ALiBi (the CTA's head's slope, one scalar read): pallas_kernels/scores.py.
-block_q=64 (one warpgroup) is kept as a knob (benchmarks/kernels.py times both).
+block_q=64 (one warpgroup) and 192 (three: under 168 registers each, as ptxas fits causal
+head_dim 128 since the softmax went to ex2) are knobs that benchmarks/kernels.py times beside it.
 """
 import functools
 
@@ -83,20 +84,24 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
     iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
                              layout=None if interpret else plgpu.Layout.WGMMA)
     slope = None if slope_ref is None else slope_ref[h]
+    # Unmodified scores leave sm_scale to the softmax, which folds it into its multiply-add.
+    modified = soft_cap is not None or alibi
+    scale = 1.0 if modified else sm_scale
 
     def step(j, carry):
         acc, m, l = carry
         slot = lax.rem(j, 2)
         refill(j, slot, fetch_k, k_free)
         plgpu.barrier_wait(k_bar.at[slot])
-        s = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret) * sm_scale
+        s = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret)
 
         def kv_positions():
             # From a column vector, built only where used: registers are tight (test_gpu_compile).
             col = plgpu.broadcasted_iota(jnp.int32, (block_kv,), 0, layout=None if interpret else col_layout)
             return lax.broadcast_in_dim(kv_block_ref[b, i, j] * block_kv + col, shape, [1])
 
-        s = modify_scores(s, None if slope is None else kv_positions(), soft_cap=soft_cap, slopes=slope)
+        if modified:
+            s = modify_scores(s * sm_scale, None if slope is None else kv_positions(), soft_cap=soft_cap, slopes=slope)
 
         def apply_mask(s):
             q_pos, kv_pos = rows + iota(0), kv_positions()
@@ -109,17 +114,17 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
             return jnp.where(ok, s, MASK_VALUE)
 
         # A tile FULL for the CTA's block is FULL for each warpgroup's rows; a PARTIAL one may
-        # hide all of a warpgroup's rows: MASK_VALUE is finite, so the rescale wipes them out.
+        # hide all of a warpgroup's rows: their weights are 0 (wgmma.softmax_start).
         s = lax.cond(kind_ref[b, i, j] == FULL, lambda s: s, apply_mask, s)
         plgpu.barrier_arrive(k_free.at[slot])  # done with K and the kv segment ids
-        p, m, alpha, l = wgmma.online_softmax(s, m, l)
+        p, m, alpha, l = wgmma.online_softmax(s, m, l, scale=scale)
         refill(j, slot, fetch_v, v_free)
         plgpu.barrier_wait(v_bar.at[slot])
         acc = wgmma.accumulate_pv(acc, alpha, p, v_smem.at[slot], interpret=interpret)
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m, l
 
-    start = wgmma.softmax_start(WG_ROWS, q_smem.shape[-1], interpret=interpret)
+    start = wgmma.softmax_start(WG_ROWS, q_smem.shape[-1], scale=scale, interpret=interpret)
     acc, _, l = lax.fori_loop(0, count, step, start)
     wgmma.softmax_finish(acc, l, q_smem)
     plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(rows, WG_ROWS), h])
@@ -164,7 +169,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
                     alibi_slopes=None, sm_scale=None, block_q=None, block_kv=None, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
     alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. block_q: q rows per CTA, 64 (one
-    consumer warpgroup) or 128 (two, the default on a GPU). Needs D and block_kv multiples of 64
+    consumer warpgroup), 128 (two, the default on a GPU) or 192. Needs D and block_kv multiples of 64
     and 16-bit inputs (f32 too when interpreting); block_kv defaults to the largest that fits in
     shared memory (see `fits`; Mosaic GPU refuses a kernel over budget). interpret=True runs in
     Mosaic GPU interpret mode (CPU), with its race detector, on one warpgroup unless block_q says."""
@@ -179,8 +184,8 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         block_kv = pick_block_kv(d, q.dtype, block_q) or BLOCK_KV_CHOICES[-1]
     if h % kvh:
         raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
-    if block_q not in (WG_ROWS, 2 * WG_ROWS):  # a third warpgroup would leave each under 170 registers
-        raise ValueError(f"block_q {block_q}: need 64 or 128")
+    if block_q not in (WG_ROWS, 2 * WG_ROWS, 3 * WG_ROWS):
+        raise ValueError(f"block_q {block_q}: need 64, 128 or 192")
     if d % 64 or block_kv % 64:
         raise ValueError(f"head_dim {d}, block_kv {block_kv}: need multiples of 64")
     if q.dtype.itemsize != 2 and not interpret:

@@ -128,6 +128,9 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
         iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
                                  layout=None if interpret else plgpu.Layout.WGMMA)
         q_pos = t0 + offset + lax.div(iota(0), group)
+        # Unmodified scores leave sm_scale to the softmax, which folds it into its multiply-add.
+        modified = soft_cap is not None or alibi
+        scale = 1.0 if modified else sm_scale
         slopes = None
         if alibi:
             slopes = lax.broadcast_in_dim(wgmma.layout_cast(slope_smem[...], plgpu.Layout.WGMMA.reduce(1),
@@ -140,11 +143,12 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
             plgpu.barrier_wait(k_bar.at[slot])
             scores = wgmma.matmul(q_smem, operand(0, slot), transpose_b=True, interpret=interpret)
             kv_pos = (tile_lo + c) * tile + iota(1)
-            scores = modify_scores(scores * sm_scale, kv_pos, soft_cap=soft_cap, slopes=slopes)
+            if modified:
+                scores = modify_scores(scores * sm_scale, kv_pos, soft_cap=soft_cap, slopes=slopes)
             visible = kv_pos <= q_pos
             if sliding_window is not None:
                 visible &= kv_pos > q_pos - sliding_window
-            p, m, alpha, l = wgmma.online_softmax(jnp.where(visible, scores, MASK_VALUE), m, l)
+            p, m, alpha, l = wgmma.online_softmax(jnp.where(visible, scores, MASK_VALUE), m, l, scale=scale)
             plgpu.barrier_wait(v_bar.at[slot])
             v_tile = operand(1, slot)
             # The last tile's slots past the sequence's length hold stale (maybe inf or NaN)
@@ -153,11 +157,10 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
             pl.when(kv0 + tile > seq_lens_ref[s])(lambda: zero_rows_from(v_tile, seq_lens_ref[s] - kv0))
             return wgmma.accumulate_pv(acc, alpha, p, v_tile, interpret=interpret), m, l
 
-        acc, m, l = lax.fori_loop(0, count, step, wgmma.softmax_start(ROWS, head_dim, interpret=interpret))
+        acc, m, l = lax.fori_loop(0, count, step, wgmma.softmax_start(ROWS, head_dim, scale=scale, interpret=interpret))
         rows = _block_rows(t0, s, block_q)
         if kv_splits > 1:   # an empty split (l = 0) gives 0 and a log-sum-exp of -inf: no weight
-            lse_smem[...] = m + jnp.log(l)
-            l = jnp.where(l > 0, l, 1.0)
+            lse_smem[...] = wgmma.log_sum_exp(m, l)
         wgmma.softmax_finish(acc, l, o_smem)
         for src, out in zip((o_smem, lse_smem), outs):
             plgpu.copy_smem_to_gmem(src, out.at[split, h, rows])
