@@ -164,7 +164,7 @@ def paged_case(q_lens, ctx_lens, page_size, heads, dtype, seed=0):
 
 def paged_impls(platform, case, decode_only, lane=False):
     """name -> (run, inputs), inputs in the kernel's own layout, made once. lane (a GPU): our
-    paged kernel under its Lane lowering too (wgmma.LOWERINGS)."""
+    paged kernel under its Lane lowering too (wgmma.compiler_params)."""
     a = tuple(case[n] for n in ("q", "k_pages", "v_pages", "page_table", "seq_lens", "query_start_loc"))
     kw = dict(max_q=case["max_q"], sm_scale=case["sm_scale"])
     impls = {"xla reference": (functools.partial(ragged_paged_attention_xla, **kw), a)}

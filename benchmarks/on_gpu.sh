@@ -8,6 +8,8 @@
 #   lane     the paged kernel under its Lane lowering (pallas_kernels/wgmma.py): its tests, then the
 #            decode and mixed tables with it beside the default (in $OUT/lane). Apart from the
 #            stages before it, which a GPU fault in an unproven lowering would otherwise cut short
+#   trace    inside our kernels: each warpgroup's cycles per region (k_wait, qk, softmax, ...) at the
+#            decode and prefill target shapes (benchmarks/kernel_trace.py; Mosaic GPU's profiler)
 #   hf       a random 1.1B bf16 Llama under transformers generate (static batches)
 #   1b       the engine on it, both backends
 #   int8     the engine on it with int8 weights
@@ -21,9 +23,9 @@
 #            an earlier one, on the same warm GPU: e.g. `mkdir base && git archive d2d8cc4 | tar -x -C
 #            base` here before the call (an untracked folder travels with the working tree)
 # tests and tiny check tokens, not time: they run side by side. The timed stages (kernels, lane,
-# hf, 1b, int8, profile) run alone. At their limits all stages take 22 minutes; one device call
+# trace, hf, 1b, int8, profile) run alone. At their limits all stages take 25 minutes; one device call
 # runs 10 at most, so give them in two or three calls, back to back while the machine is warm:
-#   bash benchmarks/on_gpu.sh tests tiny kernels lane;  bash benchmarks/on_gpu.sh hf 1b int8
+#   bash benchmarks/on_gpu.sh tests tiny kernels lane;  bash benchmarks/on_gpu.sh trace hf 1b int8
 # (2026-11-27: the first call took 527 s on an H100; `tests tiny kernels hf` took 326 s on an H200.)
 # XLA's GEMM autotuning results go to one cache folder, shared by the stages: the engines of the
 # 1.1B model tune the same matrix products once.
@@ -37,7 +39,7 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 PY=${PY:-python3}
-STAGES=" ${*:-tests tiny kernels lane hf 1b int8 profile} "
+STAGES=" ${*:-tests tiny kernels lane trace hf 1b int8 profile} "
 # 30% of the GPU's memory for each JAX process: torch writes the 1.1B model beside the tests.
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 \
   JAX_TRACEBACK_FILTERING=off
@@ -81,6 +83,7 @@ stage kernels 100 $PY benchmarks/kernels.py --sections decode,prefill,mixed,kv_w
 mkdir -p "$OUT/lane"
 stage lane 200 bash -c "$PY -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k lane;
   $PY benchmarks/kernels.py --sections decode,mixed --lane --out $OUT/lane"
+stage trace 150 $PY benchmarks/kernel_trace.py --out "$OUT"
 stage hf 80 $PY -m benchmarks.gpu_engine hf --model 1b --out "$OUT"
 stage 1b 240 $PY -m benchmarks.gpu_engine jax --model 1b --out "$OUT"
 stage int8 150 $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --quantization int8 --out "$OUT"

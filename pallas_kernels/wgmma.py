@@ -17,15 +17,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SWIZZLES = (128, 64, 32)  # bytes that wgmma reads swizzled; the widest is fastest
-MASK_VALUE = -1e30  # finite: a row masked in one tile is wiped out by the next tile's rescale
+MASK_VALUE = -1e30  # finite: scaled (online_softmax), a masked score stays finite
 LOG2E = math.log2(math.e)
-# Mosaic GPU's two lowering semantics. jax 0.11 made Warpgroup the default (0.10: Lane), so each
-# kernel names one, the one it was shown correct under on a GPU (an H200, jax 0.11.2), and the
-# compile checks here (jax 0.10) lower what a GPU runs: the flash kernel Lane (under Warpgroup,
-# layout inference found no layouts for bidirectional masks), the paged kernel Warpgroup (its
-# `lowering` option: its GPU tests and a benchmark row try Lane too).
-LOWERINGS = {name: plgpu.CompilerParams(lowering_semantics=getattr(plgpu.LoweringSemantics, name.capitalize()))
-             for name in ("lane", "warpgroup")}
+TRACE_REGIONS = 256  # named regions each warpgroup may enter in a traced call (4 KB of SMEM)
+
+
+def compiler_params(lowering, trace_dir=None):
+    """Mosaic GPU's settings for a kernel. lowering: its semantics, "lane" or "warpgroup". jax 0.11
+    made Warpgroup the default (0.10: Lane), so each kernel names the one it was shown correct
+    under on a GPU (an H200, jax 0.11.2), and the compile checks here (jax 0.10) lower what a GPU
+    runs: the flash kernel Lane (under Warpgroup, layout inference found no layouts for
+    bidirectional masks), the paged kernel Warpgroup (its `lowering` option: its GPU tests and a
+    benchmark row try Lane too). trace_dir: Mosaic GPU's profiler records when each warpgroup
+    enters and leaves the kernel's named regions (jax.named_scope) and writes one Chrome trace
+    per call there (benchmarks/kernel_trace.py); GPU only."""
+    return plgpu.CompilerParams(lowering_semantics=getattr(plgpu.LoweringSemantics, lowering.capitalize()),
+                                profile_space=TRACE_REGIONS if trace_dir else 0, profile_dir=trace_dir or "")
 
 
 def tiled_smem(dtype, head_dim):

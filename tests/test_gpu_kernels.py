@@ -67,7 +67,7 @@ def paged_oracle(c):
     return out
 
 
-# Compiled on a GPU, the paged kernel also runs under its other lowering semantics (wgmma.LOWERINGS),
+# Compiled on a GPU, the paged kernel also runs under its other lowering semantics (wgmma.compiler_params),
 # timed by `benchmarks/kernels.py --lane`; on_gpu.sh's lane stage runs both apart. The interpreter
 # lowers neither.
 LOWERINGS = ("warpgroup",) if INTERPRET else ("warpgroup", "lane")

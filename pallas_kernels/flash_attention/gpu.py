@@ -78,7 +78,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
         fetch_k(0, 0)
         fetch_v(0, 0)
 
-    plgpu.barrier_wait(q_bar)
+    with jax.named_scope("q_wait"):
+        plgpu.barrier_wait(q_bar)
     q_seg = layout(q_seg_smem[...], row_layout)
     shape = (WG_ROWS, block_kv)
     iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
@@ -91,17 +92,16 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
     def step(j, carry):
         acc, m, l = carry
         slot = lax.rem(j, 2)
-        refill(j, slot, fetch_k, k_free)
-        plgpu.barrier_wait(k_bar.at[slot])
-        s = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret)
+        with jax.named_scope("k_wait"):  # regions of the kernel's trace (wgmma.compiler_params)
+            refill(j, slot, fetch_k, k_free)
+            plgpu.barrier_wait(k_bar.at[slot])
+        with jax.named_scope("qk"):
+            s = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret)
 
         def kv_positions():
             # From a column vector, built only where used: registers are tight (test_gpu_compile).
             col = plgpu.broadcasted_iota(jnp.int32, (block_kv,), 0, layout=None if interpret else col_layout)
             return lax.broadcast_in_dim(kv_block_ref[b, i, j] * block_kv + col, shape, [1])
-
-        if modified:
-            s = modify_scores(s * sm_scale, None if slope is None else kv_positions(), soft_cap=soft_cap, slopes=slope)
 
         def apply_mask(s):
             q_pos, kv_pos = rows + iota(0), kv_positions()
@@ -115,19 +115,27 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
 
         # A tile FULL for the CTA's block is FULL for each warpgroup's rows; a PARTIAL one may
         # hide all of a warpgroup's rows: their weights are 0 (wgmma.softmax_start).
-        s = lax.cond(kind_ref[b, i, j] == FULL, lambda s: s, apply_mask, s)
-        plgpu.barrier_arrive(k_free.at[slot])  # done with K and the kv segment ids
-        p, m, alpha, l = wgmma.online_softmax(s, m, l, scale=scale)
-        refill(j, slot, fetch_v, v_free)
-        plgpu.barrier_wait(v_bar.at[slot])
-        acc = wgmma.accumulate_pv(acc, alpha, p, v_smem.at[slot], interpret=interpret)
-        plgpu.barrier_arrive(v_free.at[slot])
+        with jax.named_scope("mask"):
+            if modified:
+                s = modify_scores(s * sm_scale, None if slope is None else kv_positions(), soft_cap=soft_cap,
+                                  slopes=slope)
+            s = lax.cond(kind_ref[b, i, j] == FULL, lambda s: s, apply_mask, s)
+            plgpu.barrier_arrive(k_free.at[slot])  # done with K and the kv segment ids
+        with jax.named_scope("softmax"):
+            p, m, alpha, l = wgmma.online_softmax(s, m, l, scale=scale)
+        with jax.named_scope("v_wait"):
+            refill(j, slot, fetch_v, v_free)
+            plgpu.barrier_wait(v_bar.at[slot])
+        with jax.named_scope("pv"):
+            acc = wgmma.accumulate_pv(acc, alpha, p, v_smem.at[slot], interpret=interpret)
+            plgpu.barrier_arrive(v_free.at[slot])
         return acc, m, l
 
     start = wgmma.softmax_start(WG_ROWS, q_smem.shape[-1], scale=scale, interpret=interpret)
     acc, _, l = lax.fori_loop(0, count, step, start)
-    wgmma.softmax_finish(acc, l, q_smem)
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(rows, WG_ROWS), h])
+    with jax.named_scope("finish"):
+        wgmma.softmax_finish(acc, l, q_smem)
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(rows, WG_ROWS), h])
 
     def drain(j, _):  # the last two steps' releases, never awaited by a refill
         plgpu.barrier_wait(k_free.at[lax.rem(j, 2)])
@@ -164,15 +172,17 @@ def fits(head_dim, dtype, block_q=BLOCK_Q) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "causal", "sliding_window", "soft_cap", "sm_scale", "block_q", "block_kv", "interpret"))
+    "causal", "sliding_window", "soft_cap", "sm_scale", "block_q", "block_kv", "trace_dir", "interpret"))
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
-                    alibi_slopes=None, sm_scale=None, block_q=None, block_kv=None, interpret=False):
+                    alibi_slopes=None, sm_scale=None, block_q=None, block_kv=None, trace_dir=None,
+                    interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
     alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. block_q: q rows per CTA, 64 (one
     consumer warpgroup), 128 (two, the default on a GPU) or 192. Needs D and block_kv multiples of 64
     and 16-bit inputs (f32 too when interpreting); block_kv defaults to the largest that fits in
     shared memory (see `fits`; Mosaic GPU refuses a kernel over budget). interpret=True runs in
-    Mosaic GPU interpret mode (CPU), with its race detector, on one warpgroup unless block_q says."""
+    Mosaic GPU interpret mode (CPU), with its race detector, on one warpgroup unless block_q says.
+    trace_dir: a timeline of the kernel's regions per call (wgmma.compiler_params; GPU only)."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
     if block_q is None:
@@ -217,7 +227,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         grid=(nq, h, b),
         grid_names=("q", "heads", "batch"),
         num_threads=warpgroups,
-        compiler_params=wgmma.LOWERINGS["lane"],
+        compiler_params=wgmma.compiler_params("lane", trace_dir),
         thread_name="wg",
         # Q + its segment ids per warpgroup, 2 slots x 3
         interpret=wgmma.interpret_params(copies_in_flight=2 * warpgroups + 6) if interpret else None,

@@ -123,7 +123,8 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
             return dst
 
         pl.when(count > 0)(lambda: fetch(0, 0))
-        plgpu.barrier_wait(q_bar)
+        with jax.named_scope("q_wait"):
+            plgpu.barrier_wait(q_bar)
         shape = (ROWS, tile)
         iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
                                  layout=None if interpret else plgpu.Layout.WGMMA)
@@ -139,32 +140,40 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
         def step(c, carry):
             acc, m, l = carry
             slot = lax.rem(c, 2)
-            pl.when(c + 1 < count)(lambda: fetch(c + 1, 1 - slot))  # the other slot was freed at c - 1
-            plgpu.barrier_wait(k_bar.at[slot])
-            scores = wgmma.matmul(q_smem, operand(0, slot), transpose_b=True, interpret=interpret)
-            kv_pos = (tile_lo + c) * tile + iota(1)
-            if modified:
-                scores = modify_scores(scores * sm_scale, kv_pos, soft_cap=soft_cap, slopes=slopes)
-            visible = kv_pos <= q_pos
-            if sliding_window is not None:
-                visible &= kv_pos > q_pos - sliding_window
-            p, m, alpha, l = wgmma.online_softmax(jnp.where(visible, scores, MASK_VALUE), m, l, scale=scale)
-            plgpu.barrier_wait(v_bar.at[slot])
-            v_tile = operand(1, slot)
-            # The last tile's slots past the sequence's length hold stale (maybe inf or NaN)
-            # data, which a zero weight does not cancel: zero them in V.
-            kv0 = (tile_lo + c) * tile
-            pl.when(kv0 + tile > seq_lens_ref[s])(lambda: zero_rows_from(v_tile, seq_lens_ref[s] - kv0))
-            return wgmma.accumulate_pv(acc, alpha, p, v_tile, interpret=interpret), m, l
+            with jax.named_scope("k_wait"):  # regions of the kernel's trace (wgmma.compiler_params)
+                pl.when(c + 1 < count)(lambda: fetch(c + 1, 1 - slot))  # the other slot was freed at c - 1
+                plgpu.barrier_wait(k_bar.at[slot])
+            with jax.named_scope("qk"):
+                scores = wgmma.matmul(q_smem, operand(0, slot), transpose_b=True, interpret=interpret)
+            with jax.named_scope("mask"):
+                kv_pos = (tile_lo + c) * tile + iota(1)
+                if modified:
+                    scores = modify_scores(scores * sm_scale, kv_pos, soft_cap=soft_cap, slopes=slopes)
+                visible = kv_pos <= q_pos
+                if sliding_window is not None:
+                    visible &= kv_pos > q_pos - sliding_window
+                scores = jnp.where(visible, scores, MASK_VALUE)
+            with jax.named_scope("softmax"):
+                p, m, alpha, l = wgmma.online_softmax(scores, m, l, scale=scale)
+            with jax.named_scope("v_wait"):
+                plgpu.barrier_wait(v_bar.at[slot])
+                v_tile = operand(1, slot)
+                # The last tile's slots past the sequence's length hold stale (maybe inf or NaN)
+                # data, which a zero weight does not cancel: zero them in V.
+                kv0 = (tile_lo + c) * tile
+                pl.when(kv0 + tile > seq_lens_ref[s])(lambda: zero_rows_from(v_tile, seq_lens_ref[s] - kv0))
+            with jax.named_scope("pv"):
+                return wgmma.accumulate_pv(acc, alpha, p, v_tile, interpret=interpret), m, l
 
         acc, m, l = lax.fori_loop(0, count, step, wgmma.softmax_start(ROWS, head_dim, scale=scale, interpret=interpret))
-        rows = _block_rows(t0, s, block_q)
-        if kv_splits > 1:   # an empty split (l = 0) gives 0 and a log-sum-exp of -inf: no weight
-            lse_smem[...] = wgmma.log_sum_exp(m, l)
-        wgmma.softmax_finish(acc, l, o_smem)
-        for src, out in zip((o_smem, lse_smem), outs):
-            plgpu.copy_smem_to_gmem(src, out.at[split, h, rows])
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("finish"):
+            rows = _block_rows(t0, s, block_q)
+            if kv_splits > 1:   # an empty split (l = 0) gives 0 and a log-sum-exp of -inf: no weight
+                lse_smem[...] = wgmma.log_sum_exp(m, l)
+            wgmma.softmax_finish(acc, l, o_smem)
+            for src, out in zip((o_smem, lse_smem), outs):
+                plgpu.copy_smem_to_gmem(src, out.at[split, h, rows])
+            plgpu.wait_smem_to_gmem(0)
 
 
 def _block_rows(t0, s, block_q):
@@ -211,11 +220,11 @@ def pick_kv_splits(programs, max_tiles):
 
 
 @functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "soft_cap", "kv_block",
-                                             "kv_splits", "lowering", "interpret"))
+                                             "kv_splits", "lowering", "trace_dir", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
                            max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None,
                            k_scale=None, v_scale=None, kv_block=64, kv_splits=None, lowering="warpgroup",
-                           interpret=False):
+                           trace_dir=None, interpret=False):
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len (sets the grid).
     Returns [T, H, D], 0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
@@ -227,7 +236,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     kv_block: keys per tile, a multiple of 64 and of page_size (or page_size itself when larger).
     kv_splits: how many parts each program's KV tiles are split into (module docstring); None:
     `pick_kv_splits`. lowering: Mosaic GPU's lowering semantics, "warpgroup" (shown correct on a
-    GPU) or "lane" (wgmma.LOWERINGS).
+    GPU) or "lane"; trace_dir: a timeline of the kernel's regions per call (wgmma.compiler_params).
     Needs D a multiple of 16 up to 256 (of 32 for quantized pools: a row of whole 32-byte swizzle
     spans), H / KVH at most 64, 16-bit inputs on a GPU (f32 too when interpreting), page_size a
     multiple of 8 (page copies fill whole 8-row SMEM tiles). interpret=True runs in Mosaic GPU
@@ -294,7 +303,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         out_type=out_type,
         scratch_types=scratch,
         grid=(q_blocks_per_seq * kv_splits, num_kv_heads, num_seqs),
-        compiler_params=wgmma.LOWERINGS[lowering],
+        compiler_params=wgmma.compiler_params(lowering, trace_dir),
         grid_names=("q", "kv_heads", "seqs"),
         interpret=wgmma.interpret_params(copies_in_flight) if interpret else None,
     )
