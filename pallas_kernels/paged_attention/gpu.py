@@ -65,7 +65,8 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
 
     @pl.when(t0 < q_end)
     def _():
-        offset = seq_lens_ref[s] - q_end  # token t sits at position t + offset
+        seq_len = seq_lens_ref[s]
+        offset = seq_len - q_end  # token t sits at position t + offset
         last = jnp.minimum(q_end, t0 + block_q) - 1
         page_end = lax.div(last + offset, page_size) + 1  # pages past it are never needed
         tile_lo = 0
@@ -82,10 +83,15 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
         landing = stored_smem if quantized else (k_smem, v_smem)   # where K and V pages are copied to
         scales = tuple(zip(scale_refs, scale_smem)) if quantized else ()
 
-        def fetch(c, slot):
-            for p in range(pages_per_tile):
-                idx = (tile_lo + c) * pages_per_tile + p
-                page = jnp.where(idx < page_end, table_ref[s, idx], 0)  # masked below anyway
+        def tile_pages(c):
+            # Tile c's pages; past the sequence's last page, that page again (masked below). Read a
+            # step before their copies are issued: a copy waiting on its page-table load (GMEM
+            # latency) would hold up the copies after it.
+            first = (tile_lo + c) * pages_per_tile
+            return tuple(table_ref[s, jnp.minimum(first + p, page_end - 1)] for p in range(pages_per_tile))
+
+        def fetch(pages, slot):
+            for p, page in enumerate(pages):
                 rows = pl.ds(p * page_size, page_size)
                 for src, dst, bar in zip((k_ref, v_ref), landing, (k_bar, v_bar)):
                     plgpu.copy_gmem_to_smem(src.at[page, h], dst.at[slot, rows], bar.at[slot])
@@ -122,7 +128,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
             plgpu.commit_smem()
             return dst
 
-        pl.when(count > 0)(lambda: fetch(0, 0))
+        pl.when(count > 0)(lambda: fetch(tile_pages(0), 0))
         with jax.named_scope("q_wait"):
             plgpu.barrier_wait(q_bar)
         shape = (ROWS, tile)
@@ -138,10 +144,11 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
                                                             interpret=interpret), shape, [0])
 
         def step(c, carry):
-            acc, m, l = carry
+            acc, m, l, pages = carry   # pages: tile c + 1's
             slot = lax.rem(c, 2)
             with jax.named_scope("k_wait"):  # regions of the kernel's trace (wgmma.compiler_params)
-                pl.when(c + 1 < count)(lambda: fetch(c + 1, 1 - slot))  # the other slot was freed at c - 1
+                pl.when(c + 1 < count)(lambda: fetch(pages, 1 - slot))  # the other slot was freed at c - 1
+                pages = tile_pages(c + 2)
                 plgpu.barrier_wait(k_bar.at[slot])
             with jax.named_scope("qk"):
                 scores = wgmma.matmul(q_smem, operand(0, slot), transpose_b=True, interpret=interpret)
@@ -161,11 +168,12 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
                 # The last tile's slots past the sequence's length hold stale (maybe inf or NaN)
                 # data, which a zero weight does not cancel: zero them in V.
                 kv0 = (tile_lo + c) * tile
-                pl.when(kv0 + tile > seq_lens_ref[s])(lambda: zero_rows_from(v_tile, seq_lens_ref[s] - kv0))
+                pl.when(kv0 + tile > seq_len)(lambda: zero_rows_from(v_tile, seq_len - kv0))
             with jax.named_scope("pv"):
-                return wgmma.accumulate_pv(acc, alpha, p, v_tile, interpret=interpret), m, l
+                return wgmma.accumulate_pv(acc, alpha, p, v_tile, interpret=interpret), m, l, pages
 
-        acc, m, l = lax.fori_loop(0, count, step, wgmma.softmax_start(ROWS, head_dim, scale=scale, interpret=interpret))
+        start = wgmma.softmax_start(ROWS, head_dim, scale=scale, interpret=interpret)
+        acc, m, l, _ = lax.fori_loop(0, count, step, (*start, tile_pages(1)))
         with jax.named_scope("finish"):
             rows = _block_rows(t0, s, block_q)
             if kv_splits > 1:   # an empty split (l = 0) gives 0 and a log-sum-exp of -inf: no weight
@@ -259,15 +267,13 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         kv_splits = pick_kv_splits(q_blocks_per_seq * num_kv_heads * num_seqs,
                                    page_table.shape[1] * page_size // tile)
 
-    # Q rows (token, head in group) of each KV head in the programs' blocks; page-table columns
-    # padded by a tile.
+    # Q rows (token, head in group) of each KV head in the programs' blocks.
     rows, num_blocks = _blocks(query_start_loc, t, num_seqs, block_q, group)
     # Gathered, not scattered into zeros: XLA:GPU allocates a scatter's zeros early, so every
     # layer's blocks would be live at once (17 MiB a layer at 128 sequences).
     sources = jnp.full(num_blocks * ROWS, t * group).at[rows.ravel()].set(jnp.arange(t * group), mode="drop")
     qg = q.reshape(t, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(num_kv_heads, t * group, head_dim)
     q_blocks = qg.at[:, sources].get(mode="fill", fill_value=0)
-    table = jnp.pad(page_table, ((0, 0), (0, pages_per_tile)))
 
     alibi = alibi_slopes is not None
     # Row (token, head in group) of KV head h: its head's slope.
@@ -307,7 +313,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         grid_names=("q", "kv_heads", "seqs"),
         interpret=wgmma.interpret_params(copies_in_flight) if interpret else None,
     )
-    out = kernel(query_start_loc, seq_lens, table, q_blocks, k_pages, v_pages, *slopes, *scales)
+    out = kernel(query_start_loc, seq_lens, page_table, q_blocks, k_pages, v_pages, *slopes, *scales)
     # The tokens' rows, [splits, KVH, t, group, D] (lse without D), merged after the gather: it
     # drops the rows that hold no token (most of a decode block's) and those no program wrote.
     gather = lambda x: x.at[:, :, rows].get(mode="fill", fill_value=0)  # noqa: E731
