@@ -45,7 +45,11 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
             mask, sm_scale, soft_cap, alibi, group, block_q, block_kv, interpret):
     slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
     o_ref, q_smem, k_smem, v_smem, q_seg_smem, kv_seg_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
-    i, h, b, wg = (lax.axis_index(name) for name in ("q", "heads", "batch", "wg"))
+    h, b, wg = (lax.axis_index(name) for name in ("heads", "batch", "wg"))
+    # The q axis is the grid's slowest and runs backwards: CTAs start in order of their linear
+    # index, so under a causal mask the longest (last q blocks) start first and the GPU's last
+    # wave holds the shortest, not a full row of kv blocks.
+    i = lax.axis_size("q") - 1 - lax.axis_index("q")
     kvh = h // group
     rows = i * block_q + wg * WG_ROWS  # this warpgroup's first q row
     q_smem, q_seg_smem, q_bar = q_smem.at[wg], q_seg_smem.at[wg], q_bar.at[wg]
@@ -224,8 +228,8 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
             plgpu.Barrier(num_arrivals=warpgroups, num_barriers=2),  # K slot read by all
             plgpu.Barrier(num_arrivals=warpgroups, num_barriers=2),  # V slot read by all
         ],
-        grid=(nq, h, b),
-        grid_names=("q", "heads", "batch"),
+        grid=(h, b, nq),
+        grid_names=("heads", "batch", "q"),
         num_threads=warpgroups,
         compiler_params=wgmma.compiler_params("lane", trace_dir),
         thread_name="wg",
