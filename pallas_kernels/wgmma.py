@@ -104,8 +104,8 @@ def accumulate_pv(acc, alpha, p, v_smem, *, interpret):
 def softmax_finish(acc, l, out_smem):
     """The normalized output into out_smem, ready for its copy to GMEM; 0 in a row that saw no
     key (its sum is 0)."""
-    l = jnp.where(l > 0, l, 1.0)
-    out_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(out_smem.dtype)
+    inv = 1.0 / jnp.where(l > 0, l, 1.0)  # a division per row, not per element
+    out_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_smem.dtype)
     plgpu.commit_smem()
 
 
