@@ -13,10 +13,12 @@ import requests
 
 from tests.server_harness import LONG_ENGINE, ServerProcess, long_model, start
 
-# Long enough (about 3 s on a quiet 2-core box) that all requests are still in flight when the
-# signal lands, though the test process may stall for seconds while the box runs four servers
-# (the checks below fail if any request finished before the signal).
-MAX_TOKENS = 2000
+# Long enough that all requests are still in flight when the signal lands, though the test
+# process may stall while the box runs four servers (the checks below fail if any request finished
+# before the signal). With 4 servers beside the rest of the suite, the first request had started
+# 0.2-1.0 s before the signal and 2000 tokens took 12-23 s (2026-11-27): 1000 keep a 6x margin at
+# half the decoding, most of this file's CPU time.
+MAX_TOKENS = 1000
 STREAMS = 3   # and one plain request: the 4 that LONG_ENGINE runs at once
 # Runs of each path, each with a fresh server (about 6 s of start-up), PARALLEL at a time: SIGTERM
 # to the group, the path that raced under the former gunicorn server (two exit handlers), runs
