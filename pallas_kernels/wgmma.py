@@ -19,7 +19,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 SWIZZLES = (128, 64, 32)  # bytes that wgmma reads swizzled; the widest is fastest
 MASK_VALUE = -1e30  # finite: scaled (online_softmax), a masked score stays finite
 LOG2E = math.log2(math.e)
-TRACE_REGIONS = 256  # named regions each warpgroup may enter in a traced call (4 KB of SMEM)
+TRACE_REGIONS = 512  # named regions each warpgroup may enter in a traced call (8 KB of SMEM)
 
 
 def compiler_params(lowering, trace_dir=None):
