@@ -42,14 +42,14 @@ BLOCK_Q = 128  # q rows per CTA (2 warpgroups): each K/V tile loaded serves twic
 
 
 def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *refs,
-            mask, sm_scale, soft_cap, alibi, group, block_q, block_kv, interpret):
+            mask, sm_scale, soft_cap, alibi, group, block_q, block_kv, nq, interpret):
     slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
     o_ref, q_smem, k_smem, v_smem, q_seg_smem, kv_seg_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
     h, b, wg = (lax.axis_index(name) for name in ("heads", "batch", "wg"))
     # The q axis is the grid's slowest and runs backwards: CTAs start in order of their linear
     # index, so under a causal mask the longest (last q blocks) start first and the GPU's last
     # wave holds the shortest, not a full row of kv blocks.
-    i = lax.axis_size("q") - 1 - lax.axis_index("q")
+    i = nq - 1 - lax.axis_index("q")
     kvh = h // group
     rows = i * block_q + wg * WG_ROWS  # this warpgroup's first q row
     q_smem, q_seg_smem, q_bar = q_smem.at[wg], q_seg_smem.at[wg], q_bar.at[wg]
@@ -214,7 +214,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     smem = wgmma.tiled_smem(q.dtype, d)
     kernel = plgpu.kernel(
         functools.partial(_kernel, mask=mask, sm_scale=sm_scale, soft_cap=soft_cap, alibi=alibi_slopes is not None,
-                          group=h // kvh, block_q=block_q, block_kv=block_kv, interpret=interpret),
+                          group=h // kvh, block_q=block_q, block_kv=block_kv, nq=nq, interpret=interpret),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=[  # what smem_bytes counts; shared by the warpgroups
             smem(warpgroups, WG_ROWS, d),   # each warpgroup's Q rows, then its output rows
