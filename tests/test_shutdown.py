@@ -15,9 +15,8 @@ from tests.server_harness import LONG_ENGINE, ServerProcess, long_model, start
 
 # Long enough that all requests are still in flight when the signal lands, though the test
 # process may stall while the box runs four servers (the checks below fail if any request finished
-# before the signal). With 4 servers beside the rest of the suite, the first request had started
-# 0.2-1.0 s before the signal and 2000 tokens took 12-23 s (2026-11-27): 1000 keep a 6x margin at
-# half the decoding, most of this file's CPU time.
+# before the signal). 1000 tokens took 3.5-10 s a request beside the rest of the suite
+# (2026-11-27), 2000 twice that: decoding is most of this file's CPU time.
 MAX_TOKENS = 1000
 STREAMS = 3   # and one plain request: the 4 that LONG_ENGINE runs at once
 # Runs of each path, each with a fresh server (about 6 s of start-up), PARALLEL at a time: SIGTERM
@@ -44,14 +43,18 @@ def _send(server: ServerProcess, to_group: bool, sig: int) -> None:
 def _start_requests(server: ServerProcess, pool):
     """STREAMS streamed and one non-streamed completion, each running in the engine."""
     body = {"prompt": "hi", "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
-    plain = pool.submit(requests.post, server.url + "/v1/completions", json=body, timeout=120)
-    streams = []
-    for i in range(STREAMS):
+
+    def open_stream(i):
         r = requests.post(server.url + "/v1/completions", stream=True, timeout=120, json={
             **body, "prompt": f"p{i}", "stream": True, "stream_options": {"include_usage": True}})
         lines = r.iter_lines()
         assert next(lines).startswith(b"data: ")
-        streams.append(lines)
+        return lines
+
+    # All four at once: opened one after another, the first had run up to 2.8 s when the signal
+    # came (in `make test`, 2026-11-27), a third of what its MAX_TOKENS take.
+    plain = pool.submit(requests.post, server.url + "/v1/completions", json=body, timeout=120)
+    streams = [f.result() for f in [pool.submit(open_stream, i) for i in range(STREAMS)]]
     deadline = time.monotonic() + 30
     while server.metrics()["jaxserve_num_sequences_running"] < STREAMS + 1:
         assert time.monotonic() < deadline, "the requests did not all start"
