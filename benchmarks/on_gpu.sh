@@ -23,8 +23,9 @@
 #            an earlier one, on the same warm GPU: e.g. `mkdir base && git archive d2d8cc4 | tar -x -C
 #            base` here before the call (an untracked folder travels with the working tree)
 # tests and tiny check tokens, not time: they run side by side. The timed stages (kernels, lane,
-# trace, hf, 1b, int8, profile) run alone. At their limits all stages take 25 minutes; one device call
-# runs 10 at most, so give them in two or three calls, back to back while the machine is warm:
+# trace, hf, 1b, int8, profile) run alone. At their limits all stages take 24 minutes; one device call
+# runs 10 at most, so give them in two or three calls, back to back while the machine is warm (the
+# first below takes 590 s if every stage runs to its limit):
 #   bash benchmarks/on_gpu.sh tests tiny kernels lane;  bash benchmarks/on_gpu.sh trace hf 1b int8
 # (2026-11-27: the first call took 527 s on an H100; `tests tiny kernels hf` took 326 s on an H200.)
 # XLA's GEMM autotuning results go to one cache folder, shared by the stages: the engines of the
@@ -79,7 +80,7 @@ stage tests 240 $PY -m pytest -q -p no:cacheprovider --maxfail 20 tests/test_fla
 stage tiny 200 $PY -m benchmarks.gpu_engine jax --model tiny --out "$OUT"
 wait
 [[ -f "$LOG.build" ]] && cat "$LOG.build" >>"$LOG" && rm "$LOG.build"
-stage kernels 100 $PY benchmarks/kernels.py --sections decode,prefill,mixed,kv_write --out "$OUT"
+stage kernels 150 $PY benchmarks/kernels.py --sections decode,prefill,mixed,kv_write --out "$OUT"
 mkdir -p "$OUT/lane"
 stage lane 200 bash -c "$PY -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k lane;
   $PY benchmarks/kernels.py --sections decode,mixed --lane --out $OUT/lane"
