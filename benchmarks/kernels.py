@@ -137,9 +137,27 @@ def bench_prefill(platform, seq_lens, heads, dtype, iters, peak_tflops):
         k = jax.random.normal(kk, (1, t, num_kv_heads, head_dim), dtype)
         v = jax.random.normal(kv, (1, t, num_kv_heads, head_dim), dtype)
         flops = 4 * num_heads * head_dim * t * (t + 1) / 2  # QK^T and PV over the causal half
-        times = time_ms({name: (run, prepare(q, k, v)) for name, (prepare, run) in impls.items()}, iters=iters)
-        rows += [perf_row(name, f"T={t}", ms, flops=flops, peak_tflops=peak_tflops) for name, ms in times.items()]
+        calls = {name: (run, prepare(q, k, v)) for name, (prepare, run) in impls.items()}
+        times = time_ms(calls, iters=iters)
+        errs = errors_vs_reference(calls, times)
+        rows += [perf_row(name, f"T={t}", ms, flops=flops, peak_tflops=peak_tflops, err=errs[name])
+                 for name, ms in times.items()]
     return rows
+
+
+def errors_vs_reference(calls, times):
+    """name -> our kernel's max abs error against the xla reference ("" for the other rows and
+    for kernels that failed): a fast row must also be a right one."""
+    expected, errs = None, {}
+    for name, ms in times.items():
+        errs[name] = ""
+        if name.startswith("ours") and not isinstance(ms, str):
+            if expected is None:
+                ref_run, ref_args = calls["xla reference"]
+                expected = ref_run(*ref_args).astype(jnp.float32)
+            run, args = calls[name]
+            errs[name] = f"{float(jnp.abs(run(*args).astype(jnp.float32) - expected).max()):.1e}"
+    return errs
 
 
 # ---------------------------------------------------------------- decode / mixed (paged)
@@ -219,19 +237,14 @@ def bench_paged(platform, batches, heads, dtype, iters, peaks, profile=False, la
         moved = (2 * sum(ctx_lens) * num_kv_heads + 2 * sum(q_lens) * num_heads) * head_dim * itemsize
         visible = sum(ql * c - ql * (ql - 1) / 2 for ql, c in zip(q_lens, ctx_lens))
         impls = paged_impls(platform, case, decode_only=max(q_lens) == 1, lane=lane)
-        expected = None
-        for name, ms in time_ms(impls, iters=iters).items():
-            run, inputs = impls[name]
-            err = ""
-            if name.startswith("ours") and not isinstance(ms, str):
-                if expected is None:
-                    ref_run, ref_inputs = impls["xla reference"]
-                    expected = ref_run(*ref_inputs).astype(jnp.float32)
-                err = f"{float(jnp.abs(run(*inputs).astype(jnp.float32) - expected).max()):.1e}"
-                if profile and platform == "gpu" and name.startswith(("ours (", "jax paged")):
-                    profile_gpu(f"{name}, {label}", run, *inputs)
+        times = time_ms(impls, iters=iters)
+        errs = errors_vs_reference(impls, times)
+        for name, ms in times.items():
+            if profile and platform == "gpu" and name.startswith(("ours (", "jax paged")) and not isinstance(ms, str):
+                run, inputs = impls[name]
+                profile_gpu(f"{name}, {label}", run, *inputs)
             rows.append(perf_row(name, label, ms, bytes_=moved, flops=4 * num_heads * head_dim * visible,
-                                 peak_gbs=peak_gbs, peak_tflops=peak_tflops, err=err))
+                                 peak_gbs=peak_gbs, peak_tflops=peak_tflops, err=errs[name]))
     return rows
 
 
