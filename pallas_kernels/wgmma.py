@@ -46,15 +46,18 @@ def tiled_smem(dtype, head_dim):
     return lambda *shape: plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
-def matmul(a_smem, b_smem, *, transpose_b=False, interpret):
-    """a [M, K] @ b [K, N] in f32 (b stored [N, K] with transpose_b), both SMEM tiles."""
+def matmul(a_smem, b_smem, *, transpose_b=False, interpret, while_running=lambda: None):
+    """a [M, K] @ b [K, N] in f32 (b stored [N, K] with transpose_b), both SMEM tiles.
+    while_running() runs between the wgmma's issue and the wait for its result."""
     if interpret:
         b = b_smem[...]
+        while_running()
         return jnp.dot(a_smem[...], b.T if transpose_b else b, preferred_element_type=jnp.float32)
     n = b_smem.shape[0 if transpose_b else 1]
 
     def run(acc_ref):
         plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)) if transpose_b else b_smem)
+        while_running()
         return acc_ref[...]
     return pl.run_scoped(run, plgpu.ACC((a_smem.shape[0], n), jnp.float32))
 

@@ -66,6 +66,8 @@ FLASH = {  # name: (head_dim, segment ids, flash_attention options; alibi=True: 
     # One consumer warpgroup: the structure before two, kept as a knob for side-by-side timing.
     "causal-d128-1wg": (128, False, dict(causal=True, block_q=64)),
     "causal-d128-3wg": (128, False, dict(causal=True, block_q=192)),  # 384 threads: at most 168 registers
+    "all-features-d128-pingpong": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True,
+                                                   pingpong=True)),
     "all-features-d128-1wg-kv64": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True,
                                                    block_q=64, block_kv=64)),
 }

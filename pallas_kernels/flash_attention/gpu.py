@@ -21,7 +21,8 @@ transposed in SMEM; P stays in registers as the P @ V wgmma's A operand, accumul
 output in place. GQA: q head h reads kv head h // group straight from K/V, which are never
 repeated. Soft cap and ALiBi (the CTA's head's slope, one scalar read): pallas_kernels/scores.py.
 block_q=64 (one warpgroup) and 192 (three: under 168 registers each, as ptxas fits causal
-head_dim 128 since the softmax went to ex2) are knobs that benchmarks/kernels.py times beside it.
+head_dim 128 since the softmax went to ex2), and `pingpong`, are knobs that benchmarks/kernels.py
+times beside the default.
 """
 import functools
 
@@ -42,9 +43,9 @@ BLOCK_Q = 128  # q rows per CTA (2 warpgroups): each K/V tile loaded serves twic
 
 
 def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *refs,
-            mask, sm_scale, soft_cap, alibi, group, block_q, block_kv, nq, interpret):
+            mask, sm_scale, soft_cap, alibi, group, block_q, block_kv, nq, pingpong, interpret):
     slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
-    o_ref, q_smem, k_smem, v_smem, q_seg_smem, kv_seg_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
+    o_ref, q_smem, k_smem, v_smem, q_seg_smem, kv_seg_smem, q_bar, k_bar, v_bar, k_free, v_free, *turn = refs
     h, b, wg = (lax.axis_index(name) for name in ("heads", "batch", "wg"))
     # The q axis is the grid's slowest and runs backwards: CTAs start in order of their linear
     # index, so under a causal mask the longest (last q blocks) start first and the GPU's last
@@ -93,6 +94,11 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
     modified = soft_cap is not None or alibi
     scale = 1.0 if modified else sm_scale
 
+    def rendezvous():  # pingpong: both warpgroups meet here (`turn` completes on their two arrivals)
+        if pingpong:
+            plgpu.barrier_arrive(turn[0])
+            plgpu.barrier_wait(turn[0])
+
     def step(j, carry):
         acc, m, l = carry
         slot = lax.rem(j, 2)
@@ -100,7 +106,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
             refill(j, slot, fetch_k, k_free)
             plgpu.barrier_wait(k_bar.at[slot])
         with jax.named_scope("qk"):
-            s = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret)
+            s = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret,
+                             while_running=rendezvous)
 
         def kv_positions():
             # From a column vector, built only where used: registers are tight (test_gpu_compile).
@@ -128,15 +135,25 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
         with jax.named_scope("softmax"):
             p, m, alpha, l = wgmma.online_softmax(s, m, l, scale=scale)
         with jax.named_scope("v_wait"):
+            if pingpong:  # done with the softmax: the other warpgroup may take the tensor cores
+                plgpu.barrier_arrive(turn[0])
             refill(j, slot, fetch_v, v_free)
             plgpu.barrier_wait(v_bar.at[slot])
+            if pingpong:  # and has issued its S = Q @ K^T: this one's P @ V, then S, go next
+                plgpu.barrier_wait(turn[0])
         with jax.named_scope("pv"):
             acc = wgmma.accumulate_pv(acc, alpha, p, v_smem.at[slot], interpret=interpret)
             plgpu.barrier_arrive(v_free.at[slot])
         return acc, m, l
 
     start = wgmma.softmax_start(WG_ROWS, q_smem.shape[-1], scale=scale, interpret=interpret)
+    # Pingpong: warpgroup 1 runs half a step behind 0 (one meeting more first, 0 one more last),
+    # so that each one's matmuls run while the other computes its softmax.
+    if pingpong:
+        pl.when(wg == 1)(rendezvous)
     acc, _, l = lax.fori_loop(0, count, step, start)
+    if pingpong:
+        pl.when(wg == 0)(rendezvous)
     with jax.named_scope("finish"):
         wgmma.softmax_finish(acc, l, q_smem)
         plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(rows, WG_ROWS), h])
@@ -176,16 +193,19 @@ def fits(head_dim, dtype, block_q=BLOCK_Q) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "causal", "sliding_window", "soft_cap", "sm_scale", "block_q", "block_kv", "trace_dir", "interpret"))
+    "causal", "sliding_window", "soft_cap", "sm_scale", "block_q", "block_kv", "pingpong", "trace_dir",
+    "interpret"))
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
                     alibi_slopes=None, sm_scale=None, block_q=None, block_kv=None, trace_dir=None,
-                    interpret=False):
+                    pingpong=False, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
     alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. block_q: q rows per CTA, 64 (one
     consumer warpgroup), 128 (two, the default on a GPU) or 192. Needs D and block_kv multiples of 64
     and 16-bit inputs (f32 too when interpreting); block_kv defaults to the largest that fits in
     shared memory (see `fits`; Mosaic GPU refuses a kernel over budget). interpret=True runs in
     Mosaic GPU interpret mode (CPU), with its race detector, on one warpgroup unless block_q says.
+    pingpong (two warpgroups): the warpgroups take turns on the tensor cores, one's matmuls beside
+    the other's softmax, as FlashAttention-3 does; off by default until a GPU times it.
     trace_dir: a timeline of the kernel's regions per call (wgmma.compiler_params; GPU only)."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
@@ -198,8 +218,8 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         block_kv = pick_block_kv(d, q.dtype, block_q) or BLOCK_KV_CHOICES[-1]
     if h % kvh:
         raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
-    if block_q not in (WG_ROWS, 2 * WG_ROWS, 3 * WG_ROWS):
-        raise ValueError(f"block_q {block_q}: need 64, 128 or 192")
+    if block_q not in (WG_ROWS, 2 * WG_ROWS, 3 * WG_ROWS) or (pingpong and block_q != 2 * WG_ROWS):
+        raise ValueError(f"block_q {block_q}: need 64, 128 or 192 (128 with pingpong)")
     if d % 64 or block_kv % 64:
         raise ValueError(f"head_dim {d}, block_kv {block_kv}: need multiples of 64")
     if q.dtype.itemsize != 2 and not interpret:
@@ -214,7 +234,8 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     smem = wgmma.tiled_smem(q.dtype, d)
     kernel = plgpu.kernel(
         functools.partial(_kernel, mask=mask, sm_scale=sm_scale, soft_cap=soft_cap, alibi=alibi_slopes is not None,
-                          group=h // kvh, block_q=block_q, block_kv=block_kv, nq=nq, interpret=interpret),
+                          group=h // kvh, block_q=block_q, block_kv=block_kv, nq=nq, pingpong=pingpong,
+                          interpret=interpret),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=[  # what smem_bytes counts; shared by the warpgroups
             smem(warpgroups, WG_ROWS, d),   # each warpgroup's Q rows, then its output rows
@@ -227,6 +248,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
             plgpu.Barrier(num_barriers=2),  # V, per slot
             plgpu.Barrier(num_arrivals=warpgroups, num_barriers=2),  # K slot read by all
             plgpu.Barrier(num_arrivals=warpgroups, num_barriers=2),  # V slot read by all
+            *([plgpu.Barrier(num_arrivals=2)] if pingpong else []),  # the warpgroups' turns
         ],
         grid=(h, b, nq),
         grid_names=("heads", "batch", "q"),
