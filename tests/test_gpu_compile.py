@@ -86,7 +86,9 @@ def test_flash_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
         q, k, v, segment_ids=seg, alibi_slopes=slopes, **opts))
     regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
     print(f"flash {name}: {regs} registers, {spills} bytes spilled")
-    assert regs <= 65536 // (128 * (opts.get("block_q", 128) // 64)) and (spills == 0 or head_dim > 128), (regs, spills)
+    # 255 a thread at most, and a CTA's warpgroups (128 threads each) share an SM's 65,536.
+    limit = min(255, 65536 // (128 * (opts.get("block_q", 128) // 64)))
+    assert regs <= limit and (spills == 0 or head_dim > 128), (regs, spills)
 
 
 PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, soft cap and ALiBi, pool dtype[, kv_splits])
