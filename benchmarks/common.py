@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -276,7 +277,26 @@ def gpu_kernel_times(trace_dir: str) -> tuple[collections.Counter, int, list[str
     return totals, busy, lines
 
 
+def cuda_api_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter, list[str]]:
+    """(ns, calls) per CUDA API call the host made (CUPTI's host plane), and the names of all the
+    planes: where the host waits on the GPU (a synchronize, a copy to the host) or launches too
+    much, the calls show it."""
+    ns, calls, planes = collections.Counter(), collections.Counter(), []
+    for plane in load_trace(trace_dir).planes:
+        planes.append(plane.name)
+        if plane.name.startswith("/host:CUPTI"):
+            for e in (e for line in plane.lines for e in line.events):
+                ns[e.name] += e.duration_ns
+                calls[e.name] += 1
+    return ns, calls, planes
+
+
 def print_gpu_profile(trace_dir: str, traced: int, wall_s: float, top: int) -> None:
+    api_ns, api_calls, planes = cuda_api_times(trace_dir)
+    print(f"planes: {planes}")
+    print("| CUDA API call (host) | calls a step | ms a step |\n|---|---|---|")
+    for name, ns in api_ns.most_common(6):
+        print(f"| {name} | {api_calls[name] / traced:.1f} | {ns / 1e6 / traced:.3f} |")
     totals, busy, lines = gpu_kernel_times(trace_dir)
     print(f"GPU plane lines: {sorted(set(lines))}")
     print(f"GPU busy {busy / 1e6 / traced:.2f} ms a step of {1e3 * wall_s / traced:.2f} ms wall (profiler on): "
@@ -287,8 +307,8 @@ def print_gpu_profile(trace_dir: str, traced: int, wall_s: float, top: int) -> N
         print(f"| {name} | {ns / 1e6 / traced:.3f} | {ns / max(kernels, 1):.1%} |")
 
 
-def profile_gpu(label: str, fn, *args, calls: int = 5, top: int = 12) -> None:
-    """Trace `calls` calls of fn(*args) (compiled already) and print print_gpu_profile's table."""
+def trace_calls(fn, *args, calls: int = 5) -> tuple[str, float]:
+    """Trace `calls` calls of fn(*args) (compiled already): the trace's folder, their wall seconds."""
     import jax
     trace_dir = tempfile.mkdtemp(prefix="jaxserve-trace-")
     jax.profiler.start_trace(trace_dir)
@@ -296,5 +316,19 @@ def profile_gpu(label: str, fn, *args, calls: int = 5, top: int = 12) -> None:
     jax.block_until_ready([fn(*args) for _ in range(calls)])
     wall = time.perf_counter() - start
     jax.profiler.stop_trace()
+    return trace_dir, wall
+
+
+def gpu_busy_ms(fn, *args, calls: int = 5) -> float:
+    """ms a call of fn(*args) keeps the GPU busy: its kernels' own time, without the host's."""
+    trace_dir, _ = trace_calls(fn, *args, calls=calls)
+    busy = gpu_kernel_times(trace_dir)[1]
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    return busy / 1e6 / calls
+
+
+def profile_gpu(label: str, fn, *args, calls: int = 5, top: int = 12) -> None:
+    """Trace `calls` calls of fn(*args) (compiled already) and print print_gpu_profile's table."""
+    trace_dir, wall = trace_calls(fn, *args, calls=calls)
     print(f"profile: {label}, {calls} calls")
     print_gpu_profile(trace_dir, calls, wall, top)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a script: find benchmarks/
-from benchmarks.common import markdown_table  # noqa: E402
+from benchmarks.common import markdown_table, write_keeping_notes  # noqa: E402
 from benchmarks.kernels import device_info, paged_case  # noqa: E402
 from pallas_kernels.flash_attention import gpu as flash_gpu  # noqa: E402
 from pallas_kernels.paged_attention import gpu as paged_gpu  # noqa: E402
@@ -117,9 +117,7 @@ def main():
              f"jax {jax.__version__}; `python benchmarks/kernel_trace.py` (module docstring: what is measured).", ""]
     for label, (kernel, kernel_args) in kernels().items():
         lines += section(label, kernel, kernel_args)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"kernel_trace_{slug}.md"), "w") as f:
-        f.write("\n".join(lines))
+    write_keeping_notes(os.path.join(args.out, f"kernel_trace_{slug}.md"), "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a script: find benchmarks/
-from benchmarks.common import RESULTS_DIR, markdown_table, profile_gpu, write_keeping_notes  # noqa: E402
+from benchmarks.common import RESULTS_DIR, gpu_busy_ms, markdown_table, profile_gpu, write_keeping_notes  # noqa: E402
 from jaxserve.kv_cache import LayerKV  # noqa: E402
 from pallas_kernels.flash_attention.reference import causal_attention  # noqa: E402
 from pallas_kernels.paged_attention.reference import ragged_paged_attention_xla  # noqa: E402
@@ -72,6 +72,16 @@ def time_ms(calls, *, iters, rounds=7):
                 jax.block_until_ready([fn(*args) for _ in range(iters)])
                 times[name].append((time.perf_counter() - start) / iters)
     return {n: t if isinstance(t, str) else float(np.median(t)) * 1e3 for n, t in times.items()}
+
+
+def busy_ms(platform, calls, times):
+    """name -> ms a call keeps the GPU busy (None off a GPU and for kernels that failed): the
+    kernels' own time. A call's wall time (`time_ms`) also holds the host's dispatch of every
+    launch, which bound our paged kernel's calls at 30% GPU busy on an H200 (2026-11-28)."""
+    if platform != "gpu":
+        return dict.fromkeys(times)
+    return {name: None if isinstance(ms, str) else gpu_busy_ms(calls[name][0], *calls[name][1])
+            for name, ms in times.items()}
 
 
 # ---------------------------------------------------------------- prefill (flash attention)
@@ -139,8 +149,8 @@ def bench_prefill(platform, seq_lens, heads, dtype, iters, peak_tflops):
         flops = 4 * num_heads * head_dim * t * (t + 1) / 2  # QK^T and PV over the causal half
         calls = {name: (run, prepare(q, k, v)) for name, (prepare, run) in impls.items()}
         times = time_ms(calls, iters=iters)
-        errs = errors_vs_reference(calls, times)
-        rows += [perf_row(name, f"T={t}", ms, flops=flops, peak_tflops=peak_tflops, err=errs[name])
+        errs, busy = errors_vs_reference(calls, times), busy_ms(platform, calls, times)
+        rows += [perf_row(name, f"T={t}", ms, busy[name], flops=flops, peak_tflops=peak_tflops, err=errs[name])
                  for name, ms in times.items()]
     return rows
 
@@ -238,17 +248,17 @@ def bench_paged(platform, batches, heads, dtype, iters, peaks, profile=False, la
         visible = sum(ql * c - ql * (ql - 1) / 2 for ql, c in zip(q_lens, ctx_lens))
         impls = paged_impls(platform, case, decode_only=max(q_lens) == 1, lane=lane)
         times = time_ms(impls, iters=iters)
-        errs = errors_vs_reference(impls, times)
+        errs, busy = errors_vs_reference(impls, times), busy_ms(platform, impls, times)
         for name, ms in times.items():
             if profile and platform == "gpu" and name.startswith(("ours (", "jax paged")) and not isinstance(ms, str):
                 run, inputs = impls[name]
                 profile_gpu(f"{name}, {label}", run, *inputs)
-            rows.append(perf_row(name, label, ms, bytes_=moved, flops=4 * num_heads * head_dim * visible,
+            rows.append(perf_row(name, label, ms, busy[name], bytes_=moved, flops=4 * num_heads * head_dim * visible,
                                  peak_gbs=peak_gbs, peak_tflops=peak_tflops, err=errs[name]))
     return rows
 
 
-def bench_write_kv(tokens, pool_pages, page_size, heads, dtype, iters, peak_gbs):
+def bench_write_kv(platform, tokens, pool_pages, page_size, heads, dtype, iters, peak_gbs):
     """The scatter of T new K/V rows into a donated pool (in place, as in the engine)."""
     _, num_kv_heads, head_dim = heads
     write = jax.jit(lambda pools, k, v, slots: LayerKV.write(pools, k, v, slots)[0], donate_argnums=0)
@@ -263,30 +273,33 @@ def bench_write_kv(tokens, pool_pages, page_size, heads, dtype, iters, peak_gbs)
             pools[:] = [write(pools[0], k, v, slots)]
             return pools
 
-        ms = time_ms({"write": (step, ())}, iters=iters)["write"]
+        calls = {"write": (step, ())}
+        times = time_ms(calls, iters=iters)
         new_kv = 2 * t * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize  # read once, written once
-        rows.append(perf_row("write_kv (XLA scatter)", f"T={t}", ms, bytes_=2 * new_kv,
+        rows.append(perf_row("write_kv (XLA scatter)", f"T={t}", times["write"],
+                             busy_ms(platform, calls, times)["write"], bytes_=2 * new_kv,
                              peak_gbs=peak_gbs))
     return rows
 
 
 # ---------------------------------------------------------------- report
 
-def perf_row(name, shape, ms, *, flops=None, bytes_=None, peak_tflops=None, peak_gbs=None, err=""):
+def perf_row(name, shape, ms, busy=None, *, flops=None, bytes_=None, peak_tflops=None, peak_gbs=None, err=""):
+    """A table row; its rates from `busy` (ms the GPU was busy a call) where measured, else `ms`."""
     def rate(amount, scale, peak):
         if amount is None or isinstance(ms, str):
             return "", ""
-        value = amount / (ms * 1e-3) / scale
+        value = amount / ((busy or ms) * 1e-3) / scale
         return f"{value:.3g}", (f"{100 * value / peak:.0f}%" if peak else "n/a")
 
     tflops, tflops_pct = rate(flops, 1e12, peak_tflops)
     gbs, gbs_pct = rate(bytes_, 1e9, peak_gbs)
     ms = ms if isinstance(ms, str) else f"{ms:.3f}"
-    return [name, shape, ms, tflops, tflops_pct, gbs, gbs_pct, err]
+    return [name, shape, ms, "" if busy is None else f"{busy:.3f}", tflops, tflops_pct, gbs, gbs_pct, err]
 
 
 def table(title, rows):
-    head = ["kernel", "shape", "ms", "TFLOP/s", "% peak", "GB/s", "% peak", "max err vs xla"]
+    head = ["kernel", "shape", "ms a call", "GPU ms", "TFLOP/s", "% peak", "GB/s", "% peak", "max err vs xla"]
     return "\n".join([f"### {title}", "", *markdown_table(head, rows)]) + "\n"
 
 
@@ -326,7 +339,7 @@ def main():
                   lambda: bench_paged(platform, mixed, heads, dtype, iters, (peak_tflops, peak_gbs), args.profile,
                                       args.lane)),
         "kv_write": ("KV write: scatter of new K/V into the page pool (bytes: read + write)",
-                     lambda: bench_write_kv(tokens, 4096 if args.quick else 65536, 16, heads, dtype, iters,
+                     lambda: bench_write_kv(platform, tokens, 4096 if args.quick else 65536, 16, heads, dtype, iters,
                                             peak_gbs)),
     }
     peak = (f"{peak_tflops} TFLOP/s bf16, {peak_gbs} GB/s HBM (datasheet)" if peak_tflops
@@ -336,7 +349,9 @@ def main():
         f"jax {jax.__version__}, {datetime.date.today()}, dtype {jnp.dtype(dtype).name}, "
         f"heads (q, kv, dim) = {heads}, {'--quick' if args.quick else 'full'} run. Peak: {peak}.",
         f"Per call: median of 7 rounds of {iters} calls dispatched back to back, after compile; in each "
-        "round the kernels of a shape take turns.",
+        "round the kernels of a shape take turns. GPU ms (on a GPU): the time the GPU was busy a call, the "
+        "union of its kernels in a profiler trace of 5 calls, without the host's dispatch; the rates "
+        "use it where measured.",
         "" if accel else "CPU: XLA reference only (the Pallas kernels need a GPU or TPU).", "",
     ]
     for title, measure in (sections[name] for name in args.sections.split(",")):

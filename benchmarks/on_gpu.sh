@@ -23,11 +23,12 @@
 #            an earlier one, on the same warm GPU: e.g. `mkdir base && git archive d2d8cc4 | tar -x -C
 #            base` here before the call (an untracked folder travels with the working tree)
 # tests and tiny check tokens, not time: they run side by side. The timed stages (kernels, lane,
-# trace, hf, 1b, int8, profile) run alone. At their limits all stages take 24 minutes; one device call
-# runs 10 at most, so give them in two or three calls, back to back while the machine is warm (the
-# first below takes 590 s if every stage runs to its limit):
-#   bash benchmarks/on_gpu.sh tests tiny kernels lane;  bash benchmarks/on_gpu.sh trace hf 1b int8
-# (2026-11-27: the first call took 527 s on an H100; `tests tiny kernels hf` took 326 s on an H200.)
+# trace, hf, 1b, int8, profile) run alone. At their limits all stages take 25 minutes; one device call
+# runs 10 at most and a session has 15 minutes of device time, starts included, so give the stages
+# that matter most in two calls, back to back while the machine is warm (590 and 560 s if every
+# stage runs to its limit):
+#   bash benchmarks/on_gpu.sh tests tiny kernels trace;  bash benchmarks/on_gpu.sh profile 1b hf
+# (2026-11-28, H200: the first took 297 s, `trace 1b` 250 s, before kernels.py gained its GPU ms.)
 # XLA's GEMM autotuning results go to one cache folder, shared by the stages: the engines of the
 # 1.1B model tune the same matrix products once.
 # `python -m benchmarks.gpu_engine report --out $OUT` renders the engine tables.
@@ -80,11 +81,12 @@ stage tests 240 $PY -m pytest -q -p no:cacheprovider --maxfail 20 tests/test_fla
 stage tiny 200 $PY -m benchmarks.gpu_engine jax --model tiny --out "$OUT"
 wait
 [[ -f "$LOG.build" ]] && cat "$LOG.build" >>"$LOG" && rm "$LOG.build"
-stage kernels 150 $PY benchmarks/kernels.py --sections decode,prefill,mixed,kv_write --out "$OUT"
+stage kernels 200 $PY benchmarks/kernels.py --sections decode,prefill,mixed,kv_write --out "$OUT"
 mkdir -p "$OUT/lane"
 stage lane 200 bash -c "$PY -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k lane;
   $PY benchmarks/kernels.py --sections decode,mixed --lane --out $OUT/lane"
-stage trace 150 $PY benchmarks/kernel_trace.py --out "$OUT"
+# The profiler writes its trace from a host callback, which needs the CPU platform too.
+stage trace 150 env JAX_PLATFORMS=cuda,cpu $PY benchmarks/kernel_trace.py --out "$OUT"
 stage hf 80 $PY -m benchmarks.gpu_engine hf --model 1b --out "$OUT"
 stage 1b 240 $PY -m benchmarks.gpu_engine jax --model 1b --out "$OUT"
 stage int8 150 $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --quantization int8 --out "$OUT"

@@ -238,7 +238,7 @@ def _pallas_rows(q, kv, page_table, seq_lens, qsl, k=None, v=None, *, paged, fla
         tok = jnp.arange(q.shape[0])
         # One segment per leading fresh row; every later token one of its own, so ids stay
         # non-decreasing (exact block skipping, masks.py) and those tokens skip the rest.
-        seg = jnp.where(tok < qsl[lead], jnp.searchsorted(qsl, tok, side="right") - 1, p + tok)
+        seg = jnp.where(tok < qsl[lead], jnp.searchsorted(qsl, tok, side="right", method="compare_all") - 1, p + tok)
         mine = (tok >= qsl[0]) & (tok < qsl[lead])
         prefill = flash(q[None], k[None], v[None], segment_ids=seg[None], alibi_slopes=alibi_slopes)[0]
         out += jnp.where(mine[:, None, None], prefill, jnp.zeros_like(prefill))

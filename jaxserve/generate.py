@@ -26,7 +26,8 @@ def contiguous_kv_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.fl
 @functools.partial(jax.jit, static_argnames=("model", "max_q"), donate_argnames=("kv",))
 def _step(model, params, kv, tokens, positions, seq_lens, query_start_loc, last_index, *, max_q):
     batch, max_len = kv.num_pages, kv.page_size
-    seq_of_token = jnp.searchsorted(query_start_loc[1:], jnp.arange(tokens.shape[0]), side="right")
+    seq_of_token = jnp.searchsorted(query_start_loc[1:], jnp.arange(tokens.shape[0]), side="right",
+                                    method="compare_all")
     meta = AttentionMetadata(
         positions=positions,
         slot_mapping=seq_of_token * max_len + positions,

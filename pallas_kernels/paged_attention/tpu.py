@@ -225,8 +225,9 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
 
     # Sequences overlapping each q block: [first, end).
     starts = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
-    blk_first = jnp.searchsorted(query_start_loc[1:], starts, side="right").astype(jnp.int32)
-    blk_end = jnp.searchsorted(query_start_loc[:-1], starts + block_q, side="left").astype(jnp.int32)
+    search = functools.partial(jnp.searchsorted, method="compare_all")   # one fusion, no loop
+    blk_first = search(query_start_loc[1:], starts, side="right").astype(jnp.int32)
+    blk_end = search(query_start_loc[:-1], starts + block_q, side="left").astype(jnp.int32)
 
     block = pl.BlockSpec((None, None, rows, head_dim), lambda h, i, *_: (h, i, 0, 0))
     in_specs = [block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]

@@ -43,7 +43,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     page_table = jnp.pad(page_table, ((0, 0), (0, -p % bp)))
 
     tok = jnp.arange(t)
-    seq_id = jnp.clip(jnp.searchsorted(query_start_loc[1:], tok, side="right"), 0, s_max - 1)
+    seq_id = jnp.clip(jnp.searchsorted(query_start_loc[1:], tok, side="right", method="compare_all"), 0, s_max - 1)
     q_off = tok - query_start_loc[seq_id]
     valid = (tok >= query_start_loc[0]) & (tok < query_start_loc[-1])
     row = jnp.where(valid, seq_id, s_max)  # other tokens scatter out of range and are dropped
