@@ -9,8 +9,11 @@ row-major V tile. f32 runs in interpret mode only.
 
 One CTA per (q block, q head, batch); a q block of `block_q` rows (128 by default) is split between
 block_q // 64 consumer warpgroups (Mosaic GPU threads), each owning 64 rows (wgmma's M) and its own
-online softmax. Both read the same K/V tiles in SMEM, so each K/V byte loaded serves 128 q rows,
-and while one warpgroup computes its softmax the other can keep the tensor cores busy. The CTA
+online softmax. Both read the same K/V tiles in SMEM, so each K/V byte loaded serves 128 q rows.
+Two warpgroups take turns on the tensor cores (`pingpong`, as FlashAttention-3): they meet at a
+barrier each step, warpgroup 1 half a step behind, so that one's P @ V and next S = Q @ K^T run
+while the other computes its softmax (on an H200, 408 TFLOP/s against 387 without at 4k causal
+tokens, 489 against 472 at 8k: benchmarks/results/kernels_h200.md). The CTA
 reads its visit list from `masks.block_schedule` (at block_q granularity) and loops over exactly
 `count` kv blocks, double-buffering K/V/segment-id TMA copies; EMPTY tiles are never copied, FULL
 tiles skip masking. Warpgroup 0 issues every copy: the tile of step j + 1 goes to the slot that
@@ -20,9 +23,8 @@ the next softmax, so that warpgroup 0 seldom waits for the other. S = Q @ K^T re
 transposed in SMEM; P stays in registers as the P @ V wgmma's A operand, accumulated into the
 output in place. GQA: q head h reads kv head h // group straight from K/V, which are never
 repeated. Soft cap and ALiBi (the CTA's head's slope, one scalar read): pallas_kernels/scores.py.
-block_q=64 (one warpgroup) and 192 (three: under 168 registers each, as ptxas fits causal
-head_dim 128 since the softmax went to ex2), and `pingpong`, are knobs that benchmarks/kernels.py
-times beside the default.
+block_q=64 (one warpgroup) and pingpong=False are knobs that benchmarks/kernels.py times beside
+the default. (Three warpgroups, 192 rows, were slower at 1k and 4k on the H200 and were dropped.)
 """
 import functools
 
@@ -197,15 +199,14 @@ def fits(head_dim, dtype, block_q=BLOCK_Q) -> bool:
     "interpret"))
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
                     alibi_slopes=None, sm_scale=None, block_q=None, block_kv=None, trace_dir=None,
-                    pingpong=False, interpret=False):
+                    pingpong=True, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
     alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. block_q: q rows per CTA, 64 (one
-    consumer warpgroup), 128 (two, the default on a GPU) or 192. Needs D and block_kv multiples of 64
+    consumer warpgroup) or 128 (two, the default on a GPU). Needs D and block_kv multiples of 64
     and 16-bit inputs (f32 too when interpreting); block_kv defaults to the largest that fits in
     shared memory (see `fits`; Mosaic GPU refuses a kernel over budget). interpret=True runs in
     Mosaic GPU interpret mode (CPU), with its race detector, on one warpgroup unless block_q says.
-    pingpong (two warpgroups): the warpgroups take turns on the tensor cores, one's matmuls beside
-    the other's softmax, as FlashAttention-3 does; off by default until a GPU times it.
+    pingpong: two warpgroups take turns on the tensor cores (module docstring); no effect on one.
     trace_dir: a timeline of the kernel's regions per call (wgmma.compiler_params; GPU only)."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
@@ -218,8 +219,8 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         block_kv = pick_block_kv(d, q.dtype, block_q) or BLOCK_KV_CHOICES[-1]
     if h % kvh:
         raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
-    if block_q not in (WG_ROWS, 2 * WG_ROWS, 3 * WG_ROWS) or (pingpong and block_q != 2 * WG_ROWS):
-        raise ValueError(f"block_q {block_q}: need 64, 128 or 192 (128 with pingpong)")
+    if block_q not in (WG_ROWS, 2 * WG_ROWS):
+        raise ValueError(f"block_q {block_q}: need 64 or 128")
     if d % 64 or block_kv % 64:
         raise ValueError(f"head_dim {d}, block_kv {block_kv}: need multiples of 64")
     if q.dtype.itemsize != 2 and not interpret:
@@ -230,6 +231,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     nq = q.shape[1] // block_q
     sched = block_schedule(mask, seg, block_q, block_kv)
     warpgroups = block_q // WG_ROWS
+    pingpong = pingpong and warpgroups == 2
 
     smem = wgmma.tiled_smem(q.dtype, d)
     kernel = plgpu.kernel(
