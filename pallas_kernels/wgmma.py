@@ -22,7 +22,7 @@ LOG2E = math.log2(math.e)
 TRACE_REGIONS = 512  # named regions each warpgroup may enter in a traced call (8 KB of SMEM)
 
 
-def compiler_params(lowering, trace_dir=None):
+def compiler_params(lowering, trace_dir=None, *, soft_cap=None):
     """Mosaic GPU's settings for a kernel. lowering: its semantics, "lane" or "warpgroup". jax 0.11
     made Warpgroup the default (0.10: Lane), so each kernel names the one it was shown correct
     under on a GPU (an H200, jax 0.11.2), and the compile checks here (jax 0.10) lower what a GPU
@@ -30,8 +30,16 @@ def compiler_params(lowering, trace_dir=None):
     bidirectional masks), the paged kernel Warpgroup (its `lowering` option: its GPU tests and a
     benchmark row try Lane too). trace_dir: Mosaic GPU's profiler records when each warpgroup
     enters and leaves the kernel's named regions (jax.named_scope) and writes one Chrome trace
-    per call there (benchmarks/kernel_trace.py); GPU only."""
+    per call there (benchmarks/kernel_trace.py); GPU only.
+
+    Approximate math unless the kernel caps its scores (soft_cap): exp2 is then one ex2.approx.ftz
+    instruction. The exact lowering (ex2.approx without ftz) wraps each in a compare and two
+    predicated multiplies for subnormals, 3 of the softmax's ~8 instructions a score (ptxas's
+    SASS for sm_90a); a weight below 2^-126 counts for nothing beside the row's largest, 1. With a
+    soft cap the tanh would be approximate too (tanh.approx: 2^-11 relative, up to 0.02 in a logit
+    capped at 30), so those kernels stay exact."""
     return plgpu.CompilerParams(lowering_semantics=getattr(plgpu.LoweringSemantics, lowering.capitalize()),
+                                approx_math=soft_cap is None,
                                 profile_space=TRACE_REGIONS if trace_dir else 0, profile_dir=trace_dir or "")
 
 

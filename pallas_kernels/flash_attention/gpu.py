@@ -255,7 +255,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         grid=(h, b, nq),
         grid_names=("heads", "batch", "q"),
         num_threads=warpgroups,
-        compiler_params=wgmma.compiler_params("lane", trace_dir),
+        compiler_params=wgmma.compiler_params("lane", trace_dir, soft_cap=soft_cap),
         thread_name="wg",
         # Q + its segment ids per warpgroup, 2 slots x 3
         interpret=wgmma.interpret_params(copies_in_flight=2 * warpgroups + 6) if interpret else None,

@@ -311,7 +311,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         out_type=out_type,
         scratch_types=scratch,
         grid=(q_blocks_per_seq * kv_splits, num_kv_heads, num_seqs),
-        compiler_params=wgmma.compiler_params(lowering, trace_dir),
+        compiler_params=wgmma.compiler_params(lowering, trace_dir, soft_cap=soft_cap),
         grid_names=("q", "kv_heads", "seqs"),
         interpret=wgmma.interpret_params(copies_in_flight) if interpret else None,
     )
