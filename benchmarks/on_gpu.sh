@@ -16,18 +16,19 @@
 #   profile  where the time goes: the kernels of our paged-attention calls (kernels.py --profile) and
 #            of the 1.1B engine's decode and prefill steps (benchmarks/step_profile.py), and how much
 #            of each the GPU was busy
-#   cmdbuf   (only when named) the 1b stage on pallas_gpu with XLA's conditionals and loops in CUDA
-#            graphs (command buffers): XLA:GPU otherwise reads each conditional's predicate on the
-#            host, holding the launching thread (the sampler has 3; the steps have none)
+#   cmdbuf   (only when named) the 1b stage on pallas_gpu twice on the same GPU, as is and with XLA's
+#            conditionals and loops in CUDA graphs (command buffers): XLA:GPU otherwise reads each
+#            conditional's predicate on the host, holding the launching thread (the sampler has 3;
+#            the steps have none), so the host cannot queue step N + 1 while step N runs
 #   ab       (only when named, with BASE=<tree>) the 1b stage on pallas_gpu for this tree and then
 #            an earlier one, on the same warm GPU: e.g. `mkdir base && git archive d2d8cc4 | tar -x -C
 #            base` here before the call (an untracked folder travels with the working tree)
 # tests and tiny check tokens, not time: they run side by side. The timed stages (kernels, lane,
 # trace, hf, 1b, int8, profile) run alone. At their limits all stages take 25 minutes; one device call
 # runs 10 at most and a session has 15 minutes of device time, starts included, so give the stages
-# that matter most in two calls, back to back while the machine is warm (590 and 560 s if every
+# that matter most in two calls, back to back while the machine is warm (590 and 600 s if every
 # stage runs to its limit):
-#   bash benchmarks/on_gpu.sh tests tiny kernels trace;  bash benchmarks/on_gpu.sh profile 1b hf
+#   bash benchmarks/on_gpu.sh tests tiny kernels trace;  bash benchmarks/on_gpu.sh profile cmdbuf
 # (2026-11-28, H200: the first took 297 s, `trace 1b` 250 s, before kernels.py gained its GPU ms.)
 # XLA's GEMM autotuning results go to one cache folder, shared by the stages: the engines of the
 # 1.1B model tune the same matrix products once.
@@ -90,8 +91,9 @@ stage trace 150 env JAX_PLATFORMS=cuda,cpu $PY benchmarks/kernel_trace.py --out 
 stage hf 80 $PY -m benchmarks.gpu_engine hf --model 1b --out "$OUT"
 stage 1b 240 $PY -m benchmarks.gpu_engine jax --model 1b --out "$OUT"
 stage int8 150 $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --quantization int8 --out "$OUT"
-stage cmdbuf 240 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
-  bash -c "mkdir -p $OUT/cmdbuf && $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --out $OUT/cmdbuf"
+CMDBUF="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+stage cmdbuf 360 bash -c "for flags in '' '$CMDBUF'; do out=$OUT/cmdbuf/\${flags:+on} && mkdir -p \${out%/} &&
+  XLA_FLAGS=\"\${XLA_FLAGS:-} \$flags\" $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --out \${out%/}; done"
 stage ab 300 bash -c "for tree in $PWD ${BASE:-}; do out=$OUT/ab/\$(basename \$tree) && mkdir -p \$out &&
   PYTHONPATH=/tmp/site:\$tree $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --out \$out; done"
 MODEL_1B=/tmp/jaxserve_gpu/llama-1b
