@@ -105,7 +105,10 @@ def prefill_impls(platform, sm_scale):
             impls[f"ours, {label}"] = (same, functools.partial(gpu.flash_attention, sm_scale=sm_scale, **blocks))
         impls["jax mha (Triton)"] = (repeated, lambda q, k, v: attention.mha(
             q, k, v, None, sm_scale=sm_scale, causal=True))
-        config = attention_mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2,
+        # Its own benchmark's choice (attention_mgpu.main): 64 q rows a warpgroup, the largest kv
+        # block that fits in SMEM (256 does not at head_dim 128). Until 2026-11-28 this row ran with
+        # 128 rows a warpgroup, which made it look 2.7x slower than ours at 4k.
+        config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
                                              causal=True)
         half = lambda q, k, v: tuple(x.astype(jnp.float16) for x in (q, k, v))  # noqa: E731  it takes float16 only
         impls["jax attention_mgpu (f16)"] = (half, jax.jit(functools.partial(attention_mgpu.attention,
