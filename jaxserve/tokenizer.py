@@ -191,6 +191,9 @@ class IncrementalDetokenizer:
     tokenizer with one decode_batch call (per skip_special_tokens setting): an engine step's rows."""
 
     CONTEXT = 5  # prompt tokens of left context, as vLLM
+    # New ids a window holds back at most while they add no text (skipped special tokens, say):
+    # then they are let go, so that the window does not grow with the output.
+    MAX_HELD = 8
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -226,11 +229,23 @@ class IncrementalDetokenizer:
             d.ids.extend(ids)
         deltas = []
         for d, (prefix, text) in zip(detoks, IncrementalDetokenizer._windows(detoks)):
-            held = len(text) <= len(prefix) or text.endswith("\ufffd")
+            held = ((text.endswith("\ufffd") and d._may_complete())
+                    or (len(text) <= len(prefix) and len(d.ids) - d.read_offset < d.MAX_HELD))
             if not held:
                 d._advance()
             deltas.append("" if held else text[len(prefix):])
         return deltas
+
+    def _may_complete(self) -> bool:
+        """Whether a window whose text ends in U+FFFD may still end in a character once more ids
+        come. A character's unfinished bytes are at most 3, so yes while no more new ids are held;
+        after that, only if a cut before one of the last 3 decodes clean (HF's byte fallback shows
+        a whole run of byte pieces as U+FFFD while any is unfinished). Else the ids are not UTF-8
+        (a model repeating a stray byte piece held a window for 1,000 steps, each decoding it all):
+        they are sent as decoded, U+FFFD and all, as the full text shows them."""
+        end = len(self.ids)
+        return end - self.read_offset <= 3 or any(
+            not self._decode(self.ids[self.prefix_offset:end - cut]).endswith("\ufffd") for cut in (1, 2, 3))
 
     def step(self, new_token_ids: list[int]) -> str:
         return self.step_all([self], [new_token_ids])[0]

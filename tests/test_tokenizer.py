@@ -269,6 +269,24 @@ def test_detokenizer_work_is_bounded(tokenizer):
     assert text == tokenizer.decode(ids)[len(tokenizer.decode(ids[:50])):]
 
 
+def test_detokenizer_sends_stray_bytes_without_growing(tokenizer):
+    """A model repeating a byte piece that starts a UTF-8 character (a greedy random model did,
+    for 1,000 steps): the window lets go of ids that cannot become a character, sends U+FFFD as
+    the full decode shows it, and stays short."""
+    stray = tokenizer.encode("\uc548")[-3]   # 0xEC, the lead byte of a 3-byte character
+    if tokenizer.decode([stray]) != "\ufffd":
+        pytest.skip("no byte piece for 0xEC")
+    widths = []
+    decode_batch = tokenizer.decode_batch
+    tokenizer.decode_batch = lambda windows, skip: widths.extend(map(len, windows)) or decode_batch(windows, skip)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("hello"))
+    deltas = [detok.step([stray]) for _ in range(100)]
+    del tokenizer.decode_batch
+    assert max(widths) <= IncrementalDetokenizer.CONTEXT + IncrementalDetokenizer.MAX_HELD
+    assert sum(map(bool, deltas)) >= 100 // IncrementalDetokenizer.MAX_HELD   # the stream keeps moving
+    assert "".join(deltas) + detok.flush() == tokenizer.decode([stray] * 100)
+
+
 def test_detokenizers_stepped_together_match_the_full_decode(tokenizer):
     """step_all, as the engine steps its rows: one decode_batch call per skip_special_tokens
     setting, and each output's deltas add up to its full decode."""
