@@ -39,7 +39,7 @@ import collections
 import hashlib
 from array import array
 
-from jaxserve.sequence import Sequence
+from jaxserve.sequence import PageTable, Sequence
 
 
 def page_key(parent: bytes, tokens: list[int]) -> bytes:
@@ -125,7 +125,7 @@ class BlockManager:
             return False
         for p in pages:
             self._incref(p)
-        seq.page_table = list(pages) + [self._take_page() for _ in range(new)]
+        seq.page_table = PageTable(list(pages) + [self._take_page() for _ in range(new)])
         seq.page_hashes = list(keys)
         seq.num_computed_tokens = computed
         if seq.num_cached_tokens is None:
@@ -138,7 +138,7 @@ class BlockManager:
     def fork(self, src: Sequence, dst: Sequence, num_tokens: int) -> None:
         """Let `dst` share the pages holding `src`'s first num_tokens tokens (same token ids)."""
         assert not dst.page_table and src.num_computed_tokens >= num_tokens
-        dst.page_table = src.page_table[:self.pages_for(num_tokens)]
+        dst.page_table = PageTable(src.page_table[:self.pages_for(num_tokens)])
         for p in dst.page_table:
             self._incref(p)
         dst.page_hashes = src.page_hashes[:num_tokens // self.page_size]
@@ -180,7 +180,7 @@ class BlockManager:
         head of a prefix."""
         for p in reversed(seq.page_table):
             self._decref(p)
-        seq.page_table = []
+        seq.page_table = PageTable()
         seq.page_hashes = []
 
     def cache_full_pages(self, seq: Sequence, num_tokens: int) -> None:
@@ -193,10 +193,11 @@ class BlockManager:
         num_full = num_tokens // ps
         if num_full <= len(seq.page_hashes):
             return
-        tokens = seq.token_ids
-        for i in range(len(seq.page_hashes), num_full):
+        first = len(seq.page_hashes)
+        tokens = seq.token_range(first * ps, num_full * ps)   # not the whole token list, each page
+        for i in range(first, num_full):
             parent = seq.page_hashes[-1] if seq.page_hashes else root_key(seq.sampling.cache_salt)
-            key = page_key(parent, tokens[i * ps:(i + 1) * ps])
+            key = page_key(parent, tokens[(i - first) * ps:(i - first + 1) * ps])
             seq.page_hashes.append(key)
             page = seq.page_table[i]
             # The same prefix may already be cached in another page (computed concurrently): keep that one.

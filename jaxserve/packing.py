@@ -69,8 +69,8 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     seq_lens[index] = starts + counts
     used = -(-(starts + counts) // page_size)   # pages holding each row's context
     page_table = np.zeros((len(rows), max_pages_per_seq), np.int32)
-    page_table[np.repeat(index, used), _ranges(np.zeros_like(used), used)] = list(
-        itertools.chain.from_iterable(s.seq.page_table[:u] for (_, s), u in zip(real, used.tolist())))
+    for (r, s), u in zip(real, used.tolist()):   # a numpy copy a row (sequence.PageTable)
+        page_table[r, :u] = s.seq.page_table.array()[:u]
     num_real = int(qsl[-1])
     tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
     tokens[:num_real] = list(itertools.chain.from_iterable(queries))

@@ -7,6 +7,8 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from jaxserve.config import SamplingParams
 
 if TYPE_CHECKING:
@@ -16,6 +18,38 @@ _seq_ids = itertools.count()
 # An output token sampled by a step that is still running: its value is on the device (the next
 # step reads it there, see jaxserve/engine.py), the host learns it when that step is collected.
 PENDING = -1
+
+
+class PageTable(list):
+    """A sequence's physical pages: a list, which the BlockManager edits as one, and an int32
+    copy of it that a step packs with one numpy copy a row (packing.pack). Packing the lists
+    converted every page's Python int each step: 1.6 ms a step at 128 rows of 512 pages (8k
+    tokens) on the 2-core dev box, against 0.05 ms from the copies. Any edit drops the copy and
+    the next step remakes it: once a page, not once a step (a decode token lands in its row's
+    last page without an edit)."""
+    __slots__ = ("_array",)
+
+    def __init__(self, pages=()):
+        super().__init__(pages)
+        self._array = None
+
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            self._array = np.array(self, np.int32)
+        return self._array
+
+
+def _edit(name: str):
+    def edited(self, *args, **kwargs):
+        self._array = None
+        return getattr(list, name)(self, *args, **kwargs)
+    edited.__name__ = name
+    return edited
+
+
+for _name in ("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__",
+              "__delitem__", "__iadd__", "__imul__"):
+    setattr(PageTable, _name, _edit(_name))
 
 
 class SequenceStatus(enum.Enum):
@@ -51,7 +85,7 @@ class Sequence:
     prompt_logprobs: list = dataclasses.field(default_factory=list)
     # Owned by the BlockManager: physical pages, and the chained prefix-cache keys of the
     # sequence's first len(page_hashes) full pages.
-    page_table: list[int] = dataclasses.field(default_factory=list)
+    page_table: PageTable = dataclasses.field(default_factory=PageTable)
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None   # 'stop' | 'length' | 'abort'
@@ -59,6 +93,13 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end], without building token_ids."""
+        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return prompt[start:end] + self.output_token_ids[:max(end - n, 0)]
 
     @property
     def num_known_outputs(self) -> int:
