@@ -79,9 +79,8 @@ class ScheduledSeq:
         """Its tokens from prompt, outputs and proposals, sliced without joining them whole
         (a per-row cost of every step)."""
         seq, start = self.seq, self.seq.num_computed_tokens
-        end, p = start + self.num_query_tokens, seq.num_prompt_tokens
-        ids = seq.prompt_token_ids[start:end] + seq.output_token_ids[max(start - p, 0):max(end - p, 0)]
-        return ids + seq.proposed_token_ids[:max(end - seq.num_tokens, 0)]
+        end = start + self.num_query_tokens
+        return seq.token_range(start, end) + seq.proposed_token_ids[:max(end - seq.num_tokens, 0)]
 
 
 @dataclasses.dataclass
