@@ -9,7 +9,8 @@ host alone on the 2-core dev box: the host, not the GPU, set the pace of those s
 
 The model: a seeded random 1-layer Llama (hidden 64, the embedded model's tokenizer and 4,096
 vocabulary) written with save_pretrained. Per batch size B: B requests of 32 random prompt tokens,
-greedy, ignore_eos; once all B decode, `steps` steps are timed (medians): the wall time of
+greedy, ignore_eos; once all B decode and `skip` more steps have run (the outputs' length when
+timing starts: host work that grows with it shows), `steps` steps are timed (medians): the wall time of
 `engine.step()`, the CPU time of the thread that ran it (the host's own work, without the time
 XLA's threads took from it on a CPU "device"), and the time it waited in `jax.device_get` for the
 device (blocked: near zero here, the host is the bottleneck).
@@ -17,7 +18,7 @@ device (blocked: near zero here, the host is the bottleneck).
 Trees are compared side by side: the driver runs each tree's engine in its own process, in
 alternating order for `rounds` rounds, and keeps each tree's best round per B.
 
-  python -m benchmarks.host_time --trees /tmp/base,. [--rows 16,64,128] [--rounds 3]
+  python -m benchmarks.host_time --trees /tmp/base,. [--rows 16,64,128] [--rounds 3] [--skip 1700]
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def build_model(out_dir: str) -> None:
             shutil.copy(os.path.join(TINY_MODEL_DIR, name), out_dir)
 
 
-def worker(rows: list[int], steps: int) -> dict:
+def worker(rows: list[int], steps: int, skip: int) -> dict:
     """This process's tree (PYTHONPATH): {B: [step ms, blocked ms]}."""
     import jax
     import numpy as np
@@ -68,18 +69,19 @@ def worker(rows: list[int], steps: int) -> dict:
     jax.device_get = timed_device_get
     model = os.path.join(WORK_DIR, "micro")
     n = max(rows)
-    engine = LLMEngine(EngineConfig(model=model, max_model_len=512, page_size=16, num_pages=n * 32 + 8,
+    max_len = max(512, 1 << (32 + skip + steps + 64 - 1).bit_length())
+    engine = LLMEngine(EngineConfig(model=model, max_model_len=max_len, page_size=16, num_pages=n * max_len // 16 + 8,
                                     max_num_seqs=n, max_num_batched_tokens=1024,
                                     compilation_cache_dir=os.path.join(WORK_DIR, "cache")))
     engine.warmup()
     rng = np.random.default_rng(0)
     out = {}
     for b in rows:
-        params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=skip + steps + 64, ignore_eos=True)
         ids = [engine.add_request(rng.integers(5, 4000, 32).tolist(), params) for _ in range(b)]
         while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
             engine.step()
-        for _ in range(5):
+        for _ in range(5 + skip):
             engine.step()
         walls, cpus, waits = [], [], []
         for _ in range(steps):
@@ -103,11 +105,12 @@ def main():
     p.add_argument("--rows", default="16,64,128")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--skip", type=int, default=0, help="steps run before timing: outputs this long")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     if args.worker:
-        print("RESULT " + json.dumps(worker(rows, args.steps)))
+        print("RESULT " + json.dumps(worker(rows, args.steps, args.skip)))
         return
     if not os.path.exists(os.path.join(WORK_DIR, "micro", "model.safetensors")):
         build_model(os.path.join(WORK_DIR, "micro"))
@@ -117,7 +120,8 @@ def main():
         for tree in trees if r % 2 == 0 else trees[::-1]:
             env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
             run = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--rows", args.rows,
-                                  "--steps", str(args.steps)], env=env, capture_output=True, text=True, check=True)
+                                  "--steps", str(args.steps), "--skip", str(args.skip)],
+                                 env=env, capture_output=True, text=True, check=True)
             result = json.loads(run.stdout.split("RESULT ", 1)[1])
             print(f"round {r + 1} {tree}: " + ", ".join(f"B={b} {w:.2f} ms (host thread {c:.2f}, blocked {k:.2f})"
                                                         for b, (w, c, k) in result.items()), flush=True)
