@@ -4,14 +4,15 @@
 #   tests    the GPU kernel tests compiled for real (tests/test_gpu_kernels.py, the GPU flash tests)
 #   tiny     the engine on the embedded model: greedy tokens, pallas_gpu against xla, with prompts
 #            packed into steps (the flash kernel's segment ids)
-#   kernels  benchmarks/kernels.py: our kernels against XLA and JAX's shipped GPU kernels
+#   kernels  benchmarks/kernels.py: our kernels against XLA and JAX's shipped GPU kernels; with
+#            BASE=<tree> (see ab), then the prefill and decode tables of that tree's kernels ($OUT/base)
 #   lane     the paged kernel under its Lane lowering (pallas_kernels/wgmma.py): its tests, then the
 #            decode and mixed tables with it beside the default (in $OUT/lane). Apart from the
 #            stages before it, which a GPU fault in an unproven lowering would otherwise cut short
 #   trace    inside our kernels: each warpgroup's cycles per region (k_wait, qk, softmax, ...) at the
 #            decode and prefill target shapes (benchmarks/kernel_trace.py; Mosaic GPU's profiler)
 #   hf       a random 1.1B bf16 Llama under transformers generate (static batches)
-#   1b       the engine on it, both backends
+#   1b       the engine on it, both backends (BACKENDS=pallas_gpu: that one only)
 #   int8     the engine on it with int8 weights
 #   profile  where the time goes: the kernels of our paged-attention calls (kernels.py --profile) and
 #            of the 1.1B engine's decode and prefill steps (benchmarks/step_profile.py), and how much
@@ -82,14 +83,15 @@ stage tests 240 $PY -m pytest -q -p no:cacheprovider --maxfail 20 tests/test_fla
 stage tiny 200 $PY -m benchmarks.gpu_engine jax --model tiny --out "$OUT"
 wait
 [[ -f "$LOG.build" ]] && cat "$LOG.build" >>"$LOG" && rm "$LOG.build"
-stage kernels 200 $PY benchmarks/kernels.py --sections decode,prefill,mixed,kv_write --out "$OUT"
+stage kernels 260 bash -c "$PY benchmarks/kernels.py --sections decode,prefill,mixed,kv_write --out $OUT
+  ${BASE:+mkdir -p $OUT/base && PYTHONPATH=/tmp/site:$BASE $PY $BASE/benchmarks/kernels.py --sections prefill,decode --out $OUT/base}"
 mkdir -p "$OUT/lane"
 stage lane 200 bash -c "$PY -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k lane;
   $PY benchmarks/kernels.py --sections decode,mixed --lane --out $OUT/lane"
 # The profiler writes its trace from a host callback, which needs the CPU platform too.
 stage trace 150 env JAX_PLATFORMS=cuda,cpu $PY benchmarks/kernel_trace.py --out "$OUT"
 stage hf 80 $PY -m benchmarks.gpu_engine hf --model 1b --out "$OUT"
-stage 1b 240 $PY -m benchmarks.gpu_engine jax --model 1b --out "$OUT"
+stage 1b 240 $PY -m benchmarks.gpu_engine jax --model 1b ${BACKENDS:+--backends $BACKENDS} --out "$OUT"
 stage int8 150 $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --quantization int8 --out "$OUT"
 CMDBUF="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 stage cmdbuf 360 bash -c "for flags in '' '$CMDBUF'; do out=$OUT/cmdbuf/\${flags:+on} && mkdir -p \${out%/} &&

@@ -85,16 +85,19 @@ def softmax_start(rows, head_dim, *, scale, interpret):
             layout_cast(jnp.zeros((rows,), jnp.float32), row, interpret=interpret))
 
 
-def online_softmax(scores, m, l, *, scale):
+def online_softmax(scores, acc, m, l, *, scale, dtype):
     """One KV tile of the online softmax, whose logits are scores * scale (scale > 0): the tile's
-    weights P (f32), the new running max, the factor that rescales what was accumulated, the new
-    sum. The max is kept in base-2 units (logits * log2 e), so a weight is one fused multiply-add
-    and one ex2 instruction: exp would add a multiply and, unless approximated, a long expansion."""
+    weights P (in dtype, V's: the P @ V wgmma's A operand), the output accumulator rescaled to the
+    new running max, the new max and sum. All of the tile's work but P @ V itself, so that a
+    kernel taking turns on the tensor cores issues that matmul with nothing left before it. The
+    max is kept in base-2 units (logits * log2 e), so a weight is one fused multiply-add and one
+    ex2 instruction: exp would add a multiply and, unless approximated, a long expansion."""
     c = scale * LOG2E
     m_new = jnp.maximum(m, scores.max(axis=1) * c)
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(scores * c - lax.broadcast_in_dim(m_new, scores.shape, [0]))
-    return p, m_new, alpha, l * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return p.astype(dtype), acc, m_new, l * alpha + p.sum(axis=1)
 
 
 def log_sum_exp(m, l):
@@ -102,11 +105,9 @@ def log_sum_exp(m, l):
     return m / LOG2E + jnp.log(l)
 
 
-def accumulate_pv(acc, alpha, p, v_smem, *, interpret):
-    """acc * alpha + P @ V. P stays in registers as wgmma's A operand (in V's 16-bit dtype) and
-    the product accumulates into acc in place: no P tile in SMEM, no second f32 [M, N] tile."""
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    p = p.astype(v_smem.dtype)
+def accumulate_pv(acc, p, v_smem, *, interpret):
+    """acc + P @ V. P stays in registers as wgmma's A operand and the product accumulates into acc
+    in place: no P tile in SMEM, no second f32 [M, N] tile."""
     if interpret:
         return acc + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
     return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_smem))(plgpu.ACC.init(acc))

@@ -62,28 +62,37 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rows, WG_ROWS), h], q_smem, q_bar)
     plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(rows, WG_ROWS)], q_seg_smem, q_bar)
     count = count_ref[b, i]
+    last = kv_block_ref.shape[-1] - 1
 
-    def fetch_k(j, slot):
-        kv = pl.ds(kv_block_ref[b, i, j] * block_kv, block_kv)
+    def visit(j):
+        # Step j's kv block and kind, read from GMEM two steps ahead (see `step`): a load's
+        # latency is hundreds of cycles, and its first use would otherwise wait for it.
+        j = jnp.minimum(j, last)
+        return kv_block_ref[b, i, j], kind_ref[b, i, j]
+
+    def fetch_k(block, slot):
+        kv = pl.ds(block * block_kv, block_kv)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kv, kvh], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(seg_ref.at[b, kv], kv_seg_smem.at[slot], k_bar.at[slot])
 
-    def fetch_v(j, slot):
-        kv = pl.ds(kv_block_ref[b, i, j] * block_kv, block_kv)
+    def fetch_v(block, slot):
+        kv = pl.ds(block * block_kv, block_kv)
         plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_smem.at[slot], v_bar.at[slot])
 
-    def refill(j, slot, fetch, free):
+    def refill(j, next_block, slot, fetch, free):
         # Warpgroup 0 issues every K/V copy. Step j + 1's tile goes to the slot that step j - 1
         # read, once every warpgroup has let go of it (`free` completes when all have arrived).
         @pl.when((wg == 0) & (j + 1 < count))
         def _():
             pl.when(j > 0)(lambda: plgpu.barrier_wait(free.at[1 - slot]))
-            fetch(j + 1, 1 - slot)
+            fetch(next_block, 1 - slot)
+
+    first = visit(0)
 
     @pl.when((wg == 0) & (count > 0))
     def _():
-        fetch_k(0, 0)
-        fetch_v(0, 0)
+        fetch_k(first[0], 0)
+        fetch_v(first[0], 0)
 
     with jax.named_scope("q_wait"):
         plgpu.barrier_wait(q_bar)
@@ -102,10 +111,11 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
             plgpu.barrier_wait(turn[0])
 
     def step(j, carry):
-        acc, m, l = carry
+        acc, m, l, (block, kind), following = carry   # following: step j + 1's visit
+        ahead = visit(j + 2)
         slot = lax.rem(j, 2)
         with jax.named_scope("k_wait"):  # regions of the kernel's trace (wgmma.compiler_params)
-            refill(j, slot, fetch_k, k_free)
+            refill(j, following[0], slot, fetch_k, k_free)
             plgpu.barrier_wait(k_bar.at[slot])
         with jax.named_scope("qk"):
             s = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret,
@@ -114,7 +124,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
         def kv_positions():
             # From a column vector, built only where used: registers are tight (test_gpu_compile).
             col = plgpu.broadcasted_iota(jnp.int32, (block_kv,), 0, layout=None if interpret else col_layout)
-            return lax.broadcast_in_dim(kv_block_ref[b, i, j] * block_kv + col, shape, [1])
+            return lax.broadcast_in_dim(block * block_kv + col, shape, [1])
 
         def apply_mask(s):
             q_pos, kv_pos = rows + iota(0), kv_positions()
@@ -132,28 +142,30 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
             if modified:
                 s = modify_scores(s * sm_scale, None if slope is None else kv_positions(), soft_cap=soft_cap,
                                   slopes=slope)
-            s = lax.cond(kind_ref[b, i, j] == FULL, lambda s: s, apply_mask, s)
+            s = lax.cond(kind == FULL, lambda s: s, apply_mask, s)
             plgpu.barrier_arrive(k_free.at[slot])  # done with K and the kv segment ids
         with jax.named_scope("softmax"):
-            p, m, alpha, l = wgmma.online_softmax(s, m, l, scale=scale)
+            p, acc, m, l = wgmma.online_softmax(s, acc, m, l, scale=scale, dtype=v_smem.dtype)
+            if pingpong:  # all of it done before this warpgroup's turn (the compiler may not sink it)
+                p, acc, m, l = lax.optimization_barrier((p, acc, m, l))
         with jax.named_scope("v_wait"):
             if pingpong:  # done with the softmax: the other warpgroup may take the tensor cores
                 plgpu.barrier_arrive(turn[0])
-            refill(j, slot, fetch_v, v_free)
+            refill(j, following[0], slot, fetch_v, v_free)
             plgpu.barrier_wait(v_bar.at[slot])
             if pingpong:  # and has issued its S = Q @ K^T: this one's P @ V, then S, go next
                 plgpu.barrier_wait(turn[0])
         with jax.named_scope("pv"):
-            acc = wgmma.accumulate_pv(acc, alpha, p, v_smem.at[slot], interpret=interpret)
+            acc = wgmma.accumulate_pv(acc, p, v_smem.at[slot], interpret=interpret)
             plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m, l
+        return acc, m, l, following, ahead
 
     start = wgmma.softmax_start(WG_ROWS, q_smem.shape[-1], scale=scale, interpret=interpret)
     # Pingpong: warpgroup 1 runs half a step behind 0 (one meeting more first, 0 one more last),
     # so that each one's matmuls run while the other computes its softmax.
     if pingpong:
         pl.when(wg == 1)(rendezvous)
-    acc, _, l = lax.fori_loop(0, count, step, start)
+    acc, _, l, *_ = lax.fori_loop(0, count, step, (*start, first, visit(1)))
     if pingpong:
         pl.when(wg == 0)(rendezvous)
     with jax.named_scope("finish"):

@@ -161,7 +161,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
                     visible &= kv_pos > q_pos - sliding_window
                 scores = jnp.where(visible, scores, MASK_VALUE)
             with jax.named_scope("softmax"):
-                p, m, alpha, l = wgmma.online_softmax(scores, m, l, scale=scale)
+                p, acc, m, l = wgmma.online_softmax(scores, acc, m, l, scale=scale, dtype=q_smem.dtype)
             with jax.named_scope("v_wait"):
                 plgpu.barrier_wait(v_bar.at[slot])
                 v_tile = operand(1, slot)
@@ -170,7 +170,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
                 kv0 = (tile_lo + c) * tile
                 pl.when(kv0 + tile > seq_len)(lambda: zero_rows_from(v_tile, seq_len - kv0))
             with jax.named_scope("pv"):
-                return wgmma.accumulate_pv(acc, alpha, p, v_tile, interpret=interpret), m, l, pages
+                return wgmma.accumulate_pv(acc, p, v_tile, interpret=interpret), m, l, pages
 
         start = wgmma.softmax_start(ROWS, head_dim, scale=scale, interpret=interpret)
         acc, m, l, _ = lax.fori_loop(0, count, step, (*start, tile_pages(1)))
