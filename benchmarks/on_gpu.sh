@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Everything a lent GPU is for, each stage under its own time limit so that one failing stage
 # leaves the others' results:
-#   tests    the GPU kernel tests compiled for real (tests/test_gpu_kernels.py, the GPU flash tests)
+#   tests    the GPU kernel tests compiled for real (tests/test_gpu_kernels.py, the GPU flash tests;
+#            TESTS=<pytest -k expression> narrows them)
 #   tiny     the engine on the embedded model: greedy tokens, pallas_gpu against xla, with prompts
 #            packed into steps (the flash kernel's segment ids)
 #   kernels  benchmarks/kernels.py: our kernels against XLA and JAX's shipped GPU kernels; with
-#            BASE=<tree> (see ab), then the prefill and decode tables of that tree's kernels ($OUT/base)
+#            BASE=<tree> (see ab), then the prefill table of that tree's kernels ($OUT/base)
 #   lane     the paged kernel under its Lane lowering (pallas_kernels/wgmma.py): its tests, then the
 #            decode and mixed tables with it beside the default (in $OUT/lane). Apart from the
 #            stages before it, which a GPU fault in an unproven lowering would otherwise cut short
@@ -79,12 +80,12 @@ if [[ $STAGES =~ " "(hf|1b|int8|profile|cmdbuf|ab)" " ]]; then
 fi
 # The flash kernel's segment-id tests first: packed prompts (the tiny stage's steps) depend on them.
 stage tests 240 $PY -m pytest -q -p no:cacheprovider --maxfail 20 tests/test_flash_attention.py \
-  tests/test_gpu_kernels.py -k "gpu and not lane" &
+  tests/test_gpu_kernels.py -k "${TESTS:-gpu and not lane}" &
 stage tiny 200 $PY -m benchmarks.gpu_engine jax --model tiny --out "$OUT"
 wait
 [[ -f "$LOG.build" ]] && cat "$LOG.build" >>"$LOG" && rm "$LOG.build"
 stage kernels 260 bash -c "$PY benchmarks/kernels.py --sections decode,prefill,mixed,kv_write --out $OUT
-  ${BASE:+mkdir -p $OUT/base && PYTHONPATH=/tmp/site:$BASE $PY $BASE/benchmarks/kernels.py --sections prefill,decode --out $OUT/base}"
+  ${BASE:+mkdir -p $OUT/base && PYTHONPATH=/tmp/site:$BASE $PY $BASE/benchmarks/kernels.py --sections prefill --out $OUT/base}"
 mkdir -p "$OUT/lane"
 stage lane 200 bash -c "$PY -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k lane;
   $PY benchmarks/kernels.py --sections decode,mixed --lane --out $OUT/lane"

@@ -69,6 +69,10 @@ FLASH = {  # name: (head_dim, segment ids, flash_attention options; alibi=True: 
                                                       pingpong=False)),
     "all-features-d128-1wg-kv64": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True,
                                                    block_q=64, block_kv=64)),
+    # A third warpgroup issuing the copies.
+    "causal-d128-producer": (128, False, dict(causal=True, producer=True)),
+    "all-features-d128-producer": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True,
+                                                   producer=True)),
 }
 
 

@@ -41,26 +41,24 @@ from pallas_kernels.scores import modify_scores
 
 
 WG_ROWS = 64  # q rows per consumer warpgroup: wgmma's M
+# Registers per thread after the producer's split (2 consumers + 1 producer: 232 * 256 + 40 * 128
+# of the SM's 65,536); without it each of 3 warpgroups would get 168.
+CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
 BLOCK_Q = 128  # q rows per CTA (2 warpgroups): each K/V tile loaded serves twice the rows of 64
 
 
 def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *refs,
-            mask, sm_scale, soft_cap, alibi, group, block_q, block_kv, nq, pingpong, interpret):
+            mask, sm_scale, soft_cap, alibi, group, block_q, block_kv, nq, pingpong, producer, interpret):
     slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
-    o_ref, q_smem, k_smem, v_smem, q_seg_smem, kv_seg_smem, q_bar, k_bar, v_bar, k_free, v_free, *turn = refs
+    o_ref, q_smems, k_smem, v_smem, q_seg_smems, kv_seg_smem, q_bars, k_bar, v_bar, k_free, v_free, *turn = refs
     h, b, wg = (lax.axis_index(name) for name in ("heads", "batch", "wg"))
     # The q axis is the grid's slowest and runs backwards: CTAs start in order of their linear
     # index, so under a causal mask the longest (last q blocks) start first and the GPU's last
     # wave holds the shortest, not a full row of kv blocks.
     i = nq - 1 - lax.axis_index("q")
     kvh = h // group
-    rows = i * block_q + wg * WG_ROWS  # this warpgroup's first q row
-    q_smem, q_seg_smem, q_bar = q_smem.at[wg], q_seg_smem.at[wg], q_bar.at[wg]
-    layout = functools.partial(wgmma.layout_cast, interpret=interpret)
-    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rows, WG_ROWS), h], q_smem, q_bar)
-    plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(rows, WG_ROWS)], q_seg_smem, q_bar)
+    consumers = block_q // WG_ROWS
+    copier = consumers if producer else 0  # the warpgroup that issues every K/V copy
     count = count_ref[b, i]
     last = kv_block_ref.shape[-1] - 1
 
@@ -80,8 +78,9 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
         plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_smem.at[slot], v_bar.at[slot])
 
     def refill(j, next_block, slot, fetch, free):
-        # Warpgroup 0 issues every K/V copy. Step j + 1's tile goes to the slot that step j - 1
-        # read, once every warpgroup has let go of it (`free` completes when all have arrived).
+        # Without a producer, warpgroup 0 issues every K/V copy. Step j + 1's tile goes to the
+        # slot that step j - 1 read, once every warpgroup has let go of it (`free` completes when
+        # all have arrived).
         @pl.when((wg == 0) & (j + 1 < count))
         def _():
             pl.when(j > 0)(lambda: plgpu.barrier_wait(free.at[1 - slot]))
@@ -89,95 +88,130 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
 
     first = visit(0)
 
-    @pl.when((wg == 0) & (count > 0))
-    def _():
-        fetch_k(first[0], 0)
-        fetch_v(first[0], 0)
+    def produce():
+        # A warpgroup of its own issues the copies, each as soon as its slot is free: no consumer
+        # waits for the others' releases. It needs few registers and leaves the rest to them
+        # (FlashAttention-3's split; the register counts are attention_mgpu's).
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-    with jax.named_scope("q_wait"):
-        plgpu.barrier_wait(q_bar)
-    q_seg = layout(q_seg_smem[...], row_layout)
-    shape = (WG_ROWS, block_kv)
-    iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
-                             layout=None if interpret else plgpu.Layout.WGMMA)
-    slope = None if slope_ref is None else slope_ref[h]
-    # Unmodified scores leave sm_scale to the softmax, which folds it into its multiply-add.
-    modified = soft_cap is not None or alibi
-    scale = 1.0 if modified else sm_scale
+        def issue(j, block):
+            slot = lax.rem(j, 2)
+            following = visit(j + 1)[0]
+            for copy, free in ((fetch_k, k_free), (fetch_v, v_free)):
+                pl.when(j >= 2)(functools.partial(plgpu.barrier_wait, free.at[slot]))  # step j - 2's
+                copy(block, slot)
+            return following
 
-    def rendezvous():  # pingpong: both warpgroups meet here (`turn` completes on their two arrivals)
-        if pingpong:
-            plgpu.barrier_arrive(turn[0])
-            plgpu.barrier_wait(turn[0])
+        lax.fori_loop(0, count, issue, first[0])
 
-    def step(j, carry):
-        acc, m, l, (block, kind), following = carry   # following: step j + 1's visit
-        ahead = visit(j + 2)
-        slot = lax.rem(j, 2)
-        with jax.named_scope("k_wait"):  # regions of the kernel's trace (wgmma.compiler_params)
-            refill(j, following[0], slot, fetch_k, k_free)
-            plgpu.barrier_wait(k_bar.at[slot])
-        with jax.named_scope("qk"):
-            s = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret,
-                             while_running=rendezvous)
+    def consume():
+        if producer:
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        rows = i * block_q + wg * WG_ROWS  # this warpgroup's first q row
+        q_smem, q_seg_smem, q_bar = q_smems.at[wg], q_seg_smems.at[wg], q_bars.at[wg]
+        layout = functools.partial(wgmma.layout_cast, interpret=interpret)
+        row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-        def kv_positions():
-            # From a column vector, built only where used: registers are tight (test_gpu_compile).
-            col = plgpu.broadcasted_iota(jnp.int32, (block_kv,), 0, layout=None if interpret else col_layout)
-            return lax.broadcast_in_dim(block * block_kv + col, shape, [1])
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rows, WG_ROWS), h], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(rows, WG_ROWS)], q_seg_smem, q_bar)
+        if not producer:
+            @pl.when((wg == 0) & (count > 0))
+            def _():
+                fetch_k(first[0], 0)
+                fetch_v(first[0], 0)
 
-        def apply_mask(s):
-            q_pos, kv_pos = rows + iota(0), kv_positions()
-            kv_seg = layout(kv_seg_smem.at[slot][...], col_layout)
-            # Tiles laid out as S is (jax 0.11's Warpgroup layout inference found no layouts for
-            # the broadcasts of bidirectional masks, nor with these casts: the kernel lowers as Lane).
-            seg_tiles = [layout(lax.broadcast_in_dim(x, shape, [dim]), plgpu.Layout.WGMMA)
-                         for x, dim in ((q_seg, 0), (kv_seg, 1))]
-            ok = mask.visible(q_pos, kv_pos, *seg_tiles)
-            return jnp.where(ok, s, MASK_VALUE)
+        with jax.named_scope("q_wait"):
+            plgpu.barrier_wait(q_bar)
+        q_seg = layout(q_seg_smem[...], row_layout)
+        shape = (WG_ROWS, block_kv)
+        iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
+                                 layout=None if interpret else plgpu.Layout.WGMMA)
+        slope = None if slope_ref is None else slope_ref[h]
+        # Unmodified scores leave sm_scale to the softmax, which folds it into its multiply-add.
+        modified = soft_cap is not None or alibi
+        scale = 1.0 if modified else sm_scale
 
-        # A tile FULL for the CTA's block is FULL for each warpgroup's rows; a PARTIAL one may
-        # hide all of a warpgroup's rows: their weights are 0 (wgmma.softmax_start).
-        with jax.named_scope("mask"):
-            if modified:
-                s = modify_scores(s * sm_scale, None if slope is None else kv_positions(), soft_cap=soft_cap,
-                                  slopes=slope)
-            s = lax.cond(kind == FULL, lambda s: s, apply_mask, s)
-            plgpu.barrier_arrive(k_free.at[slot])  # done with K and the kv segment ids
-        with jax.named_scope("softmax"):
-            p, acc, m, l = wgmma.online_softmax(s, acc, m, l, scale=scale, dtype=v_smem.dtype)
-            if pingpong:  # all of it done before this warpgroup's turn (the compiler may not sink it)
-                p, acc, m, l = lax.optimization_barrier((p, acc, m, l))
-        with jax.named_scope("v_wait"):
-            if pingpong:  # done with the softmax: the other warpgroup may take the tensor cores
+        def rendezvous():  # pingpong: both warpgroups meet here (`turn` completes on their two arrivals)
+            if pingpong:
                 plgpu.barrier_arrive(turn[0])
-            refill(j, following[0], slot, fetch_v, v_free)
-            plgpu.barrier_wait(v_bar.at[slot])
-            if pingpong:  # and has issued its S = Q @ K^T: this one's P @ V, then S, go next
                 plgpu.barrier_wait(turn[0])
-        with jax.named_scope("pv"):
-            acc = wgmma.accumulate_pv(acc, p, v_smem.at[slot], interpret=interpret)
-            plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m, l, following, ahead
 
-    start = wgmma.softmax_start(WG_ROWS, q_smem.shape[-1], scale=scale, interpret=interpret)
-    # Pingpong: warpgroup 1 runs half a step behind 0 (one meeting more first, 0 one more last),
-    # so that each one's matmuls run while the other computes its softmax.
-    if pingpong:
-        pl.when(wg == 1)(rendezvous)
-    acc, _, l, *_ = lax.fori_loop(0, count, step, (*start, first, visit(1)))
-    if pingpong:
-        pl.when(wg == 0)(rendezvous)
-    with jax.named_scope("finish"):
-        wgmma.softmax_finish(acc, l, q_smem)
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(rows, WG_ROWS), h])
+        def step(j, carry):
+            acc, m, l, (block, kind), following = carry   # following: step j + 1's visit
+            ahead = visit(j + 2)
+            slot = lax.rem(j, 2)
+            with jax.named_scope("k_wait"):  # regions of the kernel's trace (wgmma.compiler_params)
+                if not producer:
+                    refill(j, following[0], slot, fetch_k, k_free)
+                plgpu.barrier_wait(k_bar.at[slot])
+            with jax.named_scope("qk"):
+                s = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret,
+                                 while_running=rendezvous)
+
+            def kv_positions():
+                # From a column vector, built only where used: registers are tight (test_gpu_compile).
+                col = plgpu.broadcasted_iota(jnp.int32, (block_kv,), 0, layout=None if interpret else col_layout)
+                return lax.broadcast_in_dim(block * block_kv + col, shape, [1])
+
+            def apply_mask(s):
+                q_pos, kv_pos = rows + iota(0), kv_positions()
+                kv_seg = layout(kv_seg_smem.at[slot][...], col_layout)
+                # Tiles laid out as S is (jax 0.11's Warpgroup layout inference found no layouts for
+                # the broadcasts of bidirectional masks, nor with these casts: the kernel lowers as Lane).
+                seg_tiles = [layout(lax.broadcast_in_dim(x, shape, [dim]), plgpu.Layout.WGMMA)
+                             for x, dim in ((q_seg, 0), (kv_seg, 1))]
+                ok = mask.visible(q_pos, kv_pos, *seg_tiles)
+                return jnp.where(ok, s, MASK_VALUE)
+
+            # A tile FULL for the CTA's block is FULL for each warpgroup's rows; a PARTIAL one may
+            # hide all of a warpgroup's rows: their weights are 0 (wgmma.softmax_start).
+            with jax.named_scope("mask"):
+                if modified:
+                    s = modify_scores(s * sm_scale, None if slope is None else kv_positions(), soft_cap=soft_cap,
+                                      slopes=slope)
+                s = lax.cond(kind == FULL, lambda s: s, apply_mask, s)
+                plgpu.barrier_arrive(k_free.at[slot])  # done with K and the kv segment ids
+            with jax.named_scope("softmax"):
+                p, acc, m, l = wgmma.online_softmax(s, acc, m, l, scale=scale, dtype=v_smem.dtype)
+                if pingpong:  # all of it done before this warpgroup's turn (the compiler may not sink it)
+                    p, acc, m, l = lax.optimization_barrier((p, acc, m, l))
+            with jax.named_scope("v_wait"):
+                if pingpong:  # done with the softmax: the other warpgroup may take the tensor cores
+                    plgpu.barrier_arrive(turn[0])
+                if not producer:
+                    refill(j, following[0], slot, fetch_v, v_free)
+                plgpu.barrier_wait(v_bar.at[slot])
+                if pingpong:  # and has issued its S = Q @ K^T: this one's P @ V, then S, go next
+                    plgpu.barrier_wait(turn[0])
+            with jax.named_scope("pv"):
+                acc = wgmma.accumulate_pv(acc, p, v_smem.at[slot], interpret=interpret)
+                plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m, l, following, ahead
+
+        start = wgmma.softmax_start(WG_ROWS, q_smem.shape[-1], scale=scale, interpret=interpret)
+        # Pingpong: warpgroup 1 runs half a step behind 0 (one meeting more first, 0 one more last),
+        # so that each one's matmuls run while the other computes its softmax.
+        if pingpong:
+            pl.when(wg == 1)(rendezvous)
+        acc, _, l, *_ = lax.fori_loop(0, count, step, (*start, first, visit(1)))
+        if pingpong:
+            pl.when(wg == 0)(rendezvous)
+        with jax.named_scope("finish"):
+            wgmma.softmax_finish(acc, l, q_smem)
+            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(rows, WG_ROWS), h])
+
+    if producer:
+        pl.when(wg < consumers)(consume)
+        pl.when(wg == consumers)(produce)
+    else:
+        consume()
 
     def drain(j, _):  # the last two steps' releases, never awaited by a refill
         plgpu.barrier_wait(k_free.at[lax.rem(j, 2)])
         plgpu.barrier_wait(v_free.at[lax.rem(j, 2)])
 
     # A thread that waits on a barrier must see all its phases (Mosaic GPU's interpreter checks).
-    pl.when(wg == 0)(lambda: lax.fori_loop(jnp.maximum(count - 2, 0), count, drain, None))
+    pl.when(wg == copier)(lambda: lax.fori_loop(jnp.maximum(count - 2, 0), count, drain, None))
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -207,11 +241,11 @@ def fits(head_dim, dtype, block_q=BLOCK_Q) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "causal", "sliding_window", "soft_cap", "sm_scale", "block_q", "block_kv", "pingpong", "trace_dir",
-    "interpret"))
+    "causal", "sliding_window", "soft_cap", "sm_scale", "block_q", "block_kv", "pingpong", "producer",
+    "trace_dir", "interpret"))
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
                     alibi_slopes=None, sm_scale=None, block_q=None, block_kv=None, trace_dir=None,
-                    pingpong=True, interpret=False):
+                    pingpong=True, producer=False, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
     alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. block_q: q rows per CTA, 64 (one
     consumer warpgroup) or 128 (two, the default on a GPU). Needs D and block_kv multiples of 64
@@ -219,6 +253,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     shared memory (see `fits`; Mosaic GPU refuses a kernel over budget). interpret=True runs in
     Mosaic GPU interpret mode (CPU), with its race detector, on one warpgroup unless block_q says.
     pingpong: two warpgroups take turns on the tensor cores (module docstring); no effect on one.
+    producer: a third warpgroup issues the K/V copies (two consumer warpgroups only).
     trace_dir: a timeline of the kernel's regions per call (wgmma.compiler_params; GPU only)."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
@@ -244,12 +279,13 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     sched = block_schedule(mask, seg, block_q, block_kv)
     warpgroups = block_q // WG_ROWS
     pingpong = pingpong and warpgroups == 2
+    producer = producer and warpgroups == 2
 
     smem = wgmma.tiled_smem(q.dtype, d)
     kernel = plgpu.kernel(
         functools.partial(_kernel, mask=mask, sm_scale=sm_scale, soft_cap=soft_cap, alibi=alibi_slopes is not None,
                           group=h // kvh, block_q=block_q, block_kv=block_kv, nq=nq, pingpong=pingpong,
-                          interpret=interpret),
+                          producer=producer, interpret=interpret),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=[  # what smem_bytes counts; shared by the warpgroups
             smem(warpgroups, WG_ROWS, d),   # each warpgroup's Q rows, then its output rows
@@ -266,7 +302,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         ],
         grid=(h, b, nq),
         grid_names=("heads", "batch", "q"),
-        num_threads=warpgroups,
+        num_threads=warpgroups + producer,
         compiler_params=wgmma.compiler_params("lane", trace_dir, soft_cap=soft_cap),
         thread_name="wg",
         # Q + its segment ids per warpgroup, 2 slots x 3
