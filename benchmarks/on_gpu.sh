@@ -91,7 +91,7 @@ stage lane 200 bash -c "$PY -m pytest -q -p no:cacheprovider tests/test_gpu_kern
   $PY benchmarks/kernels.py --sections decode,mixed --lane --out $OUT/lane"
 # The profiler writes its trace from a host callback, which needs the CPU platform too.
 stage trace 150 env JAX_PLATFORMS=cuda,cpu $PY benchmarks/kernel_trace.py --out "$OUT"
-stage hf 80 $PY -m benchmarks.gpu_engine hf --model 1b --out "$OUT"
+stage hf 150 $PY -m benchmarks.gpu_engine hf --model 1b --out "$OUT"
 stage 1b 240 $PY -m benchmarks.gpu_engine jax --model 1b ${BACKENDS:+--backends $BACKENDS} --out "$OUT"
 stage int8 150 $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --quantization int8 --out "$OUT"
 CMDBUF="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"

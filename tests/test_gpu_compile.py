@@ -69,10 +69,10 @@ FLASH = {  # name: (head_dim, segment ids, flash_attention options; alibi=True: 
                                                       pingpong=False)),
     "all-features-d128-1wg-kv64": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True,
                                                    block_q=64, block_kv=64)),
-    # A third warpgroup issuing the copies.
-    "causal-d128-producer": (128, False, dict(causal=True, producer=True)),
-    "all-features-d128-producer": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True,
-                                                   producer=True)),
+    # Warpgroup 0 issuing the copies, no producer warpgroup.
+    "causal-d128-no-producer": (128, False, dict(causal=True, producer=False)),
+    "all-features-d128-no-producer": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True,
+                                                      producer=False)),
 }
 
 
@@ -89,8 +89,10 @@ def test_flash_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
         q, k, v, segment_ids=seg, alibi_slopes=slopes, **opts))
     regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
     print(f"flash {name}: {regs} registers, {spills} bytes spilled")
-    # 255 a thread at most, and a CTA's warpgroups (128 threads each) share an SM's 65,536.
-    limit = min(255, 65536 // (128 * (opts.get("block_q", 128) // 64)))
+    # 255 a thread at most, and a CTA's warpgroups (128 threads each) share an SM's 65,536: at
+    # launch; the producer's split (setmaxnreg) then moves registers to the consumers.
+    consumers = opts.get("block_q", 128) // 64
+    limit = min(255, 65536 // (128 * (consumers + (consumers == 2 and opts.get("producer", True)))))
     assert regs <= limit and (spills == 0 or head_dim > 128), (regs, spills)
 
 

@@ -10,21 +10,22 @@ row-major V tile. f32 runs in interpret mode only.
 One CTA per (q block, q head, batch); a q block of `block_q` rows (128 by default) is split between
 block_q // 64 consumer warpgroups (Mosaic GPU threads), each owning 64 rows (wgmma's M) and its own
 online softmax. Both read the same K/V tiles in SMEM, so each K/V byte loaded serves 128 q rows.
-Two warpgroups take turns on the tensor cores (`pingpong`, as FlashAttention-3): they meet at a
+Two consumers take turns on the tensor cores (`pingpong`, as FlashAttention-3): they meet at a
 barrier each step, warpgroup 1 half a step behind, so that one's P @ V and next S = Q @ K^T run
-while the other computes its softmax (on an H200, 408 TFLOP/s against 387 without at 4k causal
-tokens, 489 against 472 at 8k: benchmarks/results/kernels_h200.md). The CTA
-reads its visit list from `masks.block_schedule` (at block_q granularity) and loops over exactly
-`count` kv blocks, double-buffering K/V/segment-id TMA copies; EMPTY tiles are never copied, FULL
-tiles skip masking. Warpgroup 0 issues every copy: the tile of step j + 1 goes to the slot that
-step j - 1 read, once every warpgroup has arrived on that slot's K (or V) release barrier; K is released
-after S and the mask and refilled at the start of the next step, V after P @ V and refilled after
-the next softmax, so that warpgroup 0 seldom waits for the other. S = Q @ K^T reads the K tile
-transposed in SMEM; P stays in registers as the P @ V wgmma's A operand, accumulated into the
-output in place. GQA: q head h reads kv head h // group straight from K/V, which are never
-repeated. Soft cap and ALiBi (the CTA's head's slope, one scalar read): pallas_kernels/scores.py.
-block_q=64 (one warpgroup) and pingpong=False are knobs that benchmarks/kernels.py times beside
-the default. (Three warpgroups, 192 rows, were slower at 1k and 4k on the H200 and were dropped.)
+while the other computes its softmax. A third warpgroup, the producer, issues every K/V copy and
+nothing else, with 40 registers a thread so that the consumers get 232 (`producer`; without it
+warpgroup 0 issues them between its own matmuls). On an H100 (benchmarks/results/kernels_h100.md,
+causal, 4k tokens): 512 TFLOP/s with the producer against 460 without, 612 against 536 at 8k. The
+CTA reads its visit list from `masks.block_schedule` (at block_q granularity) two steps ahead and
+loops over exactly `count` kv blocks, double-buffering K/V/segment-id TMA copies; EMPTY tiles are
+never copied, FULL tiles skip masking. The tile of step j goes to the slot that step j - 2 read,
+once every consumer has arrived on that slot's K (or V) release barrier: K is released after S and
+the mask, V after P @ V. S = Q @ K^T reads the K tile transposed in SMEM; P stays in registers as
+the P @ V wgmma's A operand, accumulated into the output in place. GQA: q head h reads kv head
+h // group straight from K/V, which are never repeated. Soft cap and ALiBi (the CTA's head's slope,
+one scalar read): pallas_kernels/scores.py. block_q=64 (one warpgroup), pingpong=False and
+producer=False are knobs that benchmarks/kernels.py times beside the default. (Three consumer
+warpgroups, 192 rows, were slower at 1k and 4k on the H200 and were dropped.)
 """
 import functools
 
@@ -245,7 +246,7 @@ def fits(head_dim, dtype, block_q=BLOCK_Q) -> bool:
     "trace_dir", "interpret"))
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
                     alibi_slopes=None, sm_scale=None, block_q=None, block_kv=None, trace_dir=None,
-                    pingpong=True, producer=False, interpret=False):
+                    pingpong=True, producer=True, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
     alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. block_q: q rows per CTA, 64 (one
     consumer warpgroup) or 128 (two, the default on a GPU). Needs D and block_kv multiples of 64
@@ -253,7 +254,8 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     shared memory (see `fits`; Mosaic GPU refuses a kernel over budget). interpret=True runs in
     Mosaic GPU interpret mode (CPU), with its race detector, on one warpgroup unless block_q says.
     pingpong: two warpgroups take turns on the tensor cores (module docstring); no effect on one.
-    producer: a third warpgroup issues the K/V copies (two consumer warpgroups only).
+    producer: a third warpgroup issues the K/V copies (module docstring; two consumer warpgroups
+    only), else warpgroup 0 does.
     trace_dir: a timeline of the kernel's regions per call (wgmma.compiler_params; GPU only)."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
