@@ -142,11 +142,16 @@ def test_gpu_kernel_two_warpgroups():
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+@pytest.mark.parametrize("static", [False, True])  # segment ids traced (jnp), or none (numpy)
 @pytest.mark.parametrize("block_q,block_kv", [(128, 128), (64, 128)])  # defaults; a 1-warpgroup GPU block
-def test_causal_4k_prompt_visits_about_half_the_kv_blocks(block_q, block_kv):
+def test_causal_4k_prompt_visits_about_half_the_kv_blocks(block_q, block_kv, static):
     t = 4096
     nq, nk = t // block_q, t // block_kv
-    sched = jax.device_get(schedule(Mask(causal=True), jnp.zeros((1, t), jnp.int32), block_q, block_kv))
+    if static:  # what the kernels compute without segment ids: constants of the compiled call
+        sched = block_schedule(Mask(causal=True), np.zeros((1, t), np.int32), block_q, block_kv)
+        assert all(isinstance(x, np.ndarray) for x in sched)
+    else:
+        sched = jax.device_get(schedule(Mask(causal=True), jnp.zeros((1, t), jnp.int32), block_q, block_kv))
     kv_block, kind, count = sched.kv_block[0], sched.kind[0], sched.count[0]
 
     # Ground truth from the dense token mask: tiles with any / only visible pairs.

@@ -5,7 +5,9 @@ A token pair (query i, key j) of one row is visible when both tokens carry the s
 Both kernels cut the [T, T] score matrix into [block_q, block_kv] tiles. `block_schedule` says,
 for each q block, which kv blocks it must visit (EMPTY tiles are never loaded) and which of
 those are FULL (every pair visible, so the kernel skips masking) or PARTIAL (mask applied).
-Segment ids are runtime data, so the schedule is computed with jnp inside the jitted call.
+Segment ids are runtime data, so the schedule is computed with jnp inside the jitted call; without
+them it depends on shapes alone and is computed with numpy: constants in the compiled call, not
+kernels launched before it (XLA:GPU left two of those for the jnp version).
 """
 import dataclasses
 import math
@@ -42,6 +44,7 @@ class Mask:
         Positions are static (numpy); segments use each block's [min, max] id range, which is
         exact for packed rows (ids non-decreasing along T) and conservative (PARTIAL instead of
         EMPTY or FULL, never wrong) for any other layout."""
+        xp = np if isinstance(segment_ids, np.ndarray) else jnp
         b, t = segment_ids.shape
         q_lo = np.arange(t // block_q)[:, None] * block_q  # first / last position of each block
         q_hi = q_lo + block_q - 1
@@ -61,8 +64,7 @@ class Mask:
         kv_min, kv_max = ks.min(-1)[:, None, :], ks.max(-1)[:, None, :]
         any_seg = (q_min <= kv_max) & (kv_min <= q_max)
         all_seg = (q_min == q_max) & (kv_min == kv_max) & (q_min == kv_min)
-        return jnp.where(any_pos & any_seg, jnp.where(all_pos & all_seg, FULL, PARTIAL),
-                         EMPTY).astype(jnp.int32)
+        return xp.where(any_pos & any_seg, xp.where(all_pos & all_seg, FULL, PARTIAL), EMPTY).astype(np.int32)
 
 
 class BlockSchedule(NamedTuple):
@@ -74,26 +76,32 @@ class BlockSchedule(NamedTuple):
 
 
 def block_schedule(mask: Mask, segment_ids, block_q, block_kv) -> BlockSchedule:
+    """numpy arrays for numpy segment ids (see the module docstring), else jnp."""
+    xp = np if isinstance(segment_ids, np.ndarray) else jnp
     kinds = mask.classify_blocks(segment_ids, block_q, block_kv)
     nk = kinds.shape[-1]
     visit = kinds != EMPTY
-    count = visit.sum(-1, dtype=jnp.int32)
-    order = jnp.argsort(~visit, axis=-1, stable=True).astype(jnp.int32)  # visited blocks first
-    last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
-    kv_block = jnp.where(jnp.arange(nk) < count[..., None], order, last)
-    return BlockSchedule(kv_block, jnp.take_along_axis(kinds, kv_block, axis=-1), count)
+    count = visit.sum(-1, dtype=np.int32)
+    order = xp.argsort(~visit, axis=-1, stable=True).astype(np.int32)  # visited blocks first
+    last = xp.take_along_axis(order, xp.maximum(count - 1, 0)[..., None], axis=-1)
+    kv_block = xp.where(xp.arange(nk) < count[..., None], order, last)
+    return BlockSchedule(kv_block, xp.take_along_axis(kinds, kv_block, axis=-1), count)
 
 
 def pad_to_blocks(q, k, v, segment_ids, block_q, block_kv):
     """Pad T to a multiple of both block sizes. Padding tokens get a segment id of their own
-    (max + 1, so packed rows stay sorted): real tokens never see them, they see only each other."""
+    (max + 1, so packed rows stay sorted): real tokens never see them, they see only each other.
+    No segment ids: numpy ones, all 0 but the padding's (block_schedule)."""
     b, t = q.shape[:2]
-    if segment_ids is None:
-        segment_ids = jnp.zeros((b, t), jnp.int32)
-    segment_ids = segment_ids.astype(jnp.int32)
     pad = -t % math.lcm(block_q, block_kv)
+    if segment_ids is None:
+        segment_ids = np.zeros((b, t + pad), np.int32)
+        segment_ids[:, t:] = 1
+    else:
+        segment_ids = segment_ids.astype(jnp.int32)
+        if pad:
+            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=segment_ids.max() + 1)
     if pad:
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))
         q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
-        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=segment_ids.max() + 1)
     return q, k, v, segment_ids
