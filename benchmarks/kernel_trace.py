@@ -6,11 +6,11 @@ this sums them per region over every warpgroup of one call.
   python benchmarks/kernel_trace.py --out DIR     (a Hopper GPU)
 
 Shapes: issue 14's targets, paged decode of 64 sequences over 2k contexts (page 16; under each
-lowering) and causal flash prefill of 4k tokens (also without the producer warpgroup), heads
-(32, 8, 128) in bf16. Writes DIR/kernel_trace_<device>.md. Times are SM clock cycles (the
-profiler's dump takes its own cost, a few cycles an event, out); a region's share is of the
-warpgroups' time from their first event to their last, and what no region covers is shown as
-its own row.
+lowering) and causal flash prefill of 4k tokens (also without the producer warpgroup, and with
+early K waits), heads (32, 8, 128) in bf16. Writes DIR/kernel_trace_<device>.md. Times are SM
+clock cycles (the profiler's dump takes its own cost, a few cycles an event, out); a region's
+share is of the warpgroups' time from their first event to their last, and what no region covers
+is shown as its own row.
 """
 import argparse
 import collections
@@ -89,7 +89,8 @@ def kernels():
     keys = jax.random.split(jax.random.key(0), 3)
     qkv = tuple(jax.random.normal(key, (1, 4096, h, head_dim), jnp.bfloat16)
                 for key, h in zip(keys, (num_heads, num_kv_heads, num_kv_heads)))
-    for label, blocks in (("", {}), (", no producer", dict(producer=False))):
+    for label, blocks in (("", {}), (", no producer", dict(producer=False)),
+                          (", early K wait", dict(early_k_wait=True))):
         out[f"flash prefill, causal, T=4096{label}"] = (functools.partial(
             flash_gpu.flash_attention, causal=True, **blocks), qkv)
     return out

@@ -99,11 +99,13 @@ def prefill_impls(platform, sm_scale):
         # Beside the default, the structure before two consumer warpgroups: one warpgroup on 64 q
         # rows (P in registers now, as in the default); with kv blocks of 64, 2 CTAs share an SM.
         # And two warpgroups each at its own pace, not taking turns on the tensor cores; and
-        # without the third warpgroup that issues the copies (warpgroup 0 does).
+        # without the third warpgroup that issues the copies (warpgroup 0 does); and each step's
+        # P @ V waiting for the next K tile, as attention_mgpu's does.
         for label, blocks in (("1 warpgroup", dict(block_q=64)),
                               ("1 warpgroup, block_kv 64", dict(block_q=64, block_kv=64)),
                               ("no pingpong", dict(pingpong=False)),
-                              ("no producer", dict(producer=False))):
+                              ("no producer", dict(producer=False)),
+                              ("early K wait", dict(early_k_wait=True))):
             impls[f"ours, {label}"] = (same, functools.partial(gpu.flash_attention, sm_scale=sm_scale, **blocks))
         impls["jax mha (Triton)"] = (repeated, lambda q, k, v: attention.mha(
             q, k, v, None, sm_scale=sm_scale, causal=True))

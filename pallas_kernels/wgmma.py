@@ -105,12 +105,19 @@ def log_sum_exp(m, l):
     return m / LOG2E + jnp.log(l)
 
 
-def accumulate_pv(acc, p, v_smem, *, interpret):
+def accumulate_pv(acc, p, v_smem, *, interpret, while_running=lambda: None):
     """acc + P @ V. P stays in registers as wgmma's A operand and the product accumulates into acc
-    in place: no P tile in SMEM, no second f32 [M, N] tile."""
+    in place: no P tile in SMEM, no second f32 [M, N] tile. while_running() runs between the
+    wgmma's issue and the wait for its result."""
     if interpret:
-        return acc + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
-    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_smem))(plgpu.ACC.init(acc))
+        v = v_smem[...]
+        while_running()
+        return acc + jnp.dot(p, v, preferred_element_type=jnp.float32)
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_smem)
+        while_running()
+    return pl.run_state(run)(plgpu.ACC.init(acc))
 
 
 def softmax_finish(acc, l, out_smem):

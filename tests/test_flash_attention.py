@@ -117,6 +117,7 @@ KV_SLOT_REUSE = dict(ALL_FEATURES, seq_len=320, group=2, sliding_window=150, seg
 
 def test_gpu_kernel_one_warpgroup_reuses_kv_slots():
     check_gpu(KV_SLOT_REUSE, block_q=64, block_kv=64)
+    check_gpu(KV_SLOT_REUSE, block_q=64, block_kv=64, early_k_wait=True)
 
 
 def check_more_warpgroups():
@@ -126,11 +127,13 @@ def check_more_warpgroups():
     for case in (ALL_FEATURES, KV_SLOT_REUSE):   # warpgroup 0 issuing the copies, no producer
         check_gpu(case, block_q=128, block_kv=64, producer=False)
     check_gpu(KV_SLOT_REUSE, block_q=128, block_kv=64, pingpong=False, producer=False)
+    for case in (ALL_FEATURES, KV_SLOT_REUSE):   # each step's P @ V waiting for the next K tile
+        check_gpu(case, block_q=128, block_kv=64, early_k_wait=True)
 
 
 def test_gpu_kernel_two_warpgroups():
     """The default: two consumer warpgroups sharing each K/V tile, taking turns, and a producer
-    warpgroup issuing the copies; and without the turns, or the producer."""
+    warpgroup issuing the copies; and without the turns, or the producer; and with early K waits."""
     if not GPU_INTERPRET:
         return check_more_warpgroups()
     # Interpreted, each warpgroup is a program of its own and both run at once on XLA:CPU's

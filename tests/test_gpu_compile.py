@@ -73,6 +73,7 @@ FLASH = {  # name: (head_dim, segment ids, flash_attention options; alibi=True: 
     "causal-d128-no-producer": (128, False, dict(causal=True, producer=False)),
     "all-features-d128-no-producer": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True,
                                                       producer=False)),
+    "causal-d128-early-k-wait": (128, False, dict(causal=True, early_k_wait=True)),
 }
 
 

@@ -49,7 +49,8 @@ BLOCK_Q = 128  # q rows per CTA (2 warpgroups): each K/V tile loaded serves twic
 
 
 def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *refs,
-            mask, sm_scale, soft_cap, alibi, group, block_q, block_kv, nq, pingpong, producer, interpret):
+            mask, sm_scale, soft_cap, alibi, group, block_q, block_kv, nq, pingpong, producer, early_k_wait,
+            interpret):
     slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
     o_ref, q_smems, k_smem, v_smem, q_seg_smems, kv_seg_smem, q_bars, k_bar, v_bar, k_free, v_free, *turn = refs
     h, b, wg = (lax.axis_index(name) for name in ("heads", "batch", "wg"))
@@ -144,7 +145,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
             with jax.named_scope("k_wait"):  # regions of the kernel's trace (wgmma.compiler_params)
                 if not producer:
                     refill(j, following[0], slot, fetch_k, k_free)
-                plgpu.barrier_wait(k_bar.at[slot])
+                if not early_k_wait:
+                    plgpu.barrier_wait(k_bar.at[slot])
             with jax.named_scope("qk"):
                 s = wgmma.matmul(q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret,
                                  while_running=rendezvous)
@@ -185,7 +187,9 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
                 if pingpong:  # and has issued its S = Q @ K^T: this one's P @ V, then S, go next
                     plgpu.barrier_wait(turn[0])
             with jax.named_scope("pv"):
-                acc = wgmma.accumulate_pv(acc, p, v_smem.at[slot], interpret=interpret)
+                next_k = functools.partial(plgpu.barrier_wait, k_bar.at[1 - slot])
+                acc = wgmma.accumulate_pv(acc, p, v_smem.at[slot], interpret=interpret, while_running=(
+                    (lambda: pl.when(j + 1 < count)(next_k)) if early_k_wait else lambda: None))
                 plgpu.barrier_arrive(v_free.at[slot])
             return acc, m, l, following, ahead
 
@@ -194,6 +198,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
         # so that each one's matmuls run while the other computes its softmax.
         if pingpong:
             pl.when(wg == 1)(rendezvous)
+        if early_k_wait:   # step 0's K; each step waits for the next one's while its P @ V runs
+            pl.when(count > 0)(functools.partial(plgpu.barrier_wait, k_bar.at[0]))
         acc, _, l, *_ = lax.fori_loop(0, count, step, (*start, first, visit(1)))
         if pingpong:
             pl.when(wg == 0)(rendezvous)
@@ -243,10 +249,10 @@ def fits(head_dim, dtype, block_q=BLOCK_Q) -> bool:
 
 @functools.partial(jax.jit, static_argnames=(
     "causal", "sliding_window", "soft_cap", "sm_scale", "block_q", "block_kv", "pingpong", "producer",
-    "trace_dir", "interpret"))
+    "early_k_wait", "trace_dir", "interpret"))
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
                     alibi_slopes=None, sm_scale=None, block_q=None, block_kv=None, trace_dir=None,
-                    pingpong=True, producer=True, interpret=False):
+                    pingpong=True, producer=True, early_k_wait=False, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
     alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. block_q: q rows per CTA, 64 (one
     consumer warpgroup) or 128 (two, the default on a GPU). Needs D and block_kv multiples of 64
@@ -255,7 +261,8 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     Mosaic GPU interpret mode (CPU), with its race detector, on one warpgroup unless block_q says.
     pingpong: two warpgroups take turns on the tensor cores (module docstring); no effect on one.
     producer: a third warpgroup issues the K/V copies (module docstring; two consumer warpgroups
-    only), else warpgroup 0 does.
+    only), else warpgroup 0 does. early_k_wait: wait for step j + 1's K tile while step j's P @ V
+    runs (as attention_mgpu), not at the start of step j + 1.
     trace_dir: a timeline of the kernel's regions per call (wgmma.compiler_params; GPU only)."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
@@ -287,7 +294,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     kernel = plgpu.kernel(
         functools.partial(_kernel, mask=mask, sm_scale=sm_scale, soft_cap=soft_cap, alibi=alibi_slopes is not None,
                           group=h // kvh, block_q=block_q, block_kv=block_kv, nq=nq, pingpong=pingpong,
-                          producer=producer, interpret=interpret),
+                          producer=producer, early_k_wait=early_k_wait, interpret=interpret),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=[  # what smem_bytes counts; shared by the warpgroups
             smem(warpgroups, WG_ROWS, d),   # each warpgroup's Q rows, then its output rows
