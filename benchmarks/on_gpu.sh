@@ -31,7 +31,9 @@
 # that matter most in two calls, back to back while the machine is warm (590 and 600 s if every
 # stage runs to its limit):
 #   bash benchmarks/on_gpu.sh tests tiny kernels trace;  bash benchmarks/on_gpu.sh profile cmdbuf
-# (2026-11-28, H200: the first took 297 s, `trace 1b` 250 s, before kernels.py gained its GPU ms.)
+# (2026-11-28, H200: the first took 297 s, `trace 1b` 250 s, before kernels.py gained its GPU ms.
+# H100, session 31: the first 343 s, tiny at its limit; `tests kernels hf 1b` with TESTS narrowed,
+# BASE and BACKENDS=pallas_gpu 413 s, hf at its old 80 s limit.)
 # XLA's GEMM autotuning results go to one cache folder, shared by the stages: the engines of the
 # 1.1B model tune the same matrix products once.
 # `python -m benchmarks.gpu_engine report --out $OUT` renders the engine tables.
