@@ -82,6 +82,10 @@ BIDIRECTIONAL = dict(batch=2, seq_len=50, group=4, head_dim=64, dtype="float32",
                      sliding_window=None, soft_cap=None, alibi=True, segments="shuffled", seed=2)
 PLAIN_CAUSAL = dict(batch=1, seq_len=128, group=1, head_dim=64, dtype="float32", causal=True,
                     sliding_window=None, soft_cap=None, alibi=False, segments=None, seed=3)
+# Without segment ids the GPU kernel reads none, unless a bidirectional mask must hide padding.
+NO_SEGMENTS = [dict(PLAIN_CAUSAL, seq_len=100, soft_cap=5.0),   # causal, padded: hidden by the mask
+               dict(BIDIRECTIONAL, batch=1, seq_len=50, segments=None),    # padded: segments needed
+               dict(BIDIRECTIONAL, batch=1, seq_len=128, segments=None)]   # every tile FULL
 
 
 @SLOW
@@ -97,6 +101,9 @@ def test_tpu_kernel_matches_reference(case):
 @example(ALL_FEATURES)
 @example(BIDIRECTIONAL)
 @example(PLAIN_CAUSAL)
+@example(NO_SEGMENTS[0])
+@example(NO_SEGMENTS[1])
+@example(NO_SEGMENTS[2])
 @given(attention_cases(max_len=128))
 def test_gpu_kernel_matches_reference(case):
     check_gpu(case, block_q=64, block_kv=64)  # one warpgroup: interpreted in this process (see below)

@@ -17,8 +17,8 @@ nothing else, with 40 registers a thread so that the consumers get 232 (`produce
 warpgroup 0 issues them between its own matmuls). On an H100 (benchmarks/results/kernels_h100.md,
 causal, 4k tokens): 512 TFLOP/s with the producer against 460 without, 612 against 536 at 8k. The
 CTA reads its visit list from `masks.block_schedule` (at block_q granularity) two steps ahead and
-loops over exactly `count` kv blocks, double-buffering K/V/segment-id TMA copies; EMPTY tiles are
-never copied, FULL tiles skip masking. The tile of step j goes to the slot that step j - 2 read,
+loops over exactly `count` kv blocks, double-buffering K/V/segment-id TMA copies (segment ids
+only where the call has them); EMPTY tiles are never copied, FULL tiles skip masking. The tile of step j goes to the slot that step j - 2 read,
 once every consumer has arrived on that slot's K (or V) release barrier: K is released after S and
 the mask, V after P @ V. S = Q @ K^T reads the K tile transposed in SMEM; P stays in registers as
 the P @ V wgmma's A operand, accumulated into the output in place. GQA: q head h reads kv head
@@ -48,9 +48,10 @@ CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
 BLOCK_Q = 128  # q rows per CTA (2 warpgroups): each K/V tile loaded serves twice the rows of 64
 
 
-def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *refs,
-            mask, sm_scale, soft_cap, alibi, group, block_q, block_kv, nq, pingpong, producer, early_k_wait,
-            interpret):
+def _kernel(q_ref, k_ref, v_ref, *refs, mask, segments, sm_scale, soft_cap, alibi, group, block_q, block_kv, nq,
+            pingpong, producer, early_k_wait, interpret):
+    seg_ref, refs = (refs[0], refs[1:]) if segments else (None, refs)
+    kv_block_ref, kind_ref, count_ref, *refs = refs
     slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
     o_ref, q_smems, k_smem, v_smem, q_seg_smems, kv_seg_smem, q_bars, k_bar, v_bar, k_free, v_free, *turn = refs
     h, b, wg = (lax.axis_index(name) for name in ("heads", "batch", "wg"))
@@ -73,7 +74,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
     def fetch_k(block, slot):
         kv = pl.ds(block * block_kv, block_kv)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kv, kvh], k_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(seg_ref.at[b, kv], kv_seg_smem.at[slot], k_bar.at[slot])
+        if segments:
+            plgpu.copy_gmem_to_smem(seg_ref.at[b, kv], kv_seg_smem.at[slot], k_bar.at[slot])
 
     def fetch_v(block, slot):
         kv = pl.ds(block * block_kv, block_kv)
@@ -115,7 +117,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
         row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rows, WG_ROWS), h], q_smem, q_bar)
-        plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(rows, WG_ROWS)], q_seg_smem, q_bar)
+        if segments:
+            plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(rows, WG_ROWS)], q_seg_smem, q_bar)
         if not producer:
             @pl.when((wg == 0) & (count > 0))
             def _():
@@ -124,7 +127,7 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
 
         with jax.named_scope("q_wait"):
             plgpu.barrier_wait(q_bar)
-        q_seg = layout(q_seg_smem[...], row_layout)
+        q_seg = layout(q_seg_smem[...], row_layout) if segments else None
         shape = (WG_ROWS, block_kv)
         iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, shape,
                                  layout=None if interpret else plgpu.Layout.WGMMA)
@@ -158,11 +161,13 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
 
             def apply_mask(s):
                 q_pos, kv_pos = rows + iota(0), kv_positions()
-                kv_seg = layout(kv_seg_smem.at[slot][...], col_layout)
-                # Tiles laid out as S is (jax 0.11's Warpgroup layout inference found no layouts for
-                # the broadcasts of bidirectional masks, nor with these casts: the kernel lowers as Lane).
-                seg_tiles = [layout(lax.broadcast_in_dim(x, shape, [dim]), plgpu.Layout.WGMMA)
-                             for x, dim in ((q_seg, 0), (kv_seg, 1))]
+                seg_tiles = [None, None]
+                if segments:
+                    kv_seg = layout(kv_seg_smem.at[slot][...], col_layout)
+                    # Tiles laid out as S is (jax 0.11's Warpgroup layout inference found no layouts for
+                    # the broadcasts of bidirectional masks, nor with these casts: the kernel lowers as Lane).
+                    seg_tiles = [layout(lax.broadcast_in_dim(x, shape, [dim]), plgpu.Layout.WGMMA)
+                                 for x, dim in ((q_seg, 0), (kv_seg, 1))]
                 ok = mask.visible(q_pos, kv_pos, *seg_tiles)
                 return jnp.where(ok, s, MASK_VALUE)
 
@@ -172,7 +177,8 @@ def _kernel(q_ref, k_ref, v_ref, seg_ref, kv_block_ref, kind_ref, count_ref, *re
                 if modified:
                     s = modify_scores(s * sm_scale, None if slope is None else kv_positions(), soft_cap=soft_cap,
                                       slopes=slope)
-                s = lax.cond(kind == FULL, lambda s: s, apply_mask, s)
+                if segments or mask.causal:   # else nothing is hidden: every tile is FULL
+                    s = lax.cond(kind == FULL, lambda s: s, apply_mask, s)
                 plgpu.barrier_arrive(k_free.at[slot])  # done with K and the kv segment ids
             with jax.named_scope("softmax"):
                 p, acc, m, l = wgmma.online_softmax(s, acc, m, l, scale=scale, dtype=v_smem.dtype)
@@ -284,6 +290,9 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     mask = Mask(causal, sliding_window)
     sm_scale = d ** -0.5 if sm_scale is None else sm_scale
     q, k, v, seg = pad_to_blocks(q, k, v, segment_ids, block_q, block_kv)
+    # Without segment ids the kernel reads none (its segment buffers stay unused) unless padding
+    # needs them: a causal mask already hides the padding's keys from every real query.
+    segments = segment_ids is not None or (not causal and q.shape[1] > t)
     nq = q.shape[1] // block_q
     sched = block_schedule(mask, seg, block_q, block_kv)
     warpgroups = block_q // WG_ROWS
@@ -292,9 +301,10 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
 
     smem = wgmma.tiled_smem(q.dtype, d)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, mask=mask, sm_scale=sm_scale, soft_cap=soft_cap, alibi=alibi_slopes is not None,
-                          group=h // kvh, block_q=block_q, block_kv=block_kv, nq=nq, pingpong=pingpong,
-                          producer=producer, early_k_wait=early_k_wait, interpret=interpret),
+        functools.partial(_kernel, mask=mask, segments=segments, sm_scale=sm_scale, soft_cap=soft_cap,
+                          alibi=alibi_slopes is not None, group=h // kvh, block_q=block_q, block_kv=block_kv,
+                          nq=nq, pingpong=pingpong, producer=producer, early_k_wait=early_k_wait,
+                          interpret=interpret),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=[  # what smem_bytes counts; shared by the warpgroups
             smem(warpgroups, WG_ROWS, d),   # each warpgroup's Q rows, then its output rows
@@ -302,8 +312,8 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
             smem(2, block_kv, d),           # V
             plgpu.SMEM((warpgroups, WG_ROWS), jnp.int32),
             plgpu.SMEM((2, block_kv), jnp.int32),
-            plgpu.Barrier(num_arrivals=2, num_barriers=warpgroups),  # Q + its segment ids
-            plgpu.Barrier(num_arrivals=2, num_barriers=2),  # K + kv segment ids, per slot
+            plgpu.Barrier(num_arrivals=1 + segments, num_barriers=warpgroups),  # Q + its segment ids
+            plgpu.Barrier(num_arrivals=1 + segments, num_barriers=2),  # K + kv segment ids, per slot
             plgpu.Barrier(num_barriers=2),  # V, per slot
             plgpu.Barrier(num_arrivals=warpgroups, num_barriers=2),  # K slot read by all
             plgpu.Barrier(num_arrivals=warpgroups, num_barriers=2),  # V slot read by all
@@ -318,5 +328,5 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         interpret=wgmma.interpret_params(copies_in_flight=2 * warpgroups + 6) if interpret else None,
     )
     slopes = () if alibi_slopes is None else (alibi_slopes.astype(jnp.float32),)
-    out = kernel(q, k, v, seg, sched.kv_block, sched.kind, sched.count, *slopes)
+    out = kernel(q, k, v, *[seg] * segments, sched.kv_block, sched.kind, sched.count, *slopes)
     return out[:, :t]

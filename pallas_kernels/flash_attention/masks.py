@@ -30,8 +30,9 @@ class Mask:
             raise ValueError("sliding_window needs causal=True and a window of at least 1")
 
     def visible(self, q_pos, kv_pos, q_seg, kv_seg):
-        """Elementwise (broadcasting) visibility of token pairs; what PARTIAL tiles apply."""
-        ok = q_seg == kv_seg
+        """Elementwise (broadcasting) visibility of token pairs; what PARTIAL tiles apply. Segment
+        ids None: one segment."""
+        ok = True if q_seg is None else q_seg == kv_seg
         if self.causal:
             ok = ok & (kv_pos <= q_pos)
         if self.sliding_window is not None:
