@@ -17,15 +17,16 @@ nothing else, with 40 registers a thread so that the consumers get 232 (`produce
 warpgroup 0 issues them between its own matmuls). On an H100 (benchmarks/results/kernels_h100.md,
 causal, 4k tokens): 512 TFLOP/s with the producer against 460 without, 612 against 536 at 8k. The
 CTA reads its visit list from `masks.block_schedule` (at block_q granularity) two steps ahead and
-loops over exactly `count` kv blocks, double-buffering K/V/segment-id TMA copies (segment ids
-only where the call has them); EMPTY tiles are never copied, FULL tiles skip masking. The tile of step j goes to the slot that step j - 2 read,
-once every consumer has arrived on that slot's K (or V) release barrier: K is released after S and
-the mask, V after P @ V. S = Q @ K^T reads the K tile transposed in SMEM; P stays in registers as
-the P @ V wgmma's A operand, accumulated into the output in place. GQA: q head h reads kv head
-h // group straight from K/V, which are never repeated. Soft cap and ALiBi (the CTA's head's slope,
-one scalar read): pallas_kernels/scores.py. block_q=64 (one warpgroup), pingpong=False and
-producer=False are knobs that benchmarks/kernels.py times beside the default. (Three consumer
-warpgroups, 192 rows, were slower at 1k and 4k on the H200 and were dropped.)
+loops over exactly `count` kv blocks, double-buffering K/V/segment-id TMA copies (segment ids only
+where the call has them); EMPTY tiles are never copied, FULL tiles skip masking. The tile of step
+j goes to the slot that step j - 2 read, once every consumer has arrived on that slot's K (or V)
+release barrier: K is released after S and the mask, V after P @ V. S = Q @ K^T reads the K tile
+transposed in SMEM; P stays in registers as the P @ V wgmma's A operand, accumulated into the
+output in place. GQA: q head h reads kv head h // group straight from K/V, which are never
+repeated. Soft cap and ALiBi (the CTA's head's slope, one scalar read): pallas_kernels/scores.py.
+block_q=64 (one warpgroup), pingpong=False, producer=False and early_k_wait=True are knobs that
+benchmarks/kernels.py times beside the default. (Three consumer warpgroups, 192 rows, were slower
+at 1k and 4k on the H200 and were dropped.)
 """
 import functools
 
