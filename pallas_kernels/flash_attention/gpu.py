@@ -193,10 +193,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mask, segments, sm_scale, soft_cap, alib
                 plgpu.barrier_wait(v_bar.at[slot])
                 if pingpong:  # and has issued its S = Q @ K^T: this one's P @ V, then S, go next
                     plgpu.barrier_wait(turn[0])
+            def wait_next_k():   # early_k_wait: step j + 1's K tile, while this P @ V runs
+                if early_k_wait:
+                    pl.when(j + 1 < count)(functools.partial(plgpu.barrier_wait, k_bar.at[1 - slot]))
+
             with jax.named_scope("pv"):
-                next_k = functools.partial(plgpu.barrier_wait, k_bar.at[1 - slot])
-                acc = wgmma.accumulate_pv(acc, p, v_smem.at[slot], interpret=interpret, while_running=(
-                    (lambda: pl.when(j + 1 < count)(next_k)) if early_k_wait else lambda: None))
+                acc = wgmma.accumulate_pv(acc, p, v_smem.at[slot], interpret=interpret, while_running=wait_next_k)
                 plgpu.barrier_arrive(v_free.at[slot])
             return acc, m, l, following, ahead
 
