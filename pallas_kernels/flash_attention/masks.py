@@ -92,7 +92,8 @@ def block_schedule(mask: Mask, segment_ids, block_q, block_kv) -> BlockSchedule:
 def pad_to_blocks(q, k, v, segment_ids, block_q, block_kv):
     """Pad T to a multiple of both block sizes. Padding tokens get a segment id of their own
     (max + 1, so packed rows stay sorted): real tokens never see them, they see only each other.
-    No segment ids: numpy ones, all 0 but the padding's (block_schedule)."""
+    No segment ids: numpy ids, 0 for every token and 1 for the padding (block_schedule then
+    computes with numpy)."""
     b, t = q.shape[:2]
     pad = -t % math.lcm(block_q, block_kv)
     if segment_ids is None:
