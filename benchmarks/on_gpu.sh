@@ -24,7 +24,8 @@
 #            the steps have none), so the host cannot queue step N + 1 while step N runs
 #   ab       (only when named, with BASE=<tree>) the 1b stage on pallas_gpu for this tree and then
 #            an earlier one, on the same warm GPU: e.g. `mkdir base && git archive d2d8cc4 | tar -x -C
-#            base` here before the call (an untracked folder travels with the working tree)
+#            base` here before the call (an untracked folder travels with the working tree; an
+#            ignored one only when the device call carries it)
 # tests and tiny check tokens, not time: they run side by side. The timed stages (kernels, lane,
 # trace, hf, 1b, int8, profile) run alone. At their limits all stages take 25 minutes; one device call
 # runs 10 at most and a session has 15 minutes of device time, starts included, so give the stages
