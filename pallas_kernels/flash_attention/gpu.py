@@ -13,8 +13,8 @@ online softmax. Both read the same K/V tiles in SMEM, so each K/V byte loaded se
 Two consumers take turns on the tensor cores (`pingpong`, as FlashAttention-3): they meet at a
 barrier each step, warpgroup 1 half a step behind, so that one's P @ V and next S = Q @ K^T run
 while the other computes its softmax. A third warpgroup, the producer, issues every K/V copy and
-nothing else, with 40 registers a thread so that the consumers get 232 (`producer`; without it
-warpgroup 0 issues them between its own matmuls). On an H100 (benchmarks/results/kernels_h100.md,
+nothing else, with 40 registers a thread so that the consumers get 232 (`producer`, up to
+head_dim 128; without it warpgroup 0 issues them between its own matmuls). On an H100 (benchmarks/results/kernels_h100.md,
 causal, 4k tokens): 512 TFLOP/s with the producer against 460 without, 612 against 536 at 8k. The
 CTA reads its visit list from `masks.block_schedule` (at block_q granularity) two steps ahead and
 loops over exactly `count` kv blocks, double-buffering K/V/segment-id TMA copies (segment ids only
@@ -261,7 +261,7 @@ def fits(head_dim, dtype, block_q=BLOCK_Q) -> bool:
     "early_k_wait", "trace_dir", "interpret"))
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
                     alibi_slopes=None, sm_scale=None, block_q=None, block_kv=None, trace_dir=None,
-                    pingpong=True, producer=True, early_k_wait=False, interpret=False):
+                    pingpong=True, producer=None, early_k_wait=False, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
     alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. block_q: q rows per CTA, 64 (one
     consumer warpgroup) or 128 (two, the default on a GPU). Needs D and block_kv multiples of 64
@@ -270,7 +270,8 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     Mosaic GPU interpret mode (CPU), with its race detector, on one warpgroup unless block_q says.
     pingpong: two warpgroups take turns on the tensor cores (module docstring); no effect on one.
     producer: a third warpgroup issues the K/V copies (module docstring; two consumer warpgroups
-    only), else warpgroup 0 does. early_k_wait: wait for step j + 1's K tile while step j's P @ V
+    only), else warpgroup 0 does; None: up to head_dim 128 (above, the consumers' 232 registers
+    spill with every feature on, 246 without the split do not: test_gpu_compile). early_k_wait: wait for step j + 1's K tile while step j's P @ V
     runs (as attention_mgpu), not at the start of step j + 1.
     trace_dir: a timeline of the kernel's regions per call (wgmma.compiler_params; GPU only)."""
     b, t, h, d = q.shape
@@ -300,7 +301,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     sched = block_schedule(mask, seg, block_q, block_kv)
     warpgroups = block_q // WG_ROWS
     pingpong = pingpong and warpgroups == 2
-    producer = producer and warpgroups == 2
+    producer = (d <= 128 if producer is None else producer) and warpgroups == 2
 
     smem = wgmma.tiled_smem(q.dtype, d)
     kernel = plgpu.kernel(
