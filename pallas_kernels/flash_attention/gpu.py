@@ -18,7 +18,8 @@ head_dim 128; without it warpgroup 0 issues them between its own matmuls). On an
 causal, 4k tokens): 512 TFLOP/s with the producer against 460 without, 612 against 536 at 8k. The
 CTA reads its visit list from `masks.block_schedule` (at block_q granularity) two steps ahead and
 loops over exactly `count` kv blocks, double-buffering K/V/segment-id TMA copies (segment ids only
-where the call has them); EMPTY tiles are never copied, FULL tiles skip masking. The tile of step
+where the call has them); EMPTY tiles are never copied. The schedule lists the FULL tiles first: a
+loop without mask code takes them, a second loop the PARTIAL ones (no branch per step). The tile of step
 j goes to the slot that step j - 2 read, once every consumer has arrived on that slot's K (or V)
 release barrier: K is released after S and the mask, V after P @ V. S = Q @ K^T reads the K tile
 transposed in SMEM; P stays in registers as the P @ V wgmma's A operand, accumulated into the
@@ -37,8 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import wgmma
-from pallas_kernels.flash_attention.masks import (
-    FULL, MASK_VALUE, Mask, block_schedule, pad_to_blocks)
+from pallas_kernels.flash_attention.masks import MASK_VALUE, Mask, block_schedule, pad_to_blocks
 from pallas_kernels.scores import modify_scores
 
 
@@ -52,7 +52,7 @@ BLOCK_Q = 128  # q rows per CTA (2 warpgroups): each K/V tile loaded serves twic
 def _kernel(q_ref, k_ref, v_ref, *refs, mask, segments, sm_scale, soft_cap, alibi, group, block_q, block_kv, nq,
             pingpong, producer, early_k_wait, interpret):
     seg_ref, refs = (refs[0], refs[1:]) if segments else (None, refs)
-    kv_block_ref, kind_ref, count_ref, *refs = refs
+    kv_block_ref, full_ref, count_ref, *refs = refs
     slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
     o_ref, q_smems, k_smem, v_smem, q_seg_smems, kv_seg_smem, q_bars, k_bar, v_bar, k_free, v_free, *turn = refs
     h, b, wg = (lax.axis_index(name) for name in ("heads", "batch", "wg"))
@@ -63,14 +63,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mask, segments, sm_scale, soft_cap, alib
     kvh = h // group
     consumers = block_q // WG_ROWS
     copier = consumers if producer else 0  # the warpgroup that issues every K/V copy
-    count = count_ref[b, i]
+    count, full = count_ref[b, i], full_ref[b, i]   # steps [0, full) visit FULL tiles, the rest PARTIAL
     last = kv_block_ref.shape[-1] - 1
 
     def visit(j):
-        # Step j's kv block and kind, read from GMEM two steps ahead (see `step`): a load's
-        # latency is hundreds of cycles, and its first use would otherwise wait for it.
-        j = jnp.minimum(j, last)
-        return kv_block_ref[b, i, j], kind_ref[b, i, j]
+        # Step j's kv block, read from GMEM two steps ahead (see `step`): a load's latency is
+        # hundreds of cycles, and its first use would otherwise wait for it.
+        return kv_block_ref[b, i, jnp.minimum(j, last)]
 
     def fetch_k(block, slot):
         kv = pl.ds(block * block_kv, block_kv)
@@ -101,13 +100,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mask, segments, sm_scale, soft_cap, alib
 
         def issue(j, block):
             slot = lax.rem(j, 2)
-            following = visit(j + 1)[0]
+            following = visit(j + 1)
             for copy, free in ((fetch_k, k_free), (fetch_v, v_free)):
                 pl.when(j >= 2)(functools.partial(plgpu.barrier_wait, free.at[slot]))  # step j - 2's
                 copy(block, slot)
             return following
 
-        lax.fori_loop(0, count, issue, first[0])
+        lax.fori_loop(0, count, issue, first)
 
     def consume():
         if producer:
@@ -123,8 +122,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mask, segments, sm_scale, soft_cap, alib
         if not producer:
             @pl.when((wg == 0) & (count > 0))
             def _():
-                fetch_k(first[0], 0)
-                fetch_v(first[0], 0)
+                fetch_k(first, 0)
+                fetch_v(first, 0)
 
         with jax.named_scope("q_wait"):
             plgpu.barrier_wait(q_bar)
@@ -142,13 +141,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mask, segments, sm_scale, soft_cap, alib
                 plgpu.barrier_arrive(turn[0])
                 plgpu.barrier_wait(turn[0])
 
-        def step(j, carry):
-            acc, m, l, (block, kind), following = carry   # following: step j + 1's visit
+        def step(j, carry, masked):
+            acc, m, l, block, following = carry   # following: step j + 1's kv block
             ahead = visit(j + 2)
             slot = lax.rem(j, 2)
             with jax.named_scope("k_wait"):  # regions of the kernel's trace (wgmma.compiler_params)
                 if not producer:
-                    refill(j, following[0], slot, fetch_k, k_free)
+                    refill(j, following, slot, fetch_k, k_free)
                 if not early_k_wait:
                     plgpu.barrier_wait(k_bar.at[slot])
             with jax.named_scope("qk"):
@@ -178,8 +177,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mask, segments, sm_scale, soft_cap, alib
                 if modified:
                     s = modify_scores(s * sm_scale, None if slope is None else kv_positions(), soft_cap=soft_cap,
                                       slopes=slope)
-                if segments or mask.causal:   # else nothing is hidden: every tile is FULL
-                    s = lax.cond(kind == FULL, lambda s: s, apply_mask, s)
+                if masked:
+                    s = apply_mask(s)
                 plgpu.barrier_arrive(k_free.at[slot])  # done with K and the kv segment ids
             with jax.named_scope("softmax"):
                 p, acc, m, l = wgmma.online_softmax(s, acc, m, l, scale=scale, dtype=v_smem.dtype)
@@ -189,7 +188,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mask, segments, sm_scale, soft_cap, alib
                 if pingpong:  # done with the softmax: the other warpgroup may take the tensor cores
                     plgpu.barrier_arrive(turn[0])
                 if not producer:
-                    refill(j, following[0], slot, fetch_v, v_free)
+                    refill(j, following, slot, fetch_v, v_free)
                 plgpu.barrier_wait(v_bar.at[slot])
                 if pingpong:  # and has issued its S = Q @ K^T: this one's P @ V, then S, go next
                     plgpu.barrier_wait(turn[0])
@@ -209,7 +208,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mask, segments, sm_scale, soft_cap, alib
             pl.when(wg == 1)(rendezvous)
         if early_k_wait:   # step 0's K; each step waits for the next one's while its P @ V runs
             pl.when(count > 0)(functools.partial(plgpu.barrier_wait, k_bar.at[0]))
-        acc, _, l, *_ = lax.fori_loop(0, count, step, (*start, first, visit(1)))
+        # The FULL tiles without mask code, then the PARTIAL ones: no branch per step.
+        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (*start, first, visit(1)))
+        acc, _, l, *_ = lax.fori_loop(full, count, functools.partial(step, masked=True), carry)
         if pingpong:
             pl.when(wg == 0)(rendezvous)
         with jax.named_scope("finish"):
@@ -332,5 +333,5 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         interpret=wgmma.interpret_params(copies_in_flight=2 * warpgroups + 6) if interpret else None,
     )
     slopes = () if alibi_slopes is None else (alibi_slopes.astype(jnp.float32),)
-    out = kernel(q, k, v, *[seg] * segments, sched.kv_block, sched.kind, sched.count, *slopes)
+    out = kernel(q, k, v, *[seg] * segments, sched.kv_block, sched.full, sched.count, *slopes)
     return out[:, :t]

@@ -3,8 +3,10 @@
 A token pair (query i, key j) of one row is visible when both tokens carry the same segment id
 (several prompts packed into one row), j <= i (causal), and j > i - sliding_window.
 Both kernels cut the [T, T] score matrix into [block_q, block_kv] tiles. `block_schedule` says,
-for each q block, which kv blocks it must visit (EMPTY tiles are never loaded) and which of
-those are FULL (every pair visible, so the kernel skips masking) or PARTIAL (mask applied).
+for each q block, which kv blocks it must visit (EMPTY tiles are never loaded): the FULL ones
+(every pair visible, so the kernel skips masking) first, then the PARTIAL ones (mask applied).
+Online softmax takes its tiles in any order; FULL first lets a kernel run two loops, one without
+mask code, instead of a branch per tile.
 Segment ids are runtime data, so the schedule is computed with jnp inside the jitted call; without
 them it depends on shapes alone and is computed with numpy: constants in the compiled call, not
 kernels launched before it (XLA:GPU left two of those for the jnp version).
@@ -69,10 +71,11 @@ class Mask:
 
 
 class BlockSchedule(NamedTuple):
-    """Per q block, the kv blocks to visit, in ascending order. Slots past `count` repeat the
-    last visited block, so a pipelined kernel sees an unchanged block index and copies nothing."""
+    """Per q block, the kv blocks to visit: the `full` FULL ones, then the PARTIAL ones up to
+    `count`, each group in ascending order. Slots past `count` repeat the last visited block, so
+    a pipelined kernel sees an unchanged block index and copies nothing."""
     kv_block: jnp.ndarray  # int32 [B, nq, nk]
-    kind: jnp.ndarray      # int32 [B, nq, nk] PARTIAL or FULL (meaningless past count)
+    full: jnp.ndarray      # int32 [B, nq]
     count: jnp.ndarray     # int32 [B, nq]
 
 
@@ -81,12 +84,12 @@ def block_schedule(mask: Mask, segment_ids, block_q, block_kv) -> BlockSchedule:
     xp = np if isinstance(segment_ids, np.ndarray) else jnp
     kinds = mask.classify_blocks(segment_ids, block_q, block_kv)
     nk = kinds.shape[-1]
-    visit = kinds != EMPTY
-    count = visit.sum(-1, dtype=np.int32)
-    order = xp.argsort(~visit, axis=-1, stable=True).astype(np.int32)  # visited blocks first
+    count = (kinds != EMPTY).sum(-1, dtype=np.int32)
+    full = (kinds == FULL).sum(-1, dtype=np.int32)
+    order = xp.argsort(FULL - kinds, axis=-1, stable=True).astype(np.int32)  # FULL, PARTIAL, EMPTY
     last = xp.take_along_axis(order, xp.maximum(count - 1, 0)[..., None], axis=-1)
     kv_block = xp.where(xp.arange(nk) < count[..., None], order, last)
-    return BlockSchedule(kv_block, xp.take_along_axis(kinds, kv_block, axis=-1), count)
+    return BlockSchedule(kv_block, full, count)
 
 
 def pad_to_blocks(q, k, v, segment_ids, block_q, block_kv):

@@ -20,8 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.flash_attention.masks import (
-    FULL, MASK_VALUE, PARTIAL, Mask, block_schedule, pad_to_blocks)
+from pallas_kernels.flash_attention.masks import MASK_VALUE, Mask, block_schedule, pad_to_blocks
 from pallas_kernels.scores import modify_scores
 
 LANES = 128
@@ -32,7 +31,7 @@ def _lanes(x, n):
     return x[:, :n] if n <= LANES else jnp.tile(x, (1, pl.cdiv(n, LANES)))[:, :n]
 
 
-def _kernel(kv_block_ref, kind_ref, count_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, *refs,
+def _kernel(kv_block_ref, full_ref, count_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, *refs,
             mask, sm_scale, soft_cap, alibi, block_q, block_kv, nq, nk):
     slope_ref, (o_ref, m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if alibi else (None, refs)
     b, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
@@ -63,9 +62,9 @@ def _kernel(kv_block_ref, kind_ref, count_ref, q_ref, k_ref, v_ref, q_seg_ref, k
         acc_ref[...] = _lanes(alpha, pv.shape[1]) * acc_ref[...] + pv
         m_ref[...] = m_new
 
-    active = j < count_ref[row]
-    pl.when(active & (kind_ref[slot] == FULL))(lambda: visit(masked=False))
-    pl.when(active & (kind_ref[slot] == PARTIAL))(lambda: visit(masked=True))
+    full = full_ref[row]   # the FULL tiles come first (masks.block_schedule)
+    pl.when(j < full)(lambda: visit(masked=False))
+    pl.when((j >= full) & (j < count_ref[row]))(lambda: visit(masked=True))
 
     @pl.when(j == nk - 1)
     def _finish():
@@ -91,11 +90,11 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     sched = block_schedule(mask, seg, block_q, block_kv)
     group = h // kvh
 
-    def kv_index(b, h, i, j, kv_block, kind, count):
+    def kv_index(b, h, i, j, kv_block, full, count):
         # lax.div, not //: Mosaic lowers floor division through `sign`, which needs a real TPU
         return b, lax.div(h, group), kv_block[(b * nq + i) * nk + j], 0
 
-    def kv_seg_index(b, h, i, j, kv_block, kind, count):
+    def kv_seg_index(b, h, i, j, kv_block, full, count):
         return b, 0, kv_block[(b * nq + i) * nk + j]
 
     q_index = lambda b, h, i, j, *_: (b, h, i, 0)  # noqa: E731
@@ -129,5 +128,5 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(sched.kv_block.reshape(-1), sched.kind.reshape(-1), sched.count.reshape(-1), *inputs)
+    )(sched.kv_block.reshape(-1), sched.full.reshape(-1), sched.count.reshape(-1), *inputs)
     return heads_first(out)[:, :t]
