@@ -7,7 +7,7 @@ this sums them per region over every warpgroup of one call.
 
 Shapes: issue 14's targets, paged decode of 64 sequences over 2k contexts (page 16; under each
 lowering) and causal flash prefill of 4k tokens (also without the producer warpgroup, and with
-early K waits), heads (32, 8, 128) in bf16. Writes DIR/kernel_trace_<device>.md. Times are SM
+early K waits) and of 1k, heads (32, 8, 128) in bf16. Writes DIR/kernel_trace_<device>.md. Times are SM
 clock cycles (the profiler's dump takes its own cost, a few cycles an event, out); a region's
 share is of the warpgroups' time from their first event to their last, and what no region covers
 is shown as its own row.
@@ -93,6 +93,9 @@ def kernels():
                           (", early K wait", dict(early_k_wait=True))):
         out[f"flash prefill, causal, T=4096{label}"] = (functools.partial(
             flash_gpu.flash_attention, causal=True, **blocks), qkv)
+    # 1k: ~4.5 steps a warpgroup, so what a CTA pays once (Q, the first K, the output) shows
+    out["flash prefill, causal, T=1024"] = (functools.partial(flash_gpu.flash_attention, causal=True),
+                                            tuple(x[:, :1024] for x in qkv))
     return out
 
 
