@@ -8,9 +8,9 @@ step executes, not how long it waits, so it points at differences for a GPU to t
 Shape: causal flash prefill, 4k tokens, heads (32, 8, 128), our bf16 against attention_mgpu's f16
 (its own benchmark's config: 64 q rows a warpgroup, kv blocks of 128, 2 buffers).
 
-Mosaic GPU runs `nvdisasm` from the folder of the `ptxas` it uses, which the CUDA plugin's
-nvidia-cuda-nvcc wheel ships without it: put it there once, from the nvidia-cuda-nvdisasm wheel
-(`pip download --no-deps nvidia-cuda-nvdisasm`, then unzip its bin/nvdisasm next to ptxas).
+Needs `make .venv/.compilers` (what `make test` installs): Mosaic GPU runs `nvdisasm` from the
+folder of the `ptxas` it uses, where the Makefile puts it. tests/test_gpu_compile.py holds the
+FULL-tile loop to what this table shows.
 
   python -m benchmarks.kernel_sass [--out benchmarks/results/kernel_sass_h100.md]
 """
@@ -41,6 +41,7 @@ def kernel(q, k, v, q16, k16, v16):
 args = [spec(h, dt) for dt in (jnp.bfloat16, jnp.float16) for h in (32, 8, 8)]
 jax.jit(kernel).lower(*args).compile()
 """
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 
@@ -49,9 +50,9 @@ def sass(call: str) -> list[str]:
     """The kernel's SASS instructions, in order ."""
     env = dict(os.environ, MOSAIC_GPU_DUMP_SASS="1", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", COMPILE.format(call=call)], env=env, capture_output=True,
-                          text=True, check=True)
+                          text=True, check=True, cwd=ROOT)
     if "nvdisasm invocation failed" in proc.stdout + proc.stderr:
-        sys.exit("nvdisasm not found next to ptxas: see this module's docstring")
+        raise RuntimeError("nvdisasm not found next to ptxas: see benchmarks/kernel_sass.py")
     return proc.stdout.splitlines()
 
 
