@@ -3,13 +3,16 @@
      attention_backend pallas_gpu against xla, request by request (and against transformers).
   2. How fast is the engine against transformers `generate` in static, left-padded batches
      (torch, bf16, SDPA attention, the same GPU)?
-Models: the embedded tiny model and a random 1.1B bf16 Llama (Llama-3.2-1B's shapes with a 32k
+Models: the embedded tiny model, a random 1.1B bf16 Llama (Llama-3.2-1B's shapes with a 32k
 vocabulary: hidden 2048, 16 layers, 32 heads / 8 KV heads, ffn 8192), seeded, written with
-save_pretrained. Each phase runs in its own process (JAX and torch would each claim the GPU's
+save_pretrained, and `copy`: a small Llama trained here to repeat its prompt (`build_copy`), whose
+greedy tokens are decisive where random weights' are near-ties, so that two attention backends
+must agree token for token, and both with the prompt. Each phase runs in its own process (JAX and torch would each claim the GPU's
 memory) and writes JSON under --out; `report` renders them into benchmarks/results/engine_<gpu>.md.
 benchmarks/on_gpu.sh runs all of it on a lent GPU.
 
   python -m benchmarks.gpu_engine build --out DIR             # the 1.1B model (hf builds it too)
+  python -m benchmarks.gpu_engine build --model copy --out DIR # trains the copy model (seconds on a GPU)
   python -m benchmarks.gpu_engine hf  --model 1b  --out DIR
   python -m benchmarks.gpu_engine jax --model 1b  --out DIR
   python -m benchmarks.gpu_engine report --out DIR
@@ -22,18 +25,27 @@ import json
 import os
 import time
 
-from benchmarks.common import make_workload, markdown_table, save_word_tokenizer, write_keeping_notes
+import numpy as np
+
+from benchmarks.common import Request, make_workload, markdown_table, save_word_tokenizer, write_keeping_notes
 
 LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                 initializer_range=0.02)
+# A Llama trained to copy: prompt (a preamble of COPY_PREAMBLE random ids) BOS x SEP, greedy
+# continuation x, COPY_LENGTH random ids: each copied token sits COPY_LENGTH + 1 positions back.
+COPY = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0)
+COPY_SEP, COPY_LENGTH, COPY_PREAMBLE = 3, 64, (0, 64)
 # Per model: prompt lengths, output lengths (both uniform, inclusive), prompts.
-WORKLOADS = {"tiny": ((16, 256), (16, 128), 64), "1b": ((32, 512), (32, 256), 128)}
+WORKLOADS = {"tiny": ((16, 256), (16, 128), 64), "1b": ((32, 512), (32, 256), 128),
+             "copy": ((COPY_PREAMBLE[0] + COPY_LENGTH + 2, COPY_PREAMBLE[1] + COPY_LENGTH + 2), (COPY_LENGTH,) * 2, 64)}
 # Per model: prompts whose chunks may share a step. The tiny model takes the default (4): its
 # steps pack prompts, which the flash kernel keeps apart by segment ids, checked against xla.
 # The 1.1B takes 1: a third of the step shapes, a warm-up that fits a lease.
-PREFILL_SEQS = {"tiny": 4, "1b": 1}
+PREFILL_SEQS = {"tiny": 4, "1b": 1, "copy": 4}
 BACKENDS = ("pallas_gpu", "xla")
 
 
@@ -41,7 +53,7 @@ def model_dir(name: str, work_dir: str) -> str:
     if name == "tiny":
         from jaxserve.engine import TINY_MODEL_DIR
         return TINY_MODEL_DIR
-    return os.path.join(work_dir, "llama-1b")
+    return os.path.join(work_dir, f"llama-{name}")
 
 
 def build_1b(out_dir: str) -> None:
@@ -58,6 +70,54 @@ def build_1b(out_dir: str) -> None:
     torch.cuda.empty_cache()
 
 
+def build_copy(out_dir: str) -> None:
+    """Trains COPY (seconds on a GPU, under a minute on the host: ~150 steps) until it copies
+    held-out batches behind the shortest, a middle and the longest preamble exactly, every token by
+    at least 2 nats over the runner-up, in bf16 as saved: its greedy tokens are decisive, not
+    bf16 rounding's pick among near-ties as with random weights."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    device = torch_device()
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**COPY)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+
+    def batch(preamble: int, rows: int = 32):
+        noise, x = (torch.randint(COPY_SEP + 1, COPY["vocab_size"], (rows, n), device=device)
+                    for n in (preamble, COPY_LENGTH))
+        bos, sep = (torch.full((rows, 1), t, device=device) for t in (COPY["bos_token_id"], COPY_SEP))
+        return torch.cat([noise, bos, x, sep, x], 1), preamble + COPY_LENGTH + 2   # where the copy starts
+
+    @torch.no_grad()
+    def copies() -> bool:
+        for seq, start in map(batch, (COPY_PREAMBLE[0], sum(COPY_PREAMBLE) // 2, COPY_PREAMBLE[1])):
+            logprobs = model(input_ids=seq).logits[:, start - 1:-1].float().log_softmax(-1)
+            top2 = logprobs.topk(2, -1).values
+            if not ((logprobs.argmax(-1) == seq[:, start:]).all() and (top2[..., 0] - top2[..., 1]).min() > 2):
+                return False
+        return True
+
+    for step in range(1, 2001):
+        seq, start = batch(int(torch.randint(COPY_PREAMBLE[0], COPY_PREAMBLE[1] + 1, ())))
+        labels = seq.clone()
+        labels[:, :start] = -100
+        loss = model(input_ids=seq, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 50 == 0 and copies():
+            model.to(torch.bfloat16)
+            if copies():
+                break
+            model.float()
+    else:
+        raise RuntimeError("the copy model did not learn to copy in 2,000 steps")
+    print(f"copy model: copies exactly after {step} steps (loss {loss.item():.4f})", flush=True)
+    model.save_pretrained(out_dir)
+    save_word_tokenizer(out_dir, COPY["vocab_size"])
+
+
 def torch_device() -> str:
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"   # cpu: a smoke run of this script
@@ -65,6 +125,12 @@ def torch_device() -> str:
 
 def workload(name: str, vocab_size: int):
     inputs, outputs, n = WORKLOADS[name]
+    if name == "copy":   # preamble BOS x SEP, x's length to generate: the answer is x
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(COPY_SEP + 1, vocab_size, rng.integers(inputs[0], inputs[1] + 1) - 2).tolist()
+                   for _ in range(n)]   # preamble and x
+        return [Request([*p[:-COPY_LENGTH], COPY["bos_token_id"], *p[-COPY_LENGTH:], COPY_SEP], COPY_LENGTH)
+                for p in prompts]
     return make_workload(n, inputs, outputs, vocab_size, seed=0)
 
 
@@ -208,8 +274,10 @@ def report(out_dir: str, models: list[str]) -> str:
         if int8 is not None:   # int8 weights: more rows
             jx["backends"].update(int8["backends"])
         (lo_in, hi_in), (lo_out, hi_out), n = WORKLOADS[name]
+        what = ("the copy model (`build_copy`): prompts preamble BOS x SEP of seeded random ids" if name == "copy"
+                else "seeded random token ids")
         lines += [f"## {name} on {jx['device']} (jax {jx['jax']})", "",
-                  f"{n} prompts of seeded random token ids, input {lo_in}-{hi_in}, output {lo_out}-{hi_out} "
+                  f"{n} prompts of {what}, input {lo_in}-{hi_in}, output {lo_out}-{hi_out} "
                   "tokens (forced: ignore_eos), greedy, bf16. jaxserve: max_num_seqs = all prompts, 1024 "
                   f"tokens a step, prefill chunks of at most 512 from up to {PREFILL_SEQS[name]} prompt(s) a step, page "
                   "size 16, no preemption; the workload run twice "
@@ -232,6 +300,10 @@ def report(out_dir: str, models: list[str]) -> str:
             lines.append("- Greedy outputs, pallas_gpu vs xla: " + agreement(pallas["outputs"], xla["outputs"])
                          + ". Again with top-5 logprobs: " + near_ties(pallas["traced"], xla["traced"]) + "; "
                          + logprob_gaps(pallas["traced"], xla["traced"]) + ".")
+        if name == "copy":   # the answer: each prompt's x
+            xs = [r.prompt_token_ids[-COPY_LENGTH - 1:-1] for r in workload(name, COPY["vocab_size"])]
+            lines.append("- Exact copies of the prompt: " + "; ".join(
+                f"{b} {sum(out == x for out, x in zip(r['outputs'], xs))} of {len(xs)}" for b, r in backends.items()) + ".")
         for b, r in backends.items():
             if best_hf:
                 tps = r["tokens"] / r["seconds"][-1]
@@ -245,7 +317,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("phase", choices=("build", "hf", "jax", "report"))
     p.add_argument("--model", choices=tuple(WORKLOADS), default="1b")
-    p.add_argument("--models", default="tiny,1b", help="report: the models to render")
+    p.add_argument("--models", default="tiny,copy,1b", help="report: the models to render")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--quantization", choices=("int8",), default=None, help="jax: int8 weights")
     p.add_argument("--hf-batch-sizes", default="64,128")
@@ -257,7 +329,7 @@ def main(argv=None):
     args.hf_batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
     os.makedirs(args.out, exist_ok=True)
     if args.phase == "build":
-        build_1b(model_dir("1b", args.work_dir))
+        (build_copy if args.model == "copy" else build_1b)(model_dir(args.model, args.work_dir))
         return
     if args.phase == "report":
         text = report(args.out, args.models.split(","))

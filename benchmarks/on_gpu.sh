@@ -5,6 +5,8 @@
 #            TESTS=<pytest -k expression> narrows them)
 #   tiny     the engine on the embedded model: greedy tokens, pallas_gpu against xla, with prompts
 #            packed into steps (the flash kernel's segment ids)
+#   copy     the same on a small Llama trained here to repeat its prompt (gpu_engine.build_copy):
+#            its greedy tokens are decisive, so both backends must give the prompt back exactly
 #   kernels  benchmarks/kernels.py: our kernels against XLA and JAX's shipped GPU kernels; with
 #            BASE=<tree> (see ab), then the prefill table of that tree's kernels ($OUT/base)
 #   lane     the paged kernel under its Lane lowering (pallas_kernels/wgmma.py): its tests, then the
@@ -26,12 +28,12 @@
 #            an earlier one, on the same warm GPU: e.g. `mkdir base && git archive d2d8cc4 | tar -x -C
 #            base` here before the call (an untracked folder travels with the working tree; an
 #            ignored one only when the device call carries it)
-# tests and tiny check tokens, not time: they run side by side. The timed stages (kernels, lane,
-# trace, hf, 1b, int8, profile) run alone. At their limits all stages take 25 minutes; one device call
-# runs 10 at most and a session has 15 minutes of device time, starts included, so give the stages
-# that matter most in two calls, back to back while the machine is warm (590 and 600 s if every
-# stage runs to its limit):
-#   bash benchmarks/on_gpu.sh tests tiny kernels trace;  bash benchmarks/on_gpu.sh profile cmdbuf
+# tests, tiny and copy check tokens, not time: tests run beside tiny then copy. The timed stages
+# (kernels, lane, trace, hf, 1b, int8, profile) run alone. At their limits all stages take half an
+# hour; one device call runs 10 minutes at most and a session has 15 minutes of device time, starts
+# included, so give the stages that matter most in two calls, back to back while the machine is warm:
+#   BASE=base BACKENDS=pallas_gpu bash benchmarks/on_gpu.sh kernels hf 1b
+#   bash benchmarks/on_gpu.sh tests copy trace profile
 # (2026-11-28, H200: the first took 297 s, `trace 1b` 250 s, before kernels.py gained its GPU ms.
 # H100, session 31: the first 343 s, tiny at its limit; `tests kernels hf 1b` with TESTS narrowed,
 # BASE and BACKENDS=pallas_gpu 413 s, hf at its old 80 s limit.)
@@ -47,7 +49,7 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 PY=${PY:-python3}
-STAGES=" ${*:-tests tiny kernels lane trace hf 1b int8 profile} "
+STAGES=" ${*:-tests copy kernels lane trace hf 1b int8 profile} "
 # 30% of the GPU's memory for each JAX process: torch writes the 1.1B model beside the tests.
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 \
   JAX_TRACEBACK_FILTERING=off
@@ -85,6 +87,8 @@ fi
 stage tests 240 $PY -m pytest -q -p no:cacheprovider --maxfail 20 tests/test_flash_attention.py \
   tests/test_gpu_kernels.py -k "${TESTS:-gpu and not lane}" &
 stage tiny 200 $PY -m benchmarks.gpu_engine jax --model tiny --out "$OUT"
+stage copy 240 bash -c "$PY -m benchmarks.gpu_engine build --model copy --out $OUT &&
+  $PY -m benchmarks.gpu_engine jax --model copy --out $OUT"
 wait
 [[ -f "$LOG.build" ]] && cat "$LOG.build" >>"$LOG" && rm "$LOG.build"
 stage kernels 260 bash -c "$PY benchmarks/kernels.py --sections decode,prefill,mixed,kv_write --out $OUT
