@@ -274,7 +274,7 @@ def report(out_dir: str, models: list[str]) -> str:
         if int8 is not None:   # int8 weights: more rows
             jx["backends"].update(int8["backends"])
         (lo_in, hi_in), (lo_out, hi_out), n = WORKLOADS[name]
-        what = ("the copy model (`build_copy`): prompts preamble BOS x SEP of seeded random ids" if name == "copy"
+        what = ("a preamble, BOS, x, SEP (the copy model: `build_copy`), seeded random ids" if name == "copy"
                 else "seeded random token ids")
         lines += [f"## {name} on {jx['device']} (jax {jx['jax']})", "",
                   f"{n} prompts of {what}, input {lo_in}-{hi_in}, output {lo_out}-{hi_out} "
