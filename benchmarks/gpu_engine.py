@@ -7,8 +7,9 @@ Models: the embedded tiny model, a random 1.1B bf16 Llama (Llama-3.2-1B's shapes
 vocabulary: hidden 2048, 16 layers, 32 heads / 8 KV heads, ffn 8192), seeded, written with
 save_pretrained, and `copy`: a small Llama trained here to repeat its prompt (`build_copy`), whose
 greedy tokens are decisive where random weights' are near-ties, so that two attention backends
-must agree token for token, and both with the prompt. Each phase runs in its own process (JAX and torch would each claim the GPU's
-memory) and writes JSON under --out; `report` renders them into benchmarks/results/engine_<gpu>.md.
+must agree token for token, and both with the prompt. Each phase runs in its own process (JAX and
+torch would each claim the GPU's memory) and writes JSON under --out; `report` renders them into
+benchmarks/results/engine_<gpu>.md.
 benchmarks/on_gpu.sh runs all of it on a lent GPU.
 
   python -m benchmarks.gpu_engine build --out DIR             # the 1.1B model (hf builds it too)

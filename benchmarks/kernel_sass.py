@@ -21,6 +21,8 @@ import re
 import subprocess
 import sys
 
+from benchmarks.common import markdown_table, write_keeping_notes
+
 CASES = {   # name -> (code run in a fresh process; it compiles one kernel)
     "ours": "gpu.flash_attention(q, k, v, causal=True)",
     "ours, early K wait": "gpu.flash_attention(q, k, v, causal=True, early_k_wait=True)",
@@ -47,7 +49,7 @@ LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 
 
 def sass(call: str) -> list[str]:
-    """The kernel's SASS instructions, in order ."""
+    """Mosaic GPU's printout of the kernel's SASS, as lines."""
     env = dict(os.environ, MOSAIC_GPU_DUMP_SASS="1", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", COMPILE.format(call=call)], env=env, capture_output=True,
                           text=True, check=True, cwd=ROOT)
@@ -88,10 +90,9 @@ def main():
             rows.append([name, f"loop {i + 1}", sum(ops.values()), count("HGMMA"), count("MUFU.EX2"), count("FMNMX"),
                          count("FSEL") + count("SEL"), count("ISETP"), count("SYNCS"), count("LDG")])
     head = ["kernel", "kv loop", "instructions", "HGMMA", "MUFU.EX2", "FMNMX", "SEL/FSEL", "ISETP", "SYNCS", "LDG"]
-    table = "\n".join(["| " + " | ".join(map(str, r)) + " |" for r in [head, ["---"] * len(head), *rows]])
+    table = "\n".join(markdown_table(head, rows, right_aligned=tuple(range(2, len(head)))))
     print(table)
     if args.out:
-        from benchmarks.common import write_keeping_notes
         write_keeping_notes(args.out, "# Flash kernel kv loops in SASS, compiled for an H100 (no GPU)\n\n"
                             "`python -m benchmarks.kernel_sass`: causal, 4k tokens, heads (32, 8, 128); "
                             "instructions per loop iteration by kind (module docstring).\n\n" + table + "\n")
