@@ -186,6 +186,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     prefill_chunk_size: int = 256
     max_prefill_seqs: int = 4               # sequences with more than one new token in one step
+    # Decode steps one device program runs while nothing waits to prefill, each step's sampled
+    # tokens the next one's inputs (scheduler.py, step.py): the host plans and collects once per
+    # `decode_steps` tokens. 1: a program per token.
+    decode_steps: int = 1
     enable_prefix_caching: bool = True
     admission_eagerness: float = 1.0        # 1.0 admit whenever budget allows; 0.0 only when no decode is running
     attention_backend: str = "auto"         # auto | pallas_tpu | pallas_gpu | xla
@@ -217,7 +221,7 @@ class EngineConfig:
         if isinstance(self.speculative, dict):
             self.speculative = SpeculativeConfig(**self.speculative)
         positive = ("page_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size",
-                    "max_prefill_seqs", "kv_cache_mb", "max_failed_steps")
+                    "max_prefill_seqs", "kv_cache_mb", "max_failed_steps", "decode_steps")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"engine config: {name} must be at least 1, got {getattr(self, name)}")
@@ -238,6 +242,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"engine config: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.decode_steps > 1 and self.speculative is not None:
+            raise ValueError("engine config: decode_steps > 1 (multi-step decoding) and speculative decoding "
+                             "do not combine; choose one")
         if self.distributed is not None and self.speculative is not None and self.speculative.method == "draft":
             raise ValueError("engine config: a draft model (speculative method draft) runs in one process, "
                              "not in a multi-host engine (its steps are not broadcast to the followers)")

@@ -32,7 +32,7 @@ from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingP
 from jaxserve.block_manager import BlockManager
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
 from jaxserve.runner import Launched, ModelRunner, SampleResult
-from jaxserve.sampling import reads_outputs
+from jaxserve.sampling import reads_outputs, samples_plainly
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence
 from jaxserve.spec_decode import ngram
@@ -207,7 +207,7 @@ class LLMEngine:
             outputs, previous = self._guarded([previous[0]], lambda: self._collect(*self._sampled(previous))), None
         planning, catching_up = time.perf_counter(), 0.0
         self._propose(speculate)
-        out = self.last_schedule = self.scheduler.schedule()
+        out = self.last_schedule = self.scheduler.schedule(self._decode_steps())
         running = [previous[0]] if previous is not None else []
         if self.draft is not None:   # (a step with verify rows is never overlapped: nothing is running)
             steps, catching_up = self._guarded([out], lambda: self.draft.propose(out))
@@ -253,7 +253,7 @@ class LLMEngine:
                 req.first_scheduled_time = now
         if self.ecfg.poison_freed_pages:
             out = self._poison_stale_pages(out)
-        sample_later = self._can_overlap(out) and any(   # see `step`
+        sample_later = self._can_overlap(out) and out.decode_steps == 1 and any(   # see `step`
             s.num_sampled and (self._defer_all_samplers or reads_outputs(s.seq)) for s in out.scheduled)
         launched = self.runner.launch(out, {s.seq.seq_id: s.seq.seed for s in out.scheduled}, sample_later)
         self.scheduler.launched(out)
@@ -264,7 +264,8 @@ class LLMEngine:
         requests. Rows of sequences that finished (a stop found late, an abort) are dropped."""
         results = self.runner.collect(launched)
         live = [s for s in out.scheduled if s.num_sampled and not s.seq.is_finished]
-        accepted = {s.seq.seq_id: self._accept(s.seq.proposed_token_ids, results[s.seq.seq_id]) for s in live}
+        accepted = {s.seq.seq_id: results[s.seq.seq_id] if s.num_steps > 1 else
+                    self._accept(s.seq.proposed_token_ids, results[s.seq.seq_id]) for s in live}
         before = {s.seq.seq_id: s.seq.num_known_outputs for s in live}   # outputs before this step
         self.scheduler.resolve(out, {k: [r.token for r in v] for k, v in accepted.items()})
         self.stats["steps"] += 1
@@ -312,6 +313,15 @@ class LLMEngine:
         copied = {dst for _, dst in out.page_copies}
         self.runner.poison_pages([p for p in self.block_manager.drain_stale_pages() if p not in copied])
         return dataclasses.replace(out, page_copies=[])
+
+    def _decode_steps(self) -> int:
+        """The next step's decode_steps (scheduler.py): the configured count when every running
+        sequence decodes with the plain sampler and no prompt waits for a seat (a multi-step
+        decode would hold its prefill back), else 1."""
+        k = self.ecfg.decode_steps
+        if k == 1 or self.scheduler.prefills_next():
+            return 1
+        return k if all(samples_plainly(s) for s in self.scheduler.running) else 1
 
     def _speculates(self) -> bool:
         """Whether the next step speculates (spec_decode/throttle.py), over the sequences that would verify."""

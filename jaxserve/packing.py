@@ -67,7 +67,8 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     cursors = qsl[index]                        # each row's first token in the step
     seq_lens = np.zeros(len(rows), np.int32)
     seq_lens[index] = starts + counts
-    used = -(-(starts + counts) // page_size)   # pages holding each row's context
+    # pages holding each row's context (a multi-step decode's: after its last step)
+    used = -(-(starts + [s.num_computed for _, s in real]) // page_size)
     page_table = np.zeros((len(rows), max_pages_per_seq), np.int32)
     for (r, s), u in zip(real, used.tolist()):   # a numpy copy a row (sequence.PageTable)
         page_table[r, :u] = s.seq.page_table.array()[:u]

@@ -37,7 +37,7 @@ from jaxserve.packing import pack
 from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
-from jaxserve.step import make_step, page_copy_batches, serving_sample
+from jaxserve.step import make_multi_step, make_step, page_copy_batches, serving_sample
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class ModelRunner:
         self.buckets = Buckets(engine_cfg, self.mesh.shape["seq"], parallel.platform(self.mesh))
         self.max_copies = engine_cfg.max_num_seqs
         self._step = make_step(self.model, cfg, self.mesh, self.backend)
+        self._multi_step = make_multi_step(self.model, cfg, self.mesh, self.backend, self.buckets.max_logit_rows)
         # The latest batched step's sampled tokens on the device, padded to a fixed length, and
         # (process 0) the row of each sequence it sampled: the next step's PENDING tokens.
         self._last_sampled = self.no_sampled_tokens()
@@ -133,8 +134,15 @@ class ModelRunner:
                 token_src[position] = self._last_rows[seq.seq_id]
             # logits_index (the last array): the logits' rows
             metadata = functools.partial(metadata_for, seqs, seeds, len(batch.arrays[-1]), self.max_model_len)
-            ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q, batch.decode_q, int(sample_later)],
-                           (*batch.arrays, token_src), seqs, None if sample_later else metadata()))
+            if out.decode_steps > 1:   # a decode-only batch: sampling row i is row i
+                steps = {s.seq.seq_id: s.num_steps for s in rest}
+                row_steps = np.zeros(len(batch.arrays[-1]), np.int32)
+                row_steps[:len(seqs)] = [steps[seq.seq_id] for seq in seqs]
+                ops.append(_Op([_MULTI_STEP, self.ecfg.decode_steps], (*batch.arrays, token_src, row_steps), seqs,
+                               metadata()))
+            else:
+                ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q, batch.decode_q, int(sample_later)],
+                               (*batch.arrays, token_src), seqs, None if sample_later else metadata()))
             self._last_rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
             if batch.prompt_logprobs is not None:   # scored from that step's hidden states
                 plp_seqs, plp_counts, plp_arrays = batch.prompt_logprobs
@@ -162,7 +170,7 @@ class ModelRunner:
 
     def collect(self, launched: "Launched") -> dict[int, list[SampleResult]]:
         """Wait for a launched batch; returns seq_id -> the SampleResults of a sampling row's
-        positions, in order (one, or a verify row's k + 1)."""
+        positions, in order (one, a verify row's k + 1, or a multi-step decode's num_steps)."""
         results = {}
         for op, sampled in zip(launched.ops, launched.sampled):
             if not op.seqs:
@@ -172,12 +180,17 @@ class ModelRunner:
                                            multihost.local_value(sampled), SampleResult)
                 continue
             res: SampleOutput = jax.device_get(multihost.local_value(sampled))
+            if op.static[0] == _MULTI_STEP:   # [steps, rows]; row i ran op.arrays[-1][i] steps
+                row_steps = op.arrays[-1].tolist()
+            else:
+                res, row_steps = jax.tree.map(lambda a: a[None], res), [1] * len(op.seqs)
             # As Python lists at once: per-row numpy indexing cost more than the rest of a row's collection.
             tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()
             for i, seq in enumerate(op.seqs):
-                n = seq.sampling.logprobs
-                top = list(zip(res.top_ids[i, :n].tolist(), res.top_logprobs[i, :n].tolist())) if n else []
-                results.setdefault(seq.seq_id, []).append(SampleResult(tokens[i], logprobs[i], top))
+                n, row = seq.sampling.logprobs, results.setdefault(seq.seq_id, [])
+                for k in range(row_steps[i]):
+                    top = list(zip(res.top_ids[k, i, :n].tolist(), res.top_logprobs[k, i, :n].tolist())) if n else []
+                    row.append(SampleResult(tokens[k][i], logprobs[k][i], top))
         return results
 
     def _sequence_parallel_op(self, s, seeds: dict[int, int]) -> "_Op":
@@ -206,6 +219,12 @@ class ModelRunner:
             arrays, md, rest = rest[:num_arrays], rest[num_arrays:num_arrays + num_md], rest[num_arrays + num_md:]
             if kind == _PROMPT_LOGPROBS:   # over the hidden states of the step just before
                 sampled.append(self._prompt_logprobs(hidden, *arrays))
+                continue
+            if kind == _MULTI_STEP:   # samples inside; its arrays end with row_steps
+                outs, self.kv_cache, self._last_sampled = self._run(
+                    "multi_step", self._multi_step, (self.params, self.kv_cache),
+                    (*arrays, self._last_sampled, SamplingMetadata(*md)), steps=int(static[0]))
+                sampled.append(outs)
                 continue
             if kind == _SAMPLE:   # the sampler of the batched step before, sent on its own (`sample`)
                 logits, self._unsampled_logits = self._unsampled_logits, None
@@ -294,7 +313,7 @@ class ModelRunner:
             self.background_warmup.stop()
 
 
-_STEP, _SEQUENCE_PARALLEL, _PROMPT_LOGPROBS, _SAMPLE = 0, 1, 2, 3
+_STEP, _SEQUENCE_PARALLEL, _PROMPT_LOGPROBS, _SAMPLE, _MULTI_STEP = 0, 1, 2, 3, 4
 
 
 class Launched(NamedTuple):
@@ -307,8 +326,10 @@ class Launched(NamedTuple):
 
 class _Op(NamedTuple):
     """One computation of a step (the batched step, a sequence-parallel prefill, the prompt
-    logprobs of the batched step just before, or the batched step's deferred sampler) and its sampler."""
-    static: list            # kind, then the static args (step: num_prefill_rows, max_q, decode_q, sample later)
+    logprobs of the batched step just before, the batched step's deferred sampler, or a
+    multi-step decode) and its sampler."""
+    static: list            # kind, then the static args (step: num_prefill_rows, max_q, decode_q, sample
+                            # later; multi-step: steps)
     arrays: tuple           # the computation's host arrays (the step's: then where PENDING tokens are read)
     seqs: list              # the sequences it samples for, in row order
     md: SamplingMetadata | None

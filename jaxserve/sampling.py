@@ -44,6 +44,15 @@ def reads_outputs(seq) -> bool:
     return seq.grammar is not None or uses_penalties(seq.sampling)
 
 
+def samples_plainly(seq) -> bool:
+    """Whether the plain sampler variant serves `seq` and its arrays stay the same over its next
+    tokens but for the step count (what a multi-step decode needs): no grammar, no penalties, no
+    logit bias, min_tokens reached."""
+    p = seq.sampling
+    return (not reads_outputs(seq) and not p.logit_bias
+            and (len(seq.output_token_ids) >= p.min_tokens or not seq.end_token_ids))
+
+
 @struct.dataclass
 class SamplingMetadata:
     temperature: jax.Array         # f32[S]; 0 = greedy

@@ -36,9 +36,16 @@ its last positions:
     the token budget and to max_tokens (a step yields at most k+1 tokens, so proposals past
     max_tokens - 1 are useless and would take pages the request was not checked for).
 A verify row is not a prefill: it is not capped by max_prefill_seqs.
+  * a multi-step decode (`schedule(decode_steps=k)`, k > 1, asked for by the engine when nothing
+    waits to prefill): a decode that the device runs num_steps times, each step's sampled token
+    the next one's input, so num_steps tokens are computed and sampled. num_steps is k cut to
+    max_tokens and max_model_len, and to 1 when the pool lacks the pages for k tokens (a row is
+    never preempted for tokens ahead). Tokens after a stop are dropped when collected, as with a
+    stop found late.
 
 A step's life: `schedule` plans it; `launched` (once its computations are on their way) advances
-each row's computed tokens and gives each sampling row a PENDING output token, so the next step
+each row's computed tokens and gives each sampling row a PENDING output token (a multi-step
+decode num_steps of them), so the next step
 can be planned while this one runs (a decode row's input is then the PENDING token, read on the
 device); `resolve` (its results are back) puts the accepted tokens (1..num_sampled) in place of
 the PENDING one, rolls the K/V of rejected proposals back (BlockManager.rollback) and registers
@@ -61,6 +68,12 @@ class ScheduledSeq:
     num_query_tokens: int   # query_token_ids run this step, from position seq.num_computed_tokens
     num_sampled: int        # tokens sampled, at the row's last num_sampled positions
     start: int = 0          # seq.num_computed_tokens when scheduled (the row's first position)
+    num_steps: int = 1      # > 1: a multi-step decode (see Rows above)
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose K/V the row writes."""
+        return self.num_query_tokens + self.num_steps - 1
 
     @property
     def is_prefill(self) -> bool:
@@ -99,6 +112,11 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_query_tokens for s in self.scheduled)
+
+    @property
+    def decode_steps(self) -> int:
+        """Steps the device runs (> 1: a multi-step decode; rows may stop sooner)."""
+        return max((s.num_steps for s in self.scheduled), default=1)
 
 
 def _order(seq: Sequence):
@@ -175,7 +193,8 @@ class Scheduler:
             del self.requests[seq.request_id]
 
     # ---- one step ----
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, decode_steps: int = 1) -> SchedulerOutput:
+        """The next step; `decode_steps` > 1 makes its decodes multi-step (see Rows above)."""
         out = SchedulerOutput([], [], [])
         scheduled_ids = set()
         budget = self.cfg.max_num_batched_tokens
@@ -189,7 +208,11 @@ class Scheduler:
             row = self._row(seq, budget)
             if row.is_prefill and out.num_prefill_seqs >= self.cfg.max_prefill_seqs:
                 continue                                     # the runner's prefill rows are full
-            if self._reserve_or_preempt(seq, row.num_query_tokens, scheduled_ids, out):
+            if decode_steps > 1 and self._reserve_steps(row, decode_steps, out):
+                out.scheduled.append(row)
+                scheduled_ids.add(seq.seq_id)
+                budget -= 1
+            elif self._reserve_or_preempt(seq, row.num_query_tokens, scheduled_ids, out):
                 out.scheduled.append(row)
                 scheduled_ids.add(seq.seq_id)
                 budget -= row.num_query_tokens
@@ -238,14 +261,14 @@ class Scheduler:
     def launched(self, output: SchedulerOutput) -> None:
         """The step is on its way: advance computed tokens; each sampling row gets a PENDING output."""
         for s in output.scheduled:
-            s.seq.num_computed_tokens += s.num_query_tokens
+            s.seq.num_computed_tokens += s.num_computed
             if s.num_sampled:
-                s.seq.output_token_ids.append(PENDING)
+                s.seq.output_token_ids += [PENDING] * s.num_steps
 
     def resolve(self, output: SchedulerOutput, accepted: dict[int, list[int]]) -> None:
-        """The step's results: each sampling row's accepted tokens (seq_id -> 1..num_sampled) take
-        the place of its PENDING output (the first: a later step's may follow), rejected proposals'
-        K/V are rolled back and the full pages this step computed enter the prefix cache. A
+        """The step's results: each sampling row's accepted tokens (seq_id -> 1..num_sampled, or a
+        multi-step decode's num_steps) take the place of its PENDING outputs (the first: a later
+        step's may follow), rejected proposals' K/V are rolled back and the full pages this step computed enter the prefix cache. A
         sequence finished meanwhile is skipped; one preempted meanwhile keeps its tokens."""
         for s in output.scheduled:
             seq = s.seq
@@ -255,15 +278,16 @@ class Scheduler:
             rejected = 0
             if s.num_sampled:
                 tokens = accepted[seq.seq_id]
-                if not 1 <= len(tokens) <= s.num_sampled:
-                    raise ValueError(f"{len(tokens)} accepted tokens from a row sampling {s.num_sampled}")
+                if not (1 <= len(tokens) <= s.num_sampled if s.num_steps == 1 else len(tokens) == s.num_steps):
+                    raise ValueError(f"{len(tokens)} accepted tokens from a row sampling {s.num_sampled} "
+                                     f"in {s.num_steps} steps")
                 i = seq.num_known_outputs
-                seq.output_token_ids[i:i + 1] = tokens
-                rejected = s.num_sampled - len(tokens)
+                seq.output_token_ids[i:i + s.num_steps] = tokens
+                rejected = s.num_sampled - len(tokens) if s.num_steps == 1 else 0
             if seq.status is SequenceStatus.RUNNING:
                 if rejected:
                     self.bm.rollback(seq, rejected)
-                self.bm.cache_full_pages(seq, s.start + s.num_query_tokens - rejected)
+                self.bm.cache_full_pages(seq, s.start + s.num_computed - rejected)
 
     # ---- internals ----
     def _row(self, seq: Sequence, budget: int) -> ScheduledSeq:
@@ -285,6 +309,20 @@ class Scheduler:
         if seq.index == 0:
             return None
         return next((s for s in self.requests[seq.request_id] if s.index == 0), None)
+
+    def _reserve_steps(self, row: ScheduledSeq, decode_steps: int, out: SchedulerOutput) -> bool:
+        """Make a decode `row` multi-step if its limits and the free pages allow (see Rows above)."""
+        seq = row.seq
+        if row.num_query_tokens != 1 or row.num_sampled != 1 or seq.proposed_token_ids or not seq.output_token_ids:
+            return False
+        steps = min(decode_steps, max(seq.sampling.max_tokens, 1) - len(seq.output_token_ids))
+        if self.max_model_len is not None:
+            steps = min(steps, self.max_model_len - seq.num_tokens)
+        if steps < 2 or (copies := self.bm.reserve(seq, steps)) is None:
+            return False
+        out.page_copies += copies
+        row.num_steps = steps
+        return True
 
     def _reserve_or_preempt(self, seq: Sequence, n: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:
         """Pages for seq's next n tokens, preempting from the back of the running queue until they

@@ -27,10 +27,27 @@ def make_step(model, cfg: ModelConfig, mesh, backend: str):
                              logits_sharding=parallel.logits_sharding(cfg, mesh))
 
 
+def make_multi_step(model, cfg: ModelConfig, mesh, backend: str, length: int):
+    """multi_step_decode with its static arguments for `mesh`: call it as (params, kv_cache,
+    *arrays, row_steps, last_sampled, md, steps=); `length`: Buckets.max_logit_rows."""
+    return functools.partial(multi_step_decode, model, backend=backend, length=length,
+                             kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
+                             logits_sharding=parallel.logits_sharding(cfg, mesh))
+
+
 def step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled) -> tuple:
     """The step's arrays for an empty batch of `shape`, none of its tokens PENDING (see model_step)."""
     batch = shape.empty_batch(max_pages_per_seq, padding_slot)
     return *batch, np.full(shape.tokens, -1, np.int32), last_sampled
+
+
+def multi_step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled,
+                      max_model_len: int, vocab_size: int) -> tuple:
+    """multi_step_decode's arrays for an empty batch of a decode `shape`: the step's, no row
+    running a step, the plain sampler's metadata."""
+    *arrays, last_sampled = step_arrays(shape, max_pages_per_seq, padding_slot, last_sampled)
+    plain = sampler_variants(shape.logit_rows, max_model_len, vocab_size)[0]
+    return *arrays, np.zeros(shape.logit_rows, np.int32), last_sampled, plain
 
 
 def last_sampled_spec(mesh, rows: int) -> jax.ShapeDtypeStruct:
@@ -110,3 +127,37 @@ def model_step(model, params, kv_cache, tokens, positions, slot_mapping, page_ta
     logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
     logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(logits_sharding.mesh))
     return logits, kv_cache, hidden   # hidden [T, H]: prompt logprobs read it, nothing else
+
+
+@functools.partial(jax.jit, static_argnames=("model", "backend", "steps", "length", "kv_sharding", "logits_sharding"),
+                   donate_argnames=("kv_cache",))
+def multi_step_decode(model, params, kv_cache, tokens, positions, slot_mapping, page_table, seq_lens,
+                      query_start_loc, logits_index, token_src, row_steps, last_sampled, md, *, backend, steps,
+                      length, kv_sharding, logits_sharding):
+    """`steps` decode steps of a decode-only batch (packing.py's arrays: one token a row, row r
+    at position r and logit row r) in one program, each step's sampled tokens the next one's
+    inputs (scheduler.py: multi-step decodes). Row r runs its first row_steps[r] steps; later
+    ones write nothing and their samples are dropped by the host. Returns the samples
+    [steps, rows], the pool, and each row's last sampled token padded to `length` (the next
+    step's last_sampled, as serving_sample's)."""
+    rows, page_size = tokens.shape[0], kv_cache.page_size
+    no_slot = kv_cache.num_pages * page_size
+    tokens = jnp.where(token_src >= 0, last_sampled[jnp.maximum(token_src, 0)], tokens)
+    no_src = jnp.full_like(token_src, -1)
+
+    def one(carry, k):
+        kv_cache, tokens = carry
+        running = k < row_steps
+        ahead = jnp.maximum(jnp.minimum(k, row_steps - 1), 0)   # a row past its steps stays on its last
+        pos = positions + ahead
+        page = page_table[jnp.arange(rows), pos // page_size]
+        slots = jnp.where(running, page * page_size + pos % page_size, no_slot)
+        logits, kv_cache, _ = model_step(model, params, kv_cache, tokens, pos, slots, page_table, seq_lens + ahead,
+                                         query_start_loc, logits_index, no_src, last_sampled, backend=backend,
+                                         num_prefill_rows=0, max_q=1, decode_q=1, kv_sharding=kv_sharding,
+                                         logits_sharding=logits_sharding)
+        out = sample(logits, md.replace(step=md.step + k), num_logprobs=MAX_LOGPROBS)
+        return (kv_cache, jnp.where(running, out.tokens, tokens)), out
+
+    (kv_cache, last), outs = jax.lax.scan(one, (kv_cache, tokens), jnp.arange(steps))
+    return outs, kv_cache, jnp.zeros(length, jnp.int32).at[:rows].set(last)

@@ -9,7 +9,8 @@ only what serves every batch: the largest decode shape and the largest prefill s
 are built, a batch pads up into the smallest shape built that holds it (buckets.cover over
 `runner.ready_shapes`), so serving never compiles. A thread then builds the other step shapes a
 few at a time, each joining `runner.ready_shapes` once its step, sampler variants and
-prompt-logprobs scorer are all built (and, on a CPU, run once on a scratch
+prompt-logprobs scorer (and, for a decode shape with decode_steps > 1, its multi-step decode) are
+all built (and, on a CPU, run once on a scratch
 KV pool of its own: serving holds the real one; an accelerator's pool fills its memory, so there
 the first request of a shape pays its first run).
 
@@ -32,8 +33,8 @@ from jaxserve.buckets import StepShape, largest
 from jaxserve.compilations import CompileCounter
 from jaxserve.executables import key, lower
 from jaxserve.kv_cache import KVCache
-from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, page_copy_batches, sampler_args,
-                           serving_sample, step_arrays)
+from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, multi_step_arrays, page_copy_batches,
+                           sampler_args, serving_sample, step_arrays)
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
         work.append((key("step", args, **static), functools.partial(
             lower_step, runner._step, runner.params, kv, shape, runner.max_pages_per_seq,
             runner.num_pages * runner.page_size, args[-1])))
+    work += [_lowering("multi_step", runner._multi_step, (runner.params, kv), args, steps=runner.ecfg.decode_steps)
+             for args in _multi_step_args(runner, shapes)]
     if beside and runner.prefills_sequence_parallel:
         work += [_lowering("sequence_parallel_prefill", runner._sp_prefill, (runner.params, kv),
                            empty_sequence_parallel_prefill(t, runner.max_pages_per_seq))
@@ -150,6 +153,9 @@ def _run_once(runner, shapes: list[StepShape], kv_cache):
         # token budget, rides in a decode-shaped step).
         empty = np.zeros(shape.tokens, np.int32)
         jax.block_until_ready(runner._prompt_logprobs(hidden, empty, empty))
+    for args in _multi_step_args(runner, shapes):
+        _, kv_cache, _ = runner._run("multi_step", runner._multi_step, (runner.params, kv_cache), args,
+                                     steps=runner.ecfg.decode_steps)
     return kv_cache
 
 
@@ -164,6 +170,15 @@ def _step_args(runner, shape: StepShape) -> tuple[tuple, dict]:
     return (step_arrays(shape, runner.max_pages_per_seq, runner.num_pages * runner.page_size,
                         runner.no_sampled_tokens()),
             dict(num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q))
+
+
+def _multi_step_args(runner, shapes: list[StepShape]) -> list[tuple]:
+    """The multi-step decode's arrays for each decode shape of `shapes` (none when decode_steps is 1)."""
+    if runner.ecfg.decode_steps == 1:
+        return []
+    return [multi_step_arrays(s, runner.max_pages_per_seq, runner.num_pages * runner.page_size,
+                              runner.no_sampled_tokens(), runner.max_model_len, runner.cfg.vocab_size)
+            for s in shapes if not s.prefill_rows and s.decode_q == 1]
 
 
 def _outputs(executable):
