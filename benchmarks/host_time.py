@@ -10,22 +10,24 @@ host alone on the 2-core dev box: the host, not the GPU, set the pace of those s
 The model: a seeded random 1-layer Llama (hidden 64, the embedded model's tokenizer and 4,096
 vocabulary) written with save_pretrained. Per batch size B: B requests of 32 random prompt tokens,
 greedy, ignore_eos; once all B decode and `skip` more steps have run (the outputs' length when
-timing starts: host work that grows with it shows), `steps` steps are timed (medians): the wall time of
-`engine.step()`, the CPU time of the thread that ran it (the host's own work, without the time
-XLA's threads took from it on a CPU "device"), and the time it waited in `jax.device_get` for the
-device (blocked: near zero here, the host is the bottleneck).
+timing starts: host work that grows with it shows), `steps` more tokens a row are timed: per
+token of every row (one step of B tokens; `engine.step()` returns several with decode_steps > 1),
+the wall time, the CPU time of the thread that ran `engine.step()` (the host's own work, without
+the time XLA's threads took from it on a CPU "device"), and the time it waited in
+`jax.device_get` for the device (blocked: near zero here, the host is the bottleneck).
 
-Trees are compared side by side: the driver runs each tree's engine in its own process, in
-alternating order for `rounds` rounds, and keeps each tree's best round per B.
+Trees, and decode_steps settings, are compared side by side: the driver runs each (tree,
+decode_steps) engine in its own process, in alternating order for `rounds` rounds, and keeps each
+one's best round per B.
 
   python -m benchmarks.host_time --trees /tmp/base,. [--rows 16,64,128] [--rounds 3] [--skip 1700]
+  python -m benchmarks.host_time --decode-steps 1,4,8
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -50,8 +52,8 @@ def build_model(out_dir: str) -> None:
             shutil.copy(os.path.join(TINY_MODEL_DIR, name), out_dir)
 
 
-def worker(rows: list[int], steps: int, skip: int) -> dict:
-    """This process's tree (PYTHONPATH): {B: [step ms, blocked ms]}."""
+def worker(rows: list[int], steps: int, skip: int, decode_steps: int) -> dict:
+    """This process's tree (PYTHONPATH): {B: [ms, host thread CPU ms, blocked ms] a token step}."""
     import jax
     import numpy as np
     from jaxserve.config import EngineConfig, SamplingParams
@@ -72,7 +74,8 @@ def worker(rows: list[int], steps: int, skip: int) -> dict:
     max_len = max(512, 1 << (32 + skip + steps + 64 - 1).bit_length())
     engine = LLMEngine(EngineConfig(model=model, max_model_len=max_len, page_size=16, num_pages=n * max_len // 16 + 8,
                                     max_num_seqs=n, max_num_batched_tokens=1024,
-                                    compilation_cache_dir=os.path.join(WORK_DIR, "cache")))
+                                    compilation_cache_dir=os.path.join(WORK_DIR, "cache"),
+                                    **({"decode_steps": decode_steps} if decode_steps > 1 else {})))
     engine.warmup()
     rng = np.random.default_rng(0)
     out = {}
@@ -81,21 +84,20 @@ def worker(rows: list[int], steps: int, skip: int) -> dict:
         ids = [engine.add_request(rng.integers(5, 4000, 32).tolist(), params) for _ in range(b)]
         while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
             engine.step()
-        for _ in range(5 + skip):
+        start = engine.stats["generation_tokens"]
+        while engine.stats["generation_tokens"] - start < (5 + skip) * b:
             engine.step()
-        walls, cpus, waits = [], [], []
-        for _ in range(steps):
-            blocked[0] = 0.0
-            t, c = time.perf_counter(), time.thread_time()
+        blocked[0], start = 0.0, engine.stats["generation_tokens"]
+        t, c = time.perf_counter(), time.thread_time()
+        while engine.stats["generation_tokens"] - start < steps * b:
             engine.step()
-            walls.append(time.perf_counter() - t)
-            cpus.append(time.thread_time() - c)
-            waits.append(blocked[0])
+        wall, cpu = time.perf_counter() - t, time.thread_time() - c
+        token_steps = (engine.stats["generation_tokens"] - start) / b
         for request_id in ids:
             engine.abort(request_id)
         while engine.has_unfinished():
             engine.step()
-        out[b] = [1e3 * statistics.median(x) for x in (walls, cpus, waits)]
+        out[b] = [1e3 * x / token_steps for x in (wall, cpu, blocked[0])]
     return out
 
 
@@ -106,34 +108,35 @@ def main():
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--skip", type=int, default=0, help="steps run before timing: outputs this long")
+    p.add_argument("--decode-steps", default="1", help="comma-separated EngineConfig.decode_steps, side by side")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     if args.worker:
-        print("RESULT " + json.dumps(worker(rows, args.steps, args.skip)))
+        print("RESULT " + json.dumps(worker(rows, args.steps, args.skip, int(args.decode_steps))))
         return
     if not os.path.exists(os.path.join(WORK_DIR, "micro", "model.safetensors")):
         build_model(os.path.join(WORK_DIR, "micro"))
-    trees = [os.path.abspath(t) for t in args.trees.split(",")]
-    best: dict[str, dict[int, list[float]]] = {t: {} for t in trees}
+    runs = [(os.path.abspath(t), k) for t in args.trees.split(",") for k in args.decode_steps.split(",")]
+    best: dict[tuple, dict[int, list[float]]] = {run: {} for run in runs}
     for r in range(args.rounds):
-        for tree in trees if r % 2 == 0 else trees[::-1]:
+        for tree, k in runs if r % 2 == 0 else runs[::-1]:
             env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
             run = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--rows", args.rows,
-                                  "--steps", str(args.steps), "--skip", str(args.skip)],
+                                  "--steps", str(args.steps), "--skip", str(args.skip), "--decode-steps", k],
                                  env=env, capture_output=True, text=True, check=True)
             result = json.loads(run.stdout.split("RESULT ", 1)[1])
-            print(f"round {r + 1} {tree}: " + ", ".join(f"B={b} {w:.2f} ms (host thread {c:.2f}, blocked {k:.2f})"
-                                                        for b, (w, c, k) in result.items()), flush=True)
+            print(f"round {r + 1} {tree} decode_steps {k}: " + ", ".join(
+                f"B={b} {w:.2f} ms (host thread {c:.2f}, blocked {x:.2f})" for b, (w, c, x) in result.items()), flush=True)
             for b, figures in result.items():
-                if int(b) not in best[tree] or figures[0] < best[tree][int(b)][0]:
-                    best[tree][int(b)] = figures
-    print("\n| B | " + " | ".join(f"{t}: step ms (host thread CPU ms, blocked ms)" for t in trees)
-          + " | step ratio | host CPU ratio |")
-    print("|---|" + "---|" * (len(trees) + 2))
+                if int(b) not in best[tree, k] or figures[0] < best[tree, k][int(b)][0]:
+                    best[tree, k][int(b)] = figures
+    print("\n| B | " + " | ".join(f"{t} k={k}: ms a token step (host thread CPU ms, blocked ms)" for t, k in runs)
+          + " | ratio | host CPU ratio |")
+    print("|---|" + "---|" * (len(runs) + 2))
     for b in rows:
-        first, last = best[trees[0]][b], best[trees[-1]][b]
-        cells = [f"{w:.2f} ({c:.2f}, {k:.2f})" for w, c, k in (best[t][b] for t in trees)]
+        first, last = best[runs[0]][b], best[runs[-1]][b]
+        cells = [f"{w:.2f} ({c:.2f}, {x:.2f})" for w, c, x in (best[run][b] for run in runs)]
         print(f"| {b} | " + " | ".join(cells) + f" | {first[0] / last[0]:.2f}x | {first[1] / last[1]:.2f}x |")
 
 

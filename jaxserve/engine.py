@@ -16,7 +16,6 @@ raise InjectedFault when launched, after scheduling, as a device error would.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import time
@@ -252,7 +251,7 @@ class LLMEngine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         if self.ecfg.poison_freed_pages:
-            out = self._poison_stale_pages(out)
+            out = self.runner.poison_pages(out, self.block_manager.drain_stale_pages())
         sample_later = self._can_overlap(out) and out.decode_steps == 1 and any(   # see `step`
             s.num_sampled and (self._defer_all_samplers or reads_outputs(s.seq)) for s in out.scheduled)
         launched = self.runner.launch(out, {s.seq.seq_id: s.seq.seed for s in out.scheduled}, sample_later)
@@ -304,24 +303,11 @@ class LLMEngine:
                 self.stats["requests_finished"] += 1
         return outputs
 
-    def _poison_stale_pages(self, out: SchedulerOutput) -> SchedulerOutput:
-        """Test build: NaN into every page freed or newly taken since the last step, so a step
-        that reads K/V its sequence did not write (or copy) turns its output NaN. The page copies
-        run first (a copy's source may be a cached page evicted for a new owner in this very
-        schedule) and their destinations are spared; the step then runs without them."""
-        self.runner.copy_pages(out.page_copies)
-        copied = {dst for _, dst in out.page_copies}
-        self.runner.poison_pages([p for p in self.block_manager.drain_stale_pages() if p not in copied])
-        return dataclasses.replace(out, page_copies=[])
-
     def _decode_steps(self) -> int:
-        """The next step's decode_steps (scheduler.py): the configured count when every running
-        sequence decodes with the plain sampler and no prompt waits for a seat (a multi-step
-        decode would hold its prefill back), else 1."""
-        k = self.ecfg.decode_steps
-        if k == 1 or self.scheduler.prefills_next():
-            return 1
-        return k if all(samples_plainly(s) for s in self.scheduler.running) else 1
+        """The next step's decode_steps (scheduler.py): 1 while a prompt waits for a seat (it would
+        wait the k steps) or a running sequence needs more than the plain sampler."""
+        plain = not self.scheduler.prefills_next() and all(samples_plainly(s) for s in self.scheduler.running)
+        return self.ecfg.decode_steps if plain else 1
 
     def _speculates(self) -> bool:
         """Whether the next step speculates (spec_decode/throttle.py), over the sequences that would verify."""

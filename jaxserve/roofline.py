@@ -122,9 +122,11 @@ def _attended(n, kv, window: int | None):
     return np.where(window >= kv, full, (first + first + below - 1) * below // 2 + (n - below) * window)
 
 
-def schedule_rows(scheduler_output) -> list[tuple[int, int, int]]:
-    """CostModel rows of a SchedulerOutput, read after the step ran (num_computed_tokens advanced)."""
-    return [(s.num_query_tokens, s.seq.num_computed_tokens, s.num_sampled) for s in scheduler_output.scheduled]
+def schedule_rows(scheduler_output, step: int = 0) -> list[tuple[int, int, int]]:
+    """CostModel rows of a SchedulerOutput's device step `step` (a multi-step decode runs
+    decode_steps of them), read after the step ran (num_computed_tokens advanced)."""
+    return [(s.num_query_tokens, s.seq.num_computed_tokens - (s.num_steps - 1 - step), s.num_sampled)
+            for s in scheduler_output.scheduled if s.num_steps > step]
 
 
 class RooflineMeter:
@@ -140,7 +142,8 @@ class RooflineMeter:
     def on_step(self, outputs, seconds: float) -> None:
         schedule = self.engine.last_schedule
         if schedule is not None and schedule.scheduled:
-            self._steps.append((self.cost.step(schedule_rows(schedule)), seconds))
+            costs = [self.cost.step(schedule_rows(schedule, k)) for k in range(schedule.decode_steps)]
+            self._steps.append((StepCost(sum(c.flops for c in costs), sum(c.bytes for c in costs)), seconds))
 
     def utilization(self) -> tuple[float, float]:
         """(MBU, MFU) of the recent steps; zeros before the first."""

@@ -289,12 +289,19 @@ class ModelRunner:
         for src, dst in page_copy_batches(copies, self.max_copies, self.num_pages):
             self.kv_cache = self._run("copy_kv_pages", KVCache.copy_pages, (self.kv_cache,), (src, dst))
 
-    def poison_pages(self, pages: list[int]) -> None:
-        """Overwrite these pages' K/V with NaN in every layer (a test build: see
-        EngineConfig.poison_freed_pages), in one fixed-size batch padded with page num_pages (dropped)."""
+    def poison_pages(self, out: SchedulerOutput, stale: list[int]) -> SchedulerOutput:
+        """Test build (EngineConfig.poison_freed_pages): NaN into the K/V of every `stale` page
+        (freed or newly taken since the last step), so a step that reads K/V its sequence did not
+        write (or copy) turns its output NaN. `out`'s page copies run first (a copy's source may be
+        a cached page evicted for a new owner in this very schedule) and their destinations are
+        spared; returns `out` without them. One fixed-size batch padded with page num_pages (dropped)."""
+        self.copy_pages(out.page_copies)
+        copied = {dst for _, dst in out.page_copies}
+        pages = [p for p in stale if p not in copied]
         batch = np.full(self.num_pages, self.num_pages, np.int32)
         batch[:len(pages)] = pages
         self.kv_cache = self.kv_cache.fill_pages(batch, np.float32("nan"))
+        return dataclasses.replace(out, page_copies=[])
 
     # ---- warm-up (jaxserve/warmup.py) ----
     def warmup(self, background: bool = False) -> int:
