@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import glob
 import json
 import os
 import time
@@ -173,7 +174,7 @@ def jax_phase(args) -> dict:
                             num_pages=n * -(-max_len // 16), enable_prefix_caching=False,
                             max_num_seqs=n, max_num_batched_tokens=1024, prefill_chunk_size=512,
                             max_prefill_seqs=PREFILL_SEQS[args.model], attention_backend=backend, compilation_cache_dir=None,
-                            quantization=args.quantization)
+                            quantization=args.quantization, decode_steps=args.decode_steps)
         t0 = time.perf_counter()
         engine = LLMEngine(ecfg)
         load_s = time.perf_counter() - t0
@@ -183,7 +184,7 @@ def jax_phase(args) -> dict:
         requests = workload(args.model, engine.model_cfg.vocab_size)
         runs = [run_engine(backend, engine, requests) for _ in range(2)]
         traced = greedy_with_logprobs(engine, requests)
-        out["backends"][backend + (f" {args.quantization}" if args.quantization else "")] = dict(
+        out["backends"][backend + variant(args, " ", " decode_steps ")] = dict(
             resolved=engine.runner.backend, load_s=load_s, warmup_s=warmup_s, compiles=compiles,
             tokens=runs[-1].output_tokens, seconds=[r.seconds for r in runs],
             steps=runs[-1].profile.summary(runs[-1].seconds), outputs=runs[-1].outputs, traced=traced)
@@ -268,12 +269,12 @@ def load(out_dir: str, name: str) -> dict | None:
 def report(out_dir: str, models: list[str]) -> str:
     lines = ["# The engine on a GPU", ""]
     for name in models:
-        jx, int8, hf = (load(out_dir, f) for f in (f"jax_{name}", f"jax_{name}_int8", f"hf_{name}"))
+        jx, hf = load(out_dir, f"jax_{name}"), load(out_dir, f"hf_{name}")
         if jx is None:
             lines += [f"## {name}: no jaxserve result (see the run's log)", ""]
             continue
-        if int8 is not None:   # int8 weights: more rows
-            jx["backends"].update(int8["backends"])
+        for path in sorted(glob.glob(os.path.join(out_dir, f"jax_{name}_*.json"))):   # variants: more rows
+            jx["backends"].update(load(out_dir, os.path.basename(path)[:-5])["backends"])
         (lo_in, hi_in), (lo_out, hi_out), n = WORKLOADS[name]
         what = ("a preamble, BOS, x, SEP (the copy model: `build_copy`), seeded random ids" if name == "copy"
                 else "seeded random token ids")
@@ -321,6 +322,7 @@ def main(argv=None):
     p.add_argument("--models", default="tiny,copy,1b", help="report: the models to render")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--quantization", choices=("int8",), default=None, help="jax: int8 weights")
+    p.add_argument("--decode-steps", type=int, default=1, help="jax: EngineConfig.decode_steps")
     p.add_argument("--hf-batch-sizes", default="64,128")
     p.add_argument("--work-dir", default="/tmp/jaxserve_gpu")
     p.add_argument("--out", required=True, help="the phases' JSON files")
@@ -341,8 +343,14 @@ def main(argv=None):
     save(args, hf_phase(args) if args.phase == "hf" else jax_phase(args))
 
 
+def variant(args, quantized: str, stepped: str) -> str:
+    """The jax phase's settings beside the defaults (int8 weights, decode_steps), each after its prefix."""
+    return ((quantized + args.quantization if args.quantization else "")
+            + (f"{stepped}{args.decode_steps}" if args.decode_steps > 1 else ""))
+
+
 def save(args, result: dict) -> None:
-    suffix = f"_{args.quantization}" if args.phase == "jax" and args.quantization else ""
+    suffix = variant(args, "_", "_x") if args.phase == "jax" else ""
     with open(os.path.join(args.out, f"{args.phase}_{args.model}{suffix}.json"), "w") as f:
         json.dump(result, f)
 

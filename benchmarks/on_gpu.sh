@@ -17,6 +17,8 @@
 #   hf       a random 1.1B bf16 Llama under transformers generate (static batches)
 #   1b       the engine on it, both backends (BACKENDS=pallas_gpu: that one only)
 #   int8     the engine on it with int8 weights
+#   steps    the engine on it, pallas_gpu, with decode_steps 8 (multi-step decoding: the host plans
+#            and collects once per 8 decode steps; the 1b stage's pallas_gpu row is its baseline)
 #   profile  where the time goes: the kernels of our paged-attention calls (kernels.py --profile) and
 #            of the 1.1B engine's decode and prefill steps (benchmarks/step_profile.py), and how much
 #            of each the GPU was busy
@@ -29,7 +31,7 @@
 #            base` here before the call (an untracked folder travels with the working tree; an
 #            ignored one only when the device call carries it)
 # tests, tiny and copy check tokens, not time: tests run beside tiny then copy. The timed stages
-# (kernels, lane, trace, hf, 1b, int8, profile) run alone. At their limits all stages take half an
+# (kernels, lane, trace, hf, 1b, steps, int8, profile) run alone. At their limits all stages take half an
 # hour; one device call runs 10 minutes at most and a session has 15 minutes of device time, starts
 # included, so give the stages that matter most in two calls, back to back while the machine is warm:
 #   BASE=base BACKENDS=pallas_gpu bash benchmarks/on_gpu.sh kernels hf 1b
@@ -49,7 +51,7 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 PY=${PY:-python3}
-STAGES=" ${*:-tests copy kernels lane trace hf 1b int8 profile} "
+STAGES=" ${*:-tests copy kernels lane trace hf 1b steps int8 profile} "
 # 30% of the GPU's memory for each JAX process: torch writes the 1.1B model beside the tests.
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 \
   JAX_TRACEBACK_FILTERING=off
@@ -80,7 +82,7 @@ stage() {   # stage NAME SECONDS COMMAND...: if NAME was asked for, run it with 
 transformers.__version__, torch.__version__)'; } >>"$LOG" 2>&1
 
 # The 1.1B model is written by torch while the first stages run.
-if [[ $STAGES =~ " "(hf|1b|int8|profile|cmdbuf|ab)" " ]]; then
+if [[ $STAGES =~ " "(hf|1b|steps|int8|profile|cmdbuf|ab)" " ]]; then
   $PY -m benchmarks.gpu_engine build --out "$OUT" >>"$LOG.build" 2>&1 &
 fi
 # The flash kernel's segment-id tests first: packed prompts (the tiny stage's steps) depend on them.
@@ -100,6 +102,7 @@ stage lane 200 bash -c "$PY -m pytest -q -p no:cacheprovider tests/test_gpu_kern
 stage trace 150 env JAX_PLATFORMS=cuda,cpu $PY benchmarks/kernel_trace.py --out "$OUT"
 stage hf 150 $PY -m benchmarks.gpu_engine hf --model 1b --out "$OUT"
 stage 1b 240 $PY -m benchmarks.gpu_engine jax --model 1b ${BACKENDS:+--backends $BACKENDS} --out "$OUT"
+stage steps 240 $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --decode-steps 8 --out "$OUT"
 stage int8 150 $PY -m benchmarks.gpu_engine jax --model 1b --backends pallas_gpu --quantization int8 --out "$OUT"
 CMDBUF="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
 stage cmdbuf 360 bash -c "for flags in '' '$CMDBUF'; do out=$OUT/cmdbuf/\${flags:+on} && mkdir -p \${out%/} &&

@@ -34,8 +34,9 @@ from jaxserve.checkpoint import param_shapes, saved_lm_head, saved_quantization
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kv_cache import KVCache, page_bytes_per_chip
 from jaxserve.models import build_model
-from jaxserve.step import (empty_sequence_parallel_prefill, last_sampled_spec, lower_step, make_step,
-                           page_copy_batches, sampler_lowerings)
+from jaxserve.executables import lower
+from jaxserve.step import (empty_sequence_parallel_prefill, last_sampled_spec, lower_step, make_multi_step, make_step,
+                           multi_step_arrays, page_copy_batches, sampler_lowerings)
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step_cost import step_cost
 
@@ -197,6 +198,13 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
     last_sampled = last_sampled_spec(mesh, buckets.max_logit_rows)
     work = [(s.name, lambda s=s: lower_step(step, params, kv, s, max_pages, num_pages * ecfg.page_size, last_sampled))
             for s in shapes]
+    if ecfg.decode_steps > 1:
+        multi = make_multi_step(model, cfg, mesh, backend, buckets.max_logit_rows)
+        max_len = ecfg.max_model_len or cfg.max_position_embeddings
+        work += [(f"{s.name}-x{ecfg.decode_steps}", lambda s=s: lower(
+            multi, params, kv, *multi_step_arrays(s, max_pages, num_pages * ecfg.page_size, last_sampled, max_len,
+                                                  cfg.vocab_size), steps=ecfg.decode_steps))
+                 for s in shapes if not s.prefill_rows and s.decode_q == 1]
     if samplers:
         work += sampler_lowerings(sampler_rows or [s.logit_rows for s in shapes], cfg.vocab_size, mesh,
                                   ecfg.max_model_len or cfg.max_position_embeddings, buckets.max_logit_rows)

@@ -269,7 +269,7 @@ class LLMEngine:
         self.scheduler.resolve(out, {k: [r.token for r in v] for k, v in accepted.items()})
         self.stats["steps"] += 1
         now = time.monotonic()
-        first_texts = self._detokenize_first(live, accepted)
+        texts = self._detokenize(live, accepted)
         deltas: dict[str, list[CompletionOutput]] = {}
         for s in live:
             seq, tokens = s.seq, accepted[s.seq.seq_id]
@@ -281,10 +281,10 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             delta, first = None, before[seq.seq_id]
-            for i, res in enumerate(tokens):   # one, or a verify row's accepted run: cut where it ends
+            for i, res in enumerate(tokens):   # one, or a run (verify, multi-step): cut where it ends
                 req.num_generated += 1
                 self.stats["generation_tokens"] += 1
-                d = self._advance(req, seq, res, first + i + 1, first_texts[seq.seq_id] if i == 0 else None)
+                d = self._advance(req, seq, res, first + i + 1, texts[seq.seq_id][i])
                 delta = d if delta is None else join(delta, d)
                 if seq.is_finished:   # drops what followed, a later step's PENDING token too
                     del seq.output_token_ids[first + i + 1:]
@@ -349,23 +349,27 @@ class LLMEngine:
             self.stats["spec_accepted_tokens"] += n
         return sampled[:n + 1]
 
-    def _detokenize_first(self, live: list, accepted: dict[int, list[SampleResult]]) -> dict[int, str]:
-        """Each row's first new token's text by seq_id, all rows in one tokenizer call (two calls
-        a row cost more); a stop token's too, kept only if asked for (`_advance`)."""
+    def _detokenize(self, live: list, accepted: dict[int, list[SampleResult]]) -> dict[int, list[str]]:
+        """Each row's new tokens' texts by seq_id, in one tokenizer call per position of the runs
+        (a call per row and token cost more than the rest of a step); a stop token's too, kept
+        only if asked for (`_advance`); texts past a stop go unused."""
         seqs = [s.seq for s in live if self._requests[s.seq.request_id].params.max_tokens]
-        texts = IncrementalDetokenizer.step_all([self._requests[q.request_id].detoks[q.index] for q in seqs],
-                                                [[accepted[q.seq_id][0].token] for q in seqs])
-        return {q.seq_id: text for q, text in zip(seqs, texts)}
+        texts = {q.seq_id: [] for q in seqs}
+        for i in range(max((len(accepted[q.seq_id]) for q in seqs), default=0)):
+            rows = [q for q in seqs if len(accepted[q.seq_id]) > i]
+            detoks = [self._requests[q.request_id].detoks[q.index] for q in rows]
+            for q, text in zip(rows, IncrementalDetokenizer.step_all(detoks, [[accepted[q.seq_id][i].token] for q in rows])):
+                texts[q.seq_id].append(text)
+        return texts
 
     def _advance(self, req: Request, seq: Sequence, res: SampleResult, num_outputs: int,
-                 text: str | None) -> CompletionOutput:
-        """Detokenize the new token (the sequence's num_outputs-th output; `text`: its text if
-        already detokenized), apply stop conditions, return the choice's delta. The sampler bans
+                 text: str) -> CompletionOutput:
+        """Take the new token (the sequence's num_outputs-th output) and its `text`, apply stop
+        conditions, return the choice's delta. The sampler bans
         the ending tokens before min_tokens outputs; stop strings are not looked for then."""
         p, i, token = req.params, seq.index, res.token
         is_stop_token = token in seq.end_token_ids
         reason = "stop" if is_stop_token else None
-        text = req.detoks[i].step([token]) if text is None else text
         if not is_stop_token or p.include_stop_str_in_output:
             req.texts[i] += text
         if reason is None and p.stop and num_outputs >= p.min_tokens and req.cut_at_stop_string(i):

@@ -120,8 +120,11 @@ def test_a_pool_short_of_pages_and_max_model_len(engines):
     assert len(long.prompt_token_ids) + len(long.outputs[0].token_ids) == ENGINE["max_model_len"]
 
 
-def test_multi_step_and_speculative_decoding_do_not_combine():
+def test_the_setting_is_checked_and_reaches_the_engine_config():
+    from jaxserve import cli
     from jaxserve.config import EngineConfig
+    args = cli.build_parser().parse_args(["serve", "--decode-steps", "8"])
+    assert cli.engine_config(args).decode_steps == 8
     with pytest.raises(ValueError, match="decode_steps"):
         EngineConfig(decode_steps=4, speculative={"method": "ngram", "num_tokens": 3})
     with pytest.raises(ValueError, match="decode_steps"):
