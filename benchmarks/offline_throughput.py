@@ -75,32 +75,33 @@ class StepProfile:
         self.run = self.runner._run
         self.runner.launch, self.runner.collect, self.runner.sample = self._launch, self._collect, self._sample
         self.runner._run = self._run
-        self.rows: list[list] = []   # [has prefill, tokens, padded, seconds]
+        self.rows: list[list] = []   # [has prefill, tokens, padded, device steps, seconds]
         self._uncollected: collections.deque[list] = collections.deque()   # their rows, oldest first
         self._padded = 0
 
     def _run(self, name, fn, fixed, args, **static):
-        if name == "step":   # its first array: the step's tokens, padded to the bucket
+        if name in ("step", "multi_step"):   # its first array: the step's tokens, padded to the bucket
             self._padded = len(args[0])
         return self.run(name, fn, fixed, args, **static)
 
     def _launch(self, out, seeds, sample_later=False):
         t0 = time.perf_counter()
         launched = self.launch(out, seeds, sample_later)
-        self.rows.append([out.num_prefill_seqs > 0, out.num_tokens, self._padded, time.perf_counter() - t0])
+        self.rows.append([out.num_prefill_seqs > 0, out.num_tokens, self._padded, out.decode_steps,
+                          time.perf_counter() - t0])
         self._uncollected.append(self.rows[-1])
         return launched
 
     def _sample(self, launched):
         t0 = time.perf_counter()
         launched = self.sample(launched)
-        self._uncollected[0][3] += time.perf_counter() - t0
+        self._uncollected[0][4] += time.perf_counter() - t0
         return launched
 
     def _collect(self, launched):
         t0 = time.perf_counter()
         res = self.collect(launched)
-        self._uncollected.popleft()[3] += time.perf_counter() - t0
+        self._uncollected.popleft()[4] += time.perf_counter() - t0
         return res
 
     def detach(self) -> None:
@@ -108,12 +109,13 @@ class StepProfile:
         self.runner._run = self.run
 
     def summary(self, total_s: float) -> dict:
-        rows = np.array([r[:3] for r in self.rows], dtype=np.int64).reshape(-1, 3)
-        secs = np.array([r[3] for r in self.rows])
+        """Per step; a multi-step decode counts as its decode_steps steps (decode_step_ms: per one)."""
+        rows = np.array([r[:4] for r in self.rows], dtype=np.int64).reshape(-1, 4)
+        secs = np.array([r[4] for r in self.rows])
         pre = rows[:, 0].astype(bool)
         return {"steps": len(rows), "prefill_steps": int(pre.sum()),
                 "prefill_step_ms": 1e3 * float(secs[pre].mean()) if pre.any() else 0.0,
-                "decode_step_ms": 1e3 * float(secs[~pre].mean()) if (~pre).any() else 0.0,
+                "decode_step_ms": 1e3 * float(secs[~pre].sum() / rows[~pre, 3].sum()) if (~pre).any() else 0.0,
                 "padding": 1 - rows[:, 1].sum() / max(rows[:, 2].sum(), 1),
                 "outside_runner": 1 - secs.sum() / total_s}
 

@@ -176,6 +176,23 @@ def test_llama3_8b_steps_compile_for_one_h100(monkeypatch):
     assert 1 in splits and max(splits) > 1, splits
 
 
+def test_llama3_8b_multi_step_decodes_compile_for_one_h100():
+    """The same, with decode_steps 8: the multi-step decodes of decode-128 and decode-8 compile,
+    pass no kernel a slice at an offset (Mosaic GPU refuses operands not 256-byte aligned), and
+    hold the sampler's 3 conditionals in their loop and no other: XLA:GPU reads each one's
+    predicate on the host, so the host waits in the launch until the GPU gets there (which
+    `bash benchmarks/on_gpu.sh 1b steps` prices)."""
+    ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "llama3-8b-h100.yaml"), decode_steps=8)
+    h100 = check.gpu_slice("h100")
+    cfg = with_ci_layers(ModelConfig.from_pretrained(LLAMA3_8B), ecfg, h100, 1, "llama3-8b")
+    shapes = check.quick_shapes(Buckets(ecfg, platform="gpu").warmup_shapes(False))[:2]
+    report = check.check(ecfg, cfg, h100, model_name="llama3-8b", dtype=jnp.bfloat16, shapes=shapes, samplers=False)
+    assert_serves(report, f"llama3-8b ({CI_LAYERS} layers) on h100, decode_steps 8")
+    multi = [r for r in report.results if r.name.endswith("-x8")]
+    assert [r.name for r in multi] == ["decode-128-x8", "decode-8-x8"]
+    assert [(r.conditionals, r.sliced_kernel_operands) for r in multi] == [(3, 0)] * 2, multi
+
+
 def test_llama3_70b_on_one_h100_is_refused(capsys):
     """141 GB of bf16 weights beside the 59 GiB JAX takes of an 80 GB card: refused, with the
     GPU count that fits."""

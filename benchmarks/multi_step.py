@@ -1,0 +1,84 @@
+"""Multi-step decoding (EngineConfig.decode_steps) side by side: the same workload through one
+engine per decode_steps setting, in alternating rounds, in one process.
+
+Why: each engine step costs the host a fixed part (planning, packing, launching, collecting) that a
+GPU's or TPU's decode step does not hide (benchmarks/results/host_time.md); with decode_steps k the
+host pays it once per k tokens. On a CPU the XLA "device" shares the cores with the host, so the
+figures here show the host's part only through the wall time.
+
+The workload is offline_throughput's (seeded random prompts, all submitted at once, greedy,
+ignore_eos), with its engine settings (no preemption, no prefix caching). Per setting: warm-up
+(its compilations), output tokens/s per round, the host's ms per decode token step (launch to
+collect, per device step), and whether every output equals the first setting's.
+
+  python -m benchmarks.multi_step --model tiny --decode-steps 1,4,8 --rounds 2
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+from benchmarks.common import (RESULTS_DIR, command_line, machine_info, machine_line, make_workload, markdown_table,
+                               model_summary, prepare_model, write_keeping_notes)
+from benchmarks.offline_throughput import engine_config, run_engine
+from jaxserve.engine import LLMEngine
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny", help="tiny, 100m or a model directory")
+    p.add_argument("--decode-steps", default="1,4,8")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--min-input", type=int, default=16)
+    p.add_argument("--max-input", type=int, default=256)
+    p.add_argument("--min-output", type=int, default=64)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--prefill-chunk-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", default="/tmp/jaxserve_bench")
+    p.add_argument("--out", default=None, help="markdown file for the table (notes below the marker kept)")
+    args = p.parse_args(argv)
+    settings = [int(k) for k in args.decode_steps.split(",")]
+    model_dir = prepare_model(args.model, args.work_dir)
+    engines, warmups = {}, {}
+    for k in settings:
+        engines[k] = LLMEngine(dataclasses.replace(engine_config(model_dir, args), decode_steps=k))
+        t0 = time.perf_counter()
+        compiles = engines[k].warmup()
+        warmups[k] = (time.perf_counter() - t0, compiles)
+    requests = make_workload(args.num_prompts, (args.min_input, args.max_input), (args.min_output, args.max_output),
+                             engines[settings[0]].model_cfg.vocab_size, args.seed)
+    runs = {k: [] for k in settings}
+    for r in range(args.rounds):
+        for k in settings if r % 2 == 0 else settings[::-1]:
+            runs[k].append(run_engine(f"decode_steps {k}", engines[k], requests))
+            print(f"round {r + 1} decode_steps {k}: {runs[k][-1].tokens_per_s:.0f} tok/s", flush=True)
+    first = runs[settings[0]][-1].outputs
+    rows = []
+    for k in settings:
+        best = max(runs[k], key=lambda run: run.tokens_per_s)
+        rows.append([k, f"{warmups[k][0]:.1f} ({warmups[k][1]})", ", ".join(f"{run.tokens_per_s:.0f}" for run in runs[k]),
+                     f"{best.tokens_per_s / max(r.tokens_per_s for r in runs[settings[0]]):.2f}x",
+                     f"{best.profile.summary(best.seconds)['decode_step_ms']:.2f}",
+                     "yes" if best.outputs == first else f"{sum(a == b for a, b in zip(best.outputs, first))} of {len(first)}"])
+    text = "\n".join([
+        "# Multi-step decoding", "",
+        f"Command: `{command_line('multi_step', argv)}`  ", machine_line(machine_info()), "",
+        f"Model: {model_summary(model_dir)}. {args.num_prompts} prompts of seeded random ids, input "
+        f"{args.min_input}-{args.max_input}, output {args.min_output}-{args.max_output} tokens (ignore_eos), greedy, "
+        f"all submitted at once; max_num_seqs {args.max_num_seqs}, {args.max_num_batched_tokens} tokens a step.", "",
+        *markdown_table(["decode_steps", "warm-up s (compilations)", "output tok/s per round", "best / decode_steps "
+                         f"{settings[0]}", "host ms per decode token step", f"outputs equal decode_steps {settings[0]}'s"],
+                        rows), ""])
+    print(text)
+    if args.out:
+        write_keeping_notes(args.out, text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
