@@ -21,7 +21,7 @@ import time
 
 from benchmarks.common import (RESULTS_DIR, command_line, machine_info, machine_line, make_workload, markdown_table,
                                model_summary, prepare_model, write_keeping_notes)
-from benchmarks.offline_throughput import engine_config, run_engine
+from benchmarks.offline_throughput import engine_config, run_engine, workload_args
 from jaxserve.engine import LLMEngine
 
 
@@ -30,16 +30,7 @@ def main(argv=None) -> str:
     p.add_argument("--model", default="tiny", help="tiny, 100m or a model directory")
     p.add_argument("--decode-steps", default="1,4,8")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--num-prompts", type=int, default=128)
-    p.add_argument("--min-input", type=int, default=16)
-    p.add_argument("--max-input", type=int, default=256)
-    p.add_argument("--min-output", type=int, default=64)
-    p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--prefill-chunk-size", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work-dir", default="/tmp/jaxserve_bench")
+    workload_args(p, num_prompts=128, inputs=(16, 256), outputs=(64, 256))
     p.add_argument("--out", default=None, help="markdown file for the table (notes below the marker kept)")
     args = p.parse_args(argv)
     settings = [int(k) for k in args.decode_steps.split(",")]

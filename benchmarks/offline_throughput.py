@@ -338,27 +338,32 @@ def _kv_table(r: dict) -> list[str]:
           kv.running * kv.max_model_len, f"{kv.contiguous_share:.1%}"]])
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="tiny,100m", help="tiny, 100m or model directories")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--min-input", type=int, default=16)
-    p.add_argument("--max-input", type=int, default=512)
-    p.add_argument("--min-output", type=int, default=16)
-    p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--hf-batch-sizes", default="16,32")
-    p.add_argument("--hf-num-prompts", type=int, default=0, help="HF on the first N prompts only (0 = all)")
-    p.add_argument("--repeats", type=int, default=2, help="alternating rounds of jaxserve vs HF (best counts)")
+def workload_args(p: argparse.ArgumentParser, num_prompts: int = 256, inputs=(16, 512), outputs=(16, 256)) -> None:
+    """The workload's and the engine's arguments (engine_config, make_workload), with these defaults."""
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--min-input", type=int, default=inputs[0])
+    p.add_argument("--max-input", type=int, default=inputs[1])
+    p.add_argument("--min-output", type=int, default=outputs[0])
+    p.add_argument("--max-output", type=int, default=outputs[1])
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--prefill-chunk-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", default="/tmp/jaxserve_bench", help="where the 100m model is built")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="tiny,100m", help="tiny, 100m or model directories")
+    workload_args(p)
+    p.add_argument("--hf-batch-sizes", default="16,32")
+    p.add_argument("--hf-num-prompts", type=int, default=0, help="HF on the first N prompts only (0 = all)")
+    p.add_argument("--repeats", type=int, default=2, help="alternating rounds of jaxserve vs HF (best counts)")
     p.add_argument("--skip-eagerness-zero", action="store_true",
                    help="leave out the admission_eagerness=0.0 schedule (its one-group-at-a-time steps "
                         "take about an hour on the 100m model on 2 CPU cores)")
     p.add_argument("--skip-static", action="store_true",
                    help="leave out the engine's static-group schedules (section 2 then shows continuous only)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work-dir", default="/tmp/jaxserve_bench", help="where the 100m model is built")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 32 short requests")
     args = p.parse_args(argv)

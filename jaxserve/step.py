@@ -1,6 +1,7 @@
 """The computations warm-up compiles, as pieces that `jaxserve check` (check.py) lowers the same
 way for compile-only TPU devices, with ShapeDtypeStructs for the weights and the KV cache:
-the model step (KV write + paged attention + logits) and the sampler variants.
+the model step (KV write + paged attention + logits), the sampler variants, and the multi-step
+decode (decode_steps model steps and plain samplers in one program).
 
 Module-level jits with the model as a static argument: engines with the same model and shapes
 share compilations within a process.
@@ -137,7 +138,8 @@ def multi_step_decode(model, params, kv_cache, tokens, positions, slot_mapping, 
     """`steps` decode steps of a decode-only batch (packing.py's arrays: one token a row, row r
     at position r and logit row r) in one program, each step's sampled tokens the next one's
     inputs (scheduler.py: multi-step decodes). Row r runs its first row_steps[r] steps; later
-    ones write nothing and their samples are dropped by the host. Returns the samples
+    ones write nothing and their samples are dropped by the host (slot_mapping, the first step's
+    slots, is recomputed from the page table like the later ones'). Returns the samples
     [steps, rows], the pool, and each row's last sampled token padded to `length` (the next
     step's last_sampled, as serving_sample's)."""
     rows, page_size = tokens.shape[0], kv_cache.page_size
