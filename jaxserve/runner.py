@@ -34,10 +34,10 @@ from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
 from jaxserve.kv_cache import KVCache, page_bytes_per_chip
 from jaxserve.models import build_model
 from jaxserve.packing import pack
-from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for
+from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for, uses_filters
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
-from jaxserve.step import make_multi_step, make_step, page_copy_batches, serving_sample
+from jaxserve.step import make_multi_step, make_step, multi_step_filters, page_copy_batches, serving_sample
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +138,12 @@ class ModelRunner:
                 steps = {s.seq.seq_id: s.num_steps for s in rest}
                 row_steps = np.zeros(len(batch.arrays[-1]), np.int32)
                 row_steps[:len(seqs)] = [steps[seq.seq_id] for seq in seqs]
-                ops.append(_Op([_MULTI_STEP, self.ecfg.decode_steps], (*batch.arrays, token_src, row_steps), seqs,
-                               metadata()))
+                md = metadata()
+                # which compiled variant (multi_step_filters): -1 None, 0 False, 1 True
+                filters = -1 if multi_step_filters(parallel.platform(self.mesh)) == [None] else int(
+                    uses_filters(md, self.cfg.vocab_size))
+                ops.append(_Op([_MULTI_STEP, self.ecfg.decode_steps, filters], (*batch.arrays, token_src, row_steps),
+                               seqs, md))
             else:
                 ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q, batch.decode_q, int(sample_later)],
                                (*batch.arrays, token_src), seqs, None if sample_later else metadata()))
@@ -223,7 +227,8 @@ class ModelRunner:
             if kind == _MULTI_STEP:   # samples inside; its arrays end with row_steps
                 outs, self.kv_cache, self._last_sampled = self._run(
                     "multi_step", self._multi_step, (self.params, self.kv_cache),
-                    (*arrays, self._last_sampled, SamplingMetadata(*md)), steps=int(static[0]))
+                    (*arrays, self._last_sampled, SamplingMetadata(*md)), steps=int(static[0]),
+                    filters=None if static[1] < 0 else bool(static[1]))
                 sampled.append(outs)
                 continue
             if kind == _SAMPLE:   # the sampler of the batched step before, sent on its own (`sample`)
@@ -336,7 +341,7 @@ class _Op(NamedTuple):
     logprobs of the batched step just before, the batched step's deferred sampler, or a
     multi-step decode) and its sampler."""
     static: list            # kind, then the static args (step: num_prefill_rows, max_q, decode_q, sample
-                            # later; multi-step: steps)
+                            # later; multi-step: steps, filters)
     arrays: tuple           # the computation's host arrays (the step's: then where PENDING tokens are read)
     seqs: list              # the sequences it samples for, in row order
     md: SamplingMetadata | None

@@ -266,12 +266,14 @@ def _largest_key_holding(keys: jax.Array, weights: jax.Array, target: jax.Array)
     return jax.lax.fori_loop(0, 32, fix_bit, jnp.zeros(keys.shape[0], jnp.uint32))
 
 
-def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                           filters: bool | None = None) -> jax.Array:
     """Per row, the smallest logit that survives top-k then top-p (top-p over the top-k
     renormalised probabilities). Ties with it survive too (as HF's warpers keep them). No sort:
     XLA:TPU compiled the sampler ~10x slower with one over the vocabulary (benchmarks/results/
     sampler_compile.md); each threshold is a radix select instead, 32 passes of a compare and a
-    sum, and only when a row needs it."""
+    sum, and only when a row needs it (`filters` None: a conditional decides; True/False: the
+    caller knows)."""
     rows, vocab = scaled.shape
     k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
 
@@ -287,6 +289,8 @@ def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array
     def keep_all(x):
         return jnp.full((rows, 1), -jnp.inf, x.dtype)
 
+    if filters is not None:
+        return (by_selecting if filters else keep_all)(scaled)
     return jax.lax.cond(jnp.any(k < vocab) | jnp.any(top_p < 1.0), by_selecting, keep_all, scaled)
 
 
@@ -295,10 +299,11 @@ def _gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
     return jax.random.gumbel(key, (vocab,), jnp.float32)
 
 
-def _random_sample(logits: jax.Array, md: SamplingMetadata, greedy: jax.Array) -> jax.Array:
+def _random_sample(logits: jax.Array, md: SamplingMetadata, greedy: jax.Array,
+                   filters: bool | None = None) -> jax.Array:
     vocab = logits.shape[1]
     scaled = logits / jnp.where(greedy, 1.0, md.temperature)[:, None]
-    threshold = _top_k_top_p_threshold(scaled, md.top_k, md.top_p)
+    threshold = _top_k_top_p_threshold(scaled, md.top_k, md.top_p, filters)
     # min-p keeps p >= min_p * p_max; the top-k/top-p renormalisation cancels in that ratio.
     min_p_floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(md.min_p)[:, None]
     keep = (scaled >= threshold) & (scaled >= min_p_floor)
@@ -306,11 +311,20 @@ def _random_sample(logits: jax.Array, md: SamplingMetadata, greedy: jax.Array) -
     return jnp.argmax(jnp.where(keep, scaled, -jnp.inf) + noise, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
-def sample(logits: jax.Array, md: SamplingMetadata, *, num_logprobs: int = 0) -> SampleOutput:
+def uses_filters(md: SamplingMetadata, vocab_size: int) -> bool:
+    """Whether a row of these (host) arrays asks for top-k or top-p: `sample`'s `filters`."""
+    return bool(np.any((md.top_k > 0) & (md.top_k < vocab_size)) or np.any(md.top_p < 1.0))
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "filters"))
+def sample(logits: jax.Array, md: SamplingMetadata, *, num_logprobs: int = 0,
+           filters: bool | None = None) -> SampleOutput:
     """Sample one token per row of `logits` [S, V]. `num_logprobs` (static) is the N of top_ids /
     top_logprobs; the mask, the bias and the penalties run only when their arrays are non-empty
-    (static shapes)."""
+    (static shapes). `filters` None: conditionals skip the noise and filters of an all-greedy
+    batch, the logprobs when no row asks, the top-k/top-p selection when no row needs it.
+    True/False (`uses_filters`): no conditional (XLA:GPU holds the launching host at each one
+    until the GPU gets there); noise and logprobs computed for every batch, the selection if True."""
     raw = logits = logits.astype(jnp.float32)
     if md.use_mask:
         logits = apply_mask(logits, md)
@@ -320,8 +334,10 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, num_logprobs: int = 0) ->
         logits = apply_penalties(logits, md)
     greedy = (md.temperature <= 0.0) | (md.top_k == 1)
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    # An all-greedy batch skips the noise and the filters.
-    sampled = jax.lax.cond(jnp.all(greedy), lambda: argmax, lambda: _random_sample(logits, md, greedy))
+    if filters is None:   # an all-greedy batch skips the noise and the filters
+        sampled = jax.lax.cond(jnp.all(greedy), lambda: argmax, lambda: _random_sample(logits, md, greedy))
+    else:
+        sampled = _random_sample(logits, md, greedy, filters)
     tokens = jnp.where(greedy, argmax, sampled)
 
     def logprobs():   # a full-vocabulary softmax and top-k: most batches want none of it
@@ -334,4 +350,6 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, num_logprobs: int = 0) ->
         rows = tokens.shape[0]
         return (jnp.zeros(rows), jnp.zeros((rows, num_logprobs), jnp.int32), jnp.zeros((rows, num_logprobs)))
 
+    if filters is not None:
+        return SampleOutput(tokens, *logprobs())
     return SampleOutput(tokens, *jax.lax.cond(jnp.any(md.logprobs), logprobs, none))

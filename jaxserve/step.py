@@ -30,7 +30,7 @@ def make_step(model, cfg: ModelConfig, mesh, backend: str):
 
 def make_multi_step(model, cfg: ModelConfig, mesh, backend: str, length: int):
     """multi_step_decode with its static arguments for `mesh`: call it as (params, kv_cache,
-    *arrays, row_steps, last_sampled, md, steps=); `length`: Buckets.max_logit_rows."""
+    *arrays, row_steps, last_sampled, md, steps=, filters=); `length`: Buckets.max_logit_rows."""
     return functools.partial(multi_step_decode, model, backend=backend, length=length,
                              kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
                              logits_sharding=parallel.logits_sharding(cfg, mesh))
@@ -130,11 +130,18 @@ def model_step(model, params, kv_cache, tokens, positions, slot_mapping, page_ta
     return logits, kv_cache, hidden   # hidden [T, H]: prompt logprobs read it, nothing else
 
 
-@functools.partial(jax.jit, static_argnames=("model", "backend", "steps", "length", "kv_sharding", "logits_sharding"),
-                   donate_argnames=("kv_cache",))
+def multi_step_filters(platform: str) -> list[bool | None]:
+    """The multi-step decode's compiled variants by its sampler's `filters` (sampling.sample): on a
+    GPU one without top-k/top-p and one with, neither with a conditional (XLA:GPU would hold the
+    launching host at each of the loop's); elsewhere one, whose conditionals run on the device."""
+    return [False, True] if platform in ("gpu", "cuda") else [None]
+
+
+@functools.partial(jax.jit, static_argnames=("model", "backend", "steps", "filters", "length", "kv_sharding",
+                                             "logits_sharding"), donate_argnames=("kv_cache",))
 def multi_step_decode(model, params, kv_cache, tokens, positions, slot_mapping, page_table, seq_lens,
                       query_start_loc, logits_index, token_src, row_steps, last_sampled, md, *, backend, steps,
-                      length, kv_sharding, logits_sharding):
+                      filters, length, kv_sharding, logits_sharding):
     """`steps` decode steps of a decode-only batch (packing.py's arrays: one token a row, row r
     at position r and logit row r) in one program, each step's sampled tokens the next one's
     inputs (scheduler.py: multi-step decodes). Row r runs its first row_steps[r] steps; later
@@ -158,7 +165,7 @@ def multi_step_decode(model, params, kv_cache, tokens, positions, slot_mapping, 
                                          query_start_loc, logits_index, no_src, last_sampled, backend=backend,
                                          num_prefill_rows=0, max_q=1, decode_q=1, kv_sharding=kv_sharding,
                                          logits_sharding=logits_sharding)
-        out = sample(logits, md.replace(step=md.step + k), num_logprobs=MAX_LOGPROBS)
+        out = sample(logits, md.replace(step=md.step + k), num_logprobs=MAX_LOGPROBS, filters=filters)
         return (kv_cache, jnp.where(running, out.tokens, tokens)), out
 
     (kv_cache, last), outs = jax.lax.scan(one, (kv_cache, tokens), jnp.arange(steps))

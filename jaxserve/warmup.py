@@ -33,8 +33,8 @@ from jaxserve.buckets import StepShape, largest
 from jaxserve.compilations import CompileCounter
 from jaxserve.executables import key, lower
 from jaxserve.kv_cache import KVCache
-from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, multi_step_arrays, page_copy_batches,
-                           sampler_args, serving_sample, step_arrays)
+from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, multi_step_arrays, multi_step_filters,
+                           page_copy_batches, sampler_args, serving_sample, step_arrays)
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,10 @@ def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
         work.append((key("step", args, **static), functools.partial(
             lower_step, runner._step, runner.params, kv, shape, runner.max_pages_per_seq,
             runner.num_pages * runner.page_size, args[-1])))
-    work += [_lowering("multi_step", runner._multi_step, (runner.params, kv), args, steps=runner.ecfg.decode_steps)
-             for args in _multi_step_args(runner, shapes)]
+    work += [_lowering("multi_step", runner._multi_step, (runner.params, kv), args, steps=runner.ecfg.decode_steps,
+                       filters=filters)
+             for args in _multi_step_args(runner, shapes)
+             for filters in multi_step_filters(parallel.platform(runner.mesh))]
     if beside and runner.prefills_sequence_parallel:
         work += [_lowering("sequence_parallel_prefill", runner._sp_prefill, (runner.params, kv),
                            empty_sequence_parallel_prefill(t, runner.max_pages_per_seq))
@@ -154,8 +156,9 @@ def _run_once(runner, shapes: list[StepShape], kv_cache):
         empty = np.zeros(shape.tokens, np.int32)
         jax.block_until_ready(runner._prompt_logprobs(hidden, empty, empty))
     for args in _multi_step_args(runner, shapes):
-        _, kv_cache, _ = runner._run("multi_step", runner._multi_step, (runner.params, kv_cache), args,
-                                     steps=runner.ecfg.decode_steps)
+        for filters in multi_step_filters(parallel.platform(runner.mesh)):
+            _, kv_cache, _ = runner._run("multi_step", runner._multi_step, (runner.params, kv_cache), args,
+                                         steps=runner.ecfg.decode_steps, filters=filters)
     return kv_cache
 
 

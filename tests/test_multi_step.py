@@ -75,6 +75,28 @@ def test_multi_step_gives_the_single_step_outputs(engines):
     assert bm.num_free_pages == bm.num_pages
 
 
+def test_the_samplers_without_conditionals_of_a_gpu(engines, monkeypatch):
+    """As on a GPU (step.multi_step_filters): the multi-step decodes' samplers hold no conditional,
+    one compiled variant without top-k/top-p and one with; the same outputs."""
+    from jaxserve import runner, warmup
+    for module in (runner, warmup):
+        monkeypatch.setattr(module, "multi_step_filters", lambda platform: [False, True])
+    single, _ = engines
+    llm = LLM(**ENGINE, decode_steps=STEPS)
+    counts, variants, run = StepCount(llm.llm_engine).counts, set(), llm.llm_engine.runner._run
+
+    def spy(name, fn, fixed, args, **static):
+        variants.add(static.get("filters", "-"))
+        return run(name, fn, fixed, args, **static)
+    llm.llm_engine.runner._run = spy
+    filtered = [P(max_tokens=30, temperature=0.8, seed=5, top_k=20, ignore_eos=True),
+                P(max_tokens=30, temperature=1.0, seed=6, top_p=0.7, min_p=0.05, logprobs=1, ignore_eos=True)]
+    for sampling in (params()[:2], params()[:2] + filtered):
+        prompts = [f"Example {i}:" for i in range(len(sampling))]
+        assert same(outputs(llm, prompts, sampling), outputs(single, prompts, sampling))
+    assert counts[STEPS] >= 10 and variants >= {False, True} and None not in variants
+
+
 def test_rows_that_need_their_outputs_and_new_prompts_run_one_step_at_a_time(engines):
     single, multi = engines
     engine = multi.llm_engine

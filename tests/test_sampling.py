@@ -8,7 +8,7 @@ import pytest
 from scipy import stats
 
 from jaxserve.config import SamplingParams as P
-from jaxserve.sampling import SamplingMetadata, _top_k_top_p_threshold, apply_penalties, sample
+from jaxserve.sampling import SamplingMetadata, _top_k_top_p_threshold, apply_penalties, sample, uses_filters
 
 
 def build(params, seeds=None, prompts=None, outputs=None, pad_to=None, history_len=None):
@@ -265,3 +265,26 @@ def test_logit_bias_and_min_tokens_ban_match_reference():
     np.testing.assert_allclose(out.logprobs[2], log_softmax(logits[2])[out.tokens[2]], atol=1e-5)
     assert build([P(min_tokens=1)], outputs=[[4]]).bias_ids.shape == (1, 0)   # no end ids given
     assert build([P()]).bias_ids.shape == (1, 0)
+
+
+def test_the_branch_free_sampler_draws_what_the_conditional_one_does():
+    """sample(filters=True/False) (a GPU's multi-step decode: no conditional) against
+    filters=None: the same tokens for greedy, random, top-k, top-p and min-p rows; logprobs always
+    computed, equal to the conditional sampler's where a row asked for them."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(6, 1000)).astype(np.float32) * 3
+    cases = {False: [P(temperature=0.0), P(temperature=0.8, seed=1), P(temperature=1.2, min_p=0.05),
+                     P(temperature=0.0, logprobs=3)],
+             True: [P(temperature=0.7, top_k=9), P(temperature=1.0, top_p=0.6), P(temperature=0.0, logprobs=2),
+                    P(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02)]}
+    for filters, params in cases.items():
+        md = build(params, pad_to=6)
+        assert uses_filters(md, 1000) is filters
+        with_conditionals, branch_free = sample(logits, md, num_logprobs=3), sample(logits, md, num_logprobs=3,
+                                                                                     filters=filters)
+        np.testing.assert_array_equal(branch_free.tokens, with_conditionals.tokens)
+        np.testing.assert_allclose(branch_free.logprobs, with_conditionals.logprobs, atol=1e-6)
+        np.testing.assert_array_equal(branch_free.top_ids, with_conditionals.top_ids)
+    greedy_only = build([P(temperature=0.0)] * 2)
+    assert np.any(sample(logits[:2], greedy_only, num_logprobs=2, filters=False).logprobs)   # computed anyway
+    assert not np.any(sample(logits[:2], greedy_only, num_logprobs=2).logprobs)
