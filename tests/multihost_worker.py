@@ -6,8 +6,8 @@ Both processes build their engine client through jaxserve.factory from the same 
 (but for the process id) and warm it up: process 0 gets an EngineThread and serves WAVES
 (idle between the waves, so the follower is parked and woken once), then shuts it down;
 process 1 gets a Follower. Each prints one JSON line: the steps it ran, and on process 0 the
-samplers it sent on their own (structured output in the overlapped loop) and every request's
-tokens and logprobs."""
+samplers it sent on their own (structured output in the overlapped loop), the multi-step decodes
+it ran (decode_steps 3: while both seats decode plainly) and every request's tokens and logprobs."""
 import dataclasses
 import json
 import os
@@ -25,7 +25,7 @@ from jaxserve.structured import StructuredOutput
 # Small buckets: warm-up compiles 12 shapes (3 steps, 8 samplers, the page copy), kept between runs
 # in the persistent cache the server tests use.
 ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=16, max_prefill_seqs=1,
-              max_model_len=96, page_size=8, num_pages=48,
+              max_model_len=96, page_size=8, num_pages=48, decode_steps=3,
               compilation_cache_dir=os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache"))
 
 
@@ -74,13 +74,15 @@ def main(model_dir: str, coordinator_address: str, process_id: str) -> None:
     runner, samplers = client.engine.runner, []
     sample = runner.sample
     runner.sample = lambda launched: (samplers.append(1), sample(launched))[1]   # sent on their own
+    multi_steps, launch = [], client.engine._launch
+    client.engine._launch = lambda out: (multi_steps.append(out.decode_steps > 1), launch(out))[1]
     results = {}
     for wave in WAVES:
         streams = {rid: client.submit(ids, params, rid) for rid, ids, params in wave}
         results.update({rid: collect(s) for rid, s in streams.items()})
         time.sleep(0.3)   # the engine thread idles: the follower is parked until the next wave
     client.shutdown()
-    print(json.dumps({"steps": client.engine.stats["steps"], "samplers": len(samplers),
+    print(json.dumps({"steps": client.engine.stats["steps"], "samplers": len(samplers), "multi_steps": sum(multi_steps),
                       "pauses": client.engine.runner.broadcaster.pauses, "results": results}))
 
 

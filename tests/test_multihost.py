@@ -82,6 +82,7 @@ def test_engine_on_two_processes_matches_one_process(tmp_path):
     hf = save_engine_model(str(tmp_path))
     leader, follower = run_workers(str(tmp_path))
     assert leader["samplers"] > 0   # the constrained request's steps overlapped
+    assert leader["multi_steps"] > 0   # decode_steps 3 while both seats decoded plainly
     assert leader["steps"] + leader["samplers"] == follower["steps"] > 0   # the follower replayed every message
     assert leader["pauses"] >= len(WAVES) - 1         # parked between waves, then woken
     requests = [r for wave in WAVES for r in wave]
