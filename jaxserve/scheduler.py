@@ -208,11 +208,8 @@ class Scheduler:
             row = self._row(seq, budget)
             if row.is_prefill and out.num_prefill_seqs >= self.cfg.max_prefill_seqs:
                 continue                                     # the runner's prefill rows are full
-            if decode_steps > 1 and self._reserve_steps(row, decode_steps, out):
-                out.scheduled.append(row)
-                scheduled_ids.add(seq.seq_id)
-                budget -= 1
-            elif self._reserve_or_preempt(seq, row.num_query_tokens, scheduled_ids, out):
+            if (decode_steps > 1 and self._reserve_steps(row, decode_steps, out)
+                    or self._reserve_or_preempt(seq, row.num_query_tokens, scheduled_ids, out)):
                 out.scheduled.append(row)
                 scheduled_ids.add(seq.seq_id)
                 budget -= row.num_query_tokens
@@ -268,7 +265,8 @@ class Scheduler:
     def resolve(self, output: SchedulerOutput, accepted: dict[int, list[int]]) -> None:
         """The step's results: each sampling row's accepted tokens (seq_id -> 1..num_sampled, or a
         multi-step decode's num_steps) take the place of its PENDING outputs (the first: a later
-        step's may follow), rejected proposals' K/V are rolled back and the full pages this step computed enter the prefix cache. A
+        step's may follow), rejected proposals' K/V are rolled back and the full pages this step
+        computed enter the prefix cache. A
         sequence finished meanwhile is skipped; one preempted meanwhile keeps its tokens."""
         for s in output.scheduled:
             seq = s.seq
