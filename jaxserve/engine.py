@@ -305,10 +305,10 @@ class LLMEngine:
 
     def _decode_steps(self) -> int:
         """The next step's decode_steps (scheduler.py): 1 while a prompt waits for a seat (it would
-        wait the k steps) or a running sequence needs more than the plain sampler."""
-        k = self.ecfg.decode_steps
-        plain = k > 1 and not self.scheduler.prefills_next() and all(samples_plainly(s) for s in self.scheduler.running)
-        return k if plain else 1
+        wait the k steps), or a running sequence has not sampled yet or needs more than the plain sampler."""
+        plain = self.ecfg.decode_steps > 1 and not self.scheduler.prefills_next() and all(
+            s.output_token_ids and samples_plainly(s) for s in self.scheduler.running)
+        return self.ecfg.decode_steps if plain else 1
 
     def _speculates(self) -> bool:
         """Whether the next step speculates (spec_decode/throttle.py), over the sequences that would verify."""

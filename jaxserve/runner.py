@@ -134,7 +134,9 @@ class ModelRunner:
                 token_src[position] = self._last_rows[seq.seq_id]
             # logits_index (the last array): the logits' rows
             metadata = functools.partial(metadata_for, seqs, seeds, len(batch.arrays[-1]), self.max_model_len)
-            if out.decode_steps > 1:   # a decode-only batch: sampling row i is row i
+            if out.decode_steps > 1:   # a decode-only batch (the engine's rule): sampling row i is row i
+                if batch.num_prefill_rows or batch.prompt_logprobs is not None:
+                    raise ValueError("a multi-step decode with prompt rows")
                 steps = {s.seq.seq_id: s.num_steps for s in rest}
                 row_steps = np.zeros(len(batch.arrays[-1]), np.int32)
                 row_steps[:len(seqs)] = [steps[seq.seq_id] for seq in seqs]

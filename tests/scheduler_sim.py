@@ -44,13 +44,17 @@ class FakeRunner:
         return seq.page_table[pos // ps] * ps + pos % ps
 
     def known(self, seq):
-        """seq's tokens, a PENDING one read from the previous step's results (as the device does)."""
-        return [self.last[seq.seq_id][0] if t == PENDING else t for t in seq.token_ids]
+        """seq's tokens, the PENDING ones (the last) read from the previous step's results (as the
+        device does)."""
+        ids = seq.token_ids
+        pending = len(ids) - seq.num_prompt_tokens - seq.num_known_outputs
+        return ids[:len(ids) - pending] + self.last[seq.seq_id][:pending] if pending else ids
 
     def execute(self, out):
         """Writes each row's query tokens, samples at its sampled positions and returns seq_id ->
         accepted tokens: for a verify row, the proposals matching the samples, then the sample
-        after them (greedy acceptance), cut after a stop token."""
+        after them (greedy acceptance), cut after a stop token; for a multi-step decode, its
+        num_steps samples, each written through the page table and read back as the next input."""
         ps = self.bm.page_size
         data = [self.slots[s * ps:(s + 1) * ps] for s, _ in out.page_copies]
         for (_, dst), page in zip(out.page_copies, data):
@@ -69,6 +73,16 @@ class FakeRunner:
             assert context == (self.known(seq) + seq.proposed_token_ids)[:end], \
                 "context read through the page table is wrong"
             tokens = []
+            if s.num_steps > 1:   # a multi-step decode
+                for k in range(s.num_steps):
+                    tokens.append(next_token(context, seq.index))
+                    if k + 1 < s.num_steps:   # the next step's input, written and read back
+                        page = seq.page_table[(end + k) // ps]
+                        assert self.bm.ref_counts[page] == 1 and page not in self.bm.page_key, "wrote a shared page"
+                        self.slots[self.slot(seq, end + k)] = tokens[-1]
+                        context = [self.slots[self.slot(seq, p)] for p in range(end + k + 1)]
+                accepted[seq.seq_id] = tokens
+                continue
             for p in range(end - s.num_sampled, end):
                 tokens.append(next_token(context[:p + 1], seq.index))
                 if p + 1 == end or tokens[-1] != context[p + 1] or tokens[-1] in seq.sampling.stop_token_ids:
@@ -105,6 +119,9 @@ def check_step(sched, out):
     assert out.num_prefill_seqs <= cfg.max_prefill_seqs
     for s in out.scheduled:
         known = s.seq.num_tokens - s.seq.num_computed_tokens
+        if s.num_steps > 1:   # a multi-step decode: a decode row, its steps within max_tokens
+            assert known == s.num_query_tokens == s.num_sampled == 1 and s.seq.output_token_ids
+            assert len(s.seq.output_token_ids) + s.num_steps <= s.seq.sampling.max_tokens
         if s.num_query_tokens > known:      # a verify row: the last known token and proposals
             assert known == 1 and s.num_sampled == s.num_query_tokens <= 1 + len(s.seq.proposed_token_ids)
             assert not s.is_prefill and len(s.seq.output_token_ids) + s.num_sampled <= s.seq.sampling.max_tokens
@@ -122,12 +139,15 @@ def check_step(sched, out):
     assert all(not s.page_table and s.num_computed_tokens == 0 for s in sched.waiting)
 
 
-def step(sched, runner, propose=None):
-    """One step; `propose(seq)` (optional) gives proposals to every sequence that can verify."""
+def step(sched, runner, propose=None, decode_steps=1):
+    """One step; `propose(seq)` (optional) gives proposals to every sequence that can verify;
+    `decode_steps` is asked for as the engine does: while every running sequence decodes and no
+    prompt waits for a seat."""
     for seq in sched.running:
         if propose and seq.num_computed_tokens == seq.num_tokens - 1:
             seq.proposed_token_ids = propose(seq)
-    out = sched.schedule()
+    decodes = not sched.prefills_next() and all(s.output_token_ids for s in sched.running)
+    out = sched.schedule(decode_steps if decodes else 1)
     check_step(sched, out)
     resolve(sched, out, runner.execute(out))
     for seq in sched.running:   # no page past the computed tokens, rejected proposals included
@@ -135,6 +155,10 @@ def step(sched, runner, propose=None):
     assert all(not s.seq.proposed_token_ids for s in out.scheduled)
     for s in out.scheduled:
         seq = s.seq
+        if s.num_steps > 1:   # the engine's collection: a run is cut after its first stop token
+            first = len(seq.output_token_ids) - s.num_steps
+            stops = [i for i, t in enumerate(seq.output_token_ids[first:]) if t in seq.sampling.stop_token_ids]
+            del seq.output_token_ids[first + stops[0] + 1 if stops else len(seq.output_token_ids):]
         if s.num_sampled and seq.output_token_ids[-1] in seq.sampling.stop_token_ids:
             sched.finish(seq, "stop")
         elif s.num_sampled and len(seq.output_token_ids) == seq.sampling.max_tokens:

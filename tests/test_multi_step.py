@@ -20,7 +20,8 @@ def params() -> list[P]:
             P(max_tokens=33, temperature=0.9, seed=7, logprobs=2, ignore_eos=True),
             P(max_tokens=25, temperature=0.0, stop=["e"]),
             P(max_tokens=30, temperature=1.0, seed=3, n=2),
-            P(max_tokens=6, temperature=0.0, min_tokens=5, ignore_eos=True)]
+            P(max_tokens=6, temperature=0.0, min_tokens=5, ignore_eos=True),
+            P(max_tokens=12, temperature=0.0, prompt_logprobs=2, ignore_eos=True)]
 
 
 def penalised() -> P:
@@ -28,18 +29,19 @@ def penalised() -> P:
 
 
 def outputs(llm, prompts, sampling) -> list:
-    """Each choice's tokens, text, finish reason and top logprob ids; their values apart (`same`)."""
+    """Each choice's tokens, text, finish reason and top logprob ids, their values apart (`same`);
+    then the request's count of prompt logprobs."""
     return [[(list(c.token_ids), c.text, c.finish_reason, [sorted(top) for top in c.logprobs or []],
               [sorted(p.logprob for p in top.values()) for top in c.logprobs or []]) for c in o.outputs]
-            for o in llm.generate(prompts, sampling, use_tqdm=False)]
+            + [len(o.prompt_logprobs or [])] for o in llm.generate(prompts, sampling, use_tqdm=False)]
 
 
 def same(a: list, b: list) -> bool:
     """Equal outputs, logprob values to 1e-5 (the programs differ, so may their float rounding)."""
     def close(x, y):
         return len(x) == len(y) and all(np.allclose(p, q, atol=1e-5) for p, q in zip(x, y))
-    return (len(a) == len(b) and all(len(p) == len(q) and all(c[:4] == d[:4] and close(c[4], d[4])
-                                                                for c, d in zip(p, q)) for p, q in zip(a, b)))
+    return (len(a) == len(b) and all(p[-1] == q[-1] and len(p) == len(q) and all(
+        c[:4] == d[:4] and close(c[4], d[4]) for c, d in zip(p[:-1], q[:-1])) for p, q in zip(a, b)))
 
 
 class StepCount:

@@ -153,6 +153,23 @@ def test_prefix_cache_serves_a_repeated_prompt():
     assert_all_pages_back(sched)
 
 
+def test_multi_step_decodes_take_only_free_pages():
+    """decode_steps 4 with 2 pages free: the first row takes them for its 4 tokens ahead, the second
+    runs one step in its own last page; nobody is preempted for tokens ahead. Then each runs to
+    its max_tokens (a run cut to the tokens left) with the reference outputs."""
+    sched, runner = make(num_pages=6, page_size=2, max_num_seqs=2, max_num_batched_tokens=16)
+    a, b = (add(sched, request(rid, prompt, max_tokens=7))[0] for rid, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6])))
+    decoding(sched, runner, a, b)   # 2 pages each: 3 prompt tokens and the first output's slot
+    out = sched.schedule(decode_steps=4)
+    assert [(s.seq, s.num_steps) for s in out.scheduled] == [(a, 4), (b, 1)] and not out.preempted
+    assert sched.bm.num_free_pages == 0
+    resolve(sched, out, runner.execute(out))
+    while sched.has_work():
+        step(sched, runner, decode_steps=4)
+    assert a.output_token_ids == reference([1, 2, 3], 7) and b.output_token_ids == reference([4, 5, 6], 7)
+    assert_all_pages_back(sched)
+
+
 BASES = [list(range(1, 13)), [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
 
 
@@ -172,6 +189,7 @@ def workloads(draw):
                prefill_chunk_size=draw(st.integers(1, 12)), enable_prefix_caching=draw(st.booleans()),
                admission_eagerness=draw(st.sampled_from([0.0, 0.3, 1.0])))
     spec = draw(st.none() | st.tuples(st.integers(1, 4), st.integers(0, 2**16)))   # (k, proposer seed)
+    cfg["decode_steps"] = 1 if spec else draw(st.sampled_from([1, 2, 3, 5]))   # they do not combine
     return cfg, reqs, spec
 
 
@@ -202,7 +220,7 @@ def test_random_workloads_finish_with_reference_outputs_and_free_pages(workload)
                                                     stop=r["stop"]))
             if r["abort"] == t and r["rid"] in seqs:
                 sched.abort(r["rid"])
-        step(sched, runner, propose)
+        step(sched, runner, propose, cfg["decode_steps"])
         t += 1
         assert t < 5_000, "scheduler made no progress"
     for r in reqs:
