@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4, help="concurrent closed-loop clients")
     p.add_argument("--fault-every", type=int, default=2000, help="every N-th engine step raises")
     p.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla")
+    p.add_argument("--decode-steps", type=int, default=1, help="the engine's decode_steps (multi-step decoding)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "soak"))
     args = p.parse_args(argv)
@@ -73,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args, command: str = "") -> dict:
     with tempfile.TemporaryDirectory() as workdir:
-        server = Server(workdir, {**ENGINE, "compilation_cache_dir": args.compilation_cache_dir},
-                        args.fault_every)
+        server = Server(workdir, {**ENGINE, "compilation_cache_dir": args.compilation_cache_dir,
+                                  "decode_steps": args.decode_steps}, args.fault_every)
         try:
             server.wait_ready()
             result = soak(server, args)
-            result["exit_code"] = server.stop()
+            result["exit_code"], result["decode_steps"] = server.stop(), args.decode_steps
         finally:
             server.kill()
     return {**report_header(command, args), "engine": ENGINE, "plot": os.path.basename(args.out) + ".png",
@@ -126,7 +127,8 @@ class Server:
             rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
         return {"free_pages": m["jaxserve_kv_free_pages"], "running": m["jaxserve_num_sequences_running"],
                 "waiting": m["jaxserve_num_sequences_waiting"], "failed_steps": m["jaxserve_failed_steps_total"],
-                "preemptions": m["jaxserve_num_preemptions_total"], "rss_mib": rss_kib / 1024}
+                "preemptions": m["jaxserve_num_preemptions_total"],
+                "multi_step_decodes": m["jaxserve_multi_step_decodes_total"], "rss_mib": rss_kib / 1024}
 
     def log_tail(self, n: int = 4000) -> str:
         self.log.flush()
@@ -190,7 +192,10 @@ def checks(result: dict) -> list[dict]:
     last = percentiles([t for s, t in ttfts if s >= d - fifth])["p99"]
     faults = result["final"]["failed_steps"] - result["start"]["failed_steps"]
     preempted = result["final"]["preemptions"] - result["start"]["preemptions"]
-    return [
+    multi = result["final"]["multi_step_decodes"] - result["start"]["multi_step_decodes"]
+    stepped = [{"check": "multi-step decodes ran (decode_steps > 1)", "ok": multi > 0, "value": f"{multi:g}"}
+               ] if result["decode_steps"] > 1 else []
+    return stepped + [
         {"check": "every accepted request ended with full output or a clear error",
          "value": f"{len(lost)} lost of {len(reqs)}" + (f" (first: {lost[0]['outcome']})" if lost else ""),
          "ok": not lost},

@@ -87,9 +87,9 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(self.ecfg.seed)
         self._ids = itertools.count()
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "failed_steps": 0,
-                      "requests_finished": 0, "spec_verify_rows": 0, "spec_proposed_tokens": 0,
-                      "spec_accepted_tokens": 0, "spec_draft_steps": 0, "spec_off_steps": 0}
+        self.stats = dict.fromkeys(("prompt_tokens", "generation_tokens", "steps", "failed_steps", "requests_finished",
+                                    "spec_verify_rows", "spec_proposed_tokens", "spec_accepted_tokens",
+                                    "spec_draft_steps", "spec_off_steps", "multi_step_decodes"), 0)
         self._fault_steps = {int(n) for n in os.environ.get(FAULT_STEPS_ENV, "").split(",") if n.strip()}
         self.last_schedule = None   # the SchedulerOutput of the latest step (roofline accounting)
         # Plan step N+1 while step N runs (see `step`); off: each step is collected before the next is planned.
@@ -248,13 +248,13 @@ class LLMEngine:
         now = time.monotonic()
         for s in out.scheduled:
             req = self._requests[s.seq.request_id]
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
+            req.first_scheduled_time = req.first_scheduled_time or now
         if self.ecfg.poison_freed_pages:
             out = self.runner.poison_pages(out, self.block_manager.drain_stale_pages())
         sample_later = self._can_overlap(out) and out.decode_steps == 1 and any(   # see `step`
             s.num_sampled and (self._defer_all_samplers or reads_outputs(s.seq)) for s in out.scheduled)
         launched = self.runner.launch(out, {s.seq.seq_id: s.seq.seed for s in out.scheduled}, sample_later)
+        self.stats["multi_step_decodes"] += out.decode_steps > 1
         self.scheduler.launched(out)
         return launched
 

@@ -90,7 +90,8 @@ class _EngineCollector:
                                ("spec_proposed_tokens", "Speculative decoding: proposed tokens verified."),
                                ("spec_accepted_tokens", "Speculative decoding: proposed tokens accepted."),
                                ("spec_draft_steps", "Speculative decoding: steps of the draft model."),
-                               ("spec_off_steps", "Speculative decoding: steps run without it (it would not pay).")):
+                               ("spec_off_steps", "Speculative decoding: steps run without it (it would not pay)."),
+                               ("multi_step_decodes", "Steps that ran decode_steps decode steps in one program.")):
             yield CounterMetricFamily(f"jaxserve_{key}", help_text, value=sum(e.stats[key] for e in engines))
         yield CounterMetricFamily("jaxserve_num_preemptions", "Sequences preempted (recomputed later).",
                                   value=sum(s.num_preemptions for s in scheds))

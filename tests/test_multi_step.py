@@ -73,6 +73,7 @@ def test_multi_step_gives_the_single_step_outputs(engines):
     assert CompileCounter.count == before, "multi-step decoding compiled after warm-up"
     assert same(got, outputs(single, prompts, sampling))
     assert counts[STEPS] >= 5 and sum(counts.values()) < 40   # 40 tokens from far fewer programs
+    assert multi.llm_engine.stats["multi_step_decodes"] >= counts[STEPS]   # /metrics counts them
     bm = multi.llm_engine.block_manager
     assert bm.num_free_pages == bm.num_pages
 
