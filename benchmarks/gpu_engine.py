@@ -302,6 +302,10 @@ def report(out_dir: str, models: list[str]) -> str:
             lines.append("- Greedy outputs, pallas_gpu vs xla: " + agreement(pallas["outputs"], xla["outputs"])
                          + ". Again with top-5 logprobs: " + near_ties(pallas["traced"], xla["traced"]) + "; "
                          + logprob_gaps(pallas["traced"], xla["traced"]) + ".")
+        for b, r in backends.items():   # a variant against the same backend with the defaults
+            base = backends.get(b.split(" ")[0])
+            if " decode_steps " in b and base is not None:
+                lines.append(f"- Greedy outputs, {b} vs {b.split(' ')[0]}: " + agreement(r["outputs"], base["outputs"]) + ".")
         if name == "copy":   # the answer: each prompt's x
             xs = [r.prompt_token_ids[-COPY_LENGTH - 1:-1] for r in workload(name, COPY["vocab_size"])]
             lines.append("- Exact copies of the prompt: " + "; ".join(
