@@ -62,6 +62,11 @@ class StepShape(NamedTuple):
         return f"prefill-{self.tokens}x{self.prefill_rows}q{self.max_q}{verify}"
 
     @property
+    def plain_decode(self) -> bool:
+        """Decode rows of one token each: the shapes a multi-step decode runs in (step.py)."""
+        return not self.prefill_rows and self.decode_q == 1
+
+    @property
     def logit_rows(self) -> int:
         """Positions the step samples from: every token of every decode row."""
         return self.decode_rows * self.decode_q

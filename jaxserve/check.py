@@ -204,7 +204,7 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
         work += [(f"{s.name}-x{ecfg.decode_steps}{'' if f is None else '-filters' if f else ''}", lambda s=s, f=f: lower(
             multi, params, kv, *multi_step_arrays(s, max_pages, num_pages * ecfg.page_size, last_sampled, max_len,
                                                   cfg.vocab_size), steps=ecfg.decode_steps, filters=f))
-                 for s in shapes if not s.prefill_rows and s.decode_q == 1
+                 for s in shapes if s.plain_decode
                  for f in multi_step_filters(parallel.platform(mesh))]
     if samplers:
         work += sampler_lowerings(sampler_rows or [s.logit_rows for s in shapes], cfg.vocab_size, mesh,

@@ -181,7 +181,7 @@ def _multi_step_args(runner, shapes: list[StepShape]) -> list[tuple]:
         return []
     return [multi_step_arrays(s, runner.max_pages_per_seq, runner.num_pages * runner.page_size,
                               runner.no_sampled_tokens(), runner.max_model_len, runner.cfg.vocab_size)
-            for s in shapes if not s.prefill_rows and s.decode_q == 1]
+            for s in shapes if s.plain_decode]
 
 
 def _outputs(executable):
