@@ -31,9 +31,7 @@ def make_step(model, cfg: ModelConfig, mesh, backend: str):
 def make_multi_step(model, cfg: ModelConfig, mesh, backend: str, length: int):
     """multi_step_decode with its static arguments for `mesh`: call it as (params, kv_cache,
     *arrays, row_steps, last_sampled, md, steps=, filters=); `length`: Buckets.max_logit_rows."""
-    return functools.partial(multi_step_decode, model, backend=backend, length=length,
-                             kv_sharding=parallel.kv_cache_sharding(cfg, mesh),
-                             logits_sharding=parallel.logits_sharding(cfg, mesh))
+    return functools.partial(multi_step_decode, model, length=length, **make_step(model, cfg, mesh, backend).keywords)
 
 
 def step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled) -> tuple:
