@@ -36,7 +36,7 @@ from jaxserve.kv_cache import KVCache, page_bytes_per_chip
 from jaxserve.models import build_model
 from jaxserve.executables import lower
 from jaxserve.step import (empty_sequence_parallel_prefill, last_sampled_spec, lower_step, make_multi_step, make_step,
-                           multi_step_arrays, multi_step_filters, page_copy_batches, sampler_lowerings)
+                           multi_step_arrays, multi_step_variants, page_copy_batches, sampler_lowerings)
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step_cost import step_cost
 
@@ -201,11 +201,12 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
     if ecfg.decode_steps > 1:
         multi = make_multi_step(model, cfg, mesh, backend, buckets.max_logit_rows)
         max_len = ecfg.max_model_len or cfg.max_position_embeddings
-        work += [(f"{s.name}-x{ecfg.decode_steps}{'' if f is None else '-filters' if f else ''}", lambda s=s, f=f: lower(
-            multi, params, kv, *multi_step_arrays(s, max_pages, num_pages * ecfg.page_size, last_sampled, max_len,
-                                                  cfg.vocab_size), steps=ecfg.decode_steps, filters=f))
+        work += [(f"{s.name}-x{ecfg.decode_steps}{'-penalties-bias' if p else ''}{'-filters' if f else ''}",
+                  lambda s=s, p=p, f=f: lower(
+                      multi, params, kv, *multi_step_arrays(s, max_pages, num_pages * ecfg.page_size, last_sampled,
+                                                            max_len, cfg.vocab_size, p), steps=ecfg.decode_steps, filters=f))
                  for s in shapes if s.plain_decode
-                 for f in multi_step_filters(parallel.platform(mesh))]
+                 for p, f in multi_step_variants(parallel.platform(mesh))]
     if samplers:
         work += sampler_lowerings(sampler_rows or [s.logit_rows for s in shapes], cfg.vocab_size, mesh,
                                   ecfg.max_model_len or cfg.max_position_embeddings, buckets.max_logit_rows)

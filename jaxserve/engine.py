@@ -31,7 +31,7 @@ from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingP
 from jaxserve.block_manager import BlockManager
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
 from jaxserve.runner import Launched, ModelRunner, SampleResult
-from jaxserve.sampling import reads_outputs, samples_plainly
+from jaxserve.sampling import reads_outputs, samples_ahead, uses_penalties
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence
 from jaxserve.spec_decode import ngram
@@ -113,15 +113,13 @@ class LLMEngine:
         prompt_token_ids = params.prompt(prompt_token_ids)
         if not prompt_token_ids:
             raise InvalidRequest("prompt is empty", param="prompt")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.model_cfg.vocab_size]
-        if bad:
+        if bad := [t for t in prompt_token_ids if not 0 <= t < self.model_cfg.vocab_size]:
             raise InvalidRequest(f"prompt token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}",
                                  param="prompt")
         if params.prompt_logprobs is not None and self.runner.prefills_sequence_parallel:
             raise InvalidRequest("prompt_logprobs is not supported with sequence-parallel prefill",
                                  param="prompt_logprobs")
-        bad = [t for t in params.logit_bias if t >= self.model_cfg.vocab_size]
-        if bad:
+        if bad := [t for t in params.logit_bias if t >= self.model_cfg.vocab_size]:
             raise InvalidRequest(f"logit_bias token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}",
                                  param="logit_bias")
         total = len(prompt_token_ids) + params.max_tokens
@@ -170,8 +168,7 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.abort(request_id)
-        return self._output(req, [CompletionOutput(s.index, "", [], None, "abort") for s in req.seqs],
-                            finished=True)
+        return self._output(req, [CompletionOutput(s.index, "", [], None, "abort") for s in req.seqs], finished=True)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -199,7 +196,7 @@ class LLMEngine:
         outputs = []
         if self.throttle is not None:   # the time since the last step's planning prices a step
             self.throttle.begins()
-        if previous is not None and not self._can_overlap(previous[0]):
+        if previous is not None and not (self._can_overlap(previous[0]) and self._overlaps_next()):
             outputs, previous = self._guarded([previous[0]], lambda: self._collect(*self._sampled(previous))), None
         speculate = self._speculates()
         if previous is not None and speculate:
@@ -305,10 +302,14 @@ class LLMEngine:
 
     def _decode_steps(self) -> int:
         """The next step's decode_steps (scheduler.py): 1 while a prompt waits for a seat (it would
-        wait the k steps), or a running sequence has not sampled yet or needs more than the plain sampler."""
-        plain = self.ecfg.decode_steps > 1 and not self.scheduler.prefills_next() and all(
-            s.output_token_ids and samples_plainly(s) for s in self.scheduler.running)
-        return self.ecfg.decode_steps if plain else 1
+        wait the k steps), or a running sequence has not sampled yet or cannot sample ahead."""
+        ahead = self.ecfg.decode_steps > 1 and not self.scheduler.prefills_next() and all(
+            s.output_token_ids and samples_ahead(s) for s in self.scheduler.running)
+        return self.ecfg.decode_steps if ahead else 1
+
+    def _overlaps_next(self) -> bool:
+        """Not a multi-step decode with penalised rows: their counts start from all tokens before it."""
+        return self._decode_steps() == 1 or not any(uses_penalties(s.sampling) for s in self.scheduler.running)
 
     def _speculates(self) -> bool:
         """Whether the next step speculates (spec_decode/throttle.py), over the sequences that would verify."""
@@ -365,9 +366,8 @@ class LLMEngine:
 
     def _advance(self, req: Request, seq: Sequence, res: SampleResult, num_outputs: int,
                  text: str) -> CompletionOutput:
-        """Take the new token (the sequence's num_outputs-th output) and its `text`, apply stop
-        conditions, return the choice's delta. The sampler bans
-        the ending tokens before min_tokens outputs; stop strings are not looked for then."""
+        """Take the new token (the sequence's num_outputs-th output) and its `text`, apply stop conditions
+        (before min_tokens outputs the sampler bans the ending tokens, stop strings count not), return the delta."""
         p, i, token = req.params, seq.index, res.token
         is_stop_token = token in seq.end_token_ids
         reason = "stop" if is_stop_token else None

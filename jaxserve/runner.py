@@ -34,10 +34,11 @@ from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
 from jaxserve.kv_cache import KVCache, page_bytes_per_chip
 from jaxserve.models import build_model
 from jaxserve.packing import pack
-from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for, uses_filters
+from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
-from jaxserve.step import make_multi_step, make_step, multi_step_filters, page_copy_batches, serving_sample
+from jaxserve.step import (make_multi_step, make_step, multi_step_variant, multi_step_variants, page_copy_batches,
+                           serving_sample)
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +142,9 @@ class ModelRunner:
                 row_steps = np.zeros(len(batch.arrays[-1]), np.int32)
                 row_steps[:len(seqs)] = [steps[seq.seq_id] for seq in seqs]
                 md = metadata()
-                # which compiled variant (multi_step_filters): -1 None, 0 False, 1 True
-                filters = -1 if multi_step_filters(parallel.platform(self.mesh)) == [None] else int(
-                    uses_filters(md, self.cfg.vocab_size))
+                # which compiled variant (multi_step_variants): filters -1 None, 0 False, 1 True
+                filters = multi_step_variant(multi_step_variants(parallel.platform(self.mesh)), md, self.cfg.vocab_size)
+                filters = -1 if filters is None else int(filters)
                 ops.append(_Op([_MULTI_STEP, self.ecfg.decode_steps, filters], (*batch.arrays, token_src, row_steps),
                                seqs, md))
             else:

@@ -44,13 +44,12 @@ def reads_outputs(seq) -> bool:
     return seq.grammar is not None or uses_penalties(seq.sampling)
 
 
-def samples_plainly(seq) -> bool:
-    """Whether the plain sampler variant serves `seq` and its arrays stay the same over its next
-    tokens but for the step count (what a multi-step decode needs): no grammar, no penalties, no
-    logit bias, min_tokens reached."""
-    p = seq.sampling
-    return (not reads_outputs(seq) and not p.logit_bias
-            and (len(seq.output_token_ids) >= p.min_tokens or not seq.end_token_ids))
+def samples_ahead(seq) -> bool:
+    """Whether a multi-step decode (step.multi_step_decode) can sample `seq`'s next tokens: its
+    arrays hold for them but for what the loop updates (the step count, the penalty counts) and
+    min_tokens' ban (the scheduler ends the row's run where the ban lifts). Not with a grammar,
+    whose masks the host computes token by token."""
+    return seq.grammar is None
 
 
 @struct.dataclass
@@ -228,16 +227,33 @@ def apply_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     return logits.at[jnp.arange(rows)[:, None], ids].add(md.bias, mode="drop")
 
 
-def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+class PenaltyCounts(NamedTuple):
+    """What the penalties read of a row's history, per token of the vocabulary."""
+    seen: jax.Array     # bool[S, V] in the prompt or the outputs
+    counts: jax.Array   # int32[S, V] occurrences in the outputs
+
+    @classmethod
+    def of(cls, md: SamplingMetadata, vocab: int) -> "PenaltyCounts":
+        rows = md.history.shape[0]
+        ids = jnp.where(md.history < 0, vocab, md.history)  # padding -> out of range, dropped below
+        row = jnp.arange(rows)[:, None]
+        is_output = jnp.arange(ids.shape[1])[None, :] >= md.prompt_len[:, None]
+        return cls(jnp.zeros((rows, vocab), bool).at[row, ids].set(True, mode="drop"),
+                   jnp.zeros((rows, vocab), jnp.int32).at[row, ids].add(is_output.astype(jnp.int32), mode="drop"))
+
+    def add(self, tokens: jax.Array, where: jax.Array) -> "PenaltyCounts":
+        """Each row's new output token, where `where` (the next step of a multi-step decode)."""
+        row, ids = jnp.arange(tokens.shape[0]), jnp.where(where, tokens, self.seen.shape[1])
+        return PenaltyCounts(self.seen.at[row, ids].set(True, mode="drop"),
+                             self.counts.at[row, ids].add(1, mode="drop"))
+
+
+def apply_penalties(logits: jax.Array, md: SamplingMetadata, history: PenaltyCounts | None = None) -> jax.Array:
     """vLLM/HF semantics. Repetition: every token in prompt or output has a positive logit divided
     by, a negative one multiplied by, the penalty. Presence/frequency (OpenAI): output tokens lose
-    presence_penalty once and frequency_penalty per occurrence."""
-    rows, vocab = logits.shape
-    ids = jnp.where(md.history < 0, vocab, md.history)  # padding -> out of range, dropped below
-    row = jnp.arange(rows)[:, None]
-    is_output = jnp.arange(ids.shape[1])[None, :] >= md.prompt_len[:, None]
-    seen = jnp.zeros((rows, vocab), bool).at[row, ids].set(True, mode="drop")
-    counts = jnp.zeros((rows, vocab), jnp.int32).at[row, ids].add(is_output.astype(jnp.int32), mode="drop")
+    presence_penalty once and frequency_penalty per occurrence. `history`: md's PenaltyCounts,
+    if the caller has them."""
+    seen, counts = history if history is not None else PenaltyCounts.of(md, logits.shape[1])
     rp = md.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
     return (logits - md.frequency_penalty[:, None] * counts
@@ -317,21 +333,22 @@ def uses_filters(md: SamplingMetadata, vocab_size: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "filters"))
-def sample(logits: jax.Array, md: SamplingMetadata, *, num_logprobs: int = 0,
+def sample(logits: jax.Array, md: SamplingMetadata, history: PenaltyCounts | None = None, *, num_logprobs: int = 0,
            filters: bool | None = None) -> SampleOutput:
     """Sample one token per row of `logits` [S, V]. `num_logprobs` (static) is the N of top_ids /
     top_logprobs; the mask, the bias and the penalties run only when their arrays are non-empty
     (static shapes). `filters` None: conditionals skip the noise and filters of an all-greedy
     batch, the logprobs when no row asks, the top-k/top-p selection when no row needs it.
     True/False (`uses_filters`): no conditional (XLA:GPU holds the launching host at each one
-    until the GPU gets there); noise and logprobs computed for every batch, the selection if True."""
+    until the GPU gets there); noise and logprobs computed for every batch, the selection if True.
+    `history`: the penalties' PenaltyCounts of md, kept up to date by a multi-step decode."""
     raw = logits = logits.astype(jnp.float32)
     if md.use_mask:
         logits = apply_mask(logits, md)
     if md.use_bias:
         logits = apply_bias(logits, md)
     if md.use_penalties:
-        logits = apply_penalties(logits, md)
+        logits = apply_penalties(logits, md, history)
     greedy = (md.temperature <= 0.0) | (md.top_k == 1)
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if filters is None:   # an all-greedy batch skips the noise and the filters

@@ -39,8 +39,9 @@ A verify row is not a prefill: it is not capped by max_prefill_seqs.
   * a multi-step decode (`schedule(decode_steps=k)`, k > 1, asked for by the engine when nothing
     waits to prefill): a decode that the device runs num_steps times, each step's sampled token
     the next one's input, so num_steps tokens are computed and sampled. num_steps is k cut to
-    max_tokens and max_model_len, and to 1 when the pool lacks the pages for k tokens (a row is
-    never preempted for tokens ahead). Tokens after a stop are dropped when collected, as with a
+    max_tokens and max_model_len, to where min_tokens' ban of the ending tokens lifts (the
+    sampler's arrays hold for a whole run), and to 1 when the pool lacks the pages for k tokens
+    (a row is never preempted for tokens ahead). Tokens after a stop are dropped when collected, as with a
     stop found late.
 
 A step's life: `schedule` plans it; `launched` (once its computations are on their way) advances
@@ -314,6 +315,8 @@ class Scheduler:
         if row.num_query_tokens != 1 or row.num_sampled != 1 or seq.proposed_token_ids or not seq.output_token_ids:
             return False
         steps = min(decode_steps, max(seq.sampling.max_tokens, 1) - len(seq.output_token_ids))
+        if seq.end_token_ids and len(seq.output_token_ids) < seq.sampling.min_tokens:   # the ban lasts a run
+            steps = min(steps, seq.sampling.min_tokens - len(seq.output_token_ids))
         if self.max_model_len is not None:
             steps = min(steps, self.max_model_len - seq.num_tokens)
         if steps < 2 or (copies := self.bm.reserve(seq, steps)) is None:

@@ -1,7 +1,7 @@
 """The computations warm-up compiles, as pieces that `jaxserve check` (check.py) lowers the same
 way for compile-only TPU devices, with ShapeDtypeStructs for the weights and the KV cache:
 the model step (KV write + paged attention + logits), the sampler variants, and the multi-step
-decode (decode_steps model steps and plain samplers in one program).
+decode (decode_steps model steps and their samplers in one program).
 
 Module-level jits with the model as a static argument: engines with the same model and shapes
 share compilations within a process.
@@ -19,7 +19,7 @@ from jaxserve import parallel
 from jaxserve.attention import AttentionMetadata
 from jaxserve.buckets import StepShape
 from jaxserve.config import MAX_LOGPROBS, ModelConfig
-from jaxserve.sampling import sample, sampler_variants
+from jaxserve.sampling import PenaltyCounts, sample, sampler_variants, uses_filters
 
 def make_step(model, cfg: ModelConfig, mesh, backend: str):
     """The step with its static arguments for `mesh`: call it as (params, kv_cache, *arrays,
@@ -41,12 +41,12 @@ def step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, las
 
 
 def multi_step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled,
-                      max_model_len: int, vocab_size: int) -> tuple:
+                      max_model_len: int, vocab_size: int, penalties: bool) -> tuple:
     """multi_step_decode's arrays for an empty batch of a decode `shape`: the step's, no row
-    running a step, the plain sampler's metadata."""
+    running a step, the sampler's metadata (the plain variant's, or with penalties and a bias)."""
     *arrays, last_sampled = step_arrays(shape, max_pages_per_seq, padding_slot, last_sampled)
-    plain = sampler_variants(shape.logit_rows, max_model_len, vocab_size)[0]
-    return *arrays, np.zeros(shape.logit_rows, np.int32), last_sampled, plain
+    md = sampler_variants(shape.logit_rows, max_model_len, vocab_size)[int(penalties)]
+    return *arrays, np.zeros(shape.logit_rows, np.int32), last_sampled, md
 
 
 def last_sampled_spec(mesh, rows: int) -> jax.ShapeDtypeStruct:
@@ -128,11 +128,21 @@ def model_step(model, params, kv_cache, tokens, positions, slot_mapping, page_ta
     return logits, kv_cache, hidden   # hidden [T, H]: prompt logprobs read it, nothing else
 
 
-def multi_step_filters(platform: str) -> list[bool | None]:
-    """The multi-step decode's compiled variants by its sampler's `filters` (sampling.sample): on a
-    GPU one without top-k/top-p and one with, neither with a conditional (XLA:GPU would hold the
-    launching host at each of the loop's); elsewhere one, whose conditionals run on the device."""
-    return [False, True] if platform in ("gpu", "cuda") else [None]
+def multi_step_variants(platform: str) -> list[tuple[bool, bool | None]]:
+    """The multi-step decode's compiled variants: (penalties and a bias, its sampler's `filters`
+    (sampling.sample)). On a GPU, for plain batches one without top-k/top-p and one with, neither
+    with a conditional (XLA:GPU would hold the launching host at each of the loop's); for batches
+    with penalties or a bias one, with the filters (right for rows without: one variant fewer).
+    Elsewhere one of each, whose conditionals run on the device."""
+    if platform in ("gpu", "cuda"):
+        return [(False, False), (False, True), (True, True)]
+    return [(False, None), (True, None)]
+
+
+def multi_step_variant(variants: list[tuple[bool, bool | None]], md, vocab_size: int) -> bool | None:
+    """The `filters` of the variant of `variants` (multi_step_variants) that samples md's rows (host arrays)."""
+    filters = md.use_penalties or uses_filters(md, vocab_size)
+    return filters if (md.use_penalties, filters) in variants else None
 
 
 @functools.partial(jax.jit, static_argnames=("model", "backend", "steps", "filters", "length", "kv_sharding",
@@ -144,16 +154,20 @@ def multi_step_decode(model, params, kv_cache, tokens, positions, slot_mapping, 
     at position r and logit row r) in one program, each step's sampled tokens the next one's
     inputs (scheduler.py: multi-step decodes). Row r runs its first row_steps[r] steps; later
     ones write nothing and their samples are dropped by the host (slot_mapping, the first step's
-    slots, is recomputed from the page table like the later ones'). Returns the samples
-    [steps, rows], the pool, and each row's last sampled token padded to `length` (the next
-    step's last_sampled, as serving_sample's)."""
+    slots, is recomputed from the page table like the later ones'). `md`: the plain sampler's
+    arrays, or with penalties and a bias (multi_step_variants): penalised rows' counts grow with
+    each step's tokens; a bias holds for every step (min_tokens' ban: the scheduler ends a row's
+    run where it lifts). Returns the samples [steps, rows], the pool, and each row's last sampled
+    token padded to `length` (the next step's last_sampled, as serving_sample's)."""
     rows, page_size = tokens.shape[0], kv_cache.page_size
     no_slot = kv_cache.num_pages * page_size
     tokens = jnp.where(token_src >= 0, last_sampled[jnp.maximum(token_src, 0)], tokens)
     no_src = jnp.full_like(token_src, -1)
+    # Penalised rows: their counts kept up to date over the steps (their history: all known tokens)
+    history = PenaltyCounts.of(md, model.cfg.vocab_size) if md.use_penalties else None
 
     def one(carry, k):
-        kv_cache, tokens = carry
+        kv_cache, tokens, history = carry
         running = k < row_steps
         ahead = jnp.maximum(jnp.minimum(k, row_steps - 1), 0)   # a row past its steps stays on its last
         pos = positions + ahead
@@ -163,8 +177,9 @@ def multi_step_decode(model, params, kv_cache, tokens, positions, slot_mapping, 
                                          query_start_loc, logits_index, no_src, last_sampled, backend=backend,
                                          num_prefill_rows=0, max_q=1, decode_q=1, kv_sharding=kv_sharding,
                                          logits_sharding=logits_sharding)
-        out = sample(logits, md.replace(step=md.step + k), num_logprobs=MAX_LOGPROBS, filters=filters)
-        return (kv_cache, jnp.where(running, out.tokens, tokens)), out
+        out = sample(logits, md.replace(step=md.step + k), history, num_logprobs=MAX_LOGPROBS, filters=filters)
+        history = None if history is None else history.add(out.tokens, running)
+        return (kv_cache, jnp.where(running, out.tokens, tokens), history), out
 
-    (kv_cache, last), outs = jax.lax.scan(one, (kv_cache, tokens), jnp.arange(steps))
+    (kv_cache, last, _), outs = jax.lax.scan(one, (kv_cache, tokens, history), jnp.arange(steps))
     return outs, kv_cache, jnp.zeros(length, jnp.int32).at[:rows].set(last)

@@ -33,7 +33,7 @@ from jaxserve.buckets import StepShape, largest
 from jaxserve.compilations import CompileCounter
 from jaxserve.executables import key, lower
 from jaxserve.kv_cache import KVCache
-from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, multi_step_arrays, multi_step_filters,
+from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, multi_step_arrays, multi_step_variants,
                            page_copy_batches, sampler_args, serving_sample, step_arrays)
 
 log = logging.getLogger(__name__)
@@ -125,8 +125,7 @@ def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
             runner.num_pages * runner.page_size, args[-1])))
     work += [_lowering("multi_step", runner._multi_step, (runner.params, kv), args, steps=runner.ecfg.decode_steps,
                        filters=filters)
-             for args in _multi_step_args(runner, shapes)
-             for filters in multi_step_filters(parallel.platform(runner.mesh))]
+             for args, filters in _multi_steps(runner, shapes)]
     if beside and runner.prefills_sequence_parallel:
         work += [_lowering("sequence_parallel_prefill", runner._sp_prefill, (runner.params, kv),
                            empty_sequence_parallel_prefill(t, runner.max_pages_per_seq))
@@ -155,10 +154,9 @@ def _run_once(runner, shapes: list[StepShape], kv_cache):
         # token budget, rides in a decode-shaped step).
         empty = np.zeros(shape.tokens, np.int32)
         jax.block_until_ready(runner._prompt_logprobs(hidden, empty, empty))
-    for args in _multi_step_args(runner, shapes):
-        for filters in multi_step_filters(parallel.platform(runner.mesh)):
-            _, kv_cache, _ = runner._run("multi_step", runner._multi_step, (runner.params, kv_cache), args,
-                                         steps=runner.ecfg.decode_steps, filters=filters)
+    for args, filters in _multi_steps(runner, shapes):
+        _, kv_cache, _ = runner._run("multi_step", runner._multi_step, (runner.params, kv_cache), args,
+                                     steps=runner.ecfg.decode_steps, filters=filters)
     return kv_cache
 
 
@@ -175,13 +173,15 @@ def _step_args(runner, shape: StepShape) -> tuple[tuple, dict]:
             dict(num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q))
 
 
-def _multi_step_args(runner, shapes: list[StepShape]) -> list[tuple]:
-    """The multi-step decode's arrays for each decode shape of `shapes` (none when decode_steps is 1)."""
+def _multi_steps(runner, shapes: list[StepShape]) -> list[tuple[tuple, bool | None]]:
+    """The multi-step decode's (arrays, filters) for each decode shape of `shapes` and compiled
+    variant (step.multi_step_variants; none when decode_steps is 1)."""
     if runner.ecfg.decode_steps == 1:
         return []
-    return [multi_step_arrays(s, runner.max_pages_per_seq, runner.num_pages * runner.page_size,
-                              runner.no_sampled_tokens(), runner.max_model_len, runner.cfg.vocab_size)
-            for s in shapes if s.plain_decode]
+    return [(multi_step_arrays(s, runner.max_pages_per_seq, runner.num_pages * runner.page_size,
+                               runner.no_sampled_tokens(), runner.max_model_len, runner.cfg.vocab_size, penalties),
+             filters)
+            for s in shapes if s.plain_decode for penalties, filters in multi_step_variants(parallel.platform(runner.mesh))]
 
 
 def _outputs(executable):

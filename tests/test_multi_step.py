@@ -1,9 +1,10 @@
 """Multi-step decoding (EngineConfig.decode_steps): one program runs k decode steps, each step's
 sampled tokens the next one's inputs. Checked against the same engine settings with one step a
 program: the same tokens, logprobs and texts, with greedy and seeded rows, logprobs, stop strings,
-n > 1, penalised rows (which run one step at a time), a prompt arriving while others decode, a pool
-too small for every row's k tokens ahead (preemption), and max_model_len; no compilation after
-warm-up; every page back in the pool."""
+n > 1, penalised rows, a logit bias, min_tokens (its ban ends a row's run), a prompt arriving
+while others decode and a constrained row (both run one step at a time), a pool too small for
+every row's k tokens ahead (preemption), and max_model_len; no compilation after warm-up; every
+page back in the pool."""
 import numpy as np
 import pytest
 
@@ -24,8 +25,12 @@ def params() -> list[P]:
             P(max_tokens=12, temperature=0.0, prompt_logprobs=2, ignore_eos=True)]
 
 
-def penalised() -> P:
-    return P(max_tokens=14, temperature=0.7, seed=4, ignore_eos=True, repetition_penalty=1.3)
+def penalised() -> list[P]:
+    """Rows that sample with the penalties-and-bias variant: penalties, a bias, min_tokens' ban."""
+    return [P(max_tokens=14, temperature=0.7, seed=4, ignore_eos=True, repetition_penalty=1.3),
+            P(max_tokens=22, temperature=0.0, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.7),
+            P(max_tokens=17, temperature=0.9, seed=8, logit_bias={40: 4.0, 41: 3.0, 42: -100.0}, logprobs=1,
+              ignore_eos=True)]
 
 
 def outputs(llm, prompts, sampling) -> list:
@@ -79,35 +84,61 @@ def test_multi_step_gives_the_single_step_outputs(engines):
 
 
 def test_the_samplers_without_conditionals_of_a_gpu(engines, monkeypatch):
-    """As on a GPU (step.multi_step_filters): the multi-step decodes' samplers hold no conditional,
-    one compiled variant without top-k/top-p and one with; the same outputs."""
-    from jaxserve import runner, warmup
+    """As on a GPU (step.multi_step_variants): the multi-step decodes' samplers hold no conditional,
+    plain ones without top-k/top-p and with, penalised ones with; the same outputs."""
+    from jaxserve import runner, step, warmup
     for module in (runner, warmup):
-        monkeypatch.setattr(module, "multi_step_filters", lambda platform: [False, True])
+        monkeypatch.setattr(module, "multi_step_variants", lambda platform: step.multi_step_variants("gpu"))
     single, _ = engines
     llm = LLM(**ENGINE, decode_steps=STEPS)
     counts, variants, run = StepCount(llm.llm_engine).counts, set(), llm.llm_engine.runner._run
 
     def spy(name, fn, fixed, args, **static):
-        variants.add(static.get("filters", "-"))
+        if name == "multi_step":
+            variants.add((args[-1].use_penalties, static["filters"]))
         return run(name, fn, fixed, args, **static)
     llm.llm_engine.runner._run = spy
     filtered = [P(max_tokens=30, temperature=0.8, seed=5, top_k=20, ignore_eos=True),
                 P(max_tokens=30, temperature=1.0, seed=6, top_p=0.7, min_p=0.05, logprobs=1, ignore_eos=True)]
-    for sampling in (params()[:2], params()[:2] + filtered):
+    for sampling in (params()[:2], params()[:2] + filtered, params()[:2] + penalised()):
         prompts = [f"Example {i}:" for i in range(len(sampling))]
         assert same(outputs(llm, prompts, sampling), outputs(single, prompts, sampling))
-    assert counts[STEPS] >= 10 and variants >= {False, True} and None not in variants
+    assert counts[STEPS] >= 15 and variants == set(step.multi_step_variants("gpu")), variants
 
 
-def test_rows_that_need_their_outputs_and_new_prompts_run_one_step_at_a_time(engines):
+def test_penalised_biased_and_min_tokens_rows_run_multi_step(engines):
+    """The multi-step decode's penalties-and-bias variant, beside plain rows: penalised rows (their
+    counts grow step by step), a logit bias, and min_tokens' ban of an ending token that greedy
+    picks early (a run cut where the ban lifts); with the overlapped loop, which collects the step
+    before a penalised multi-step decode first."""
+    single, multi = engines
+    counts = StepCount(multi.llm_engine).counts
+    prompts = [f"Example {i}:" for i in range(6)]
+    [free] = single.generate(prompts[5:], [P(max_tokens=4, temperature=0.0)], use_tqdm=False)
+    banned = P(max_tokens=20, temperature=0.0, min_tokens=7, stop_token_ids=[free.outputs[0].token_ids[1]])
+    sampling = params()[:2] + penalised() + [banned]
+    before = CompileCounter.count
+    got = outputs(multi, prompts, sampling)
+    assert CompileCounter.count == before, "multi-step decoding compiled after warm-up"
+    assert same(got, outputs(single, prompts, sampling))
+    assert len(got[-1][0][0]) >= 7   # the ban held
+    assert counts[STEPS] >= 5 and sum(counts.values()) < 22   # the 22 tokens of a penalised row
+    bm = multi.llm_engine.block_manager
+    assert bm.num_free_pages == bm.num_pages
+
+
+def test_a_constrained_row_and_new_prompts_run_one_step_at_a_time(engines):
+    """A constrained row (its grammar's masks come from the host, token by token) and a prompt
+    joining mid-decode make the steps single; the outputs do not change."""
+    from jaxserve.structured.spec import StructuredOutput
     single, multi = engines
     engine = multi.llm_engine
     counts = StepCount(engine).counts
+    constrained = P(max_tokens=14, temperature=0.7, seed=4, structured_output=StructuredOutput("regex", "[a-z ]{20}"))
     expected = {}
-    for llm in engines:   # a penalised row among plain ones, then a prompt joining mid-decode
+    for llm in engines:
         eng = llm.llm_engine
-        for i, p in enumerate(params()[:2] + [penalised()]):
+        for i, p in enumerate(params()[:2] + [constrained]):
             eng.add_request([300 + i, 17, 42 + i], p, f"r{i}")
         done, late = {}, False
         while eng.has_unfinished():
@@ -118,8 +149,8 @@ def test_rows_that_need_their_outputs_and_new_prompts_run_one_step_at_a_time(eng
         expected[llm is multi] = done
         assert sorted(done) == ["late", "r0", "r1", "r2"]
     assert expected[True] == expected[False]
-    # while the penalised row ran (14 tokens), every step was single; after it, multi-step ones
-    assert counts.get(1, 0) >= 14 and counts.get(STEPS, 0) >= 3
+    # while the constrained row ran, every step was single; after it, multi-step ones
+    assert counts.get(1, 0) >= len(expected[True]["r2"]) > 0 and counts.get(STEPS, 0) >= 3
     assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
 
 

@@ -7,7 +7,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from jaxserve.sequence import SequenceStatus
+from jaxserve.config import SamplingParams
+from jaxserve.sequence import Sequence, SequenceStatus
 from tests.scheduler_sim import (VOCAB, add, assert_all_pages_back, check_step, decoding, make, next_token, reference,
                                  request, resolve, run, run_overlapped, step)
 
@@ -169,6 +170,22 @@ def test_multi_step_decodes_take_only_free_pages():
     assert a.output_token_ids == reference([1, 2, 3], 7) and b.output_token_ids == reference([4, 5, 6], 7)
     assert_all_pages_back(sched)
 
+
+
+def test_multi_step_runs_end_where_min_tokens_ban_lifts():
+    """min_tokens 7 with an ending token: the sampler bans it for a whole run, so a run of 4 is cut
+    to end at the 7th output; then whole runs, the last cut to max_tokens (1 left: one step)."""
+    sched, runner = make(max_num_seqs=1, max_num_batched_tokens=16)
+    sp = SamplingParams(max_tokens=16, min_tokens=7, stop_token_ids=[VOCAB])   # never sampled here
+    (a,) = add(sched, [Sequence(request_id="a", prompt_token_ids=[1, 2, 3], sampling=sp, arrival_time=0.0,
+                                end_token_ids=(VOCAB,))])
+    decoding(sched, runner, a)
+    runs = []
+    while sched.has_work():
+        runs += [s.num_steps for s in step(sched, runner, decode_steps=4).scheduled]
+    assert runs == [4, 2, 4, 4, 1]
+    assert a.output_token_ids == reference([1, 2, 3], 16)
+    assert_all_pages_back(sched)
 
 BASES = [list(range(1, 13)), [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
 

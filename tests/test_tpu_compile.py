@@ -180,13 +180,14 @@ def test_embedded_model_default_config_compiles(generation):
 
 def test_multi_step_decodes_compile():
     """configs/tiny-cpu.yaml with decode_steps 8 on v6e: the multi-step decode (a loop of 8 steps,
-    the sampler inside) of its largest and smallest decode shapes, beside their single steps."""
+    the sampler inside; plain, and with penalties and a bias) of its largest and smallest decode
+    shapes, beside their single steps."""
     ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "tiny-cpu.yaml"), decode_steps=8)
     shapes = check.quick_shapes(Buckets(ecfg, platform="tpu").warmup_shapes(False))[:2]
     report = check.check(ecfg, ModelConfig.from_pretrained(TINY), check.tpu_slice("v6e-1"), model_name="tiny",
                          dtype=jnp.bfloat16, shapes=shapes, samplers=False)
-    assert [r.name for r in report.results] == ([s.name for s in shapes] + [f"{s.name}-x8" for s in shapes]
-                                                + ["page-copy"])
+    assert [r.name for r in report.results] == ([s.name for s in shapes] + [
+        f"{s.name}-x8{v}" for s in shapes for v in ("", "-penalties-bias")] + ["page-copy"])
     assert_serves(report, "tiny on v6e-1, decode_steps 8")
 
 
