@@ -9,8 +9,9 @@ host alone on the 2-core dev box: the host, not the GPU, set the pace of those s
 
 The model: a seeded random 1-layer Llama (hidden 64, the embedded model's tokenizer and 4,096
 vocabulary) written with save_pretrained. Per batch size B: B requests of 32 random prompt tokens,
-greedy, ignore_eos; once all B decode and `skip` more steps have run (the outputs' length when
-timing starts: host work that grows with it shows), `steps` more tokens a row are timed: per
+greedy (`--penalties`: with a repetition and a presence penalty), ignore_eos; once all B decode
+and `skip` more steps have run (the outputs' length when timing starts: host work that grows with
+it shows), `steps` more tokens a row are timed: per
 token of every row (one step of B tokens; `engine.step()` returns several with decode_steps > 1),
 the wall time, the CPU time of the thread that ran `engine.step()` (the host's own work, without
 the time XLA's threads took from it on a CPU "device"), and the time it waited in
@@ -22,6 +23,7 @@ one's best round per B.
 
   python -m benchmarks.host_time --trees /tmp/base,. [--rows 16,64,128] [--rounds 3] [--skip 1700]
   python -m benchmarks.host_time --decode-steps 1,4,8
+  python -m benchmarks.host_time --decode-steps 1,8 --penalties
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def build_model(out_dir: str) -> None:
             shutil.copy(os.path.join(TINY_MODEL_DIR, name), out_dir)
 
 
-def worker(rows: list[int], steps: int, skip: int, decode_steps: int) -> dict:
+def worker(rows: list[int], steps: int, skip: int, decode_steps: int, penalties: bool) -> dict:
     """This process's tree (PYTHONPATH): {B: [ms, host thread CPU ms, blocked ms] a token step}."""
     import jax
     import numpy as np
@@ -80,7 +82,8 @@ def worker(rows: list[int], steps: int, skip: int, decode_steps: int) -> dict:
     rng = np.random.default_rng(0)
     out = {}
     for b in rows:
-        params = SamplingParams(temperature=0.0, max_tokens=skip + steps + 64, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=skip + steps + 64, ignore_eos=True,
+                                **(dict(repetition_penalty=1.1, presence_penalty=0.5) if penalties else {}))
         ids = [engine.add_request(rng.integers(5, 4000, 32).tolist(), params) for _ in range(b)]
         while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):
             engine.step()
@@ -109,11 +112,12 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--skip", type=int, default=0, help="steps run before timing: outputs this long")
     p.add_argument("--decode-steps", default="1", help="comma-separated EngineConfig.decode_steps, side by side")
+    p.add_argument("--penalties", action="store_true", help="every request penalised (repetition and presence)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     if args.worker:
-        print("RESULT " + json.dumps(worker(rows, args.steps, args.skip, int(args.decode_steps))))
+        print("RESULT " + json.dumps(worker(rows, args.steps, args.skip, int(args.decode_steps), args.penalties)))
         return
     if not os.path.exists(os.path.join(WORK_DIR, "micro", "model.safetensors")):
         build_model(os.path.join(WORK_DIR, "micro"))
@@ -123,7 +127,8 @@ def main():
         for tree, k in runs if r % 2 == 0 else runs[::-1]:
             env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
             run = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--rows", args.rows,
-                                  "--steps", str(args.steps), "--skip", str(args.skip), "--decode-steps", k],
+                                  "--steps", str(args.steps), "--skip", str(args.skip), "--decode-steps", k]
+                                 + ["--penalties"] * args.penalties,
                                  env=env, capture_output=True, text=True, check=True)
             result = json.loads(run.stdout.split("RESULT ", 1)[1])
             print(f"round {r + 1} {tree} decode_steps {k}: " + ", ".join(

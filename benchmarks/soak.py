@@ -2,7 +2,7 @@
 a while, with engine faults injected, checking that nothing is lost.
 
 The load (benchmarks/soak_load.py) comes from --clients closed-loop clients: streamed and plain
-completions and chat, n up to 3, stop strings, long prompts that force preemption in the small
+completions and chat, n up to 3, stop strings, presence penalties, long prompts that force preemption in the small
 KV pool below, clients that leave mid-stream, deadlines too short to meet, 10% malformed requests.
 Every --fault-every-th engine step raises (JAXSERVE_FAULT_STEPS). Once a second the KV pages free
 (/metrics) and the server's resident memory (/proc) are sampled. The checks:

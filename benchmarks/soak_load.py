@@ -115,6 +115,8 @@ class Client:
                 "temperature": float(self.rng.choice([0.0, 0.7, 1.0])), "ignore_eos": bool(self.rng.random() < 0.5)}
         if self.rng.random() < 0.3:
             body["stop"] = STOPS[:int(self.rng.integers(1, len(STOPS) + 1))]
+        if self.rng.random() < 0.2:   # penalised rows (multi-step decodes: their own compiled variant)
+            body["presence_penalty"] = float(self.rng.choice([0.5, 1.0]))
         return body
 
     def _completion(self, stream: bool, **sampling):
