@@ -203,8 +203,10 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
         max_len = ecfg.max_model_len or cfg.max_position_embeddings
         work += [(f"{s.name}-x{ecfg.decode_steps}{'-penalties-bias' if p else ''}{'-filters' if f else ''}",
                   lambda s=s, p=p, f=f: lower(
-                      multi, params, kv, *multi_step_arrays(s, max_pages, num_pages * ecfg.page_size, last_sampled,
-                                                            max_len, cfg.vocab_size, p), steps=ecfg.decode_steps, filters=f))
+                      multi, params, kv, *multi_step_arrays(
+                          s, max_pages, num_pages * ecfg.page_size, last_sampled,
+                          last_sampled_spec(mesh, ecfg.decode_steps, buckets.max_logit_rows), max_len, cfg.vocab_size, p),
+                      steps=ecfg.decode_steps, filters=f))
                  for s in shapes if s.plain_decode
                  for p, f in multi_step_variants(parallel.platform(mesh))]
     if samplers:

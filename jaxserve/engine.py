@@ -31,7 +31,7 @@ from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingP
 from jaxserve.block_manager import BlockManager
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
 from jaxserve.runner import Launched, ModelRunner, SampleResult
-from jaxserve.sampling import reads_outputs, samples_ahead, uses_penalties
+from jaxserve.sampling import reads_outputs, samples_ahead
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence
 from jaxserve.spec_decode import ngram
@@ -196,7 +196,7 @@ class LLMEngine:
         outputs = []
         if self.throttle is not None:   # the time since the last step's planning prices a step
             self.throttle.begins()
-        if previous is not None and not (self._can_overlap(previous[0]) and self._overlaps_next()):
+        if previous is not None and not self._can_overlap(previous[0]):
             outputs, previous = self._guarded([previous[0]], lambda: self._collect(*self._sampled(previous))), None
         speculate = self._speculates()
         if previous is not None and speculate:
@@ -306,10 +306,6 @@ class LLMEngine:
         ahead = self.ecfg.decode_steps > 1 and not self.scheduler.prefills_next() and all(
             s.output_token_ids and samples_ahead(s) for s in self.scheduler.running)
         return self.ecfg.decode_steps if ahead else 1
-
-    def _overlaps_next(self) -> bool:
-        """Not a multi-step decode with penalised rows: their counts start from all tokens before it."""
-        return self._decode_steps() == 1 or not any(uses_penalties(s.sampling) for s in self.scheduler.running)
 
     def _speculates(self) -> bool:
         """Whether the next step speculates (spec_decode/throttle.py), over the sequences that would verify."""

@@ -82,6 +82,7 @@ class ModelRunner:
         # The latest batched step's sampled tokens on the device, padded to a fixed length, and
         # (process 0) the row of each sequence it sampled: the next step's PENDING tokens.
         self._last_sampled = self.no_sampled_tokens()
+        self._last_run = self.no_sampled_tokens(self.ecfg.decode_steps)   # the latest multi-step decode's samples
         self._last_rows: dict[int, int] = {}
         self._unsampled_logits = None   # the batched step's, while its sampler waits (`sample`)
         # The step shapes a batch may run in while warm-up builds the others in the background
@@ -139,14 +140,15 @@ class ModelRunner:
                 if batch.num_prefill_rows or batch.prompt_logprobs is not None:
                     raise ValueError("a multi-step decode with prompt rows")
                 steps = {s.seq.seq_id: s.num_steps for s in rest}
-                row_steps = np.zeros(len(batch.arrays[-1]), np.int32)
+                row_steps, pending = np.zeros((2, len(batch.arrays[-1])), np.int32)
                 row_steps[:len(seqs)] = [steps[seq.seq_id] for seq in seqs]
+                pending[:len(seqs)] = [len(seq.output_token_ids) - seq.num_known_outputs for seq in seqs]
                 md = metadata()
                 # which compiled variant (multi_step_variants): filters -1 None, 0 False, 1 True
                 filters = multi_step_variant(multi_step_variants(parallel.platform(self.mesh)), md, self.cfg.vocab_size)
                 filters = -1 if filters is None else int(filters)
-                ops.append(_Op([_MULTI_STEP, self.ecfg.decode_steps, filters], (*batch.arrays, token_src, row_steps),
-                               seqs, md))
+                ops.append(_Op([_MULTI_STEP, self.ecfg.decode_steps, filters],
+                               (*batch.arrays, token_src, row_steps, pending), seqs, md))
             else:
                 ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q, batch.decode_q, int(sample_later)],
                                (*batch.arrays, token_src), seqs, None if sample_later else metadata()))
@@ -187,8 +189,8 @@ class ModelRunner:
                                            multihost.local_value(sampled), SampleResult)
                 continue
             res: SampleOutput = jax.device_get(multihost.local_value(sampled))
-            if op.static[0] == _MULTI_STEP:   # [steps, rows]; row i ran op.arrays[-1][i] steps
-                row_steps = op.arrays[-1].tolist()
+            if op.static[0] == _MULTI_STEP:   # [steps, rows]; row i ran op.arrays[-2][i] steps
+                row_steps = op.arrays[-2].tolist()
             else:
                 res, row_steps = jax.tree.map(lambda a: a[None], res), [1] * len(op.seqs)
             # As Python lists at once: per-row numpy indexing cost more than the rest of a row's collection.
@@ -227,10 +229,10 @@ class ModelRunner:
             if kind == _PROMPT_LOGPROBS:   # over the hidden states of the step just before
                 sampled.append(self._prompt_logprobs(hidden, *arrays))
                 continue
-            if kind == _MULTI_STEP:   # samples inside; its arrays end with row_steps
-                outs, self.kv_cache, self._last_sampled = self._run(
+            if kind == _MULTI_STEP:   # samples inside; its arrays end with row_steps, pending
+                outs, self.kv_cache, self._last_sampled, self._last_run = self._run(
                     "multi_step", self._multi_step, (self.params, self.kv_cache),
-                    (*arrays, self._last_sampled, SamplingMetadata(*md)), steps=int(static[0]),
+                    (*arrays, self._last_sampled, self._last_run, SamplingMetadata(*md)), steps=int(static[0]),
                     filters=None if static[1] < 0 else bool(static[1]))
                 sampled.append(outs)
                 continue
@@ -258,9 +260,9 @@ class ModelRunner:
         executable = self.executables.get(key(name, args, **static))
         return executable(*fixed, *args) if executable is not None else fn(*fixed, *args, **static)
 
-    def no_sampled_tokens(self) -> jax.Array:
-        """_last_sampled before any step has sampled: zeros, replicated."""
-        return jax.device_put(np.zeros(self.buckets.max_logit_rows, np.int32), parallel.replicated(self.mesh))
+    def no_sampled_tokens(self, *steps: int) -> jax.Array:
+        """_last_sampled (or with `steps`, _last_run) before any step has sampled: zeros, replicated."""
+        return jax.device_put(np.zeros((*steps, self.buckets.max_logit_rows), np.int32), parallel.replicated(self.mesh))
 
     def _sample(self, logits, md: SamplingMetadata) -> tuple[SampleOutput, jax.Array]:
         """The samples, and their tokens padded to max_logit_rows (the next _last_sampled)."""

@@ -242,8 +242,8 @@ class PenaltyCounts(NamedTuple):
                    jnp.zeros((rows, vocab), jnp.int32).at[row, ids].add(is_output.astype(jnp.int32), mode="drop"))
 
     def add(self, tokens: jax.Array, where: jax.Array) -> "PenaltyCounts":
-        """Each row's new output token, where `where` (the next step of a multi-step decode)."""
-        row, ids = jnp.arange(tokens.shape[0]), jnp.where(where, tokens, self.seen.shape[1])
+        """Each row's new output tokens [S, n], where `where` (a multi-step decode's)."""
+        row, ids = jnp.arange(tokens.shape[0])[:, None], jnp.where(where, tokens, self.seen.shape[1])
         return PenaltyCounts(self.seen.at[row, ids].set(True, mode="drop"),
                              self.counts.at[row, ids].add(1, mode="drop"))
 

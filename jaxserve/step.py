@@ -30,7 +30,8 @@ def make_step(model, cfg: ModelConfig, mesh, backend: str):
 
 def make_multi_step(model, cfg: ModelConfig, mesh, backend: str, length: int):
     """multi_step_decode with its static arguments for `mesh`: call it as (params, kv_cache,
-    *arrays, row_steps, last_sampled, md, steps=, filters=); `length`: Buckets.max_logit_rows."""
+    *arrays, row_steps, pending, last_sampled, last_run, md, steps=, filters=); `length`:
+    Buckets.max_logit_rows."""
     return functools.partial(multi_step_decode, model, length=length, **make_step(model, cfg, mesh, backend).keywords)
 
 
@@ -40,18 +41,21 @@ def step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, las
     return *batch, np.full(shape.tokens, -1, np.int32), last_sampled
 
 
-def multi_step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled,
+def multi_step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled, last_run,
                       max_model_len: int, vocab_size: int, penalties: bool) -> tuple:
     """multi_step_decode's arrays for an empty batch of a decode `shape`: the step's, no row
-    running a step, the sampler's metadata (the plain variant's, or with penalties and a bias)."""
+    running a step or with PENDING tokens, the sampler's metadata (the plain variant's, or with
+    penalties and a bias)."""
     *arrays, last_sampled = step_arrays(shape, max_pages_per_seq, padding_slot, last_sampled)
     md = sampler_variants(shape.logit_rows, max_model_len, vocab_size)[int(penalties)]
-    return *arrays, np.zeros(shape.logit_rows, np.int32), last_sampled, md
+    none = np.zeros(shape.logit_rows, np.int32)
+    return *arrays, none, none, last_sampled, last_run, md
 
 
-def last_sampled_spec(mesh, rows: int) -> jax.ShapeDtypeStruct:
-    """The step's last_sampled argument (the previous step's sampled tokens: replicated)."""
-    return jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=parallel.replicated(mesh))
+def last_sampled_spec(mesh, *shape: int) -> jax.ShapeDtypeStruct:
+    """The step's last_sampled argument (the previous step's sampled tokens: replicated), or a
+    multi-step decode's last_run ([steps, rows])."""
+    return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=parallel.replicated(mesh))
 
 
 def lower_step(step, params, kv_cache, shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled):
@@ -148,23 +152,29 @@ def multi_step_variant(variants: list[tuple[bool, bool | None]], md, vocab_size:
 @functools.partial(jax.jit, static_argnames=("model", "backend", "steps", "filters", "length", "kv_sharding",
                                              "logits_sharding"), donate_argnames=("kv_cache",))
 def multi_step_decode(model, params, kv_cache, tokens, positions, slot_mapping, page_table, seq_lens,
-                      query_start_loc, logits_index, token_src, row_steps, last_sampled, md, *, backend, steps,
-                      filters, length, kv_sharding, logits_sharding):
+                      query_start_loc, logits_index, token_src, row_steps, pending, last_sampled, last_run, md, *,
+                      backend, steps, filters, length, kv_sharding, logits_sharding):
     """`steps` decode steps of a decode-only batch (packing.py's arrays: one token a row, row r
     at position r and logit row r) in one program, each step's sampled tokens the next one's
     inputs (scheduler.py: multi-step decodes). Row r runs its first row_steps[r] steps; later
     ones write nothing and their samples are dropped by the host (slot_mapping, the first step's
     slots, is recomputed from the page table like the later ones'). `md`: the plain sampler's
-    arrays, or with penalties and a bias (multi_step_variants): penalised rows' counts grow with
-    each step's tokens; a bias holds for every step (min_tokens' ban: the scheduler ends a row's
-    run where it lifts). Returns the samples [steps, rows], the pool, and each row's last sampled
-    token padded to `length` (the next step's last_sampled, as serving_sample's)."""
+    arrays, or with penalties and a bias (multi_step_variants). A bias holds for every step
+    (min_tokens' ban: the scheduler ends a row's run where it lifts). A penalised row's counts
+    start from its history in md (its known tokens) and its `pending` tokens of the step before,
+    still running when this one was planned (the last in last_sampled, the others in last_run, at
+    its token_src row), and grow with each step's token. Returns the samples [steps, rows], the
+    pool, each row's last sampled token padded to `length` (the next step's last_sampled, as
+    serving_sample's) and the samples' tokens padded to [steps, length] (the next last_run)."""
     rows, page_size = tokens.shape[0], kv_cache.page_size
     no_slot = kv_cache.num_pages * page_size
     tokens = jnp.where(token_src >= 0, last_sampled[jnp.maximum(token_src, 0)], tokens)
     no_src = jnp.full_like(token_src, -1)
-    # Penalised rows: their counts kept up to date over the steps (their history: all known tokens)
-    history = PenaltyCounts.of(md, model.cfg.vocab_size) if md.use_penalties else None
+    history = None
+    if md.use_penalties:
+        src, before = jnp.maximum(token_src, 0), jnp.arange(steps - 1)[None, :]
+        history = PenaltyCounts.of(md, model.cfg.vocab_size).add(last_run[:-1, src].T, before < pending[:, None] - 1)
+        history = history.add(last_sampled[src][:, None], (token_src >= 0)[:, None] & (pending[:, None] > 0))
 
     def one(carry, k):
         kv_cache, tokens, history = carry
@@ -178,8 +188,9 @@ def multi_step_decode(model, params, kv_cache, tokens, positions, slot_mapping, 
                                          num_prefill_rows=0, max_q=1, decode_q=1, kv_sharding=kv_sharding,
                                          logits_sharding=logits_sharding)
         out = sample(logits, md.replace(step=md.step + k), history, num_logprobs=MAX_LOGPROBS, filters=filters)
-        history = None if history is None else history.add(out.tokens, running)
+        history = None if history is None else history.add(out.tokens[:, None], running[:, None])
         return (kv_cache, jnp.where(running, out.tokens, tokens), history), out
 
     (kv_cache, last, _), outs = jax.lax.scan(one, (kv_cache, tokens, history), jnp.arange(steps))
-    return outs, kv_cache, jnp.zeros(length, jnp.int32).at[:rows].set(last)
+    return (outs, kv_cache, jnp.zeros(length, jnp.int32).at[:rows].set(last),
+            jnp.zeros((steps, length), jnp.int32).at[:, :rows].set(outs.tokens))

@@ -155,8 +155,8 @@ def _run_once(runner, shapes: list[StepShape], kv_cache):
         empty = np.zeros(shape.tokens, np.int32)
         jax.block_until_ready(runner._prompt_logprobs(hidden, empty, empty))
     for args, filters in _multi_steps(runner, shapes):
-        _, kv_cache, _ = runner._run("multi_step", runner._multi_step, (runner.params, kv_cache), args,
-                                     steps=runner.ecfg.decode_steps, filters=filters)
+        kv_cache = runner._run("multi_step", runner._multi_step, (runner.params, kv_cache), args,
+                               steps=runner.ecfg.decode_steps, filters=filters)[1]
     return kv_cache
 
 
@@ -179,8 +179,8 @@ def _multi_steps(runner, shapes: list[StepShape]) -> list[tuple[tuple, bool | No
     if runner.ecfg.decode_steps == 1:
         return []
     return [(multi_step_arrays(s, runner.max_pages_per_seq, runner.num_pages * runner.page_size,
-                               runner.no_sampled_tokens(), runner.max_model_len, runner.cfg.vocab_size, penalties),
-             filters)
+                               runner.no_sampled_tokens(), runner.no_sampled_tokens(runner.ecfg.decode_steps),
+                               runner.max_model_len, runner.cfg.vocab_size, penalties), filters)
             for s in shapes if s.plain_decode for penalties, filters in multi_step_variants(parallel.platform(runner.mesh))]
 
 

@@ -7,7 +7,8 @@ Both processes build their engine client through jaxserve.factory from the same 
 (idle between the waves, so the follower is parked and woken once), then shuts it down;
 process 1 gets a Follower. Each prints one JSON line: the steps it ran, and on process 0 the
 samplers it sent on their own (structured output in the overlapped loop), the multi-step decodes
-it ran (decode_steps 3: while both seats decode plainly) and every request's tokens and logprobs."""
+it ran (decode_steps 3: while both seats decode, penalised rows too) and every request's tokens and
+logprobs."""
 import dataclasses
 import json
 import os
@@ -45,7 +46,9 @@ WAVES = [
      # constrained: its samplers wait for the step before (a message of their own, replayed too)
      ("g", list(range(30, 44)), dataclasses.replace(_greedy(12), structured_output=StructuredOutput("regex", REGEX)))],
     [("e", [(13 * i + 5) % 256 for i in range(29)], _greedy(8)),
-     ("f", list(range(60, 67)), _greedy(10))],
+     ("f", list(range(60, 67)), _greedy(10)),
+     # penalised: multi-step decodes count its tokens of the step before on the device
+     ("h", [3, 3, 8, 8, 120, 44], dataclasses.replace(_greedy(14), repetition_penalty=1.3))],
 ]
 
 

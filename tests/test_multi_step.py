@@ -109,8 +109,8 @@ def test_the_samplers_without_conditionals_of_a_gpu(engines, monkeypatch):
 def test_penalised_biased_and_min_tokens_rows_run_multi_step(engines):
     """The multi-step decode's penalties-and-bias variant, beside plain rows: penalised rows (their
     counts grow step by step), a logit bias, and min_tokens' ban of an ending token that greedy
-    picks early (a run cut where the ban lifts); with the overlapped loop, which collects the step
-    before a penalised multi-step decode first."""
+    picks early (a run cut where the ban lifts); with the overlapped loop: a penalised row's tokens
+    of the step before, still running, are counted on the device."""
     single, multi = engines
     counts = StepCount(multi.llm_engine).counts
     prompts = [f"Example {i}:" for i in range(6)]

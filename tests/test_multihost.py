@@ -64,16 +64,22 @@ def run_workers(model_dir: str) -> list[dict]:
     return outs
 
 
-def hf_greedy(hf, ids: list[int], n: int, allowed: list[int] | None = None) -> tuple[list[int], list[list[tuple[int, float]]]]:
-    """n greedy tokens after `ids` in transformers (the most likely of `allowed` where given), with
-    each step's top-3 (id, logprob) of the model's distribution."""
+def hf_greedy(hf, ids: list[int], n: int, allowed: list[int] | None = None,
+              repetition_penalty: float = 1.0) -> tuple[list[int], list[list[tuple[int, float]]]]:
+    """n greedy tokens after `ids` in transformers (the most likely of `allowed` where given; with
+    a repetition penalty on every token seen, as HF's logits processor), with each step's top-3
+    (id, logprob) of the model's distribution."""
     ids, out, tops = list(ids), [], []
     with torch.no_grad():
         for _ in range(n):
-            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+            logp = torch.log_softmax(logits, -1)
             top = torch.topk(logp, 3)
             tops.append(list(zip(top.indices.tolist(), top.values.tolist())))
-            ids.append(tops[-1][0][0] if allowed is None else max(allowed, key=lambda t: logp[t]))
+            seen = torch.tensor(sorted(set(ids)))
+            logits[seen] = torch.where(logits[seen] > 0, logits[seen] / repetition_penalty,
+                                       logits[seen] * repetition_penalty)
+            ids.append(int(logits.argmax()) if allowed is None else max(allowed, key=lambda t: logp[t]))
             out.append(ids[-1])
     return out, tops
 
@@ -92,7 +98,7 @@ def test_engine_on_two_processes_matches_one_process(tmp_path):
         if params.structured_output is not None:   # REGEX: six of "abc", then the grammar is complete
             want_tokens, want_top = hf_greedy(hf, ids, 6, allowed=abc)
         else:
-            want_tokens, want_top = hf_greedy(hf, ids, params.max_tokens)
+            want_tokens, want_top = hf_greedy(hf, ids, params.max_tokens, repetition_penalty=params.repetition_penalty)
         got = leader["results"][rid]
         assert got["tokens"] == [want_tokens] * params.n, rid
         for top in got["top"]:
