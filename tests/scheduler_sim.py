@@ -99,10 +99,13 @@ def make(num_pages=64, page_size=4, **cfg):
     return Scheduler(cfg, bm), FakeRunner(bm)
 
 
-def request(rid, prompt, max_tokens=4, n=1, priority=0, arrival=0.0, stop=()):
-    sp = SamplingParams(n=n, max_tokens=max_tokens, priority=priority, stop_token_ids=list(stop))
-    return [Sequence(request_id=rid, prompt_token_ids=list(prompt), sampling=sp, arrival_time=arrival, index=i)
-            for i in range(n)]
+def request(rid, prompt, max_tokens=4, n=1, priority=0, arrival=0.0, stop=(), min_tokens=0):
+    """A request's sequences. The simulated model ends one at a stop token whatever min_tokens says
+    (its reference too); min_tokens only cuts multi-step runs (Scheduler._reserve_steps)."""
+    sp = SamplingParams(n=n, max_tokens=max_tokens, priority=priority, stop_token_ids=list(stop),
+                        min_tokens=min(min_tokens, max_tokens))
+    return [Sequence(request_id=rid, prompt_token_ids=list(prompt), sampling=sp, arrival_time=arrival, index=i,
+                     end_token_ids=tuple(stop)) for i in range(n)]
 
 
 def add(sched, seqs):
@@ -119,9 +122,12 @@ def check_step(sched, out):
     assert out.num_prefill_seqs <= cfg.max_prefill_seqs
     for s in out.scheduled:
         known = s.seq.num_tokens - s.seq.num_computed_tokens
-        if s.num_steps > 1:   # a multi-step decode: a decode row, its steps within max_tokens
-            assert known == s.num_query_tokens == s.num_sampled == 1 and s.seq.output_token_ids
-            assert len(s.seq.output_token_ids) + s.num_steps <= s.seq.sampling.max_tokens
+        if s.num_steps > 1:   # a multi-step decode: a decode row, its steps within max_tokens, and
+            # within min_tokens' ban or after it (the sampler's ban holds for a whole run)
+            outputs, p = len(s.seq.output_token_ids), s.seq.sampling
+            assert known == s.num_query_tokens == s.num_sampled == 1 and outputs
+            assert outputs + s.num_steps <= p.max_tokens
+            assert not s.seq.end_token_ids or outputs >= p.min_tokens or outputs + s.num_steps <= p.min_tokens
         if s.num_query_tokens > known:      # a verify row: the last known token and proposals
             assert known == 1 and s.num_sampled == s.num_query_tokens <= 1 + len(s.seq.proposed_token_ids)
             assert not s.is_prefill and len(s.seq.output_token_ids) + s.num_sampled <= s.seq.sampling.max_tokens

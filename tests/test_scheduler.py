@@ -199,7 +199,7 @@ def workloads(draw):
         reqs.append(dict(rid=f"r{i}", prompt=prompt or [1], max_tokens=draw(st.integers(1, 8)),
                          n=draw(st.integers(1, 3)), priority=draw(st.integers(0, 1)),
                          arrive=draw(st.integers(0, 6)), abort=draw(st.none() | st.integers(0, 12)),
-                         stop=draw(st.lists(st.integers(0, VOCAB - 1), max_size=3))))
+                         stop=draw(st.lists(st.integers(0, VOCAB - 1), max_size=3)), min_tokens=draw(st.integers(0, 6))))
     need = max(-(-(len(r["prompt"]) + r["max_tokens"] - 1) // page_size) for r in reqs)
     cfg = dict(num_pages=draw(st.integers(need, need + 4)), page_size=page_size,
                max_num_seqs=draw(st.integers(1, 6)), max_num_batched_tokens=draw(st.integers(1, 24)),
@@ -234,7 +234,7 @@ def test_random_workloads_finish_with_reference_outputs_and_free_pages(workload)
         for r in reqs:
             if r["arrive"] == t:
                 seqs[r["rid"]] = add(sched, request(r["rid"], r["prompt"], r["max_tokens"], r["n"], r["priority"], t,
-                                                    stop=r["stop"]))
+                                                    stop=r["stop"], min_tokens=r["min_tokens"]))
             if r["abort"] == t and r["rid"] in seqs:
                 sched.abort(r["rid"])
         step(sched, runner, propose, cfg["decode_steps"])
