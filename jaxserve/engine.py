@@ -363,7 +363,7 @@ class LLMEngine:
     def _advance(self, req: Request, seq: Sequence, res: SampleResult, num_outputs: int,
                  text: str) -> CompletionOutput:
         """Take the new token (the sequence's num_outputs-th output) and its `text`, apply stop conditions
-        (before min_tokens outputs the sampler bans the ending tokens, stop strings count not), return the delta."""
+        (before min_tokens outputs the sampler bans the ending tokens; stop strings wait too), return the delta."""
         p, i, token = req.params, seq.index, res.token
         is_stop_token = token in seq.end_token_ids
         reason = "stop" if is_stop_token else None

@@ -41,8 +41,8 @@ A verify row is not a prefill: it is not capped by max_prefill_seqs.
     the next one's input, so num_steps tokens are computed and sampled. num_steps is k cut to
     max_tokens and max_model_len, to where min_tokens' ban of the ending tokens lifts (the
     sampler's arrays hold for a whole run), and to 1 when the pool lacks the pages for k tokens
-    (a row is never preempted for tokens ahead). Tokens after a stop are dropped when collected, as with a
-    stop found late.
+    (a row is never preempted for tokens ahead). Tokens after a stop are dropped when collected,
+    as with a stop found late.
 
 A step's life: `schedule` plans it; `launched` (once its computations are on their way) advances
 each row's computed tokens and gives each sampling row a PENDING output token (a multi-step
