@@ -180,16 +180,20 @@ def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: in
     if not seqs:
         return None
     params = [s.sampling for s in seqs]
-    outputs, aheads, listed = [], [], collections.Counter()
+    prompts, outputs, aheads, listed = [], [], [], collections.Counter()
     for s in seqs:
         aheads.append(s.proposed_token_ids[:listed[s.seq_id]])
-        if uses_penalties(s.sampling):
-            outputs.append(s.output_token_ids[:-1 if launched else None] + aheads[-1])
+        if uses_penalties(s.sampling):   # the known tokens' int32 copy, then the PENDING ones (-1: none)
+            known, n = s.known_token_array(), s.num_prompt_tokens
+            pending = len(s.output_token_ids) - s.num_known_outputs - launched
+            prompts.append(known[:n])
+            outputs.append(np.concatenate([known[n:], np.full(pending, -1, np.int32), np.asarray(aheads[-1], np.int32)]))
         else:   # only their count is read (step, min_tokens): no copy of the outputs per row and step
+            prompts.append(s.prompt_token_ids)
             outputs.append(range(len(s.output_token_ids) - launched + len(aheads[-1])))
         listed[s.seq_id] += 1
     return SamplingMetadata.build(
-        params, [s.prompt_token_ids for s in seqs], outputs,
+        params, prompts, outputs,
         [seeds[s.seq_id] for s in seqs], pad_to=rows,
         history_len=max_model_len, end_token_ids=[s.end_token_ids for s in seqs],
         allowed=token_masks(seqs, aheads, rows))

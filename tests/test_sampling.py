@@ -8,7 +8,8 @@ import pytest
 from scipy import stats
 
 from jaxserve.config import SamplingParams as P
-from jaxserve.sampling import SamplingMetadata, _top_k_top_p_threshold, apply_penalties, sample, uses_filters
+from jaxserve.sampling import (SamplingMetadata, _top_k_top_p_threshold, apply_penalties, metadata_for, sample,
+                               uses_filters)
 
 
 def build(params, seeds=None, prompts=None, outputs=None, pad_to=None, history_len=None):
@@ -288,3 +289,24 @@ def test_the_branch_free_sampler_draws_what_the_conditional_one_does():
     greedy_only = build([P(temperature=0.0)] * 2)
     assert np.any(sample(logits[:2], greedy_only, num_logprobs=2, filters=False).logprobs)   # computed anyway
     assert not np.any(sample(logits[:2], greedy_only, num_logprobs=2).logprobs)
+
+
+def test_a_penalised_rows_history_is_its_known_tokens_then_pending_ones():
+    """metadata_for's history for a penalised row: its prompt and known outputs (from the int32
+    copy kept on the Sequence, grown step by step), then -1 for each PENDING output (not the
+    launched step's own), as the lists give it; the copy follows outputs cut after a stop."""
+    from jaxserve.sequence import PENDING, Sequence
+    seq = Sequence(request_id="r", prompt_token_ids=[5, 6, 7], sampling=P(presence_penalty=0.5))
+    seq.output_token_ids = list(range(100, 190))
+    for step in range(3):   # known outputs grow; PENDING ones at the end
+        seq.output_token_ids += [200 + step, PENDING]
+        md = metadata_for([seq], {seq.seq_id: 0}, rows=1, max_model_len=256)
+        want = [5, 6, 7] + seq.output_token_ids
+        assert md.history[0, :len(want)].tolist() == want and (md.history[0, len(want):] == -1).all()
+        assert md.prompt_len[0] == 3 and md.step[0] == len(seq.output_token_ids)
+        launched = metadata_for([seq], {seq.seq_id: 0}, rows=1, max_model_len=256, launched=True)
+        assert launched.history[0, :len(want) - 1].tolist() == want[:-1] and launched.step[0] == len(want) - 4
+        seq.output_token_ids[-1] = 300 + step   # the step is collected
+    assert seq.known_token_array().tolist() == [5, 6, 7] + seq.output_token_ids
+    del seq.output_token_ids[50:]   # a stop found late
+    assert seq.known_token_array().tolist() == [5, 6, 7] + seq.output_token_ids
