@@ -116,7 +116,7 @@ class Sequence:
     def known_token_array(self) -> np.ndarray:
         """The prompt and the known outputs as int32 (a penalised row's sampler history), as
         PageTable.array: a copy kept between steps and grown by the outputs learned since (known
-        outputs only grow). Converting the lists each step cost 1.2 ms a step at 64 rows of 1,000
+        outputs only grow, but for a cut after a stop). Converting the lists each step cost 1.2 ms a step at 64 rows of 1,000
         tokens on the 2-core dev box (benchmarks/host_time.py --penalties)."""
         n = self.num_prompt_tokens + self.num_known_outputs
         have = min(self._known_len, n)
