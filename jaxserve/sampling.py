@@ -183,7 +183,7 @@ def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: in
     prompts, outputs, aheads, listed = [], [], [], collections.Counter()
     for s in seqs:
         aheads.append(s.proposed_token_ids[:listed[s.seq_id]])
-        if uses_penalties(s.sampling):   # the known tokens' int32 copy, then the PENDING ones (-1: none)
+        if uses_penalties(s.sampling):   # the known tokens' int32 copy, then -1 (padding) for PENDING ones
             known, n = s.known_token_array(), s.num_prompt_tokens
             pending = len(s.output_token_ids) - s.num_known_outputs - launched
             prompts.append(known[:n])
@@ -252,12 +252,12 @@ class PenaltyCounts(NamedTuple):
                              self.counts.at[row, ids].add(1, mode="drop"))
 
 
-def apply_penalties(logits: jax.Array, md: SamplingMetadata, history: PenaltyCounts | None = None) -> jax.Array:
+def apply_penalties(logits: jax.Array, md: SamplingMetadata, penalty_counts: PenaltyCounts | None = None) -> jax.Array:
     """vLLM/HF semantics. Repetition: every token in prompt or output has a positive logit divided
     by, a negative one multiplied by, the penalty. Presence/frequency (OpenAI): output tokens lose
-    presence_penalty once and frequency_penalty per occurrence. `history`: md's PenaltyCounts,
-    if the caller has them."""
-    seen, counts = history if history is not None else PenaltyCounts.of(md, logits.shape[1])
+    presence_penalty once and frequency_penalty per occurrence. `penalty_counts`: md's
+    PenaltyCounts, if the caller has them."""
+    seen, counts = penalty_counts if penalty_counts is not None else PenaltyCounts.of(md, logits.shape[1])
     rp = md.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
     return (logits - md.frequency_penalty[:, None] * counts
@@ -337,22 +337,22 @@ def uses_filters(md: SamplingMetadata, vocab_size: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "filters"))
-def sample(logits: jax.Array, md: SamplingMetadata, history: PenaltyCounts | None = None, *, num_logprobs: int = 0,
-           filters: bool | None = None) -> SampleOutput:
+def sample(logits: jax.Array, md: SamplingMetadata, penalty_counts: PenaltyCounts | None = None, *,
+           num_logprobs: int = 0, filters: bool | None = None) -> SampleOutput:
     """Sample one token per row of `logits` [S, V]. `num_logprobs` (static) is the N of top_ids /
     top_logprobs; the mask, the bias and the penalties run only when their arrays are non-empty
     (static shapes). `filters` None: conditionals skip the noise and filters of an all-greedy
     batch, the logprobs when no row asks, the top-k/top-p selection when no row needs it.
     True/False (`uses_filters`): no conditional (XLA:GPU holds the launching host at each one
     until the GPU gets there); noise and logprobs computed for every batch, the selection if True.
-    `history`: the penalties' PenaltyCounts of md, kept up to date by a multi-step decode."""
+    `penalty_counts`: md's PenaltyCounts, kept up to date by a multi-step decode."""
     raw = logits = logits.astype(jnp.float32)
     if md.use_mask:
         logits = apply_mask(logits, md)
     if md.use_bias:
         logits = apply_bias(logits, md)
     if md.use_penalties:
-        logits = apply_penalties(logits, md, history)
+        logits = apply_penalties(logits, md, penalty_counts)
     greedy = (md.temperature <= 0.0) | (md.top_k == 1)
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if filters is None:   # an all-greedy batch skips the noise and the filters

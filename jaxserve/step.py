@@ -170,14 +170,14 @@ def multi_step_decode(model, params, kv_cache, tokens, positions, slot_mapping, 
     no_slot = kv_cache.num_pages * page_size
     tokens = jnp.where(token_src >= 0, last_sampled[jnp.maximum(token_src, 0)], tokens)
     no_src = jnp.full_like(token_src, -1)
-    history = None
+    counts = None
     if md.use_penalties:
         src, before = jnp.maximum(token_src, 0), jnp.arange(steps - 1)[None, :]
-        history = PenaltyCounts.of(md, model.cfg.vocab_size).add(last_run[:-1, src].T, before < pending[:, None] - 1)
-        history = history.add(last_sampled[src][:, None], (token_src >= 0)[:, None] & (pending[:, None] > 0))
+        counts = PenaltyCounts.of(md, model.cfg.vocab_size).add(last_run[:-1, src].T, before < pending[:, None] - 1)
+        counts = counts.add(last_sampled[src][:, None], (token_src >= 0)[:, None] & (pending[:, None] > 0))
 
     def one(carry, k):
-        kv_cache, tokens, history = carry
+        kv_cache, tokens, counts = carry
         running = k < row_steps
         ahead = jnp.maximum(jnp.minimum(k, row_steps - 1), 0)   # a row past its steps stays on its last
         pos = positions + ahead
@@ -187,10 +187,10 @@ def multi_step_decode(model, params, kv_cache, tokens, positions, slot_mapping, 
                                          query_start_loc, logits_index, no_src, last_sampled, backend=backend,
                                          num_prefill_rows=0, max_q=1, decode_q=1, kv_sharding=kv_sharding,
                                          logits_sharding=logits_sharding)
-        out = sample(logits, md.replace(step=md.step + k), history, num_logprobs=MAX_LOGPROBS, filters=filters)
-        history = None if history is None else history.add(out.tokens[:, None], running[:, None])
-        return (kv_cache, jnp.where(running, out.tokens, tokens), history), out
+        out = sample(logits, md.replace(step=md.step + k), counts, num_logprobs=MAX_LOGPROBS, filters=filters)
+        counts = None if counts is None else counts.add(out.tokens[:, None], running[:, None])
+        return (kv_cache, jnp.where(running, out.tokens, tokens), counts), out
 
-    (kv_cache, last, _), outs = jax.lax.scan(one, (kv_cache, tokens, history), jnp.arange(steps))
+    (kv_cache, last, _), outs = jax.lax.scan(one, (kv_cache, tokens, counts), jnp.arange(steps))
     return (outs, kv_cache, jnp.zeros(length, jnp.int32).at[:rows].set(last),
             jnp.zeros((steps, length), jnp.int32).at[:, :rows].set(outs.tokens))
