@@ -25,6 +25,7 @@ from benchmarks.common import markdown_table, write_keeping_notes
 
 CASES = {   # name -> (code run in a fresh process; it compiles one kernel)
     "ours": "gpu.flash_attention(q, k, v, causal=True)",
+    "ours (f16)": "gpu.flash_attention(q16, k16, v16, causal=True)",   # attention_mgpu's dtype
     "ours, early K wait": "gpu.flash_attention(q, k, v, causal=True, early_k_wait=True)",
     "jax attention_mgpu (f16)": "attention_mgpu.attention(q16, k16, v16, attention_mgpu.TuningConfig("
                                 "block_q=64, block_kv=128, max_concurrent_steps=2, causal=True))",

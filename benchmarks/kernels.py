@@ -95,7 +95,10 @@ def prefill_impls(platform, sm_scale):
     if platform == "gpu":
         from jax.experimental.pallas.ops.gpu import attention, attention_mgpu
         from pallas_kernels.flash_attention import gpu
+        half = lambda q, k, v: tuple(x.astype(jnp.float16) for x in (q, k, v))  # noqa: E731
         impls["ours (Mosaic GPU)"] = (same, functools.partial(gpu.flash_attention, sm_scale=sm_scale))
+        # In attention_mgpu's dtype (it takes float16 only): the like-for-like row against it.
+        impls["ours (f16)"] = (half, functools.partial(gpu.flash_attention, sm_scale=sm_scale))
         # Beside the default, the structure before two consumer warpgroups: one warpgroup on 64 q
         # rows (P in registers now, as in the default); with kv blocks of 64, 2 CTAs share an SM.
         # And two warpgroups each at its own pace, not taking turns on the tensor cores; and
@@ -114,7 +117,6 @@ def prefill_impls(platform, sm_scale):
         # 128 rows a warpgroup, which made it look 2.7x slower than ours at 4k.
         config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
                                              causal=True)
-        half = lambda q, k, v: tuple(x.astype(jnp.float16) for x in (q, k, v))  # noqa: E731  it takes float16 only
         impls["jax attention_mgpu (f16)"] = (half, jax.jit(functools.partial(attention_mgpu.attention,
                                                                              config=config)))
     if platform == "tpu":
