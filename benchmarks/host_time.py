@@ -14,8 +14,9 @@ and `skip` more steps have run (the outputs' length when timing starts: host wor
 it shows), `steps` more tokens a row are timed: per
 token of every row (one step of B tokens; `engine.step()` returns several with decode_steps > 1),
 the wall time, the CPU time of the thread that ran `engine.step()` (the host's own work, without
-the time XLA's threads took from it on a CPU "device"), and the time it waited in
-`jax.device_get` for the device (blocked: near zero here, the host is the bottleneck).
+the time XLA's threads took from it on a CPU "device"), the time it waited in `jax.device_get`
+for the device (blocked: near zero here, the host is the bottleneck), and the wall time of its
+calls into the tokenizer's decode_batch (detokenize).
 
 Trees, and decode_steps settings, are compared side by side: the driver runs each (tree,
 decode_steps) engine in its own process, in alternating order for `rounds` rounds, and keeps each
@@ -55,22 +56,24 @@ def build_model(out_dir: str) -> None:
 
 
 def worker(rows: list[int], steps: int, skip: int, decode_steps: int, penalties: bool) -> dict:
-    """This process's tree (PYTHONPATH): {B: [ms, host thread CPU ms, blocked ms] a token step}."""
+    """This process's tree (PYTHONPATH): {B: [ms, host thread CPU ms, blocked ms, detokenize ms] a token step}."""
     import jax
     import numpy as np
     from jaxserve.config import EngineConfig, SamplingParams
     from jaxserve.engine import LLMEngine
 
-    blocked = [0.0]
-    device_get = jax.device_get
+    spent = {"blocked": 0.0, "detokenize": 0.0}
 
-    def timed_device_get(x):
-        t = time.perf_counter()
-        jax.block_until_ready(x)
-        blocked[0] += time.perf_counter() - t
-        return device_get(x)
+    def timed(name, fn):
+        def call(*args):
+            t = time.perf_counter()
+            out = fn(*args)
+            spent[name] += time.perf_counter() - t
+            return out
+        return call
 
-    jax.device_get = timed_device_get
+    wait, device_get = timed("blocked", jax.block_until_ready), jax.device_get
+    jax.device_get = lambda x: device_get(wait(x))
     model = os.path.join(WORK_DIR, "micro")
     n = max(rows)
     max_len = max(512, 1 << (32 + skip + steps + 64 - 1).bit_length())
@@ -79,6 +82,7 @@ def worker(rows: list[int], steps: int, skip: int, decode_steps: int, penalties:
                                     compilation_cache_dir=os.path.join(WORK_DIR, "cache"),
                                     **({"decode_steps": decode_steps} if decode_steps > 1 else {})))
     engine.warmup()
+    engine.tokenizer.decode_batch = timed("detokenize", engine.tokenizer.decode_batch)
     rng = np.random.default_rng(0)
     out = {}
     for b in rows:
@@ -90,7 +94,8 @@ def worker(rows: list[int], steps: int, skip: int, decode_steps: int, penalties:
         start = engine.stats["generation_tokens"]
         while engine.stats["generation_tokens"] - start < (5 + skip) * b:
             engine.step()
-        blocked[0], start = 0.0, engine.stats["generation_tokens"]
+        spent.update(blocked=0.0, detokenize=0.0)
+        start = engine.stats["generation_tokens"]
         t, c = time.perf_counter(), time.thread_time()
         while engine.stats["generation_tokens"] - start < steps * b:
             engine.step()
@@ -100,7 +105,7 @@ def worker(rows: list[int], steps: int, skip: int, decode_steps: int, penalties:
             engine.abort(request_id)
         while engine.has_unfinished():
             engine.step()
-        out[b] = [1e3 * x / token_steps for x in (wall, cpu, blocked[0])]
+        out[b] = [1e3 * x / token_steps for x in (wall, cpu, spent["blocked"], spent["detokenize"])]
     return out
 
 
@@ -132,16 +137,17 @@ def main():
                                  env=env, capture_output=True, text=True, check=True)
             result = json.loads(run.stdout.split("RESULT ", 1)[1])
             print(f"round {r + 1} {tree} decode_steps {k}: " + ", ".join(
-                f"B={b} {w:.2f} ms (host thread {c:.2f}, blocked {x:.2f})" for b, (w, c, x) in result.items()), flush=True)
+                f"B={b} {w:.2f} ms (host thread {c:.2f}, blocked {x:.2f}, detokenize {d:.2f})"
+                for b, (w, c, x, d) in result.items()), flush=True)
             for b, figures in result.items():
                 if int(b) not in best[tree, k] or figures[0] < best[tree, k][int(b)][0]:
                     best[tree, k][int(b)] = figures
-    print("\n| B | " + " | ".join(f"{t} k={k}: ms a token step (host thread CPU ms, blocked ms)" for t, k in runs)
+    print("\n| B | " + " | ".join(f"{t} k={k}: ms a token step (host thread CPU, blocked, detokenize ms)" for t, k in runs)
           + " | ratio | host CPU ratio |")
     print("|---|" + "---|" * (len(runs) + 2))
     for b in rows:
         first, last = best[runs[0]][b], best[runs[-1]][b]
-        cells = [f"{w:.2f} ({c:.2f}, {x:.2f})" for w, c, x in (best[run][b] for run in runs)]
+        cells = [f"{w:.2f} ({c:.2f}, {x:.2f}, {d:.2f})" for w, c, x, d in (best[run][b] for run in runs)]
         print(f"| {b} | " + " | ".join(cells) + f" | {first[0] / last[0]:.2f}x | {first[1] / last[1]:.2f}x |")
 
 

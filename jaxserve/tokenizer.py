@@ -16,6 +16,11 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# An engine step decodes two windows of a few ids per row (IncrementalDetokenizer.step_all), ~1 us
+# of work each; `tokenizers` would hand them to its thread pool, whose wake-ups cost more than the
+# work (128 rows: 0.7 against 0.25 ms a step; benchmarks/results/host_time.md). A user's own
+# setting stands.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def load_tokenizer(model_dir: str) -> "Tokenizer":
@@ -111,7 +116,7 @@ class HFTokenizer(Tokenizer):
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def decode_batch(self, batch, skip_special_tokens=True):
-        # One call into the Rust library, which decodes the batch on its own threads.
+        # One call into the Rust library (in this thread: TOKENIZERS_PARALLELISM above).
         return self.tk.decode_batch(batch, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids):
