@@ -3,7 +3,10 @@
 Static shapes come in two families:
   * decode-only steps:  decode rows S
   * steps with prefill: (tokens T, prefill rows S_p, bound on a row's new tokens: 32 or the
-    chunk size), the decode rows at their maximum.
+    chunk size), the decode rows at their maximum. The XLA attention path pads each prefill row
+    to that bound, so its steps come in prefill-row and bound buckets; the Pallas kernels take
+    ragged rows (their work follows the tokens), so theirs have all max_prefill_seqs rows and
+    the chunk size: one shape per token bucket, a third or less of the compilations.
 Decode rows bring one token each, or with speculative decoding up to 1 + k (a verify row: the
 last token and k proposals; a plain decode among them uses one of its slots), and every token
 of a decode row is sampled: the logits come for decode rows x tokens per decode row. With
@@ -88,13 +91,14 @@ def min_decode_rows(platform: str) -> int:
 
 
 class Buckets:
-    def __init__(self, ecfg: EngineConfig, seq_size: int = 1, platform: str = "cpu"):
+    def __init__(self, ecfg: EngineConfig, seq_size: int = 1, platform: str = "cpu", backend: str = "xla"):
         self.ecfg = ecfg
+        self.ragged = backend != "xla"   # Pallas attention: prefill rows are not padded to max_q
         self.decode = powers_of_two(min(min_decode_rows(platform), ecfg.max_num_seqs), ecfg.max_num_seqs,
                                     halfway_from=32)
         self.tokens = powers_of_two(min(16, ecfg.max_num_batched_tokens), ecfg.max_num_batched_tokens,
                                     halfway_from=128)
-        self.prefill_rows = powers_of_two(1, ecfg.max_prefill_seqs)
+        self.prefill_rows = [ecfg.max_prefill_seqs] if self.ragged else powers_of_two(1, ecfg.max_prefill_seqs)
         self.decode_q = 1 + (ecfg.speculative.num_tokens if ecfg.speculative else 0)   # the widest
         self.decode_qs = sorted({1, self.decode_q})
         if any(t % seq_size for t in self.tokens):
@@ -111,7 +115,10 @@ class Buckets:
 
     def max_q_options(self, t: int, decode_q: int) -> list[int]:
         """The static bounds on one sequence's new tokens in a prefill step of t tokens."""
-        return sorted({max(min(t, SHORT_PREFILL_Q), decode_q), min(t, self.ecfg.prefill_chunk_size)})
+        chunk = min(t, self.ecfg.prefill_chunk_size)
+        if self.ragged:
+            return [max(chunk, decode_q)]
+        return sorted({max(min(t, SHORT_PREFILL_Q), decode_q), chunk})
 
     def warmup_shapes(self, prefills_sequence_parallel: bool) -> list[StepShape]:
         """Every shape the batched step runs in (without prefill rows when prefills run

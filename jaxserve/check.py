@@ -192,7 +192,7 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
     backend = resolve_backend(backend or ecfg.attention_backend, parallel.platform(mesh))
     step = make_step(model, cfg, mesh, backend)
     max_pages = sizing.pages_per_seq(cfg, ecfg)
-    buckets = Buckets(ecfg, mesh.shape["seq"], parallel.platform(mesh))
+    buckets = Buckets(ecfg, mesh.shape["seq"], parallel.platform(mesh), backend)
     shapes = shapes or buckets.warmup_shapes(mesh.shape["seq"] > 1)
 
     last_sampled = last_sampled_spec(mesh, buckets.max_logit_rows)
@@ -270,7 +270,9 @@ def run(config: str, topology: str, model: str | None = None, backend: str | Non
     target = target_slice(topology)
     name = os.path.basename(os.path.normpath(ecfg.model))
     seq = ecfg.mesh.get("seq", 1)
-    shapes = quick_shapes(Buckets(ecfg, seq, target.devices[0].platform).warmup_shapes(seq > 1))
+    platform = target.devices[0].platform
+    buckets = Buckets(ecfg, seq, platform, resolve_backend(backend or ecfg.attention_backend, platform))
+    shapes = quick_shapes(buckets.warmup_shapes(seq > 1))
     report = check(ecfg, cfg, target, model_name=name, dtype=dtype, backend=backend,
                    shapes=shapes if quick else None, samplers=not quick)
     weights = jnp.dtype(dtype).name + (f", {ecfg.quantization} weights" if ecfg.quantization else "") + (

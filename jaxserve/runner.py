@@ -75,7 +75,7 @@ class ModelRunner:
             multihost.warmup()
             self.broadcaster = multihost.Broadcaster() if multihost.is_leader() else None
         self.kv_cache = KVCache.zeros(cfg, self.mesh, self.num_pages, self.page_size, dtype, engine_cfg.kv_cache_dtype)
-        self.buckets = Buckets(engine_cfg, self.mesh.shape["seq"], parallel.platform(self.mesh))
+        self.buckets = Buckets(engine_cfg, self.mesh.shape["seq"], parallel.platform(self.mesh), self.backend)
         self.max_copies = engine_cfg.max_num_seqs
         self._step = make_step(self.model, cfg, self.mesh, self.backend)
         self._multi_step = make_multi_step(self.model, cfg, self.mesh, self.backend, self.buckets.max_logit_rows)

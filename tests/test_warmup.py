@@ -126,3 +126,18 @@ def test_decode_buckets_start_at_8_rows_on_tpu_and_gpu():
     for platform in ("tpu", "gpu"):
         assert Buckets(wide, platform=platform).decode == [8, 16, 32, 48, 64, 96, 128]
         assert Buckets(narrow, platform=platform).decode == [4]
+
+
+def test_pallas_steps_with_prefill_come_one_per_token_bucket():
+    """The Pallas kernels take ragged rows: a step with prefill rows pads to all max_prefill_seqs
+    rows and the chunk size, one shape per token bucket; the XLA path keeps its prefill-row and
+    max_q buckets. Every XLA shape's batch fits the ragged shape of its token bucket."""
+    cfg = EngineConfig(model=None, max_num_seqs=16, max_num_batched_tokens=128, prefill_chunk_size=64,
+                       max_prefill_seqs=4)
+    xla = Buckets(cfg, platform="gpu").warmup_shapes(False)
+    ragged = Buckets(cfg, platform="gpu", backend="pallas_gpu").warmup_shapes(False)
+    assert [s for s in ragged if not s.prefill_rows] == [s for s in xla if not s.prefill_rows]
+    assert [s.name for s in ragged if s.prefill_rows] == [f"prefill-{t}x4q{min(t, 64)}" for t in (16, 32, 64, 128)]
+    assert len([s for s in xla if s.prefill_rows]) == 18   # 1, 2 and 4 rows; max_q 32 and the chunk
+    for s in xla:
+        assert cover(s, frozenset(ragged)).tokens == s.tokens
