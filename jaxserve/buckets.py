@@ -90,12 +90,19 @@ def min_decode_rows(platform: str) -> int:
     return 1 if platform == "cpu" else 8
 
 
+def decode_halfway_from(platform: str) -> int | None:
+    """Where the decode buckets gain halfway sizes (48, 96, ...: padding under a third). Only a
+    CPU pays for padded rows: an accelerator's decode step reads the same weights at 48 rows as
+    at 64, and the KV of the real rows only, so there they would only add steps and samplers."""
+    return 32 if platform == "cpu" else None
+
+
 class Buckets:
     def __init__(self, ecfg: EngineConfig, seq_size: int = 1, platform: str = "cpu", backend: str = "xla"):
         self.ecfg = ecfg
         self.ragged = backend != "xla"   # Pallas attention: prefill rows are not padded to max_q
         self.decode = powers_of_two(min(min_decode_rows(platform), ecfg.max_num_seqs), ecfg.max_num_seqs,
-                                    halfway_from=32)
+                                    halfway_from=decode_halfway_from(platform))
         self.tokens = powers_of_two(min(16, ecfg.max_num_batched_tokens), ecfg.max_num_batched_tokens,
                                     halfway_from=128)
         self.prefill_rows = [ecfg.max_prefill_seqs] if self.ragged else powers_of_two(1, ecfg.max_prefill_seqs)

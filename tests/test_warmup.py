@@ -120,11 +120,11 @@ def test_cover_picks_the_smallest_ready_shape_that_holds_the_batch():
     assert cover(by_name["prefill-128x1q32"], ready).name == "prefill-128x2q128"
 
 
-def test_decode_buckets_start_at_8_rows_on_tpu_and_gpu():
+def test_decode_buckets_start_at_8_rows_and_double_on_tpu_and_gpu():
     wide, narrow = (EngineConfig(model=None, max_num_seqs=n) for n in (128, 4))
     assert Buckets(wide).decode == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128]   # CPU: every row costs
     for platform in ("tpu", "gpu"):
-        assert Buckets(wide, platform=platform).decode == [8, 16, 32, 48, 64, 96, 128]
+        assert Buckets(wide, platform=platform).decode == [8, 16, 32, 64, 128]
         assert Buckets(narrow, platform=platform).decode == [4]
 
 
