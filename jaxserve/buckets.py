@@ -97,14 +97,23 @@ def decode_halfway_from(platform: str) -> int | None:
     return 32 if platform == "cpu" else None
 
 
+def min_step_tokens(platform: str) -> int:
+    """The smallest token bucket of a step with prefill. A TPU's or GPU's step reads every weight
+    whatever its tokens, and below ~240 tokens (a Linear's FLOPs per weight byte; the chips'
+    FLOPs per HBM byte: ~300 on an H100, ~240 on a v5e) that read, not the arithmetic, sets its
+    time: 16 tokens cost what 128 do, so smaller buckets would only add steps to compile. A CPU
+    pays for every token."""
+    return 16 if platform == "cpu" else 128
+
+
 class Buckets:
     def __init__(self, ecfg: EngineConfig, seq_size: int = 1, platform: str = "cpu", backend: str = "xla"):
         self.ecfg = ecfg
         self.ragged = backend != "xla"   # Pallas attention: prefill rows are not padded to max_q
         self.decode = powers_of_two(min(min_decode_rows(platform), ecfg.max_num_seqs), ecfg.max_num_seqs,
                                     halfway_from=decode_halfway_from(platform))
-        self.tokens = powers_of_two(min(16, ecfg.max_num_batched_tokens), ecfg.max_num_batched_tokens,
-                                    halfway_from=128)
+        self.tokens = powers_of_two(min(min_step_tokens(platform), ecfg.max_num_batched_tokens),
+                                    ecfg.max_num_batched_tokens, halfway_from=128)
         self.prefill_rows = [ecfg.max_prefill_seqs] if self.ragged else powers_of_two(1, ecfg.max_prefill_seqs)
         self.decode_q = 1 + (ecfg.speculative.num_tokens if ecfg.speculative else 0)   # the widest
         self.decode_qs = sorted({1, self.decode_q})

@@ -134,10 +134,13 @@ def test_pallas_steps_with_prefill_come_one_per_token_bucket():
     max_q buckets. Every XLA shape's batch fits the ragged shape of its token bucket."""
     cfg = EngineConfig(model=None, max_num_seqs=16, max_num_batched_tokens=128, prefill_chunk_size=64,
                        max_prefill_seqs=4)
-    xla = Buckets(cfg, platform="gpu").warmup_shapes(False)
-    ragged = Buckets(cfg, platform="gpu", backend="pallas_gpu").warmup_shapes(False)
+    xla = Buckets(cfg).warmup_shapes(False)
+    ragged = Buckets(cfg, backend="pallas_gpu").warmup_shapes(False)   # as a CPU interpreting the kernels
     assert [s for s in ragged if not s.prefill_rows] == [s for s in xla if not s.prefill_rows]
     assert [s.name for s in ragged if s.prefill_rows] == [f"prefill-{t}x4q{min(t, 64)}" for t in (16, 32, 64, 128)]
     assert len([s for s in xla if s.prefill_rows]) == 18   # 1, 2 and 4 rows; max_q 32 and the chunk
+    # On a TPU or GPU, from 128 tokens (min_step_tokens): fewer cost as much
+    assert [s.tokens for s in Buckets(cfg, platform="tpu", backend="pallas_tpu").warmup_shapes(False)
+            if s.prefill_rows] == [128]
     for s in xla:
         assert cover(s, frozenset(ragged)).tokens == s.tokens
