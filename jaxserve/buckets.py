@@ -83,36 +83,31 @@ class StepShape(NamedTuple):
                 np.zeros(rows + 1, np.int32), np.zeros(self.logit_rows, np.int32))
 
 
-def min_decode_rows(platform: str) -> int:
-    """The smallest decode bucket. A TPU computes 8 rows as fast as 1 (its sublanes), as a GPU's
-    GEMMs and kernels do, so smaller buckets would only add steps and samplers to compile; a
-    CPU pays for every row."""
-    return 1 if platform == "cpu" else 8
+class PlatformBuckets(NamedTuple):
+    """Where a platform's buckets start. A CPU pays for every row and token, so it gets small
+    buckets and, from 32 decode rows, halfway sizes (48, 96, ...: padding under a third). A TPU or
+    GPU step reads every weight whatever its rows and tokens, and only the real rows' KV: 8 rows
+    cost what 1 does (a TPU's sublanes; a GPU's GEMMs and kernels), 64 what 48 do, and below ~240
+    tokens (a Linear's FLOPs per weight byte against the chip's FLOPs per HBM byte: ~300 on an
+    H100, ~240 on a v5e) 128 tokens what 16 do. There smaller or halfway buckets would only add
+    steps and samplers to compile."""
+    min_decode_rows: int
+    decode_halfway_from: int | None
+    min_step_tokens: int   # of a step with prefill
 
-
-def decode_halfway_from(platform: str) -> int | None:
-    """Where the decode buckets gain halfway sizes (48, 96, ...: padding under a third). Only a
-    CPU pays for padded rows: an accelerator's decode step reads the same weights at 48 rows as
-    at 64, and the KV of the real rows only, so there they would only add steps and samplers."""
-    return 32 if platform == "cpu" else None
-
-
-def min_step_tokens(platform: str) -> int:
-    """The smallest token bucket of a step with prefill. A TPU's or GPU's step reads every weight
-    whatever its tokens, and below ~240 tokens (a Linear's FLOPs per weight byte; the chips'
-    FLOPs per HBM byte: ~300 on an H100, ~240 on a v5e) that read, not the arithmetic, sets its
-    time: 16 tokens cost what 128 do, so smaller buckets would only add steps to compile. A CPU
-    pays for every token."""
-    return 16 if platform == "cpu" else 128
+    @classmethod
+    def of(cls, platform: str) -> "PlatformBuckets":
+        return cls(1, 32, 16) if platform == "cpu" else cls(8, None, 128)
 
 
 class Buckets:
     def __init__(self, ecfg: EngineConfig, seq_size: int = 1, platform: str = "cpu", backend: str = "xla"):
         self.ecfg = ecfg
         self.ragged = backend != "xla"   # Pallas attention: prefill rows are not padded to max_q
-        self.decode = powers_of_two(min(min_decode_rows(platform), ecfg.max_num_seqs), ecfg.max_num_seqs,
-                                    halfway_from=decode_halfway_from(platform))
-        self.tokens = powers_of_two(min(min_step_tokens(platform), ecfg.max_num_batched_tokens),
+        rules = PlatformBuckets.of(platform)
+        self.decode = powers_of_two(min(rules.min_decode_rows, ecfg.max_num_seqs), ecfg.max_num_seqs,
+                                    halfway_from=rules.decode_halfway_from)
+        self.tokens = powers_of_two(min(rules.min_step_tokens, ecfg.max_num_batched_tokens),
                                     ecfg.max_num_batched_tokens, halfway_from=128)
         self.prefill_rows = [ecfg.max_prefill_seqs] if self.ragged else powers_of_two(1, ecfg.max_prefill_seqs)
         self.decode_q = 1 + (ecfg.speculative.num_tokens if ecfg.speculative else 0)   # the widest

@@ -139,7 +139,7 @@ def test_pallas_steps_with_prefill_come_one_per_token_bucket():
     assert [s for s in ragged if not s.prefill_rows] == [s for s in xla if not s.prefill_rows]
     assert [s.name for s in ragged if s.prefill_rows] == [f"prefill-{t}x4q{min(t, 64)}" for t in (16, 32, 64, 128)]
     assert len([s for s in xla if s.prefill_rows]) == 18   # 1, 2 and 4 rows; max_q 32 and the chunk
-    # On a TPU or GPU, from 128 tokens (min_step_tokens): fewer cost as much
+    # On a TPU or GPU, from 128 tokens (PlatformBuckets): fewer cost as much
     assert [s.tokens for s in Buckets(cfg, platform="tpu", backend="pallas_tpu").warmup_shapes(False)
             if s.prefill_rows] == [128]
     for s in xla:
