@@ -144,9 +144,11 @@ def multi_step_variants(platform: str) -> list[tuple[bool, bool | None]]:
 
 
 def multi_step_variant(variants: list[tuple[bool, bool | None]], md, vocab_size: int) -> bool | None:
-    """The `filters` of the variant of `variants` (multi_step_variants) that samples md's rows (host arrays)."""
-    filters = md.use_penalties or uses_filters(md, vocab_size)
-    return filters if (md.use_penalties, filters) in variants else None
+    """The `filters` of the variant of `variants` (multi_step_variants) that samples md's rows (host
+    arrays); the rows' filters are looked at only where the variants tell them apart (a GPU's)."""
+    if (md.use_penalties, None) in variants:
+        return None
+    return md.use_penalties or uses_filters(md, vocab_size)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "backend", "steps", "filters", "length", "kv_sharding",
