@@ -185,7 +185,8 @@ def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: in
         aheads.append(s.proposed_token_ids[:listed[s.seq_id]])
         if uses_penalties(s.sampling):   # the known tokens' int32 copy, then -1 (padding) for PENDING ones
             known, n = s.known_token_array(), s.num_prompt_tokens
-            pending = len(s.output_token_ids) - s.num_known_outputs - launched
+            # (none for a sequence that stopped meanwhile: its PENDING outputs are cut; row discarded)
+            pending = max(len(s.output_token_ids) - s.num_known_outputs - launched, 0)
             prompts.append(known[:n])
             outputs.append(np.concatenate([known[n:], np.full(pending, -1, np.int32), np.asarray(aheads[-1], np.int32)]))
         else:   # only their count is read (step, min_tokens): no copy of the outputs per row and step

@@ -19,7 +19,8 @@ def llm():
 
 def requests() -> tuple[list[str], list[P]]:
     """17 sequences for 16 rows: constrained (greedy and seeded, n > 1, a stop string inside the
-    grammar: found a step late), penalised, prompt logprobs, and free rows."""
+    grammar: found a step late), penalised (one with a stop string: its next step's deferred
+    sampler reads the history of a sequence that stopped), prompt logprobs, and free rows."""
     json_cases = [StructuredOutput.json_schema(s) for s in schemas()[::6]]
     params = [P(max_tokens=64, temperature=0.0 if i % 2 else 0.9, seed=i, n=2 if i == 2 else 1, logprobs=2 if i == 1 else None,
                 structured_output=c) for i, c in enumerate(json_cases)]
@@ -30,7 +31,7 @@ def requests() -> tuple[list[str], list[P]]:
                P(max_tokens=30, temperature=0.0, ignore_eos=True),
                P(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True, logprobs=3),
                P(max_tokens=30, temperature=0.7, seed=4, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5),
-               P(max_tokens=12, temperature=0.0, prompt_logprobs=1, stop=["e"])]
+               P(max_tokens=12, temperature=0.0, prompt_logprobs=1, stop=["e"], repetition_penalty=1.2)]
     return [f"Example {i}:" for i in range(len(params))], params
 
 
