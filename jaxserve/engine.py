@@ -363,9 +363,10 @@ class LLMEngine:
     def _advance(self, req: Request, seq: Sequence, res: SampleResult, num_outputs: int,
                  text: str) -> CompletionOutput:
         """Take the new token (the sequence's num_outputs-th output) and its `text`, apply stop conditions
-        (before min_tokens outputs the sampler bans the ending tokens; stop strings wait too), return the delta."""
+        (before min_tokens outputs the sampler bans the ending tokens, unless a grammar allows nothing
+        else: one is then an ordinary token; stop strings wait too), return the delta."""
         p, i, token = req.params, seq.index, res.token
-        is_stop_token = token in seq.end_token_ids
+        is_stop_token = token in seq.end_token_ids and num_outputs > p.min_tokens
         reason = "stop" if is_stop_token else None
         if not is_stop_token or p.include_stop_str_in_output:
             req.texts[i] += text

@@ -5,7 +5,8 @@ The host packs each row's settings into fixed-shape arrays (`SamplingMetadata.bu
 runs inside the jit-compiled step and only token ids and logprobs go back to the host.
 
 Order per row: the grammar's token mask (structured output: -inf to the tokens it refuses) ->
-logit bias (and min_tokens' ban of the ending tokens, a -inf bias) -> penalties -> temperature ->
+logit bias (and min_tokens' ban of the ending tokens, a -inf bias, lifted where it would leave a
+row's grammar no token: engine.py then takes the token as an ordinary one) -> penalties -> temperature ->
 top-k -> top-p -> min-p -> sample. Rows with temperature 0 or top_k 1 take the argmax of the
 masked, biased and penalised logits. Returned logprobs are of the model's raw distribution
 (log_softmax of the logits before bias, penalties and temperature), as vLLM does by default.
@@ -351,7 +352,10 @@ def sample(logits: jax.Array, md: SamplingMetadata, penalty_counts: PenaltyCount
     if md.use_mask:
         logits = apply_mask(logits, md)
     if md.use_bias:
-        logits = apply_bias(logits, md)
+        biased = apply_bias(logits, md)
+        if md.use_mask:   # min_tokens' ban may take every token a grammar allows: the grammar wins
+            biased = jnp.where(jnp.any(biased > -jnp.inf, axis=-1, keepdims=True), biased, logits)
+        logits = biased
     if md.use_penalties:
         logits = apply_penalties(logits, md, penalty_counts)
     greedy = (md.temperature <= 0.0) | (md.top_k == 1)

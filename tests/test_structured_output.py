@@ -61,6 +61,26 @@ def test_sampler_mask_against_numpy():
         assert all(allowed[i, tokens[i]] for i in range(rows))
 
 
+def test_min_tokens_ban_yields_to_the_grammar():
+    """min_tokens bans a row's ending tokens; where that takes every token its grammar allows,
+    the grammar wins (an empty row would sample token 0, which no grammar allowed)."""
+    rows, vocab = 4, 100
+    logits = np.random.default_rng(2).normal(size=(rows, vocab)).astype(np.float32)
+    allowed = np.zeros((rows, vocab), bool)
+    allowed[:3, 7] = True                 # rows 0-2: the grammar allows only the ending token 7 ...
+    allowed[1, 9] = True                  # ... and row 1 also 9, which the ban leaves
+    allowed[3] = True                     # row 3: no grammar; its ban holds
+    ends = [(7,)] * 3 + [(int(logits[3].argmax()),)]
+    params = [P(temperature=0.0, min_tokens=3), P(temperature=0.0, min_tokens=3), P(temperature=1.0, seed=3, min_tokens=3),
+              P(temperature=0.0, min_tokens=3)]
+    md = SamplingMetadata.build(params, [[0]] * rows, [[]] * rows, list(range(rows)), rows, end_token_ids=ends,
+                                allowed=pack(allowed))
+    assert md.use_mask and md.use_bias
+    tokens = np.asarray(sample(logits, md).tokens).tolist()
+    assert tokens[:3] == [7, 9, 7]
+    assert tokens[3] == np.argsort(logits[3])[-2]
+
+
 def test_mask_variant_equals_full_variant():
     """A constrained batch without penalties or a bias takes the mask-only sampler variant; with a
     zero bias (which changes nothing) the same batch takes the variant with all three: the same
@@ -214,6 +234,21 @@ def test_schemas_regexes_and_choices_in_one_run(llm):
     assert all(re.fullmatch(REGEX, c.text) and c.finish_reason == "stop" for c in regex.outputs), regex.outputs
     assert all(c.text in CHOICES and c.finish_reason == "stop" for c in choice.outputs), choice.outputs
     assert re.fullmatch(r"[a-z]{1,5}", stopped.outputs[0].text) and stopped.outputs[0].finish_reason == "stop"
+
+
+def test_a_stop_token_the_grammar_requires_before_min_tokens(llm):
+    """7{20} allows only '7' at each step. With '7' a stop token and min_tokens 5, the first 5 are
+    ordinary tokens (the ban would leave the grammar nothing) and the 6th ends the output."""
+    free = llm.generate(["Count:"], P(max_tokens=3, temperature=0.0, structured_output=StructuredOutput("regex", "7{20}")),
+                        use_tqdm=False)[0].outputs[0]
+    seven = free.token_ids[0]
+    assert free.text == "777" and free.token_ids == [seven] * 3
+    for params in (P(temperature=0.0), P(temperature=1.0, seed=1, n=2)):
+        out = llm.generate(["Count:"], dataclasses.replace(params, max_tokens=30, min_tokens=5, stop_token_ids=[seven],
+                                                           structured_output=StructuredOutput("regex", "7{20}")),
+                           use_tqdm=False)[0]
+        assert [(c.text, c.token_ids, c.finish_reason) for c in out.outputs] == \
+            [("77777", [seven] * 5, "stop")] * params.n
 
 
 def test_speculative_decoding_keeps_to_the_grammar(llm):
