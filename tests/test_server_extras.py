@@ -114,6 +114,19 @@ def test_echo_logprobs_match_transformers(server, client, model):
         assert all(abs(v["logprob"] - row[int(t)].item()) < 1e-4 for t, v in entry.items())
 
 
+def test_echo_text_offsets_index_the_text(client, model):
+    """text_offset is each token's first character in the returned text, prompt tokens too: a
+    special token adds no text, and a byte inside a character gets the character's start."""
+    prompt = "h\u00e9llo w\u00f6rld \U0001F600!"
+    ids = [256] + model[2].encode(prompt, add_special_tokens=False)   # bos, then a token a byte
+    assert len(ids) == 1 + len(prompt.encode())
+    choice = complete(client, ids, echo=True, logprobs=0, max_tokens=6, ignore_eos=True).choices[0]
+    offsets = choice.logprobs.text_offset
+    assert offsets[:len(ids)] == [0] + [len(prompt.encode()[:i].decode(errors="ignore")) for i in range(len(ids) - 1)]
+    assert offsets[len(ids)] == len(prompt) and choice.text.startswith(prompt)
+    assert offsets == sorted(offsets) and offsets[-1] <= len(choice.text)
+
+
 def test_logit_bias_and_min_tokens_match_transformers(client, model):
     _, hf, tok = model
     prompt = tok.encode("The quick brown fox", add_special_tokens=False)

@@ -27,6 +27,7 @@ from jaxserve.server.sse import sse_response
 from jaxserve.server.tools import tool_calls
 from jaxserve.server.validation import (field, is_number, json_body, messages, prompts, sampling_params,
                                         stream_flags)
+from jaxserve.tokenizer import IncrementalDetokenizer
 
 bp = Blueprint("openai", __name__)
 MIN_LOGPROB = -9999.0   # what OpenAI reports for -inf (JSON has no infinity)
@@ -151,11 +152,12 @@ class _Choices:
         if first and self.echoes is not None:
             if scored is not None:
                 ids, plps = scored
-                parts.append(self._completion_logprobs(0, [(ids[0], None, None)] + [r[:3] for r in plps]))
+                parts.append(self._completion_logprobs([(ids[0], None, None)] + [r[:3] for r in plps],
+                                                       self._prompt_offsets(ids)))
             start = len(self.echoes[prompt_index])
             text = self.echoes[prompt_index] + text
         if results is not None:
-            parts.append(self._completion_logprobs(start, [r[:3] for r in results]))
+            parts.append(self._completion_logprobs([r[:3] for r in results], start=start))
         self.offsets[index] = start + len(c.text)
         logprobs = {k: sum((p[k] for p in parts), []) for k in parts[0]} if parts else None
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
@@ -178,9 +180,19 @@ class _Choices:
         return {"content": [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
                             for r in results]}
 
-    def _completion_logprobs(self, start: int, entries: list[tuple]) -> dict:
-        """The legacy format for (token id, logprob, top) entries whose text begins at character
-        `start`; logprob and top are None for a prompt's first token."""
+    def _prompt_offsets(self, ids: list[int]) -> list[int]:
+        """Each prompt token's text_offset: the length of the text its predecessors decode to (as
+        the echo shows it: special tokens add none; a token inside a character gets its start)."""
+        detok, offsets, n = IncrementalDetokenizer(self.tokenizer, []), [], 0
+        for token in ids:
+            offsets.append(n)
+            n += len(IncrementalDetokenizer.step_all([detok], [[token]])[0])
+        return offsets
+
+    def _completion_logprobs(self, entries: list[tuple], offsets: list[int] | None = None, start: int = 0) -> dict:
+        """The legacy format for (token id, logprob, top) entries: their text_offset `offsets`, or
+        else each token's text after its predecessors' from character `start` (a generated delta's
+        tokens); logprob and top are None for a prompt's first token."""
         tokens = [self._token(token) for token, _, _ in entries]
         tops = []
         for _, _, pairs in entries:
@@ -190,7 +202,7 @@ class _Choices:
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": [None if lp is None else max(lp, MIN_LOGPROB) for _, lp, _ in entries],
                 "top_logprobs": tops,
-                "text_offset": list(itertools.accumulate([start] + [len(t) for t in tokens[:-1]]))}
+                "text_offset": offsets if offsets is not None else list(itertools.accumulate([start] + [len(t) for t in tokens[:-1]]))}
 
 
 def _client_connected(environ) -> Callable[[], bool]:
