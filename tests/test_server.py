@@ -103,6 +103,10 @@ def test_chat_matches_transformers(server, client, model):
     assert [e.logprob for e in c.logprobs.content] == pytest.approx(ref_lps, abs=1e-3)
     assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
                for e in c.logprobs.content)
+    # `bytes`: each token's own byte (this tokenizer's tokens are one byte each, or special), so
+    # that pieces of a character join up, which the tokens' texts (U+FFFD) cannot
+    assert all(len(e.bytes) == 1 for e in c.logprobs.content)
+    assert bytes(b for e in c.logprobs.content for b in e.bytes).decode(errors="replace") == c.message.content
 
     chunks = list(client.chat.completions.create(stream=True, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"

@@ -95,7 +95,7 @@ def chat_completions():
     timeout = _timeout(body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = host.submit([ids], params, request_id)
-    choices = _Choices(engine.tokenizer, params.n, chat=True, tools=tools)
+    choices = _Choices(engine.tokenizer, params.n, chat=True, tools=tools, token_bytes=engine.grammars.token_bytes)
     return _respond(host, streams, choices, request_id, "chat.completion.chunk" if stream else "chat.completion",
                     stream, usage_flags, len(params.prompt(ids)), timeout)
 
@@ -127,8 +127,10 @@ def chat_prompt_ids(tokenizer, msgs: list[dict]) -> list[int]:
 class _Choices:
     """Turns CompletionOutput deltas into OpenAI choice objects (completion or chat format)."""
 
-    def __init__(self, tokenizer, n: int, chat: bool, echoes: list[str] | None = None, tools=None):
+    def __init__(self, tokenizer, n: int, chat: bool, echoes: list[str] | None = None, tools=None,
+                 token_bytes: Callable[[int], bytes] | None = None):
         self.tokenizer, self.n, self.chat, self.echoes = tokenizer, n, chat, echoes
+        self.token_bytes = token_bytes   # a chat request's: each logprobs entry's `bytes`
         self.tools = tools   # a chat request's forced tool calls (jaxserve/server/tools.py), or None
         self.started: set[int] = set()
         self.offsets: dict[int, int] = {}    # completion logprobs' text_offset so far, per choice
@@ -176,7 +178,7 @@ class _Choices:
 
         def entry(token_id, logprob):
             s = self._token(token_id)
-            return {"token": s, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(s.encode())}
+            return {"token": s, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(self.token_bytes(token_id))}
         return {"content": [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
                             for r in results]}
 

@@ -80,6 +80,11 @@ class Grammars:
             source = llguidance.TokenizerWrapper(_Pieces(self.tokenizer))
         return llguidance.LLTokenizer(source, n_vocab=self.vocab_size, eos_token=self.eos)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (a piece of a character: its bytes, not U+FFFD's; a special
+        token: its text), from the table the matchers read."""
+        return self._tokens.decode_bytes([token_id])
+
     def matchers(self, c: StructuredOutput | None, n: int) -> list[Matcher | None]:
         """A matcher per choice of a request constrained by `c` (Nones without one)."""
         if c is None:
