@@ -56,12 +56,14 @@ def sequence_parallel_prefill(model, mesh, params, kv_cache, tokens, num_tokens,
         slots = jnp.where(idx < num_tokens, page * page_size + pos % page_size,
                           num_pages * page_size)  # out of range: padding is not written
         positions = num_cached + s * chunk + jnp.arange(chunk)
-        # Every local token counts as a query (padding too: its output is never read), so
-        # query_start_loc is the same on all shards; seq_lens ends at this chunk's end.
+        # The queries: this chunk's real tokens (the last chunks end in padding or are all
+        # padding, whose outputs are never read and come out 0), so that no shard reads the
+        # pages past the prompt's last token: they hold no K/V of this sequence.
+        real = jnp.clip(num_tokens - s * chunk, 0, chunk)
         meta = AttentionMetadata(
             positions=positions, slot_mapping=slots, page_table=page_table_row[None],
-            seq_lens=(num_cached + (s + 1) * chunk)[None],
-            query_start_loc=jnp.array([0, chunk], jnp.int32),
+            seq_lens=(num_cached + s * chunk + real)[None],
+            query_start_loc=jnp.stack([0, real]).astype(jnp.int32),
             max_q=chunk, backend=backend, seq_axis="seq", kv_sharding=kv_spec,
             platform=parallel.platform(mesh))
         hidden, kv_cache = model.apply({"params": params}, tokens, positions, kv_cache, meta)

@@ -33,6 +33,7 @@ from jaxserve.buckets import StepShape, largest
 from jaxserve.compilations import CompileCounter
 from jaxserve.executables import key, lower
 from jaxserve.kv_cache import KVCache
+from jaxserve.scheduler import SchedulerOutput
 from jaxserve.step import (empty_sequence_parallel_prefill, lower_step, multi_step_arrays, multi_step_variants,
                            page_copy_batches, sampler_args, serving_sample, step_arrays)
 
@@ -54,6 +55,8 @@ def warm_up(runner, background: bool = False) -> int:
                                              (runner.params, runner.kv_cache),
                                              empty_sequence_parallel_prefill(t, runner.max_pages_per_seq))
     runner.copy_pages([(0, 0)])
+    if runner.ecfg.poison_freed_pages:   # the test build's poisoning (runner.poison_pages), of no page
+        runner.poison_pages(SchedulerOutput([], [], []), [])
     jax.block_until_ready(runner.kv_cache)
     rest = [s for s in shapes if s not in first]
     n = CompileCounter.count - before

@@ -261,7 +261,9 @@ def check_data_parallel(model_dir: str) -> dict:
 def check_engine_sequence_parallel(model_dir: str, shape: dict) -> dict:
     """The engine on a mesh with a "seq" axis: prefill chunks go through
     sequence_parallel_prefill (counted), chunked prompts reach their cached chunks, decodes run
-    in the batched step; greedy tokens against one device. Warm-up first, then no compilation."""
+    in the batched step; greedy tokens against one device, with every page freed or newly taken
+    poisoned (NaN: a chunk that read past its sequence's tokens would turn NaN). Warm-up first,
+    then no compilation."""
     from jaxserve.config import EngineConfig, SamplingParams
     from jaxserve.engine import LLMEngine
 
@@ -271,7 +273,7 @@ def check_engine_sequence_parallel(model_dir: str, shape: dict) -> dict:
     ref = greedy_generate(cfg, checkpoint.load_params(model_dir, cfg), ps, NEW_TOKENS)
     ecfg = EngineConfig(model=model_dir, mesh=shape, max_num_seqs=4, max_num_batched_tokens=32,
                         prefill_chunk_size=32, max_prefill_seqs=1, max_model_len=96, num_pages=48,
-                        page_size=8, compilation_cache_dir=None)
+                        page_size=8, compilation_cache_dir=None, poison_freed_pages=True)
     engine = LLMEngine(ecfg, mesh=parallel.make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))]))
     engine.warmup()
     calls, run = [], engine.runner._run
