@@ -14,9 +14,13 @@ to 2 places (near-ties move a rank on float noise). No step may fail; every page
     python scripts/fuzz_engine.py --seeds 0:6            # six rounds (a new process every few:
                                                          # each engine built keeps its executables)
     KV=int8 QUANT=int8 python scripts/fuzz_engine.py     # quantized reference and variants alike
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 TP=2 SP=2 python scripts/fuzz_engine.py
+                                                         # on a mesh (sequence-parallel prefill: no
+                                                         # prompt logprobs)
 
 Found so far (fixed): a penalised request's stop failing its whole step (the deferred sampler
-read a negative PENDING count), and min_tokens' ban emptying a grammar's allowed set.
+read a negative PENDING count), min_tokens' ban emptying a grammar's allowed set, and
+sequence-parallel prefill reading past the prompt (NaN from poisoned pages, on SP=2).
 """
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ from jaxserve.structured import StructuredOutput
 
 REFERENCE = dict(max_model_len=160, max_num_seqs=16, max_num_batched_tokens=256, enable_prefix_caching=False,
                  compilation_cache_dir="/tmp/jaxserve-fuzz", kv_cache_dtype=os.environ.get("KV", "auto"),
-                 quantization=os.environ.get("QUANT") or None)
+                 quantization=os.environ.get("QUANT") or None,
+                 mesh={"data": 1, "model": int(os.environ.get("TP", 1)), "seq": int(os.environ.get("SP", 1))})
 REGEXES = [r"[a-z ]{2,30}\.", r"(yes|no|maybe)!", r"[0-9]+(,[0-9]+)*"]
 
 
@@ -51,7 +56,7 @@ def sampling(rng) -> dict:
                 kw[name] = rng.choice(values).item()
     for name, values, p in [("repetition_penalty", [0.8, 1.2, 1.5], 0.3), ("presence_penalty", [-1.0, 0.5, 1.5], 0.3),
                             ("frequency_penalty", [-0.5, 0.5, 1.0], 0.3), ("logprobs", [0, 1, 3], 0.3),
-                            ("prompt_logprobs", [0, 2], 0.2)]:
+                            ("prompt_logprobs", [0, 2], 0.2 if REFERENCE["mesh"]["seq"] == 1 else 0)]:
         if rng.random() < p:
             kw[name] = rng.choice(values).item()
     if rng.random() < 0.2:
