@@ -49,7 +49,8 @@ OPTIONS = {
 }
 PROMPTS = ["Hello", " ", "\u00e9t\u00e9 \U0001F600", "The quick brown fox", [1, 2, 3], [[1, 2], [3]], ["a", "b"]]
 HOSTILE_PROMPTS = ["", "a" * 3000, [], [[]], [-5], [10**9], 123, None, {"a": 1}]
-MESSAGES = [[{"role": "user", "content": "hi"}], [{"role": "system", "content": "s"}, {"role": "user", "content": "\U0001F600"}],
+MESSAGES = [[{"role": "user", "content": "hi"}],
+            [{"role": "system", "content": "s"}, {"role": "user", "content": "\U0001F600"}],
             [{"role": "user", "content": [{"type": "text", "text": "a"}]}]]
 HOSTILE_MESSAGES = [[], [{"role": "bogus", "content": "x"}], [{"role": "user"}], "hi"]
 
@@ -150,7 +151,8 @@ def merged(lines: list[bytes], chat: bool) -> dict:
         for c in json.loads(line[6:])["choices"]:
             text, finish, tokens = out.get(c["index"], ("", None, []))
             piece = (c["delta"].get("content") or "") if chat else c["text"]
-            out[c["index"]] = (text + piece, c["finish_reason"] or finish, tokens + logprob_tokens(c.get("logprobs"), chat))
+            tokens = tokens + logprob_tokens(c.get("logprobs"), chat)
+            out[c["index"]] = (text + piece, c["finish_reason"] or finish, tokens)
     return out
 
 
@@ -175,7 +177,7 @@ def check_body(body: dict, d: dict, chat: bool) -> None:
 def idle_state(url: str) -> dict[str, float]:
     text = requests.get(url + "/metrics", timeout=30).text
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-            if line.startswith(("jaxserve_kv_free_pages", "jaxserve_num_sequences_running", "jaxserve_num_sequences_waiting"))}
+            if line.startswith(("jaxserve_kv_free_pages", "jaxserve_num_sequences_"))}
 
 
 def main() -> None:

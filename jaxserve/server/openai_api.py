@@ -202,9 +202,10 @@ class _Choices:
             for t, lp in pairs or ():   # most likely first; tokens that decode alike keep the best
                 top.setdefault(self._token(t), max(lp, MIN_LOGPROB))
             tops.append(top)
+        if offsets is None:
+            offsets = list(itertools.accumulate([start] + [len(t) for t in tokens[:-1]]))
         return {"tokens": tokens, "token_logprobs": [None if lp is None else max(lp, MIN_LOGPROB) for _, lp, _ in entries],
-                "top_logprobs": tops,
-                "text_offset": offsets if offsets is not None else list(itertools.accumulate([start] + [len(t) for t in tokens[:-1]]))}
+                "top_logprobs": tops, "text_offset": offsets}
 
 
 def _client_connected(environ) -> Callable[[], bool]:
