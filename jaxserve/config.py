@@ -314,7 +314,7 @@ class SamplingParams:
             ("max_tokens", self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
              "must be at least 1 (0, scoring the prompt only, needs prompt_logprobs)"),
             ("temperature", 0.0 <= self.temperature <= 2.0, "must be between 0 and 2"),
-            ("top_k", self.top_k >= 0, "must be 0 or -1 (off) or positive"),
+            ("top_k", 0 <= self.top_k < 2**31, "must be 0 or -1 (off) or a positive count below 2**31"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, "must be in (0, 2]"),

@@ -119,9 +119,10 @@ class LLMEngine:
         if params.prompt_logprobs is not None and self.runner.prefills_sequence_parallel:
             raise InvalidRequest("prompt_logprobs is not supported with sequence-parallel prefill",
                                  param="prompt_logprobs")
-        if bad := [t for t in params.logit_bias if t >= self.model_cfg.vocab_size]:
-            raise InvalidRequest(f"logit_bias token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}",
-                                 param="logit_bias")
+        for name, ids in (("logit_bias", list(params.logit_bias)), ("stop_token_ids", params.stop_token_ids)):
+            if bad := [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]:
+                raise InvalidRequest(f"{name} token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}",
+                                     param=name)
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequest(f"this model's maximum context length is {self.max_model_len} tokens; "
