@@ -17,7 +17,8 @@ multi-step decodes; `--speculative-config` adds verify rows), then:
 3. Then, idle: the server is healthy, runs nothing and has every KV page free again.
 
 Found so far (fixed): a penalised request's stop failing its step (HTTP 500 for every request
-in it), echoed prompt tokens' text_offset going backwards.
+in it), echoed prompt tokens' text_offset going backwards, and (`--hostile`) a top_k or stop
+token id too large for the sampler's int32 arrays failing its step.
 """
 from __future__ import annotations
 
