@@ -32,12 +32,25 @@ class InvalidRequest(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Rotary embedding frequency scaling; `kind` is one of models.layers.ROPE_KINDS."""
+    """Rotary embedding settings besides the base (models/layers.py rope_from_hf reads them from
+    config.json as transformers does; rope_frequencies turns them into frequencies). `kind` is one
+    of models.layers.ROPE_KINDS; each kind reads only its own fields."""
     kind: str = "default"
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0                  # llama3
+    high_freq_factor: float = 4.0                 # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn, longrope: the pretraining length
+    beta_fast: float = 32.0                       # yarn: the ramp between interpolated and kept frequencies
+    beta_slow: float = 1.0
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()          # longrope: per-frequency divisors, within and
+    long_factor: tuple[float, ...] = ()           # beyond the pretraining length
+    attention_factor: float = 1.0                 # yarn, longrope: cos and sin are scaled by it
+    rotary_fraction: float = 1.0                  # the share of each head that rotates (its first dims)
+    # The longest sequence the engine serves (its max_model_len; 0: the model's
+    # max_position_embeddings). longrope and dynamic choose their frequencies by it once, for every
+    # token: KV written early stays valid, and no batch changes another's positions (as vLLM).
+    context_length: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +110,11 @@ class ModelConfig:
         from jaxserve.checkpoint import param_shapes
 
         return sum(math.prod(s.shape) for s in jax.tree.leaves(param_shapes(self)))
+
+    def serving(self, max_model_len: int) -> "ModelConfig":
+        """This config as an engine serving sequences of up to max_model_len tokens runs it: the
+        RoPE kinds that choose their frequencies by the context see that length."""
+        return dataclasses.replace(self, rope_scaling=dataclasses.replace(self.rope_scaling, context_length=max_model_len))
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":

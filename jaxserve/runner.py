@@ -54,11 +54,12 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, engine_cfg: EngineConfig, mesh=None,
                  dtype=jnp.float32):
         CompileCounter.install()
-        self.cfg, self.ecfg, self.dtype = cfg, engine_cfg, dtype
+        self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
+        self.cfg = cfg = cfg.serving(self.max_model_len)
+        self.ecfg, self.dtype = engine_cfg, dtype
         self.mesh = mesh if mesh is not None else parallel.make_mesh(engine_cfg.mesh)
         self.backend = resolve_backend(engine_cfg.attention_backend, parallel.platform(self.mesh))
         self.model = build_model(cfg, dtype)
-        self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
         self.page_size = engine_cfg.page_size
         self.max_pages_per_seq = sizing.pages_per_seq(cfg, engine_cfg)
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh, cfg))

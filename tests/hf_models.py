@@ -17,9 +17,11 @@ CONFIGS = {
     # head_dim 32 is not hidden_size / heads (16); the q/k norms' weights are spread below.
     "qwen3_qk_norm": (tf.Qwen3Config, dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
-    # q, k, v and gate, up fused; 2 kv heads, so k and v rows differ from q's.
+    # q, k, v and gate, up fused; 2 kv heads, so k and v rows differ from q's; RoPE on half of
+    # each head (Phi-4-mini's partial rotary).
     "phi3_fused": (tf.Phi3Config, dict(
-        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, sliding_window=None)),
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, sliding_window=None,
+        partial_rotary_factor=0.5)),
     # Small caps, so both soft caps bite; a 12-token window on every other layer.
     "gemma2_softcap": (tf.Gemma2Config, dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,

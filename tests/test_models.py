@@ -67,7 +67,8 @@ def test_config_reads_family_features(pair):
         "mistral_window": lambda c: c.sliding_windows == (12, 12),
         "qwen2_bias_tied": lambda c: c.qkv_bias and not c.o_bias and c.tie_word_embeddings,
         "qwen3_qk_norm": lambda c: c.qk_norm and c.head_dim == 32 and not c.qkv_bias,
-        "phi3_fused": lambda c: c.num_kv_heads == 2 and c.sliding_windows == (None, None),
+        "phi3_fused": lambda c: c.num_kv_heads == 2 and c.sliding_windows == (None, None)
+        and c.rope_scaling.rotary_fraction == 0.5,
         "gemma2_softcap": lambda c: c.sliding_windows == (12, None) and c.attn_soft_cap == 2.0
         and c.final_soft_cap == 3.0 and c.attn_scale == 24 ** -0.5 and c.tie_word_embeddings,
         "gemma3_local_global": lambda c: c.sliding_windows == (12, 12, None) and c.qk_norm

@@ -26,7 +26,7 @@ def gemma3_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     have rope_theta / rope_scaling and rope_local_base_freq."""
     rope = hf.get("rope_parameters") or {}
     if "full_attention" in rope:
-        theta, scaling = rope_from_hf({"rope_parameters": rope["full_attention"]})
+        theta, scaling = rope_from_hf(hf, rope["full_attention"])
         local = rope.get("sliding_attention", {})
         if local.get("rope_type", "default") != "default":
             raise ValueError(f"Gemma 3 windowed layers with RoPE scaling {local['rope_type']!r} are not supported")

@@ -18,7 +18,7 @@ from jaxserve import quantization
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.matmul import matmul_t
 
-ROPE_KINDS = ("default", "linear", "llama3")
+ROPE_KINDS = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 # HF `hidden_act` / `hidden_activation` names of the MLPs' activations.
 ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
                "gelu": functools.partial(nn.gelu, approximate=False)}
@@ -105,32 +105,64 @@ class GatedMLP(nn.Module):
         return dense(self.hidden_size, "down_proj")(h)
 
 
-def rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
-    """(theta, scaling) from a HF config.json. transformers >= 5 keeps both in
-    `rope_parameters`; older configs split them into `rope_theta` and `rope_scaling`."""
-    rope = dict(hf.get("rope_scaling") or {})
-    rope.update(hf.get("rope_parameters") or {})
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+def rope_from_hf(hf: dict[str, Any], rope: dict[str, Any] | None = None) -> tuple[float, RopeScaling]:
+    """(theta, scaling) from a HF config.json, read as transformers does. transformers >= 5 keeps
+    both in `rope_parameters`; older configs split them into `rope_theta` and `rope_scaling`.
+    `rope`: the RoPE dict to read instead of those (Gemma 3's, by layer type)."""
+    if rope is None:
+        rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_KINDS:
         raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_KINDS)})")
+    max_len = hf.get("max_position_embeddings", 2048)
+    # A top-level original_max_position_embeddings (Phi-3's) wins over the RoPE dict's.
+    original = int(hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") or max_len)
+    factor = float(rope.get("factor") or (max_len / original if kind in ("yarn", "longrope") else 1.0))
+    fraction = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    attention = rope.get("attention_factor")
+    if attention is None and kind == "yarn":
+        def mscale(m):
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+        both = rope.get("mscale") and rope.get("mscale_all_dim")
+        attention = mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"]) if both else mscale(1.0)
+    elif attention is None and kind == "longrope":
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     scaling = RopeScaling(
         kind=kind,
-        factor=float(rope.get("factor", 1.0)),
+        factor=factor,
         low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
         high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
+        beta_fast=float(rope.get("beta_fast") or 32.0),
+        beta_slow=float(rope.get("beta_slow") or 1.0),
+        truncate=bool(rope.get("truncate", True)),
+        short_factor=tuple(map(float, rope.get("short_factor") or ())),
+        long_factor=tuple(map(float, rope.get("long_factor") or ())),
+        attention_factor=float(attention or 1.0),
+        rotary_fraction=fraction,
     )
-    return float(theta), scaling
+    if kind == "longrope":
+        rotary = int((hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]) * fraction)
+        if not len(scaling.short_factor) == len(scaling.long_factor) == rotary // 2:
+            raise ValueError(f"longrope needs short_factor and long_factor of {rotary // 2} values each (half the "
+                             f"rotary dims), got {len(scaling.short_factor)} and {len(scaling.long_factor)}")
+    return theta, scaling
 
 
-def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
-    """The rotary frequencies of a layer; `local`: a sliding-window layer (Gemma 3 gives those
-    their own unscaled base)."""
-    d = cfg.head_dim
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> tuple[np.ndarray, float]:
+    """(inverse frequencies, cos/sin scale) of a layer, transformers' formulas per kind; `local`: a
+    sliding-window layer (Gemma 3 gives those their own unscaled base). The frequencies cover the
+    rotating dims only (rotary_fraction)."""
     local = local and cfg.local_rope_theta is not None
-    inv_freq = 1.0 / ((cfg.local_rope_theta if local else cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    sc = RopeScaling() if local else cfg.rope_scaling
+    sc = RopeScaling(rotary_fraction=cfg.rope_scaling.rotary_fraction) if local else cfg.rope_scaling
+    base = cfg.local_rope_theta if local else cfg.rope_theta
+    d = int(cfg.head_dim * sc.rotary_fraction)
+    context = sc.context_length or cfg.max_position_embeddings
+    if sc.kind == "dynamic":   # NTK: a larger base for contexts past the model's length
+        context = max(context, cfg.max_position_embeddings)
+        base = base * (sc.factor * context / cfg.max_position_embeddings - (sc.factor - 1)) ** (d / (d - 2))
+    inv_freq = 1.0 / base ** (np.arange(0, d, 2, dtype=np.float64) / d)
     if sc.kind == "linear":
         inv_freq = inv_freq / sc.factor
     elif sc.kind == "llama3":
@@ -143,14 +175,29 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / sc.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = np.where(medium, smoothed, scaled)
-    return inv_freq.astype(np.float32)
+    elif sc.kind == "yarn":   # interpolated (divided by factor) where few rotations fit the old length
+        def dim_of(rotations):
+            return d * math.log(sc.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        low, high = dim_of(sc.beta_fast), dim_of(sc.beta_slow)
+        if sc.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        ramp = np.clip((np.arange(d // 2) - low) / ((high - low) or 0.001), 0, 1)
+        inv_freq = inv_freq / sc.factor * ramp + inv_freq * (1 - ramp)
+    elif sc.kind == "longrope":
+        long = context > sc.original_max_position_embeddings
+        inv_freq = inv_freq / np.asarray(sc.long_factor if long else sc.short_factor, np.float64)
+    return inv_freq.astype(np.float32), sc.attention_factor
 
 
-def apply_rope(x, positions, inv_freq):
-    """x [..., T, H, D] with positions [..., T]; HF's rotate-half convention, computed in float32."""
-    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, D/2]
-    cos = jnp.cos(freqs)[..., None, :]
-    sin = jnp.sin(freqs)[..., None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+def apply_rope(x, positions, inv_freq, scale: float = 1.0):
+    """x [..., T, H, D] with positions [..., T]; HF's rotate-half convention over the first
+    2 * len(inv_freq) dims (the rest pass through), computed in float32; cos and sin times `scale`."""
+    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, R/2]
+    cos = (jnp.cos(freqs) * scale)[..., None, :]
+    sin = (jnp.sin(freqs) * scale)[..., None, :]
+    rotary = 2 * inv_freq.shape[-1]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32[..., :rotary], 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rotary:]], axis=-1)
     return out.astype(x.dtype)

@@ -19,8 +19,8 @@ from jaxserve import attention
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache
 from jaxserve.matmul import matmul_t
-from jaxserve.models.layers import (ACTIVATIONS, GatedMLP, Linear, RMSNorm, apply_rope, rope_from_hf,
-                                    rope_inv_freq)
+from jaxserve.models.layers import (ACTIVATIONS, GatedMLP, Linear, RMSNorm, apply_rope, rope_frequencies,
+                                    rope_from_hf)
 
 
 def _config(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelConfig:
@@ -139,8 +139,8 @@ class Attention(nn.Module):
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name="k_norm")(k)
-        inv_freq = jnp.asarray(rope_inv_freq(c, local=c.sliding_windows[self.layer] is not None))
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        inv_freq, scale = rope_frequencies(c, local=c.sliding_windows[self.layer] is not None)
+        q, k = (apply_rope(x, positions, jnp.asarray(inv_freq), scale) for x in (q, k))
         out, layer_kv = attention.attend(
             q, k, v, layer_kv, meta, sliding_window=c.sliding_windows[self.layer],
             sm_scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim), soft_cap=c.attn_soft_cap)

@@ -14,9 +14,6 @@ from jaxserve.models import llama
 
 
 def phi3_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"Phi-3 with partial_rotary_factor {hf['partial_rotary_factor']} is not supported "
-                         f"(rotary embeddings over the whole head only)")
     return llama.mistral_config(hf, common)   # Mistral's rule: one window on every layer
 
 
