@@ -32,6 +32,15 @@ CONFIGS = {
         num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}})),
+    # Gemma 3 4B and up: the language model of Gemma3ForConditionalGeneration, its tensors under
+    # `language_model.`; a small SigLIP tower beside it (not loaded). RoPE scaled on the global layer.
+    "gemma3_multimodal": (tf.Gemma3Config, dict(
+        text=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                  sliding_window=12, layer_types=["sliding_attention", "full_attention"],
+                  rope_scaling={"rope_type": "linear", "factor": 8.0}),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=255, boi_token_index=253, eoi_token_index=254)),
     # ALiBi with 6 heads (not a power of two: both families' extra-slope rules); BLOOM's
     # interleaved qkv, embedding LayerNorm and biases; MPT's clip_qkv (low enough to bite).
     "bloom_alibi6": (tf.BloomConfig, dict(hidden_size=96, n_head=6)),
@@ -46,7 +55,11 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0):
     """Build the named config with seeded random weights, save_pretrained it, return the model."""
     cls, extra = CONFIGS[name]
     torch.manual_seed(seed)
-    cfg = cls(**{**BASE, **extra})
+    if "text" in extra:   # a multimodal model: BASE shapes its language model
+        extra = dict(extra)
+        cfg = cls(text_config={**BASE, **extra.pop("text")}, **extra)
+    else:
+        cfg = cls(**{**BASE, **extra})
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     if name == "qwen2_bias_tied":  # biases are zero-initialised: make them matter
         with torch.no_grad():

@@ -25,8 +25,9 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16, 
               compilation_cache_dir=None)
 # Under TP, one checkpoint per family, each at one mesh, TP 2 and TP 4 alternating in name order:
 # llama_mqa's one KV head and the 2 KV heads of the TP-4 families are replicated, and the two
-# 6-head ALiBi families take one mesh each. The other Llama variants change nothing that is sharded.
-TP_SKIP = {"llama_mha", "llama_gqa_rope3"}
+# 6-head ALiBi families take one mesh each. The other Llama variants, and Gemma 3's multimodal
+# checkpoint (Gemma 3's module under other tensor names), change nothing that is sharded.
+TP_SKIP = {"llama_mha", "llama_gqa_rope3", "gemma3_multimodal"}
 
 
 def tp_meshes(names) -> dict[str, dict]:
@@ -62,7 +63,7 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
         hf.generation_config.eos_token_id = None
         greedy = tf.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
         expected = []
-        for p in _prompts(hf.config.vocab_size):
+        for p in _prompts(hf.config.get_text_config().vocab_size):
             ids = torch.tensor([p])   # the mask is explicit: generate would mask a prompt's pad-id tokens
             with torch.no_grad():
                 expected.append(hf.generate(ids, attention_mask=torch.ones_like(ids),

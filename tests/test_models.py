@@ -73,6 +73,8 @@ def test_config_reads_family_features(pair):
         and c.final_soft_cap == 3.0 and c.attn_scale == 24 ** -0.5 and c.tie_word_embeddings,
         "gemma3_local_global": lambda c: c.sliding_windows == (12, 12, None) and c.qk_norm
         and c.local_rope_theta == 100.0 and c.rope_scaling.kind == "linear" and c.attn_soft_cap is None,
+        "gemma3_multimodal": lambda c: c.architecture == "Gemma3ForConditionalGeneration" and c.qk_norm
+        and c.sliding_windows == (12, None) and c.rope_scaling.factor == 8.0 and c.local_rope_theta == 10000.0,
         "bloom_alibi6": lambda c: c.embed_norm and c.qkv_interleaved and c.norm_bias and c.alibi_slopes
         == tuple(_get_alibi_slopes(6, "cpu").tolist()),
         "mpt_alibi6_clip": lambda c: c.clip_qkv == 0.3 and not c.norm_bias and not c.qkv_bias and c.alibi_slopes

@@ -38,6 +38,21 @@ def gemma3_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
                    attn_soft_cap=hf.get("attn_logit_softcapping"))
 
 
+def gemma3_multimodal_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Gemma3ForConditionalGeneration (Gemma 3 4B and larger) serves as its language model alone:
+    text in, text out (the vision tower is not loaded). Published checkpoints' `text_config` holds
+    only what differs from Gemma3TextConfig's defaults: transformers' class fills in the rest."""
+    from transformers import Gemma3TextConfig
+
+    return gemma3_config(Gemma3TextConfig(**hf["text_config"]).to_dict(), common)
+
+
+def multimodal_hf_tensor(path: tuple[str, ...], cfg: ModelConfig) -> tuple[str, tuple[int, int] | None]:
+    """The language model's tensors sit under `language_model.` in a Gemma3ForConditionalGeneration."""
+    name, rows = llama.hf_tensor(path, cfg)
+    return f"language_model.{name}", rows
+
+
 def _config(hf: dict[str, Any], common: dict[str, Any], window_every: int, **family) -> ModelConfig:
     """What Gemma 2 and 3 share. Without `layer_types`, every `window_every`-th layer is global."""
     layers = hf["num_hidden_layers"]
