@@ -90,12 +90,16 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation ([{"role", "content"}, ...]) or a list of them, through the model's
-        chat template, the assistant's turn to come."""
+        chat template: the assistant's turn to come, or (continue_final_message, with
+        add_generation_prompt=False) the last message continued; `tools` and
+        `chat_template_kwargs` reach the template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
-        texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        texts = [tokenizer.apply_chat_template(c, add_generation_prompt, continue_final_message, tools,
+                                               **(chat_template_kwargs or {})) for c in conversations]
         # The template writes any bos itself.
         return self.generate([{"prompt": t, "prompt_token_ids": tokenizer.encode(t, add_special_tokens=False)}
                               for t in texts], sampling_params, use_tqdm)

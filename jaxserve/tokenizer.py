@@ -71,14 +71,29 @@ class Tokenizer:
                 ids.append(i)
         return ids
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the model's template, as transformers does (tokenize=False).
-        The result usually starts with the bos token: encode it with add_special_tokens=False."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, tools: list[dict] | None = None,
+                            **template_kwargs) -> str:
+        """Render `messages` with the model's template, as transformers does (tokenize=False):
+        `tools` (OpenAI tool objects) and `template_kwargs` (e.g. Qwen3's enable_thinking) reach the
+        template; `continue_final_message` leaves the last (assistant) message open, cut after its
+        content. The result usually starts with the bos token: encode it with add_special_tokens=False."""
         if self.chat_template is None:
             raise ValueError(f"{self.model_dir} has no chat template (no 'chat_template' in "
                              f"tokenizer_config.json and no chat_template.jinja)")
-        return _compile_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set: "
+                             "the first continues the last message, the second starts a new one")
+        text = _compile_template(self.chat_template).render(
+            {**self.special_tokens, **template_kwargs, "messages": messages, "tools": tools,
+             "add_generation_prompt": add_generation_prompt})
+        if continue_final_message:
+            final = messages[-1]["content"] if messages and isinstance(messages[-1].get("content"), str) else ""
+            for part in (final, final.strip()):
+                if part in text:
+                    return text[:text.rindex(part) + len(part)]
+            raise ValueError("continue_final_message: the last message's content is not in the rendered chat")
+        return text
 
 
 class HFTokenizer(Tokenizer):

@@ -97,7 +97,11 @@ def save_byte_tokenizer(out_dir: str) -> None:
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                   "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                   "chat_template": "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
+                                    "{% if note is defined %}note: {{ note }}\n{% endif %}"
+                                    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+                                    "{% if m.tool_calls %} calls: {{ m.tool_calls | tojson }}{% endif %}"
+                                    "{% if m.tool_call_id %} for {{ m.tool_call_id }}{% endif %}{{ '\\n' }}{% endfor %}"
                                     "{% if add_generation_prompt %}assistant:{% endif %}"}, f)
 
 

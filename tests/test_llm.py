@@ -153,6 +153,11 @@ def test_chat_applies_the_template(llm, hf):
         assert out.outputs[0].token_ids == hf_greedy(hf, ids)
     (one,) = llm.chat(conversations[0], GREEDY, use_tqdm=False)   # one conversation
     assert one.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    # The assistant's last message continued (the embedded template ends each message with </s>)
+    started = conversations[0] + [{"role": "assistant", "content": "A while loop"}]
+    (cont,) = llm.chat(started, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    ids = tok.apply_chat_template(started, continue_final_message=True, tokenize=True, return_dict=False)
+    assert cont.prompt_token_ids == ids and cont.prompt.endswith("A while loop")
 
 
 def test_readme_offline_example_runs(hf):

@@ -141,6 +141,40 @@ def test_models_health_tokenize(server, client, model):
     assert chat["tokens"] == tok.encode("user: hi\nassistant:", add_special_tokens=False)
 
 
+def test_chat_tool_turns_and_template_options(server, model):
+    """A tool-call round trip as OpenAI clients send it (the assistant's tool_calls with null
+    content and arguments as JSON text, then the tool's answer), text parts, the tools and
+    chat_template_kwargs: rendered as transformers renders the same conversation with arguments
+    as objects and parts joined by newlines (as vLLM passes them). Then continue_final_message."""
+    tok = model[2]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    sent = [{"role": "user", "content": [{"type": "text", "text": "add"}, {"type": "text", "text": "1 and 2"}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    rendered = [{"role": "user", "content": "add\n1 and 2"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+                {"role": "tool", "content": "3", "tool_call_id": "call_1"}]
+
+    def expected(msgs, **kw):
+        return tok.encode(tok.apply_chat_template(msgs, tokenize=False, **kw), add_special_tokens=False)
+
+    body = {"messages": sent, "tools": tools, "chat_template_kwargs": {"note": "be exact"}}
+    tokens = post(server, "/tokenize", body).json()["tokens"]
+    assert tokens == expected(rendered, tools=tools, note="be exact", add_generation_prompt=True)
+    assert '"arguments": {"a": 1, "b": 2}' in tok.decode(tokens)
+    r = post(server, "/v1/chat/completions", {**body, "model": NAME, "tool_choice": "none", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tokens)
+
+    partial = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    tokens = post(server, "/tokenize", {"messages": partial, "add_generation_prompt": False,
+                                        "continue_final_message": True}).json()["tokens"]
+    assert tokens == expected(partial, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(tokens).endswith("assistant: Hel")
+
+
 # ---- hostile input: a 4xx with an error body, never a 500, and the server stays up ----
 
 LONG = "x" * (MAX_LEN + 20)
@@ -216,6 +250,15 @@ HOSTILE = [  # (id, method, path, body: dict or raw bytes, extra headers, expect
     ("chat-top-logprobs-alone", "POST", CHAT, {**MSG, "top_logprobs": 2}, {}, 400),
     ("chat-top-logprobs-too-many", "POST", CHAT, {**MSG, "logprobs": True, "top_logprobs": 21}, {}, 400),
     ("chat-tools", "POST", CHAT, {**MSG, "tools": [{"type": "function"}]}, {}, 400),
+    ("chat-continue-and-generation-prompt", "POST", CHAT, {**MSG, "continue_final_message": True}, {}, 400),
+    ("chat-template-kwargs-list", "POST", CHAT, {**MSG, "chat_template_kwargs": ["note"]}, {}, 400),
+    ("chat-tool-calls-not-list", "POST", CHAT, {**MSG, "messages": [
+        {"role": "assistant", "content": None, "tool_calls": {"name": "add"}}]}, {}, 400),
+    ("chat-tool-call-arguments-not-json", "POST", CHAT, {**MSG, "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "function": {"name": "add", "arguments": "{a: 1"}}]}]}, {}, 400),
+    ("chat-assistant-no-content-no-calls", "POST", CHAT, {**MSG, "messages": [
+        {"role": "assistant", "content": None}]}, {}, 400),
     ("chat-too-long", "POST", CHAT, {**MSG, "messages": [{"role": "user", "content": LONG}]}, {}, 400),
     ("tokenize-no-prompt", "POST", "/tokenize", {"text": "hi"}, {}, 400),
     ("detokenize-bad-ids", "POST", "/detokenize", {"tokens": ["a", 10**9]}, {}, 400),

@@ -201,6 +201,42 @@ def test_chat_template_errors(hf_dir, tmp_path):
         load_tokenizer(str(tmp_path)).apply_chat_template(CONVERSATIONS[0])
 
 
+# Qwen-style: tools in the system turn, an assistant's calls, tool answers, a thinking switch.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools{% for t in tools %}\n{{ t | tojson }}{% endfor %}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson }}</tool_call>{%- endfor %}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}")
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Weather in Köln?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Köln"}}}]},
+    {"role": "tool", "content": "12 °C", "tool_call_id": "c1"},
+    {"role": "assistant", "content": "It is 12"}]
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Current weather",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("options", [dict(add_generation_prompt=True, enable_thinking=False),
+                                     dict(add_generation_prompt=True, enable_thinking=True),
+                                     dict(add_generation_prompt=False, continue_final_message=True)])
+def test_chat_template_tools_and_options_match_transformers(hf_dir, tmp_path, options):
+    shutil.copy(os.path.join(hf_dir, "tokenizer.json"), tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": TOOLS_TEMPLATE}))
+    expected = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        TOOL_CONVERSATION, tools=TOOLS, tokenize=False, **options)
+    assert load_tokenizer(str(tmp_path)).apply_chat_template(TOOL_CONVERSATION, tools=TOOLS, **options) == expected
+    assert '"name": "weather"' in expected and ("<think>" in expected) == (options.get("enable_thinking") is False)
+    assert expected.endswith("It is 12") == bool(options.get("continue_final_message"))
+
+
 def stream(tokenizer, prompt, output, skip, rng):
     """Feed `output` to a detokenizer in random chunks of 1-3 ids; return the deltas."""
     detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)

@@ -25,8 +25,8 @@ from jaxserve.server.asgi import client_gone
 from jaxserve.server.errors import APIError
 from jaxserve.server.sse import sse_response
 from jaxserve.server.tools import tool_calls
-from jaxserve.server.validation import (field, is_number, json_body, messages, prompts, sampling_params,
-                                        stream_flags)
+from jaxserve.server.validation import (chat_template_options, field, is_number, json_body, messages, prompts,
+                                        sampling_params, stream_flags)
 from jaxserve.tokenizer import IncrementalDetokenizer
 
 bp = Blueprint("openai", __name__)
@@ -86,8 +86,8 @@ def chat_completions():
     body = json_body()
     _check_model(body, host)
     engine = host.require_engine().engine
-    ids = chat_prompt_ids(engine.tokenizer, messages(body))
-    tools = tool_calls(body)
+    tools = tool_calls(body)   # checked before the template sees them
+    ids = chat_prompt_ids(engine.tokenizer, body)
     # No max_tokens: up to the context length (the length check then reports an over-long prompt).
     params = sampling_params(body, chat=True, max_tokens=max(1, engine.max_model_len - len(ids)),
                              tenant=g.get("tenant"), tool_call=tools and tools.constraint)
@@ -116,10 +116,12 @@ def _respond(host, streams, choices, request_id: str, obj: str, stream: bool, us
     return jsonify({**head, **_collect(deltas, choices, prompt_tokens)})
 
 
-def chat_prompt_ids(tokenizer, msgs: list[dict]) -> list[int]:
+def chat_prompt_ids(tokenizer, body: dict) -> list[int]:
+    """The token ids of a chat request's messages, rendered by the model's chat template."""
+    msgs, options = messages(body), chat_template_options(body)
     try:
-        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
-    except (ValueError, jinja2.TemplateError) as e:
+        text = tokenizer.apply_chat_template(msgs, **options)
+    except (ValueError, TypeError, jinja2.TemplateError) as e:   # the template's checks, or its input's types
         raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)   # the template wrote any bos itself
 

@@ -16,7 +16,7 @@ from jaxserve.structured import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Set to anything but these "off" values, these fields get a 400.
 UNSUPPORTED = {"suffix": (None, ""), "functions": (None, []), "guided_grammar": (None,)}
 GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice")   # at most one per request
@@ -221,7 +221,10 @@ def prompts(body: dict, encode) -> list[tuple[str | None, list[int]]]:
 
 
 def messages(body: dict) -> list[dict]:
-    """Chat messages, normalised to [{"role", "content": str}] ("developer" becomes "system")."""
+    """Chat messages, normalised for the chat template: content a string (text parts joined by
+    newlines, as vLLM), "developer" becomes "system"; an assistant's tool_calls keep each call's
+    id, name and arguments, parsed to an object (templates write them with tojson), and it may
+    then have no content; a tool message keeps its tool_call_id. Any message keeps its `name`."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise APIError(400, "'messages' must be a non-empty list", param="messages")
@@ -229,17 +232,59 @@ def messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise APIError(400, f"messages[{i}] must be an object", param="messages")
-        role, content = m.get("role"), m.get("content")
+        role, content, calls = m.get("role"), m.get("content"), m.get("tool_calls")
         if role not in CHAT_ROLES:
             raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
                                 f"{json.dumps(role)[:40]}", param="messages")
+        if content is None and calls and role == "assistant":
+            content = ""
         if isinstance(content, list):   # [{"type": "text", "text": ...}, ...]
             if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
                        for c in content):
                 raise APIError(400, f"messages[{i}].content parts must all be text parts", param="messages")
-            content = "".join(c["text"] for c in content)
+            content = "\n".join(c["text"] for c in content)
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
                            param="messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        if calls is not None and role == "assistant":
+            message["tool_calls"] = _tool_calls(i, calls)
+        message.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
+        out.append(message)
     return out
+
+
+def _tool_calls(i: int, calls) -> list[dict]:
+    """An assistant message's tool calls, each function's arguments parsed from their JSON text."""
+    shape = (f"messages[{i}].tool_calls must be a list of {{\"type\": \"function\", \"function\": "
+             f"{{\"name\": ..., \"arguments\": \"<JSON>\"}}}}")
+    if not isinstance(calls, list):
+        raise APIError(400, shape, param="messages")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(400, shape, param="messages")
+        arguments = fn.get("arguments") or {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise APIError(400, f"messages[{i}].tool_calls: the arguments of {fn['name']!r} are not JSON",
+                               param="messages") from None
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
+def chat_template_options(body: dict) -> dict:
+    """How the chat template renders the messages (vLLM's request fields): a generation prompt
+    for the assistant's turn (the default) or the last message continued; the request's tools;
+    `chat_template_kwargs`, variables for the template (e.g. Qwen3's enable_thinking)."""
+    start = field(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean", True)
+    cont = field(body, "continue_final_message", lambda v: isinstance(v, bool), "a boolean", False)
+    if start and cont:
+        raise APIError(400, "'continue_final_message' needs 'add_generation_prompt': false (the first "
+                            "continues the last message, the second starts a new one)", param="continue_final_message")
+    extra = field(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    tools = field(body, "tools", lambda v: isinstance(v, list), "a list of tools", None)
+    return {**extra, "add_generation_prompt": start, "continue_final_message": cont, "tools": tools}
