@@ -299,7 +299,7 @@ class SamplingParams:
     that exists is valid (frozen, so it stays so). Like vLLM, `stop` may be one string and
     `top_k=-1` means off."""
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16           # None: up to the context length (set per prompt: `resolve`)
     temperature: float = 1.0              # 0 = greedy
     top_k: int = 0                        # 0 = off
     top_p: float = 1.0
@@ -317,7 +317,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)   # token id -> added to its logit
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True      # in the output text
-    truncate_prompt_tokens: int | None = None   # keep only the prompt's last N tokens
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last N tokens (-1: max_model_len)
     cache_salt: str | None = None         # mixed into the prefix-cache keys: only equal salts share pages
     prompt_logprobs: int | None = None    # top-N logprobs per prompt token (0 = only the token's own)
     structured_output: StructuredOutput | None = None   # the output's grammar: a JSON schema, a regex, choices
@@ -329,8 +329,9 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         checks = [
             ("n", 1 <= self.n <= MAX_N, f"must be between 1 and {MAX_N}"),
-            ("max_tokens", self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None),
-             "must be at least 1 (0, scoring the prompt only, needs prompt_logprobs)"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1 or (
+                self.max_tokens == 0 and self.prompt_logprobs is not None),
+             "must be at least 1 (0, scoring the prompt only, needs prompt_logprobs) or null"),
             ("temperature", 0.0 <= self.temperature <= 2.0, "must be between 0 and 2"),
             ("top_k", 0 <= self.top_k < 2**31, "must be 0 or -1 (off) or a positive count below 2**31"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
@@ -344,14 +345,15 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"must be between 0 and {MAX_LOGPROBS}"),
             ("priority", self.priority in (0, 1), "must be 0 (online) or 1 (batch)"),
-            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be between 0 and max_tokens"),
+            ("min_tokens", 0 <= self.min_tokens <= (math.inf if self.max_tokens is None else self.max_tokens),
+             "must be between 0 and max_tokens"),
             ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
                 isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
              f"must map at most {MAX_LOGIT_BIAS} token ids to biases between -100 and 100"),
             ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
              f"must hold at most {MAX_STOP_TOKEN_IDS} token ids"),
-            ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
-             "must be at least 1"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
+             "must be at least 1, or -1 (the model's context length)"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -365,7 +367,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    def prompt(self, token_ids: list[int]) -> list[int]:
-        """The prompt the engine runs: `token_ids` cut to their last truncate_prompt_tokens."""
-        k = self.truncate_prompt_tokens
-        return list(token_ids) if k is None else list(token_ids)[-k:]
+    def resolve(self, token_ids: list[int], max_model_len: int) -> tuple[list[int], "SamplingParams"]:
+        """The prompt the engine runs (`token_ids` cut to their last truncate_prompt_tokens, -1:
+        max_model_len) and these params for it (max_tokens None: the rest of the context, as vLLM)."""
+        k = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        ids = list(token_ids) if k is None else list(token_ids)[-k:]
+        if self.max_tokens is not None:
+            return ids, self
+        return ids, dataclasses.replace(self, max_tokens=max(1, max_model_len - len(ids)))

@@ -109,8 +109,8 @@ class LLMEngine:
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
         """The one check of a request, at the edge (LLM.generate, EngineThread.submit): raises
         InvalidRequest on a prompt the engine cannot serve. Safe to call from any thread.
-        The prompt is first cut to params.truncate_prompt_tokens."""
-        prompt_token_ids = params.prompt(prompt_token_ids)
+        The prompt is first cut to params.truncate_prompt_tokens (SamplingParams.resolve)."""
+        prompt_token_ids, params = params.resolve(prompt_token_ids, self.max_model_len)
         if not prompt_token_ids:
             raise InvalidRequest("prompt is empty", param="prompt")
         if bad := [t for t in prompt_token_ids if not 0 <= t < self.model_cfg.vocab_size]:

@@ -106,6 +106,18 @@ def test_requests_are_checked_before_any_runs(llm):
     assert engine.stats["steps"] == steps and not engine.has_unfinished()
 
 
+def test_truncation_and_max_tokens_none_resolve_per_prompt():
+    """vLLM's meanings: truncate_prompt_tokens -1 keeps the context length's worth of the prompt;
+    max_tokens None runs to the end of the context left after truncation."""
+    ids, resolved = SamplingParams(truncate_prompt_tokens=-1, max_tokens=None).resolve(list(range(600)), 512)
+    assert ids == list(range(88, 600)) and resolved.max_tokens == 1
+    ids, resolved = SamplingParams(truncate_prompt_tokens=100, max_tokens=None).resolve(list(range(600)), 512)
+    assert ids == list(range(500, 600)) and resolved.max_tokens == 412
+    assert SamplingParams(max_tokens=7).resolve([1, 2], 512) == ([1, 2], SamplingParams(max_tokens=7))
+    with pytest.raises(InvalidRequest, match="min_tokens"):   # 3 > the single token left
+        SamplingParams(truncate_prompt_tokens=-1, max_tokens=None, min_tokens=3).resolve(list(range(600)), 512)
+
+
 def test_prompt_logprobs_in_vllm_shape_match_transformers(llm, hf, reference):
     """SamplingParams(prompt_logprobs=N): None for the first prompt token, then each prompt token's
     logprob, rank and the top-N, from transformers' log-softmax in f32; max_tokens 0 scores only."""

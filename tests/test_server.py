@@ -239,6 +239,7 @@ HOSTILE = [  # (id, method, path, body: dict or raw bytes, extra headers, expect
     ("logit-bias-id-past-vocab", "POST", C, {**OK, "logit_bias": {"258": 1}}, {}, 400),
     ("min-tokens-past-max-tokens", "POST", C, {**OK, "min_tokens": 3}, {}, 400),
     ("truncate-prompt-tokens-zero", "POST", C, {**OK, "truncate_prompt_tokens": 0}, {}, 400),
+    ("truncate-prompt-tokens-minus-two", "POST", C, {**OK, "truncate_prompt_tokens": -2}, {}, 400),
     ("cache-salt-empty", "POST", C, {**OK, "cache_salt": ""}, {}, 400),
     ("chat-no-messages", "POST", CHAT, {"model": NAME}, {}, 400),
     ("chat-empty-messages", "POST", CHAT, {**MSG, "messages": []}, {}, 400),

@@ -196,6 +196,13 @@ def test_limits_usage_and_info_routes(server, client, model):
     info = requests.get(server.url + "/tokenizer_info", headers={"Authorization": "Bearer key-a1"}, timeout=30).json()
     assert (info["eos_token"], info["eos_token_ids"], info["chat_template"]) == (tok.eos_token, [EOS], tok.chat_template)
     chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    # Chat's default max_tokens is the context left after truncation: min_tokens 5 fits it
+    # (sized from the untruncated prompt it was 1: a 400); then eos, forced by its bias, ends it.
+    long = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x" * (MAX_LEN + 100)}],
+                                          extra_body=dict(truncate_prompt_tokens=50, min_tokens=5,
+                                                          logit_bias={str(EOS): 100}))
+    assert long.usage.prompt_tokens == 50 and long.choices[0].finish_reason == "stop"
+    assert long.usage.completion_tokens in (5, 6)   # (with the eos or not)
     fingerprints = {chat.system_fingerprint, out.system_fingerprint, *(ev["system_fingerprint"] for ev in events)}
     assert len(fingerprints) == 1 and chat.system_fingerprint.startswith("fp_")
 

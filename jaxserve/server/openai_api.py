@@ -77,7 +77,7 @@ def completions():
     streams = host.submit(ids, params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes)
     return _respond(host, streams, choices, request_id, "text_completion", stream, usage_flags,
-                    sum(len(params.prompt(i)) for i in ids), timeout)
+                    sum(len(params.resolve(i, engine.max_model_len)[0]) for i in ids), timeout)
 
 
 @bp.post("/v1/chat/completions")
@@ -88,8 +88,8 @@ def chat_completions():
     engine = host.require_engine().engine
     tools = tool_calls(body)   # checked before the template sees them
     ids = chat_prompt_ids(engine.tokenizer, body)
-    # No max_tokens: up to the context length (the length check then reports an over-long prompt).
-    params = sampling_params(body, chat=True, max_tokens=max(1, engine.max_model_len - len(ids)),
+    # No max_tokens: up to the context length, after any truncation (SamplingParams.resolve).
+    params = sampling_params(body, chat=True, max_tokens=None,
                              tenant=g.get("tenant"), tool_call=tools and tools.constraint)
     stream, *usage_flags = stream_flags(body)
     timeout = _timeout(body)
@@ -97,7 +97,7 @@ def chat_completions():
     streams = host.submit([ids], params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=True, tools=tools, token_bytes=engine.grammars.token_bytes)
     return _respond(host, streams, choices, request_id, "chat.completion.chunk" if stream else "chat.completion",
-                    stream, usage_flags, len(params.prompt(ids)), timeout)
+                    stream, usage_flags, len(params.resolve(ids, engine.max_model_len)[0]), timeout)
 
 
 def _timeout(body: dict) -> float | None:
