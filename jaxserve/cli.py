@@ -24,8 +24,8 @@ TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 
 def engine_config(args) -> EngineConfig:
-    """--config YAML (with --model, --tp/--sp/--dp, --quantization, --quantize-lm-head, --kv-cache-dtype and
-    --decode-steps on top); with neither, configs/tiny-cpu.yaml when present."""
+    """--config YAML (with --model, --tp/--sp/--dp, --quantization, --quantize-lm-head, --kv-cache-dtype,
+    --decode-steps and --generation-config on top); with neither, configs/tiny-cpu.yaml when present."""
     path = args.config or (TINY_CPU_CONFIG if args.model is None and os.path.exists(TINY_CPU_CONFIG) else None)
     cfg = EngineConfig.from_yaml(path, model=args.model) if path else EngineConfig(model=args.model)
     axes = {"model": args.tp, "seq": args.sp, "data": args.dp}
@@ -40,6 +40,8 @@ def engine_config(args) -> EngineConfig:
         cfg = dataclasses.replace(cfg, kv_cache_dtype=args.kv_cache_dtype)
     if args.decode_steps:
         cfg = dataclasses.replace(cfg, decode_steps=args.decode_steps)
+    if args.generation_config:
+        cfg = dataclasses.replace(cfg, generation_config=args.generation_config)
     return cfg
 
 
@@ -58,6 +60,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3) with per-token scales")
     p.add_argument("--decode-steps", type=int, help="decode steps one device program runs while every "
                    "sequence decodes (multi-step decoding; 1: one a program)")
+    p.add_argument("--generation-config", choices=["auto", "none"],
+                   help="auto (default): the model's generation_config.json sampling settings (temperature, top_p, "
+                        "top_k, min_p, repetition_penalty) are the defaults of requests that leave them out, as "
+                        "in vLLM; none: OpenAI's defaults")
     p.add_argument("--speculative-config", help='speculative decoding as JSON (the engine config key '
                                                 '`speculative`), e.g. \'{"method": "ngram", "num_tokens": 4}\' or '
                                                 '\'{"method": "draft", "model": DIR, "num_tokens": 4}\'')

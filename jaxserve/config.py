@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -232,6 +233,9 @@ class EngineConfig:
     # KV cache storage: auto (the model dtype) | int8 | fp8 (e4m3), with a scale per token and KV head
     # (jaxserve/kv_cache.py). Quantized caches hold about twice the pages (4x from float32).
     kv_cache_dtype: str = "auto"
+    # Request defaults from the model (sampling_defaults): auto, its generation_config.json's
+    # sampling settings where a request leaves a field out (vLLM's default); none, OpenAI's defaults.
+    generation_config: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.distributed, dict):
@@ -260,6 +264,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"engine config: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"engine config: generation_config must be auto or none, got {self.generation_config!r}")
         if self.decode_steps > 1 and self.speculative is not None:
             raise ValueError("engine config: decode_steps > 1 (multi-step decoding) and speculative decoding "
                              "do not combine; choose one")
@@ -274,7 +280,7 @@ class EngineConfig:
     # programs as num_pages, the model's shapes as the ModelConfig and the weights).
     HOST_ONLY = ("model", "kv_cache_mb", "kv_memory_fraction", "enable_prefix_caching", "admission_eagerness",
                  "max_queue_size", "max_failed_steps", "request_timeout_s", "compilation_cache_dir", "seed",
-                 "poison_freed_pages")
+                 "poison_freed_pages", "generation_config")
 
     def program_settings(self) -> dict[str, Any]:
         """The settings that may decide a compiled program: what the executable store is keyed on,
@@ -375,3 +381,25 @@ class SamplingParams:
         if self.max_tokens is not None:
             return ids, self
         return ids, dataclasses.replace(self, max_tokens=max(1, max_model_len - len(ids)))
+
+
+# The sampling settings a generation_config.json may recommend (vLLM reads the same ones).
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@functools.lru_cache(maxsize=8)
+def sampling_defaults(model_dir: str, source: str = "auto") -> dict[str, Any]:
+    """The SamplingParams fields a model's authors recommend (its generation_config.json, with
+    `source` "auto"; none with "none"): the server's request defaults and LLM's
+    get_default_sampling_params. Checked here, so a bad file fails at start-up, naming it."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if source != "auto" or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        gen = json.load(f)
+    found = {k: gen[k] for k in GENERATION_CONFIG_FIELDS if gen.get(k) is not None}
+    try:
+        SamplingParams(**found)
+    except InvalidRequest as e:
+        raise ValueError(f"{path}: {e}") from None
+    return found

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Union
 
-from jaxserve.config import EngineConfig, InvalidRequest, SamplingParams
+from jaxserve.config import EngineConfig, InvalidRequest, SamplingParams, sampling_defaults
 
 if TYPE_CHECKING:
     from jaxserve.runner import SampleResult
@@ -71,6 +71,12 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use without sampling params: the model's generation_config.json
+        settings (EngineConfig.generation_config), the rest SamplingParams' defaults."""
+        engine = self.llm_engine
+        return SamplingParams(**sampling_defaults(engine.model_dir, engine.ecfg.generation_config))
+
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -79,7 +85,7 @@ class LLM:
         single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
                                                       and all(isinstance(t, int) for t in prompts))
         prompts = [prompts] if single else list(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if isinstance(params, list):
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")

@@ -193,3 +193,26 @@ def test_readme_offline_example_runs(hf):
     from jaxserve.tokenizer import load_tokenizer
     assert lines[0] == f"{prompt!r} -> {load_tokenizer(TINY_MODEL_DIR).decode(want)!r}"
     assert len(lines) >= 3
+
+
+def test_generation_config_sampling_defaults_read_as_transformers_diff(tmp_path):
+    """The fields vLLM takes from generation_config.json: those transformers' GenerationConfig
+    holds apart from its defaults (to_diff_dict; with transformers 5, every value written), the
+    sampling ones; "none" takes none."""
+    from transformers import GenerationConfig
+
+    from jaxserve.config import sampling_defaults
+
+    written = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True,
+               "max_new_tokens": 5, "eos_token_id": [1, 2]}
+    for i, gen in enumerate([written, {"top_k": 50, "min_p": 0.1, "do_sample": True}]):
+        d = tmp_path / str(i)
+        GenerationConfig(**gen).save_pretrained(d)
+        diff = GenerationConfig.from_pretrained(d).to_diff_dict()
+        expected = {k: diff[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in diff}
+        assert sampling_defaults(str(d)) == expected and sampling_defaults(str(d), "none") == {}
+        assert expected and SamplingParams(**sampling_defaults(str(d))) != SamplingParams()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "generation_config.json").write_text('{"temperature": 5.0}')
+    with pytest.raises(ValueError, match="generation_config.json: temperature must be between 0 and 2"):
+        sampling_defaults(str(tmp_path / "bad"))

@@ -11,7 +11,7 @@ import openai
 import pytest
 import requests
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationConfig
 
 from tests.hf_models import save_engine_model
 from tests.server_harness import BYTES_ENGINE, BYTES_MODEL, TEST_ENGINE, ServerProcess
@@ -26,6 +26,8 @@ def model(tmp_path_factory):
     # the served model's name is the directory's.
     path = str(tmp_path_factory.mktemp("models") / "tiny-test-model")
     hf = save_engine_model(path, **BYTES_MODEL)
+    # Recommended settings in generation_config.json: greedy (top_k 1), whatever the temperature.
+    GenerationConfig(do_sample=True, top_k=1, temperature=0.7).save_pretrained(path)
     return path, hf, AutoTokenizer.from_pretrained(path)
 
 
@@ -58,6 +60,14 @@ def _lifecycle(server):
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
     assert [m.id for m in client.models.list().data] == ["tiny-test-model"]   # the directory's name
     assert client.completions.create(model="tiny-test-model", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+
+    # generation_config.json's settings are the defaults of requests that leave them out (top_k 1:
+    # greedy), as in vLLM; a request's own value wins.
+    def text(**kw):
+        return client.completions.create(model="tiny-test-model", prompt="The", max_tokens=12, seed=3,
+                                         extra_body={"ignore_eos": True, **kw}).choices[0].text
+    assert text() == text(temperature=0) != text(top_k=0, temperature=1.5)
+    assert "generation_config.json: {'temperature': 0.7, 'top_k': 1}" in server.log_tail(10**6)
 
     # A burst larger than max_num_seqs + max_queue_size: the overflow gets 429, the rest completes.
     long_request = dict(max_tokens=100, ignore_eos=True, temperature=0)
@@ -95,7 +105,7 @@ def _lifecycle(server):
     for last, done in tails:
         assert done == b"data: [DONE]" and b'"finish_reason":"length"' in last
     log = server.log_tail(10**6)
-    assert log.count("finish=length") == codes.count(200) + len(streams) + 1   # one line per request
+    assert log.count("finish=length") == codes.count(200) + len(streams) + 4   # one line per request
     after_signal = log[log.index("SIGTERM: draining"):]
     assert after_signal.count("finish=length") >= 1, "no request was in flight at SIGTERM"
 

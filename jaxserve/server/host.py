@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from jaxserve.config import EngineConfig, InvalidRequest, SamplingParams
+from jaxserve.config import EngineConfig, InvalidRequest, SamplingParams, sampling_defaults
 from jaxserve.metrics import Metrics
 from jaxserve.server.errors import APIError
 
@@ -44,6 +44,9 @@ class EngineHost:
 
             t0 = time.monotonic()
             client = factory.build_client(self.engine_cfg)
+            defaults = sampling_defaults(client.engine.model_dir, self.engine_cfg.generation_config)
+            if defaults:   # (a bad generation_config.json fails here)
+                log.info("request defaults from the model's generation_config.json: %s", defaults)
             # Warm-up before anything else: multi-host followers warm up at the same time.
             client.start(warmup=True)
             self.metrics.engines = client.engines

@@ -20,6 +20,7 @@ from typing import Callable
 import jinja2
 from flask import Blueprint, current_app, g, jsonify, request
 
+from jaxserve.config import sampling_defaults
 from jaxserve.llm import logprob_dict
 from jaxserve.server.asgi import client_gone
 from jaxserve.server.errors import APIError
@@ -66,7 +67,7 @@ def completions():
     body = json_body()
     _check_model(body, host)
     engine = host.require_engine().engine
-    params = sampling_params(body, chat=False, max_tokens=16, tenant=g.get("tenant"))
+    params = sampling_params(body, chat=False, max_tokens=16, tenant=g.get("tenant"), defaults=_defaults(engine))
     stream, *usage_flags = stream_flags(body)
     echo = field(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
     items = prompts(body, engine.tokenizer.encode)
@@ -89,8 +90,8 @@ def chat_completions():
     tools = tool_calls(body)   # checked before the template sees them
     ids = chat_prompt_ids(engine.tokenizer, body)
     # No max_tokens: up to the context length, after any truncation (SamplingParams.resolve).
-    params = sampling_params(body, chat=True, max_tokens=None,
-                             tenant=g.get("tenant"), tool_call=tools and tools.constraint)
+    params = sampling_params(body, chat=True, max_tokens=None, tenant=g.get("tenant"),
+                             tool_call=tools and tools.constraint, defaults=_defaults(engine))
     stream, *usage_flags = stream_flags(body)
     timeout = _timeout(body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -114,6 +115,10 @@ def _respond(host, streams, choices, request_id: str, obj: str, stream: bool, us
     if stream:
         return sse_response(_chunks(deltas, choices, head, *usage_flags, prompt_tokens))
     return jsonify({**head, **_collect(deltas, choices, prompt_tokens)})
+
+
+def _defaults(engine) -> dict:
+    return sampling_defaults(engine.model_dir, engine.ecfg.generation_config)
 
 
 def chat_prompt_ids(tokenizer, body: dict) -> list[int]:

@@ -20,6 +20,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Set to anything but these "off" values, these fields get a 400.
 UNSUPPORTED = {"suffix": (None, ""), "functions": (None, []), "guided_grammar": (None,)}
 GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice")   # at most one per request
+# The OpenAI defaults of the fields a model's generation_config.json may override.
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 def json_body() -> dict:
@@ -69,11 +71,13 @@ def reject_unsupported(body: dict) -> None:
 
 
 def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: str | None = None,
-                    tool_call: StructuredOutput | None = None) -> SamplingParams:
+                    tool_call: StructuredOutput | None = None, defaults: dict | None = None) -> SamplingParams:
     """The sampling fields shared by completions and chat. `max_tokens` is the default when the
-    body has neither max_completion_tokens nor max_tokens. A `tenant` (from the API key) salts the
+    body has neither max_completion_tokens nor max_tokens; `defaults` (the model's: config.py
+    sampling_defaults) those of the fields it names. A `tenant` (from the API key) salts the
     prefix cache, with the body's cache_salt if any. `tool_call`: the output's constraint from the
     chat request's tools (jaxserve/server/tools.py)."""
+    defaults = {**SAMPLING_DEFAULTS, **(defaults or {})}
     reject_unsupported(body)
     structured = structured_output(body)
     if tool_call is not None:
@@ -108,13 +112,13 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: s
         return SamplingParams(
             n=n,
             max_tokens=max_tokens,
-            temperature=field(body, "temperature", is_number, "a number", 1.0),
-            top_p=field(body, "top_p", is_number, "a number", 1.0),
-            top_k=field(body, "top_k", is_int, "an integer", 0),
-            min_p=field(body, "min_p", is_number, "a number", 0.0),
+            temperature=field(body, "temperature", is_number, "a number", defaults["temperature"]),
+            top_p=field(body, "top_p", is_number, "a number", defaults["top_p"]),
+            top_k=field(body, "top_k", is_int, "an integer", defaults["top_k"]),
+            min_p=field(body, "min_p", is_number, "a number", defaults["min_p"]),
             presence_penalty=field(body, "presence_penalty", is_number, "a number", 0.0),
             frequency_penalty=field(body, "frequency_penalty", is_number, "a number", 0.0),
-            repetition_penalty=field(body, "repetition_penalty", is_number, "a number", 1.0),
+            repetition_penalty=field(body, "repetition_penalty", is_number, "a number", defaults["repetition_penalty"]),
             seed=field(body, "seed", lambda v: is_int(v) and -2**63 <= v < 2**64, "a 64-bit integer", None),
             stop=stop,
             stop_token_ids=field(body, "stop_token_ids", lambda v: isinstance(v, list) and all(map(is_int, v)),
