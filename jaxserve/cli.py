@@ -17,6 +17,7 @@ import yaml
 
 from jaxserve import check_cli
 from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, QUANTIZE_LM_HEAD_HELP, DistributedConfig, EngineConfig
+from jaxserve.server.tool_parsers import PARSERS
 
 # configs/tiny-cpu.yaml of a source checkout (`pip install -e .`): the default for the embedded model.
 TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -80,6 +81,10 @@ def _add_serve(sub) -> None:
                                            "tenants never share prefix-cache pages")
     p.add_argument("--served-model-name", help="the name clients use in 'model' (default: the model "
                                                "directory's name, 'jaxserve-tiny' for the embedded model)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice 'auto' on chat: the calls the model writes are read by --tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
+                   help="the model's tool-call syntax: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1/3.2)")
     p.add_argument("--request-timeout", type=float, help="seconds a request may wait and run before it ends "
                                                          "with a 408 error (default: the config's request_timeout_s)")
     multi = p.add_argument_group("multi-host", "one process per host, one mesh over all their devices: "
@@ -129,6 +134,8 @@ def serve(args) -> int:
         if args.request_timeout is not None:
             cfg = dataclasses.replace(cfg, request_timeout_s=args.request_timeout)
         api_keys = None if args.api_keys_file is None else read_api_keys(args.api_keys_file)
+        if args.enable_auto_tool_choice and args.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call syntax)")
     except (ValueError, OSError, yaml.YAMLError) as e:
         sys.exit(f"jaxserve serve: {e}")
     if cfg.distributed is not None and not cfg.distributed.is_leader:
@@ -138,7 +145,8 @@ def serve(args) -> int:
     def app_factory():
         from jaxserve.server.app import create_app
         return create_app(cfg, served_model_name=args.served_model_name, api_key=args.api_key,
-                          on_load_error=exit_on_load_error, api_keys=api_keys)
+                          on_load_error=exit_on_load_error, api_keys=api_keys,
+                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
 
     # A thread per request being served: every running and queued request, plus a few for probes.
     threads = cfg.max_num_seqs + cfg.max_queue_size + 8

@@ -28,7 +28,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    yield from serving(tmp_path_factory.mktemp("server"), model[0], "--served-model-name", NAME, **BYTES_ENGINE)
+    yield from serving(tmp_path_factory.mktemp("server"), model[0], "--served-model-name", NAME,
+                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes", **BYTES_ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +174,34 @@ def test_chat_tool_turns_and_template_options(server, model):
                                         "continue_final_message": True}).json()["tokens"]
     assert tokens == expected(partial, add_generation_prompt=False, continue_final_message=True)
     assert tok.decode(tokens).endswith("assistant: Hel")
+
+
+def test_auto_tool_choice_reads_hermes_calls(client):
+    """--enable-auto-tool-choice --tool-call-parser hermes: with tool_choice "auto" (the default
+    with tools) the calls the model writes in Qwen's syntax (forced here by a regex) come back as
+    tool_calls, after the text before them; streamed, that text comes as it is written and no byte
+    of the call does. A text that only looks like the start of a call stays text."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "1 + 2?"}], tools=tools, temperature=0, max_tokens=200)
+
+    def streamed(regex):
+        chunks = [ch.choices[0] for ch in client.chat.completions.create(
+            stream=True, extra_body={"guided_regex": regex}, **kw) if ch.choices]
+        return ("".join(c.delta.content or "" for c in chunks), [t for c in chunks for t in c.delta.tool_calls or []],
+                chunks[-1].finish_reason)
+
+    for content in ("Sure. ", ""):
+        [c] = client.chat.completions.create(extra_body={"guided_regex": re.escape(content + call * 2)}, **kw).choices
+        assert c.finish_reason == "tool_calls" and c.message.content == (content or None)
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == \
+            [("add", {"a": 1, "b": 2})] * 2
+        text, calls, finish = streamed(re.escape(content + call * 2))
+        assert (text, finish) == (content, "tool_calls") and [t.index for t in calls] == [0, 1]
+        assert [json.loads(t.function.arguments) for t in calls] == [{"a": 1, "b": 2}] * 2
+    [c] = client.chat.completions.create(extra_body={"guided_regex": "Sure, <tool"}, **kw).choices
+    assert (c.message.content, c.message.tool_calls, c.finish_reason) == ("Sure, <tool", None, "stop")
+    assert streamed("Sure, <tool") == ("Sure, <tool", [], "stop")
 
 
 # ---- hostile input: a 4xx with an error body, never a 500, and the server stays up ----

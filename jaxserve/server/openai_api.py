@@ -87,7 +87,7 @@ def chat_completions():
     body = json_body()
     _check_model(body, host)
     engine = host.require_engine().engine
-    tools = tool_calls(body)   # checked before the template sees them
+    tools = tool_calls(body, current_app.config["TOOL_CALL_PARSER"])   # checked before the template sees them
     ids = chat_prompt_ids(engine.tokenizer, body)
     # No max_tokens: up to the context length, after any truncation (SamplingParams.resolve).
     params = sampling_params(body, chat=True, max_tokens=None, tenant=g.get("tenant"),
@@ -138,7 +138,7 @@ class _Choices:
                  token_bytes: Callable[[int], bytes] | None = None):
         self.tokenizer, self.n, self.chat, self.echoes = tokenizer, n, chat, echoes
         self.token_bytes = token_bytes   # a chat request's: each logprobs entry's `bytes`
-        self.tools = tools   # a chat request's forced tool calls (jaxserve/server/tools.py), or None
+        self.tools = tools   # a chat request's tool calls to read (jaxserve/server/tools.py), or None
         self.started: set[int] = set()
         self.offsets: dict[int, int] = {}    # completion logprobs' text_offset so far, per choice
         self.prompts: dict[int, tuple] = {}  # prompt index -> (prompt ids, prompt logprobs), once scored

@@ -1,13 +1,16 @@
-"""Tool calls on /v1/chat/completions, through structured output.
+"""Tool calls on /v1/chat/completions.
 
-`tool_choice: "required"` constrains the output to a JSON list of calls, each
-`{"name": ..., "parameters": {...}}` with the named function's parameter schema (an anyOf over the
-tools; one call at most with `parallel_tool_calls: false`); a named function
+`tool_choice: "required"` constrains the output, through structured output, to a JSON list of
+calls, each `{"name": ..., "parameters": {...}}` with the named function's parameter schema (an
+anyOf over the tools; one call at most with `parallel_tool_calls: false`); a named function
 (`{"type": "function", "function": {"name": ...}}`) constrains it to that function's arguments.
-The text is then returned as OpenAI `message.tool_calls` with `finish_reason: "tool_calls"` (in a
-stream: one `delta.tool_calls` chunk per choice when it ends). An output cut short (`"length"`)
-stays text. `"none"` ignores the tools. `"auto"` (the default when tools are given) would need
-the model's own tool-call format to be recognised in free text, which is not built: 400.
+`"auto"` (the default when tools are given) leaves the output free and reads the calls the model
+writes in its own syntax, when the server was started with a parser for it
+(`--enable-auto-tool-choice --tool-call-parser hermes|llama3_json`, as vLLM; a 400 otherwise);
+the text before them is the message's content. Calls are returned as OpenAI `message.tool_calls`
+with `finish_reason: "tool_calls"` (in a stream: the content as it comes, then one
+`delta.tool_calls` chunk per choice when it ends). Text that holds no complete call (an output cut
+short by `"length"`, say) stays text. `"none"` ignores the tools.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import json
 import uuid
 
 from jaxserve.server.errors import APIError
+from jaxserve.server.tool_parsers import PARSERS, Forced
 from jaxserve.server.validation import field
 from jaxserve.structured import StructuredOutput
 
@@ -24,50 +28,55 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 
 @dataclasses.dataclass(frozen=True)
 class ToolCalls:
-    """What the request's tool_choice asks for: `name` the one function to call, or None for a
-    list of calls to any of the tools."""
-    constraint: StructuredOutput
-    name: str | None
+    """What the request's tool_choice asks for: the output's `constraint` (None: free text) and
+    the `parser` that reads calls from it (jaxserve/server/tool_parsers.py)."""
+    constraint: StructuredOutput | None
+    parser: object
 
-    def calls(self, text: str) -> list[dict] | None:
-        """The OpenAI tool_calls in a choice's text, or None when it is not a complete call."""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        pairs = [(self.name, value)] if self.name is not None else [(c["name"], c["parameters"]) for c in value]
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(arguments)}} for name, arguments in pairs]
+    def split(self, text: str) -> tuple[str, list[dict] | None]:
+        """(content, OpenAI tool_calls) of a choice's text; no calls: (text, None)."""
+        begins = self.parser.begins(text)
+        calls = self.parser.calls(text[begins:])
+        if calls is None:
+            return text, None
+        return text[:begins], [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                "function": {"name": name, "arguments": json.dumps(arguments)}} for name, arguments in calls]
 
     def message(self, choice: dict) -> dict:
-        """A finished non-streamed chat choice with its text turned into tool_calls."""
-        calls = self.calls(choice["message"]["content"])
+        """A finished non-streamed chat choice with its calls as tool_calls."""
+        content, calls = self.split(choice["message"]["content"])
         if calls is None:
             return choice
-        return {**choice, "message": {"role": "assistant", "content": None, "tool_calls": calls},
+        return {**choice, "message": {"role": "assistant", "content": content or None, "tool_calls": calls},
                 "finish_reason": "tool_calls"}
 
     def stream(self, choices):
-        """Streamed chat choices with each choice's text held back, then given as tool_calls in
-        its last chunk."""
+        """Streamed chat choices: each choice's text up to where calls (may) begin as it comes,
+        the rest held back and given as tool_calls in its last chunk (or as text, if no call)."""
         texts: dict[int, str] = {}
+        sent: dict[int, int] = {}
         for c in choices:
             index, delta, finish = c["index"], dict(c["delta"]), c["finish_reason"]
-            texts[index] = texts.get(index, "") + delta.pop("content", "")
-            if finish is not None:
-                calls = self.calls(texts[index])
-                if calls is None:
-                    delta["content"] = texts[index]
-                else:
-                    delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
-                    finish = "tool_calls"
+            text = texts[index] = texts.get(index, "") + delta.pop("content", "")
+            done = sent.get(index, 0)
+            if finish is None:
+                upto = max(done, self.parser.begins(text))
+                calls = None
+            else:
+                content, calls = self.split(text)
+                upto = len(content)
+            if upto > done:
+                delta["content"], sent[index] = text[done:upto], upto
+            if calls is not None:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                finish = "tool_calls"
             if delta or finish or c["logprobs"]:
                 yield {**c, "delta": delta, "finish_reason": finish}
 
 
-def tool_calls(body: dict) -> ToolCalls | None:
+def tool_calls(body: dict, auto_parser: str | None = None) -> ToolCalls | None:
     """The request's tools and tool_choice, checked (400 naming the field), or None when the
-    output is free text."""
+    output is free text with no calls to read. `auto_parser`: the server's parser for "auto"."""
     tools = field(body, "tools", lambda v: isinstance(v, list), "a list of tools", [])
     choice = body.get("tool_choice")
     if choice is None:
@@ -78,15 +87,18 @@ def tool_calls(body: dict) -> ToolCalls | None:
         raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
     functions = dict(_function(i, t) for i, t in enumerate(tools))
     if choice == "auto":
-        raise APIError(400, "tool_choice 'auto' is not supported by this server: set tool_choice to 'required', "
-                            "to a function ({\"type\": \"function\", \"function\": {\"name\": ...}}) or to 'none'",
-                       param="tool_choice")
+        if auto_parser is None:
+            raise APIError(400, "tool_choice 'auto' needs a server started with --enable-auto-tool-choice "
+                                "--tool-call-parser NAME: set tool_choice to 'required', to a function "
+                                "({\"type\": \"function\", \"function\": {\"name\": ...}}) or to 'none'",
+                           param="tool_choice")
+        return ToolCalls(None, PARSERS[auto_parser]())
     if choice == "required":
         one = field(body, "parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean", True) is False
         call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
                            "required": ["name", "parameters"]} for name, params in functions.items()]}
         schema = {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if one else {})}
-        return ToolCalls(StructuredOutput.json_schema(schema), None)
+        return ToolCalls(StructuredOutput.json_schema(schema), Forced(None))
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
     if name is None:
@@ -94,7 +106,7 @@ def tool_calls(body: dict) -> ToolCalls | None:
                             "\"function\": {\"name\": ...}}", param="tool_choice")
     if name not in functions:
         raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-    return ToolCalls(StructuredOutput.json_schema(functions[name]), name)
+    return ToolCalls(StructuredOutput.json_schema(functions[name]), Forced(name))
 
 
 def _function(i: int, tool) -> tuple[str, dict]:

@@ -1,0 +1,94 @@
+"""Tool calls read from a choice's text (jaxserve/server/tools.py): the calls a forced tool_choice
+constrained the output to, or, for tool_choice "auto", those the model wrote in its own syntax
+(vLLM's `--tool-call-parser NAME`).
+
+A parser answers two questions about a text: where calls begin, or may begin once more text
+arrives (`begins`: the text before is the message's content, streamed as it comes; from there on
+it is held back), and which calls the text from there holds (`calls`: (name, arguments) pairs, or
+None when it is not a complete set of calls, and so stays text).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+
+def _held_from(text: str, marker: str) -> int:
+    """Where `marker` starts in `text`, or where a suffix of `text` that may grow into it does."""
+    found = text.find(marker)
+    if found >= 0:
+        return found
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+def _call(obj, arguments_key: str) -> tuple[str, dict] | None:
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get(arguments_key, {}), dict)):
+        return None
+    return obj["name"], obj.get(arguments_key, {})
+
+
+class Forced:
+    """A forced tool_choice's output: the whole text is JSON, a list of {"name", "parameters"}
+    (`required`) or the named function's arguments."""
+
+    def __init__(self, name: str | None):
+        self.name = name
+
+    def begins(self, text: str) -> int:
+        return 0
+
+    def calls(self, text: str) -> list[tuple[str, dict]] | None:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.name is not None:
+            return [(self.name, value)]
+        calls = [_call(c, "parameters") for c in value] if isinstance(value, list) else [None]
+        return None if None in calls else calls
+
+
+class Hermes:
+    """Qwen2.5, Qwen3, Hermes 2 and 3 (their chat templates ask for it): after any text, one or
+    more `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+    START, END = "<tool_call>", "</tool_call>"
+
+    def begins(self, text: str) -> int:
+        return _held_from(text, self.START)
+
+    def calls(self, text: str) -> list[tuple[str, dict]] | None:
+        bodies = re.findall(rf"{re.escape(self.START)}(.*?)(?:{re.escape(self.END)}|$)", text, re.DOTALL)
+        try:
+            calls = [_call(json.loads(body), "arguments") for body in bodies]
+        except ValueError:
+            return None
+        return calls if calls and None not in calls else None
+
+
+class Llama3Json:
+    """Llama 3.1 and 3.2 with tools in the user turn: the whole answer is one or more
+    `{"name": ..., "parameters": {...}}` separated by `;`, after an optional `<|python_tag|>`."""
+    TAG = "<|python_tag|>"
+
+    def begins(self, text: str) -> int:
+        start = text.lstrip()
+        may_call = start.startswith(("{", self.TAG)) or self.TAG.startswith(start)   # "" too
+        return 0 if may_call else len(text)
+
+    def calls(self, text: str) -> list[tuple[str, dict]] | None:
+        text, decoder, calls = text.strip().removeprefix(self.TAG).lstrip(), json.JSONDecoder(), []
+        while text:
+            try:
+                obj, end = decoder.raw_decode(text)
+            except ValueError:
+                return None
+            calls.append(_call(obj, "parameters" if "parameters" in obj else "arguments")
+                         if isinstance(obj, dict) else None)
+            text = text[end:].lstrip().removeprefix(";").lstrip()
+        return calls if calls and None not in calls else None
+
+
+PARSERS = {"hermes": Hermes, "llama3_json": Llama3Json}   # --tool-call-parser NAME
