@@ -45,15 +45,22 @@ OPTIONS = {
     "include_stop_str_in_output": [True, False], "skip_special_tokens": [True, False], "user": ["u"],
     "response_format": [{"type": "json_object"}, {"type": "text"},
                         {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}],
-    "guided_regex": ["[ab]{3}", "a+"], "guided_choice": [["yes", "no"]], "truncate_prompt_tokens": [1, 3, 100],
+    "guided_regex": ["[ab]{3}", "a+"], "guided_choice": [["yes", "no"]], "truncate_prompt_tokens": [1, 3, 100, -1],
     "priority": [0, 1], "cache_salt": ["a", "b"], "stream_options": [{"include_usage": True}],
+    "chat_template_kwargs": [{"enable_thinking": False}, {"bos_token": "X"}], "add_generation_prompt": [True, False],
+    "continue_final_message": [True, False],
 }
 PROMPTS = ["Hello", " ", "\u00e9t\u00e9 \U0001F600", "The quick brown fox", [1, 2, 3], [[1, 2], [3]], ["a", "b"]]
 HOSTILE_PROMPTS = ["", "a" * 3000, [], [[]], [-5], [10**9], 123, None, {"a": 1}]
 MESSAGES = [[{"role": "user", "content": "hi"}],
             [{"role": "system", "content": "s"}, {"role": "user", "content": "\U0001F600"}],
-            [{"role": "user", "content": [{"type": "text", "text": "a"}]}]]
-HOSTILE_MESSAGES = [[], [{"role": "bogus", "content": "x"}], [{"role": "user"}], "hi"]
+            [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+            [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "get", "arguments": '{"city": "Rome"}'}}]},
+             {"role": "tool", "tool_call_id": "c", "content": "sunny"}]]
+HOSTILE_MESSAGES = [[], [{"role": "bogus", "content": "x"}], [{"role": "user"}], "hi",
+                    [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "g", "arguments": "{"}}]}],
+                    [{"role": "assistant", "tool_calls": "x"}], [{"role": "tool", "content": 5}]]
 
 
 class Fuzz:
@@ -77,7 +84,7 @@ class Fuzz:
                 for name in ("response_format", "guided_regex", "guided_choice"):
                     body.pop(name, None)
                 body.update(tools=TOOLS, max_tokens=60, tool_choice=self.rng.choice(
-                    ["required", "none", {"type": "function", "function": {"name": "get"}}]))
+                    ["required", "none", "auto", {"type": "function", "function": {"name": "get"}}]))
         else:
             body["prompt"] = self.pick(PROMPTS, HOSTILE_PROMPTS)
             body["echo"] = self.rng.random() < 0.2
