@@ -17,6 +17,7 @@ import yaml
 
 from jaxserve import check_cli
 from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, QUANTIZE_LM_HEAD_HELP, DistributedConfig, EngineConfig
+from jaxserve.server.reasoning import PARSERS as REASONING_PARSERS
 from jaxserve.server.tool_parsers import PARSERS
 
 # configs/tiny-cpu.yaml of a source checkout (`pip install -e .`): the default for the embedded model.
@@ -85,6 +86,9 @@ def _add_serve(sub) -> None:
                    help="tool_choice 'auto' on chat: the calls the model writes are read by --tool-call-parser")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
                    help="the model's tool-call syntax: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1/3.2)")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                   help="chat answers' reasoning as message.reasoning_content: deepseek_r1 (thinking begun in the "
+                        "prompt: DeepSeek-R1, QwQ, Qwen3 thinking-2507), qwen3 (Qwen3's <think> blocks)")
     p.add_argument("--request-timeout", type=float, help="seconds a request may wait and run before it ends "
                                                          "with a 408 error (default: the config's request_timeout_s)")
     multi = p.add_argument_group("multi-host", "one process per host, one mesh over all their devices: "
@@ -146,7 +150,8 @@ def serve(args) -> int:
         from jaxserve.server.app import create_app
         return create_app(cfg, served_model_name=args.served_model_name, api_key=args.api_key,
                           on_load_error=exit_on_load_error, api_keys=api_keys,
-                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                          reasoning_parser=args.reasoning_parser)
 
     # A thread per request being served: every running and queued request, plus a few for probes.
     threads = cfg.max_num_seqs + cfg.max_queue_size + 8

@@ -29,7 +29,8 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     yield from serving(tmp_path_factory.mktemp("server"), model[0], "--served-model-name", NAME,
-                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes", **BYTES_ENGINE)
+                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                       **BYTES_ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +203,26 @@ def test_auto_tool_choice_reads_hermes_calls(client):
     [c] = client.chat.completions.create(extra_body={"guided_regex": "Sure, <tool"}, **kw).choices
     assert (c.message.content, c.message.tool_calls, c.finish_reason) == ("Sure, <tool", None, "stop")
     assert streamed("Sure, <tool") == ("Sure, <tool", [], "stop")
+
+
+def test_reasoning_parser_sets_the_thinking_apart(client):
+    """--reasoning-parser qwen3: an answer that thinks first (spelt out here by a regex) has its
+    <think> block as reasoning_content and the rest as content, streamed and not; after it, a
+    hermes call is read from the answer. (Answers that do not think: every other chat test.)"""
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "1 + 2?"}], temperature=0, max_tokens=120,
+              extra_body={"guided_regex": r"<think>[a-z]{5}</think>It is 3\."})
+    [c] = client.chat.completions.create(**kw).choices
+    thought = c.message.model_extra["reasoning_content"]
+    assert re.fullmatch("[a-z]{5}", thought) and c.message.content == "It is 3."
+    chunks = [ch.choices[0].delta for ch in client.chat.completions.create(stream=True, **kw) if ch.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in chunks) == thought
+    assert "".join(d.content or "" for d in chunks) == "It is 3."
+    kw["extra_body"] = {"guided_regex": r"<think>[a-z]{5}</think>Sure\. " + re.escape(call)}
+    [c] = client.chat.completions.create(tools=tools, **kw).choices
+    assert re.fullmatch("[a-z]{5}", c.message.model_extra["reasoning_content"]) and c.message.content == "Sure. "
+    assert [t.function.name for t in c.message.tool_calls] == ["add"] and c.finish_reason == "tool_calls"
 
 
 # ---- hostile input: a 4xx with an error body, never a 500, and the server stays up ----

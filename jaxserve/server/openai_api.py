@@ -24,6 +24,7 @@ from jaxserve.config import sampling_defaults
 from jaxserve.llm import logprob_dict
 from jaxserve.server.asgi import client_gone
 from jaxserve.server.errors import APIError
+from jaxserve.server.reasoning import reasoning_reader
 from jaxserve.server.sse import sse_response
 from jaxserve.server.tools import tool_calls
 from jaxserve.server.validation import (chat_template_options, field, is_number, json_body, messages, prompts,
@@ -96,7 +97,8 @@ def chat_completions():
     timeout = _timeout(body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = host.submit([ids], params, request_id)
-    choices = _Choices(engine.tokenizer, params.n, chat=True, tools=tools, token_bytes=engine.grammars.token_bytes)
+    choices = _Choices(engine.tokenizer, params.n, chat=True, tools=tools, token_bytes=engine.grammars.token_bytes,
+                       reasoning=reasoning_reader(current_app.config["REASONING_PARSER"], params.structured_output))
     return _respond(host, streams, choices, request_id, "chat.completion.chunk" if stream else "chat.completion",
                     stream, usage_flags, len(params.resolve(ids, engine.max_model_len)[0]), timeout)
 
@@ -135,10 +137,11 @@ class _Choices:
     """Turns CompletionOutput deltas into OpenAI choice objects (completion or chat format)."""
 
     def __init__(self, tokenizer, n: int, chat: bool, echoes: list[str] | None = None, tools=None,
-                 token_bytes: Callable[[int], bytes] | None = None):
+                 token_bytes: Callable[[int], bytes] | None = None, reasoning=None):
         self.tokenizer, self.n, self.chat, self.echoes = tokenizer, n, chat, echoes
         self.token_bytes = token_bytes   # a chat request's: each logprobs entry's `bytes`
         self.tools = tools   # a chat request's tool calls to read (jaxserve/server/tools.py), or None
+        self.reasoning = reasoning   # a chat request's reasoning to set apart (server/reasoning.py), or None
         self.started: set[int] = set()
         self.offsets: dict[int, int] = {}    # completion logprobs' text_offset so far, per choice
         self.prompts: dict[int, tuple] = {}  # prompt index -> (prompt ids, prompt logprobs), once scored
@@ -256,7 +259,8 @@ class _ChoiceDeltas:
 def _chunks(deltas, choices: _Choices, head: dict, include_usage: bool, continuous_usage: bool,
             prompt_tokens: int):
     followed = _ChoiceDeltas(deltas, choices, prompt_tokens)
-    for choice in (followed if choices.tools is None else choices.tools.stream(followed)):
+    stream = followed if choices.reasoning is None else choices.reasoning.stream(followed)
+    for choice in (stream if choices.tools is None else choices.tools.stream(stream)):
         yield {**head, "choices": [choice], **({"usage": followed.usage()} if continuous_usage else {})}
     if include_usage:
         yield {**head, "choices": [], "usage": followed.usage()}
@@ -277,8 +281,8 @@ def _collect(deltas, choices: _Choices, prompt_tokens: int) -> dict:
         if choices.chat:
             out.append({"index": index, "message": {"role": "assistant", "content": d.get("content", "")},
                         "logprobs": d.get("logprobs"), "finish_reason": d.get("finish_reason")})
-            if choices.tools is not None:
-                out[-1] = choices.tools.message(out[-1])
+            for reader in (choices.reasoning, choices.tools):   # the answer after the reasoning has the calls
+                out[-1] = out[-1] if reader is None else reader.message(out[-1])
         else:
             out.append({"index": index, "text": d.get("text", ""), "logprobs": d.get("logprobs"),
                         "finish_reason": d.get("finish_reason"),

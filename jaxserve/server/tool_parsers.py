@@ -13,7 +13,7 @@ import json
 import re
 
 
-def _held_from(text: str, marker: str) -> int:
+def held_from(text: str, marker: str) -> int:
     """Where `marker` starts in `text`, or where a suffix of `text` that may grow into it does."""
     found = text.find(marker)
     if found >= 0:
@@ -57,7 +57,7 @@ class Hermes:
     START, END = "<tool_call>", "</tool_call>"
 
     def begins(self, text: str) -> int:
-        return _held_from(text, self.START)
+        return held_from(text, self.START)
 
     def calls(self, text: str) -> list[tuple[str, dict]] | None:
         bodies = re.findall(rf"{re.escape(self.START)}(.*?)(?:{re.escape(self.END)}|$)", text, re.DOTALL)

@@ -44,10 +44,10 @@ class ToolCalls:
 
     def message(self, choice: dict) -> dict:
         """A finished non-streamed chat choice with its calls as tool_calls."""
-        content, calls = self.split(choice["message"]["content"])
+        content, calls = self.split(choice["message"]["content"] or "")
         if calls is None:
             return choice
-        return {**choice, "message": {"role": "assistant", "content": content or None, "tool_calls": calls},
+        return {**choice, "message": {**choice["message"], "content": content or None, "tool_calls": calls},
                 "finish_reason": "tool_calls"}
 
     def stream(self, choices):

@@ -1,0 +1,70 @@
+"""A thinking model's reasoning, apart from its answer (vLLM's `--reasoning-parser NAME`): chat
+choices carry it as `message.reasoning_content` (streamed: `delta.reasoning_content`), the answer
+after it as `content`, which tool calls are then read from.
+
+    deepseek_r1  the thinking starts in the prompt (DeepSeek-R1, QwQ, Qwen3 thinking-2507): all text
+                 up to `</think>` is reasoning (a leading `<think>` dropped); with none, all of it.
+    qwen3        Qwen3 (hybrid): a text that begins with `<think>` reasons until `</think>`; any
+                 other (enable_thinking false) is all answer.
+"""
+from __future__ import annotations
+
+from jaxserve.server.tool_parsers import held_from
+
+START, END = "<think>", "</think>"
+
+
+class Reasoning:
+    def __init__(self, starts_in_prompt: bool):
+        self.starts_in_prompt = starts_in_prompt
+
+    def parts(self, text: str, final: bool = True) -> tuple[str | None, str]:
+        """(reasoning, answer) of a choice's text (reasoning None: the text does not reason). Not
+        `final`: what may still grow into a tag is in neither."""
+        lead = text.lstrip()
+        if not final and lead and START.startswith(lead) and lead != START:
+            return "", ""   # "<thi": a start tag, or text, once more comes
+        if lead.startswith(START):
+            text = lead[len(START):]
+        elif not self.starts_in_prompt:
+            return (("", "") if not final and not lead else (None, text))
+        end = text.find(END)
+        if end >= 0:
+            return text[:end], text[end + len(END):]
+        return (text, "") if final else (text[:held_from(text, END)], "")
+
+    def message(self, choice: dict) -> dict:
+        """A finished non-streamed chat choice, its reasoning apart."""
+        reasoning, answer = self.parts(choice["message"]["content"])
+        if reasoning is None:
+            return choice
+        return {**choice, "message": {**choice["message"], "content": answer or None, "reasoning_content": reasoning}}
+
+    def stream(self, choices):
+        """Streamed chat choices with each delta's text split into reasoning_content and content."""
+        texts: dict[int, str] = {}
+        sent: dict[int, tuple[int, int]] = {}
+        for c in choices:
+            index, delta, finish = c["index"], dict(c["delta"]), c["finish_reason"]
+            text = texts[index] = texts.get(index, "") + delta.pop("content", "")
+            reasoning, answer = self.parts(text, final=finish is not None)
+            done_reasoning, done_answer = sent.get(index, (0, 0))
+            if reasoning and len(reasoning) > done_reasoning:
+                delta["reasoning_content"] = reasoning[done_reasoning:]
+            if len(answer) > done_answer:
+                delta["content"] = answer[done_answer:]
+            sent[index] = (max(done_reasoning, len(reasoning or "")), max(done_answer, len(answer)))
+            if delta or finish or c["logprobs"]:
+                yield {**c, "delta": delta}
+
+
+PARSERS = {"deepseek_r1": True, "qwen3": False}   # --reasoning-parser NAME: whether thinking starts in the prompt
+
+
+def reasoning_reader(parser: str | None, grammar) -> Reasoning | None:
+    """The reader of a chat request's reasoning, None without one. Under a `grammar` (structured
+    output, a forced tool call) the text is the grammar's from its first token: no thinking begun
+    in the prompt (a grammar may still spell out a <think> block)."""
+    if parser is None or (grammar is not None and PARSERS[parser]):
+        return None
+    return Reasoning(PARSERS[parser])
