@@ -1,4 +1,4 @@
-"""A 40-second soak of the real server (benchmarks/soak.py): mixed load with injected engine
+"""A 30-second soak of the real server (benchmarks/soak.py): mixed load with injected engine
 faults, preemption, clients that leave, deadlines and malformed requests; nothing lost, pages
 back, memory flat, TTFT steady, a clean exit.
 
@@ -14,10 +14,10 @@ import warnings
 
 from benchmarks import soak
 
-DURATION_S = 40
+DURATION_S = 30
 # ~2,700 steps in 40 s on an idle 2-core box, under 1,000 beside the rest of the suite
-# (2026-11-27, when a fault every 1,000 steps injected none): at least one fault needs 10 steps/s.
-FAULT_EVERY = 400
+# (2026-11-27, when a fault every 1,000 steps injected none): at least one fault in 30 s needs 10 steps/s.
+FAULT_EVERY = 300
 
 
 def test_soak_loses_nothing(tmp_path):

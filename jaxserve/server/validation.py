@@ -20,8 +20,6 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Set to anything but these "off" values, these fields get a 400.
 UNSUPPORTED = {"suffix": (None, ""), "functions": (None, []), "guided_grammar": (None,)}
 GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice")   # at most one per request
-# The OpenAI defaults of the fields a model's generation_config.json may override.
-SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 def json_body() -> dict:
@@ -77,7 +75,7 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: s
     sampling_defaults) those of the fields it names. A `tenant` (from the API key) salts the
     prefix cache, with the body's cache_salt if any. `tool_call`: the output's constraint from the
     chat request's tools (jaxserve/server/tools.py)."""
-    defaults = {**SAMPLING_DEFAULTS, **(defaults or {})}
+    defaults = {**vars(SamplingParams()), **(defaults or {})}   # the model's, else OpenAI's
     reject_unsupported(body)
     structured = structured_output(body)
     if tool_call is not None:
