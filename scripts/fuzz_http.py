@@ -136,7 +136,7 @@ class Fuzz:
             r = requests.post(path, json=body, timeout=300)
             if r.status_code != 200:
                 continue
-            whole = {c["index"]: (c["message"]["content"] if chat else c["text"], c["finish_reason"],
+            whole = {c["index"]: (texts(c["message"]) if chat else c["text"], c["finish_reason"],
                                   logprob_tokens(c.get("logprobs"), chat)) for c in r.json()["choices"]}
             lines = [line for line in requests.post(path, json={**body, "stream": True}, stream=True,
                                                     timeout=300).iter_lines() if line]
@@ -152,15 +152,24 @@ def logprob_tokens(logprobs, chat: bool) -> list:
     return [e["token"] for e in logprobs["content"]] if chat else logprobs["tokens"]
 
 
+def texts(message: dict) -> str:
+    """A chat message's (or delta's) content and reasoning (--reasoning-parser), as one string."""
+    return f"{message.get('content') or ''}\0{message.get('reasoning_content') or ''}"
+
+
 def merged(lines: list[bytes], chat: bool) -> dict:
     """A stream's chunks as {choice index: (text, finish reason, logprob tokens)}."""
     out = {}
     for line in lines:
         for c in json.loads(line[6:])["choices"]:
-            text, finish, tokens = out.get(c["index"], ("", None, []))
-            piece = (c["delta"].get("content") or "") if chat else c["text"]
+            text, finish, tokens = out.get(c["index"], ("\0" if chat else "", None, []))
+            if chat:
+                (content, reasoning), (more, more_reasoning) = text.split("\0"), texts(c["delta"]).split("\0")
+                text = f"{content}{more}\0{reasoning}{more_reasoning}"
+            else:
+                text += c["text"]
             tokens = tokens + logprob_tokens(c.get("logprobs"), chat)
-            out[c["index"]] = (text + piece, c["finish_reason"] or finish, tokens)
+            out[c["index"]] = (text, c["finish_reason"] or finish, tokens)
     return out
 
 
