@@ -194,10 +194,11 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0):
     """x [..., T, H, D] with positions [..., T]; HF's rotate-half convention over the first
     2 * len(inv_freq) dims (the rest pass through), computed in float32; cos and sin times `scale`."""
     freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, R/2]
-    cos = (jnp.cos(freqs) * scale)[..., None, :]
-    sin = (jnp.sin(freqs) * scale)[..., None, :]
+    cos, sin = jnp.cos(freqs)[..., None, :], jnp.sin(freqs)[..., None, :]
+    if scale != 1.0:   # (static: no multiply in the programs of the kinds without it)
+        cos, sin = cos * scale, sin * scale
     rotary = 2 * inv_freq.shape[-1]
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32[..., :rotary], 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rotary:]], axis=-1)
-    return out.astype(x.dtype)
+    rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin] + ([x32[..., rotary:]] if rotary < x.shape[-1] else [])
+    return jnp.concatenate(rotated, axis=-1).astype(x.dtype)
