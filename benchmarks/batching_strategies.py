@@ -35,8 +35,9 @@ from benchmarks.common import (MODEL_NAMES, RESULTS_DIR, WORK_DIR, command_line,
                                prepare_model, pyplot, report_header, save_figure, timed_step, write_report)
 from benchmarks.serve_bench import add_length_arguments, arrival_offsets, make_requests
 from jaxserve import roofline
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass

@@ -200,7 +200,7 @@ def greedy_with_logprobs(engine, requests, top: int = 5) -> list[list]:
     """The workload once more, greedy with the top-`top` logprobs of every output token: per
     request, [token, [[id, logprob], ...]] per token. Where two backends' greedy outputs part,
     these say whether the step was a near-tie (each side's token in the other's top list)."""
-    from jaxserve.config import SamplingParams
+    from jaxserve.sampling_params import SamplingParams
 
     ids = [engine.add_request(r.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
                                                                  ignore_eos=True, logprobs=top))

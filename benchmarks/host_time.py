@@ -59,8 +59,9 @@ def worker(rows: list[int], steps: int, skip: int, decode_steps: int, penalties:
     """This process's tree (PYTHONPATH): {B: [ms, host thread CPU ms, blocked ms, detokenize ms] a token step}."""
     import jax
     import numpy as np
-    from jaxserve.config import EngineConfig, SamplingParams
+    from jaxserve.config import EngineConfig
     from jaxserve.engine import LLMEngine
+    from jaxserve.sampling_params import SamplingParams
 
     spent = {"blocked": 0.0, "detokenize": 0.0}
 

@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 import time
 
-from benchmarks.common import (RESULTS_DIR, command_line, machine_info, machine_line, make_workload, markdown_table,
+from benchmarks.common import (command_line, machine_info, machine_line, make_workload, markdown_table,
                                model_summary, prepare_model, write_keeping_notes)
 from benchmarks.offline_throughput import engine_config, run_engine, workload_args
 from jaxserve.engine import LLMEngine

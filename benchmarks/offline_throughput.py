@@ -30,9 +30,10 @@ from benchmarks.common import (MODEL_NAMES, RESULTS_DIR, Request, Run, check_len
                                model_summary, prepare_model, write_keeping_notes)
 from benchmarks.transformers_peers import ContinuousPeer, run_generate
 from jaxserve import roofline
-from jaxserve.config import EngineConfig, SamplingParams
-from jaxserve.engine import LLMEngine
 from jaxserve.compilations import CompileCounter
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
 
 RESULTS = os.path.join(RESULTS_DIR, "offline_throughput.md")
 

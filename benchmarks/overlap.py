@@ -29,8 +29,9 @@ import jax
 
 from benchmarks.common import (RESULTS_DIR, command_line, load_average, machine_info, machine_line, make_workload,
                                markdown_table, model_summary, prepare_model, write_keeping_notes)
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import StructuredOutput
 
 RESULTS = os.path.join(RESULTS_DIR, "overlap.md")

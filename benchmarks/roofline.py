@@ -26,8 +26,9 @@ from benchmarks.common import (MODEL_NAMES, RESULTS_DIR, WORK_DIR, command_line,
                                markdown_table, measured_peaks, model_summary, prepare_model, pyplot, report_header,
                                save_figure, timed_step, write_keeping_notes)
 from jaxserve import roofline
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
 
 
 def matvec_bandwidth(nbytes: int = 1 << 30, n: int = 2048) -> float:

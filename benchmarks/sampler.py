@@ -26,7 +26,7 @@ import numpy as np
 from benchmarks.common import (RESULTS_DIR, command_line, machine_info, machine_line, markdown_table,
                                write_keeping_notes)
 from jaxserve import check, parallel, sampling
-from jaxserve.config import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.step import sampler_args, serving_sample
 
 
@@ -107,7 +107,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "sampler_compile.md"))
     args = ap.parse_args(argv)
-    lines = [f"# Sampler threshold: radix select against sort\n", f"Command: `{command_line('sampler', argv)}`",
+    lines = ["# Sampler threshold: radix select against sort\n", f"Command: `{command_line('sampler', argv)}`",
              machine_line(machine_info()) + "\n",
              f"## Compile seconds, {args.rows} logit rows, vocabulary {args.vocab}\n"]
     rows = []

@@ -30,8 +30,9 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import MODEL_NAMES, WORK_DIR, load_trace, prepare_model, print_gpu_profile  # noqa: E402
 from jaxserve import roofline  # noqa: E402
-from jaxserve.config import EngineConfig, SamplingParams  # noqa: E402
+from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine import LLMEngine  # noqa: E402
+from jaxserve.sampling_params import SamplingParams
 
 
 def engine_for(model_dir: str, dtype: str) -> LLMEngine:

@@ -15,8 +15,9 @@ import statistics
 import time
 
 import jaxserve
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
 
 
 def decode_ms(engine: LLMEngine, rows: int, steps: int) -> float:

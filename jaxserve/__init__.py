@@ -3,7 +3,8 @@
 The offline API, as vLLM users write it: `from jaxserve import LLM, SamplingParams`. Importing
 jaxserve starts no JAX: `LLM` builds its engine when called.
 """
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import EngineConfig
 from jaxserve.llm import LLM, CompletionOutput, Logprob, RequestOutput
+from jaxserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig"]

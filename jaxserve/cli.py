@@ -170,8 +170,8 @@ def _add_generate(sub) -> None:
 
 
 def generate(args) -> int:
-    from jaxserve.config import SamplingParams
     from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)

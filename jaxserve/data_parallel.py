@@ -11,8 +11,8 @@ from __future__ import annotations
 import itertools
 import threading
 
-from jaxserve.config import SamplingParams
 from jaxserve.engine_thread import EngineThread, RequestStream
+from jaxserve.sampling_params import SamplingParams
 
 
 class DataParallelEngine:

@@ -26,12 +26,13 @@ import numpy as np
 
 from jaxserve import parallel
 from jaxserve import quantization as quant
-from jaxserve.checkpoint import load_for_mesh, saved_lm_head, saved_quantization
-from jaxserve.config import EngineConfig, InvalidRequest, ModelConfig, SamplingParams
 from jaxserve.block_manager import BlockManager
+from jaxserve.checkpoint import load_for_mesh, saved_lm_head, saved_quantization
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
 from jaxserve.runner import Launched, ModelRunner, SampleResult
 from jaxserve.sampling import reads_outputs, samples_ahead
+from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence
 from jaxserve.spec_decode import ngram

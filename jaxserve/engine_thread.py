@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from jaxserve.config import InvalidRequest, SamplingParams
 from jaxserve.engine import LLMEngine, Request, RequestOutput, StepError
+from jaxserve.sampling_params import InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 

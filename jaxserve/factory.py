@@ -16,9 +16,11 @@ import dataclasses
 import threading
 from typing import Protocol
 
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import EngineConfig
+
 from jaxserve.engine import LLMEngine
 from jaxserve.engine_thread import EngineStoppedError, EngineThread, RequestStream
+from jaxserve.sampling_params import SamplingParams
 
 
 class EngineClient(Protocol):

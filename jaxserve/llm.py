@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Union
 
-from jaxserve.config import EngineConfig, InvalidRequest, SamplingParams, sampling_defaults
+from jaxserve.config import EngineConfig
+
+from jaxserve.sampling_params import InvalidRequest, SamplingParams, sampling_defaults
 
 if TYPE_CHECKING:
     from jaxserve.runner import SampleResult

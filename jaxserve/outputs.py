@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.config import SamplingParams
 from jaxserve.runner import SampleResult
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import IncrementalDetokenizer
 

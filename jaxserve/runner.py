@@ -26,15 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import multihost, parallel, prompt_logprobs, sizing, warmup
-from jaxserve.compilations import CompileCounter
 from jaxserve.attention import resolve_backend
-from jaxserve.executables import Executables, abstract, context_digest, key
 from jaxserve.buckets import Buckets, bucket
-from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
+from jaxserve.compilations import CompileCounter
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.executables import Executables, abstract, context_digest, key
 from jaxserve.kv_cache import KVCache, page_bytes_per_chip
 from jaxserve.models import build_model
 from jaxserve.packing import pack
 from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for
+from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step import (make_multi_step, make_step, multi_step_variant, multi_step_variants, page_copy_batches,

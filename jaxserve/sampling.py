@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxserve.config import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured.masks import mask_words, token_masks
 
 MIN_HISTORY_LEN = 16

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxserve.config import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxserve.structured.grammar import Matcher

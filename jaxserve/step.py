@@ -18,8 +18,9 @@ import numpy as np
 from jaxserve import parallel
 from jaxserve.attention import AttentionMetadata
 from jaxserve.buckets import StepShape
-from jaxserve.config import MAX_LOGPROBS, ModelConfig
+from jaxserve.config import ModelConfig
 from jaxserve.sampling import PenaltyCounts, sample, sampler_variants, uses_filters
+from jaxserve.sampling_params import MAX_LOGPROBS
 
 def make_step(model, cfg: ModelConfig, mesh, backend: str):
     """The step with its static arguments for `mesh`: call it as (params, kv_cache, *arrays,

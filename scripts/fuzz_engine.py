@@ -33,8 +33,9 @@ import traceback
 import numpy as np
 
 from jaxserve import LLM
-from jaxserve.config import SamplingParams, SpeculativeConfig
+from jaxserve.config import SpeculativeConfig
 from jaxserve.engine import TINY_MODEL_DIR
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import StructuredOutput
 
 REFERENCE = dict(max_model_len=160, max_num_seqs=16, max_num_batched_tokens=256, enable_prefix_caching=False,

@@ -19,8 +19,9 @@ import time
 import jax
 
 from jaxserve import factory
-from jaxserve.config import DistributedConfig, EngineConfig, SamplingParams
+from jaxserve.config import DistributedConfig, EngineConfig
 from jaxserve.engine_thread import EngineThread
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import StructuredOutput
 
 # Small buckets: warm-up compiles 12 shapes (3 steps, 8 samplers, the page copy), kept between runs

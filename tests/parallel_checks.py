@@ -22,13 +22,13 @@ import numpy as np
 
 from benchmarks.hlo_collectives import hlo_collectives
 from jaxserve import checkpoint, parallel
-from jaxserve.step import model_step
 from jaxserve.compilations import CompileCounter
 from jaxserve.config import ModelConfig
 from jaxserve.generate import greedy_generate
 from jaxserve.kv_cache import KVCache
 from jaxserve.models import build_model
 from jaxserve.sequence_parallel import sequence_parallel_prefill
+from jaxserve.step import model_step
 
 PAGE_SIZE = 4
 NUM_PAGES = 24
@@ -233,8 +233,9 @@ def check_data_parallel(model_dir: str) -> dict:
     """The factory's data-parallel client: two engine replicas, TP 2 each ({"data": 2,
     "model": 2}, on the first 4 devices), against one-device greedy."""
     from jaxserve import factory
-    from jaxserve.config import EngineConfig, SamplingParams
+    from jaxserve.config import EngineConfig
     from jaxserve.data_parallel import DataParallelEngine
+    from jaxserve.sampling_params import SamplingParams
 
     cfg = ModelConfig.from_pretrained(model_dir)
     rng = np.random.default_rng(3)
@@ -264,8 +265,9 @@ def check_engine_sequence_parallel(model_dir: str, shape: dict) -> dict:
     in the batched step; greedy tokens against one device, with every page freed or newly taken
     poisoned (NaN: a chunk that read past its sequence's tokens would turn NaN). Warm-up first,
     then no compilation."""
-    from jaxserve.config import EngineConfig, SamplingParams
+    from jaxserve.config import EngineConfig
     from jaxserve.engine import LLMEngine
+    from jaxserve.sampling_params import SamplingParams
 
     cfg = ModelConfig.from_pretrained(model_dir)
     rng = np.random.default_rng(4)

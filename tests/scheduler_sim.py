@@ -7,8 +7,9 @@ It writes each step's tokens through the page table (after the copy-on-write cop
 table, a missed copy or a lost page changes the output. Outputs are compared with the same
 deterministic model run directly on the token lists, one request at a time.
 """
-from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.block_manager import BlockManager
+from jaxserve.config import EngineConfig
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.sequence import PENDING, Sequence, SequenceStatus
 

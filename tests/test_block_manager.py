@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxserve.block_manager import BlockManager
-from jaxserve.config import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Sequence
 
 PS = 4

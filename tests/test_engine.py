@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from jaxserve.checkpoint import load_params
-from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.generate import greedy_generate
+from jaxserve.sampling_params import SamplingParams
 from tests.hf_models import save_engine_model
 
 LENGTHS = [5, 300, 17, 64, 33, 120, 9, 250, 48, 16, 31, 200, 6, 90, 150, 12]

@@ -5,8 +5,10 @@ model, head_dim 32, on both kernels against the XLA path: test_kv_isolation.py.)
 import numpy as np
 import pytest
 
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import EngineConfig
+
 from jaxserve.engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
 from tests.hf_models import save_engine_model
 
 

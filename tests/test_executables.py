@@ -12,8 +12,9 @@ import pytest
 
 from jaxserve import executables
 from jaxserve.compilations import CompileCounter
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
 from tests.hf_models import save_engine_model
 
 # Few buckets: 3 step shapes (decode 1 and 2 rows, one prefill), their samplers and the rest.

@@ -7,9 +7,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from jaxserve import factory
-from jaxserve.config import DistributedConfig, EngineConfig, InvalidRequest, SamplingParams
+from jaxserve.config import DistributedConfig, EngineConfig
 from jaxserve.engine import TINY_MODEL_DIR
 from jaxserve.engine_thread import EngineStoppedError, EngineThread
+from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from tests.test_llm import ENGINE, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

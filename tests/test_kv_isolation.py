@@ -9,8 +9,10 @@ import functools
 import numpy as np
 import pytest
 
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import EngineConfig
+
 from jaxserve.engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
 from tests.hf_models import save_engine_model
 
 MAX_TOKENS = 6

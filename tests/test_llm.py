@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import InvalidRequest
 from jaxserve.engine import TINY_MODEL_DIR
+from jaxserve.sampling_params import InvalidRequest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The README example's settings (so its run reuses these tests' compiled steps): few buckets.
@@ -201,7 +201,7 @@ def test_generation_config_sampling_defaults_read_as_transformers_diff(tmp_path)
     sampling ones; "none" takes none."""
     from transformers import GenerationConfig
 
-    from jaxserve.config import sampling_defaults
+    from jaxserve.sampling_params import sampling_defaults
 
     written = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True,
                "max_new_tokens": 5, "eos_token_id": [1, 2]}

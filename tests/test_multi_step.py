@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import LLM
 from jaxserve.compilations import CompileCounter
-from jaxserve.config import SamplingParams as P
+from jaxserve.sampling_params import SamplingParams as P
 
 ENGINE = dict(model=None, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64, compilation_cache_dir=None)
 STEPS = 4

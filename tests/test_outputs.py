@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from jaxserve.config import SamplingParams
 from jaxserve.outputs import Request
+from jaxserve.sampling_params import SamplingParams
 
 
 def stream(pieces, stop, include):

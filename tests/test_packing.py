@@ -7,7 +7,7 @@ import pytest
 from jaxserve.buckets import Buckets
 from jaxserve.packing import pack
 from jaxserve.sequence import PENDING
-from tests.scheduler_sim import FakeRunner, add, make, request, run, run_overlapped, step
+from tests.scheduler_sim import add, make, request, run_overlapped, step
 
 NUM_PAGES, PAGE_SIZE = 96, 4
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxserve.config import SamplingParams as P
 from jaxserve.sampling import (SamplingMetadata, _top_k_top_p_threshold, apply_penalties, metadata_for, sample,
                                uses_filters)
+from jaxserve.sampling_params import SamplingParams as P
 
 
 def build(params, seeds=None, prompts=None, outputs=None, pad_to=None, history_len=None):

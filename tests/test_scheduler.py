@@ -7,7 +7,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from jaxserve.config import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Sequence, SequenceStatus
 from tests.scheduler_sim import (VOCAB, add, assert_all_pages_back, check_step, decoding, make, next_token, reference,
                                  request, resolve, run, run_overlapped, step)

@@ -108,9 +108,10 @@ def test_cost_model_matches_params_and_xla(small_model):
 
 
 def test_meter_reads_each_step_schedule(small_model):
-    from jaxserve.config import EngineConfig, SamplingParams
+    from jaxserve.config import EngineConfig
     from jaxserve.engine import LLMEngine
     from jaxserve.roofline import Peaks, RooflineMeter
+    from jaxserve.sampling_params import SamplingParams
 
     d, cfg, params = small_model
     engine = LLMEngine(EngineConfig(model=d, max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=8,

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from jaxserve.compilations import CompileCounter
-from jaxserve.config import SamplingParams as P
+from jaxserve.sampling_params import SamplingParams as P
 from jaxserve.structured import StructuredOutput
-from tests.test_structured_output import CHOICES, REGEX, schemas, warm_llm
+from tests.structured_cases import CHOICES, REGEX, schemas, warm_llm
 
 
 @pytest.fixture(scope="module")

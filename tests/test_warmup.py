@@ -11,9 +11,10 @@ from jaxserve import warmup
 from jaxserve.buckets import Buckets, cover, largest
 from jaxserve.checkpoint import load_params
 from jaxserve.compilations import CompileCounter
-from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.generate import greedy_generate
+from jaxserve.sampling_params import SamplingParams
 from tests.hf_models import save_engine_model
 
 # 5 step shapes: decode 1, 2 and 4 rows, prefill 16 and 32 tokens; built first: decode-4 and prefill-32.

@@ -13,8 +13,10 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from jaxserve.config import EngineConfig, InvalidRequest, SamplingParams, sampling_defaults
+from jaxserve.config import EngineConfig
+
 from jaxserve.metrics import Metrics
+from jaxserve.sampling_params import InvalidRequest, SamplingParams, sampling_defaults
 from jaxserve.server.errors import APIError
 
 log = logging.getLogger("jaxserve.server")

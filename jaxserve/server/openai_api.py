@@ -20,8 +20,8 @@ from typing import Callable
 import jinja2
 from flask import Blueprint, current_app, g, jsonify, request
 
-from jaxserve.config import sampling_defaults
 from jaxserve.llm import logprob_dict
+from jaxserve.sampling_params import sampling_defaults
 from jaxserve.server.asgi import client_gone
 from jaxserve.server.errors import APIError
 from jaxserve.server.reasoning import reasoning_reader

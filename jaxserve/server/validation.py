@@ -10,7 +10,7 @@ import math
 
 from flask import request
 
-from jaxserve.config import InvalidRequest, SamplingParams
+from jaxserve.sampling_params import InvalidRequest, SamplingParams
 from jaxserve.server.errors import APIError
 from jaxserve.structured import StructuredOutput
 
@@ -71,7 +71,7 @@ def reject_unsupported(body: dict) -> None:
 def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: str | None = None,
                     tool_call: StructuredOutput | None = None, defaults: dict | None = None) -> SamplingParams:
     """The sampling fields shared by completions and chat. `max_tokens` is the default when the
-    body has neither max_completion_tokens nor max_tokens; `defaults` (the model's: config.py
+    body has neither max_completion_tokens nor max_tokens; `defaults` (the model's: sampling_params.py
     sampling_defaults) those of the fields it names. A `tenant` (from the API key) salts the
     prefix cache, with the body's cache_salt if any. `tool_call`: the output's constraint from the
     chat request's tools (jaxserve/server/tools.py)."""

@@ -36,8 +36,9 @@ import time
 import weakref
 
 from jaxserve.checkpoint import load_for_mesh
-from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.runner import ModelRunner
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.sequence import PENDING, Sequence, SequenceStatus
 

@@ -13,7 +13,7 @@ import re
 
 import llguidance
 
-from jaxserve.config import InvalidRequest
+from jaxserve.sampling_params import InvalidRequest
 from jaxserve.structured.masks import mask_words
 from jaxserve.structured.spec import StructuredOutput
 from jaxserve.tokenizer import HFTokenizer, Tokenizer
