@@ -61,7 +61,7 @@ HOSTILE = [  # (id, method, path, body: dict or raw bytes, extra headers, expect
     ("stream-options-without-stream", "POST", C, {**OK, "stream_options": {"include_usage": True}}, {}, 400),
     ("max-tokens-zero-without-echo-logprobs", "POST", C, {**OK, "max_tokens": 0, "echo": True}, {}, 400),
     ("prompt-logprobs-too-many", "POST", C, {**OK, "prompt_logprobs": 21}, {}, 400),
-    ("prompt-logprobs-on-chat", "POST", CHAT, {**MSG, "prompt_logprobs": 1}, {}, 400),
+    ("prompt-logprobs-chat-too-many", "POST", CHAT, {**MSG, "prompt_logprobs": 21}, {}, 400),
     ("best-of", "POST", C, {**OK, "best_of": 3}, {}, 400),
     ("logit-bias-wrong-type", "POST", C, {**OK, "logit_bias": "x"}, {}, 400),
     ("logit-bias-too-big", "POST", C, {**OK, "logit_bias": {"1": 101}}, {}, 400),

@@ -106,12 +106,38 @@ def test_echo_logprobs_match_transformers(server, client, model):
     # vLLM's prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}}, the token and the top-N.
     body = requests.post(server.url + "/v1/completions", headers={"Authorization": "Bearer key-a1"}, timeout=120,
                          json={"model": NAME, "prompt": prompts[1], "max_tokens": 1, "prompt_logprobs": 2}).json()
-    entries = body["choices"][0]["prompt_logprobs"]
-    assert entries[0] is None and len(entries) == len(prompts[1])
-    for row, token, entry in zip(refs[1], prompts[1][1:], entries[1:]):
+    check_prompt_logprobs(body["choices"][0]["prompt_logprobs"], prompts[1], refs[1], 2)
+
+
+def check_prompt_logprobs(entries: list, ids: list[int], ref: torch.Tensor, top: int) -> None:
+    """vLLM's prompt_logprobs against transformers' log-softmax `ref`: None for the first token,
+    then per token {id: {logprob, rank, decoded_token}} holding the token and the top N."""
+    assert entries[0] is None and len(entries) == len(ids)
+    for row, token, entry in zip(ref, ids[1:], entries[1:]):
         assert entry[str(token)]["rank"] == 1 + int((row > row[token]).sum())
-        assert set(entry) == {str(token)} | {str(t) for t in torch.topk(row, 2).indices.tolist()}
+        assert set(entry) == {str(token)} | {str(t) for t in torch.topk(row, top).indices.tolist()}
         assert all(abs(v["logprob"] - row[int(t)].item()) < 1e-4 for t, v in entry.items())
+
+
+def test_chat_prompt_logprobs_match_transformers(server, model):
+    """prompt_logprobs on chat (vLLM's): the rendered prompt's, once in the response, whatever n;
+    max_tokens 0 scores the prompt only; not with stream (400, as vLLM)."""
+    _, hf, _ = model
+    auth = {"Authorization": "Bearer key-a1"}
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
+    ids = requests.post(server.url + "/tokenize", json={"messages": msgs}, headers=auth, timeout=60).json()["tokens"]
+    ref = hf_prompt_logprobs(hf, ids)
+    for extra in ({"max_tokens": 2, "n": 2, "temperature": 0.8}, {"max_tokens": 0}):
+        r = requests.post(server.url + "/v1/chat/completions", headers=auth, timeout=120,
+                          json={"model": NAME, "messages": msgs, "prompt_logprobs": 3, **extra})
+        body = r.json()
+        assert r.status_code == 200 and body["usage"]["prompt_tokens"] == len(ids), body
+        check_prompt_logprobs(body["prompt_logprobs"], ids, ref, 3)
+        assert len(body["choices"]) == extra.get("n", 1) and all("prompt_logprobs" not in c for c in body["choices"])
+    assert body["choices"][0]["message"]["content"] == "" and body["choices"][0]["finish_reason"] == "length"
+    r = requests.post(server.url + "/v1/chat/completions", headers=auth, timeout=60,
+                      json={"model": NAME, "messages": msgs, "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 
 def test_echo_text_offsets_index_the_text(client, model):

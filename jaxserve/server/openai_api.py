@@ -173,11 +173,18 @@ class _Choices:
         self.offsets[index] = start + len(c.text)
         logprobs = {k: sum((p[k] for p in parts), []) for k in parts[0]} if parts else None
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
-        if scored is not None:   # vLLM's prompt_logprobs
-            decode = self.tokenizer.decode
-            choice["prompt_logprobs"] = [None] + [
-                {str(t): dataclasses.asdict(lp) for t, lp in logprob_dict(r, decode).items()} for r in scored[1]]
+        if scored is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(prompt_index)
         return choice
+
+    def prompt_logprobs(self, prompt_index: int) -> list | None:
+        """vLLM's prompt_logprobs of a prompt, once scored: None for its first token, then per token
+        {"token id": {logprob, rank, decoded_token}} for the token and the top N."""
+        if prompt_index not in self.prompts:
+            return None
+        decode = self.tokenizer.decode
+        return [None] + [{str(t): dataclasses.asdict(lp) for t, lp in logprob_dict(r, decode).items()}
+                         for r in self.prompts[prompt_index][1]]
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -287,7 +294,8 @@ def _collect(deltas, choices: _Choices, prompt_tokens: int) -> dict:
             out.append({"index": index, "text": d.get("text", ""), "logprobs": d.get("logprobs"),
                         "finish_reason": d.get("finish_reason"),
                         **({"prompt_logprobs": d["prompt_logprobs"]} if "prompt_logprobs" in d else {})})
-    return {"choices": out, "usage": followed.usage()}
+    scored = choices.prompt_logprobs(0) if choices.chat else None   # a chat's one prompt: the response's (vLLM)
+    return {"choices": out, "usage": followed.usage(), **({"prompt_logprobs": scored} if scored is not None else {})}
 
 
 def _merge(acc: dict, d: dict) -> None:

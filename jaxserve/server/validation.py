@@ -95,14 +95,14 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: s
         if top is not None and not want:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         logprobs = (top or 0) if want else None
-        if "prompt_logprobs" in body:
-            raise APIError(400, "'prompt_logprobs' is supported on /v1/completions only", param="prompt_logprobs")
-        prompt_logprobs = None
+        if body.get("stream") is True and body.get("prompt_logprobs") is not None:   # as vLLM
+            raise APIError(400, "'prompt_logprobs' are not available with stream: true on chat",
+                           param="prompt_logprobs")
     else:
         logprobs = field(body, "logprobs", is_int, "an integer", None)
-        # vLLM's field, or the legacy API's echo with logprobs (the prompt's logprobs come first)
-        prompt_logprobs = field(body, "prompt_logprobs", is_int, "an integer",
-                                logprobs if body.get("echo") is True else None)
+    # vLLM's field; on completions also the legacy API's echo with logprobs (the prompt's come first)
+    prompt_logprobs = field(body, "prompt_logprobs", is_int, "an integer",
+                            logprobs if not chat and body.get("echo") is True else None)
     stop = field(body, "stop", lambda v: isinstance(v, (str, list)), "a string or a list of strings", [])
     if len(stop if isinstance(stop, list) else [stop]) > MAX_STOP_STRINGS:
         raise APIError(400, f"'stop' must hold at most {MAX_STOP_STRINGS} strings", param="stop")
