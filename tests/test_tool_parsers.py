@@ -1,8 +1,11 @@
 """The tool-call parsers of tool_choice "auto" (jaxserve/server/tool_parsers.py) on the formats
 their models' chat templates ask for; served end to end in tests/test_server.py."""
+import re
+
 import pytest
 
-from jaxserve.server.tool_parsers import Forced, Hermes, Llama3Json
+from jaxserve.server.tool_parsers import Forced, Hermes, Llama3Json, Mistral
+from jaxserve.server.tools import tool_calls
 
 ADD = ("add", {"a": 1, "b": [2, 3]})
 
@@ -22,6 +25,13 @@ ADD = ("add", {"a": 1, "b": [2, 3]})
     (Llama3Json(), ' {"name": "add", "arguments": {"a": 1, "b": [2, 3]}}', "", [ADD]),
     (Llama3Json(), "The answer is {4}.", "The answer is {4}.", None),
     (Llama3Json(), '{"answer": 4}', None, None),
+    (Mistral(), '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": [2, 3]}}, {"name": "now", "arguments": {}}]',
+     "", [ADD, ("now", {})]),
+    (Mistral(), 'Adding.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": [2, 3]}}]', "Adding.", [ADD]),
+    (Mistral(), '[TOOL_CALLS]add[ARGS]{"a": 1, "b": [2, 3]}[TOOL_CALLS]now[ARGS]{}', "", [ADD, ("now", {})]),
+    (Mistral(), '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1', None, None),   # cut short
+    (Mistral(), '[TOOL_CALLS]add[ARGS][1, 2]', None, None),   # arguments not an object
+    (Mistral(), "It is [4].", "It is [4].", None),
     (Forced(None), '[{"name": "add", "parameters": {"a": 1, "b": [2, 3]}}]', "", [ADD]),
     (Forced("add"), '{"a": 1, "b": [2, 3]}', "", [ADD]),
     (Forced(None), '{"name": "add"}', None, None),
@@ -38,8 +48,21 @@ def test_calls_and_the_text_before_them(parser, text, content, calls):
     (Hermes(), "Hi <b>", 6), (Hermes(), "", 0),
     (Llama3Json(), "", 0), (Llama3Json(), " ", 0), (Llama3Json(), "<|py", 0), (Llama3Json(), '{"na', 0),
     (Llama3Json(), "Hello", 5), (Llama3Json(), "<b>", 3),
+    (Mistral(), "Hi [TOOL", 3), (Mistral(), "Hi [4]", 6), (Mistral(), "[TOOL_CALLS]", 0),
     (Forced(None), "[{", 0)])
 def test_a_stream_holds_back_what_may_become_a_call(parser, text, sendable):
     """A stream sends a choice's text up to `begins`: never a marker's first characters, which a
     later chunk may complete; all of a text that cannot become a call."""
     assert parser.begins(text) == sendable
+
+
+def test_mistral_calls_get_the_ids_its_templates_accept():
+    """Mistral's chat templates refuse a returned call whose id is not 9 letters and digits; its
+    syntax starts with a special token, so the server keeps special tokens in the text it reads."""
+    body = {"tools": [{"type": "function", "function": {"name": "add"}}]}
+    mistral, hermes = tool_calls(body, "mistral"), tool_calls(body, "hermes")
+    assert mistral.parser.keeps_special_tokens and not hermes.parser.keeps_special_tokens
+    content, calls = mistral.split('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "add"}]')
+    assert content == "" and [c["function"]["name"] for c in calls] == ["add", "add"]
+    assert all(re.fullmatch("[A-Za-z0-9]{9}", c["id"]) for c in calls) and calls[0]["id"] != calls[1]["id"]
+    assert hermes.split('<tool_call>{"name": "add"}</tool_call>')[1][0]["id"].startswith("call_")

@@ -5,12 +5,17 @@ constrained the output to, or, for tool_choice "auto", those the model wrote in 
 A parser answers two questions about a text: where calls begin, or may begin once more text
 arrives (`begins`: the text before is the message's content, streamed as it comes; from there on
 it is held back), and which calls the text from there holds (`calls`: (name, arguments) pairs, or
-None when it is not a complete set of calls, and so stays text).
+None when it is not a complete set of calls, and so stays text). A syntax that begins with a special
+token reads the text with special tokens kept (`keeps_special_tokens`, as vLLM's mistral parser),
+and a model family may require its own call ids (`call_id`).
 """
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
+import uuid
 
 
 def held_from(text: str, marker: str) -> int:
@@ -30,7 +35,14 @@ def _call(obj, arguments_key: str) -> tuple[str, dict] | None:
     return obj["name"], obj.get(arguments_key, {})
 
 
-class Forced:
+class Parser:
+    keeps_special_tokens = False   # the calls begin with a special token: the text must keep it
+
+    def call_id(self) -> str:
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class Forced(Parser):
     """A forced tool_choice's output: the whole text is JSON, a list of {"name", "parameters"}
     (`required`) or the named function's arguments."""
 
@@ -51,7 +63,7 @@ class Forced:
         return None if None in calls else calls
 
 
-class Hermes:
+class Hermes(Parser):
     """Qwen2.5, Qwen3, Hermes 2 and 3 (their chat templates ask for it): after any text, one or
     more `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
     START, END = "<tool_call>", "</tool_call>"
@@ -68,7 +80,7 @@ class Hermes:
         return calls if calls and None not in calls else None
 
 
-class Llama3Json:
+class Llama3Json(Parser):
     """Llama 3.1 and 3.2 with tools in the user turn: the whole answer is one or more
     `{"name": ..., "parameters": {...}}` separated by `;`, after an optional `<|python_tag|>`."""
     TAG = "<|python_tag|>"
@@ -91,4 +103,33 @@ class Llama3Json:
         return calls if calls and None not in calls else None
 
 
-PARSERS = {"hermes": Hermes, "llama3_json": Llama3Json}   # --tool-call-parser NAME
+class Mistral(Parser):
+    """Mistral 7B Instruct v0.3, Nemo, Small and Large: after any text, the special token
+    `[TOOL_CALLS]` and a JSON list of {"name": ..., "arguments": {...}}; from the v11 tokenizer
+    (Mistral Small 3.1 and later) `[TOOL_CALLS]name[ARGS]{...}` per call. Call ids are 9 letters
+    and digits: Mistral's chat templates refuse any other when the calls come back."""
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    keeps_special_tokens = True
+
+    def begins(self, text: str) -> int:
+        return held_from(text, self.TAG)
+
+    def calls(self, text: str) -> list[tuple[str, dict]] | None:
+        calls = []
+        for part in text.split(self.TAG)[1:]:
+            try:
+                if self.ARGS in part:
+                    name, arguments = part.split(self.ARGS, 1)
+                    calls.append(_call({"name": name.strip(), "arguments": json.loads(arguments)}, "arguments"))
+                else:
+                    value = json.loads(part)
+                    calls += [_call(c, "arguments") for c in (value if isinstance(value, list) else [value])]
+            except ValueError:
+                return None
+        return calls if calls and None not in calls else None
+
+    def call_id(self) -> str:
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+PARSERS = {"hermes": Hermes, "llama3_json": Llama3Json, "mistral": Mistral}   # --tool-call-parser NAME
