@@ -51,8 +51,19 @@ def test_streams_cut_anywhere_agree_with_the_whole(reader, text):
         assert out[-1]["finish_reason"] == "stop"
 
 
-def test_no_reasoning_read_under_a_grammar_when_thinking_starts_in_the_prompt():
-    assert reasoning_reader("deepseek_r1", grammar=object()) is None
-    assert reasoning_reader("qwen3", grammar=object()).parts('{"a": 1}') == (None, '{"a": 1}')
-    assert reasoning_reader("deepseek_r1", None).parts("x</think>y") == ("x", "y")
-    assert reasoning_reader(None, None) is None
+@pytest.mark.parametrize("parser,prompt,begun", [
+    ("deepseek_r1", "<|User|>2+2?<|Assistant|>", True),            # thinking starts in the prompt
+    ("deepseek_r1", "<|User|>2+2?<|Assistant|><think>\n", True),    # R1-0528's template writes the tag
+    ("deepseek_r1", "<|Assistant|><think>\n\n</think>\n\n", False),   # thinking turned off
+    ("qwen3", "<|im_start|>assistant\n", False),                   # the model may think, or not
+    ("qwen3", "<|im_start|>assistant\n<think>\n", True),          # Qwen3 thinking-2507
+    ("qwen3", "<think>\nold</think>\nhi<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
+])
+def test_the_prompt_says_whether_thinking_has_begun(parser, prompt, begun):
+    """Thinking begun in the prompt is read from the first token, and a grammar waits for its end
+    (StructuredOutput.after); otherwise a text that begins with <think> still reasons."""
+    reader = reasoning_reader(parser, prompt)
+    assert reader.starts_in_prompt == begun and reader.grammar_after == ("</think>" if begun else "")
+    assert reader.parts("x</think>y") == (("x", "y") if begun else (None, "x</think>y"))
+    assert reader.parts("<think>x</think>y") == ("x", "y")
+    assert reasoning_reader(None, prompt) is None

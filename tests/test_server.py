@@ -223,6 +223,24 @@ def test_reasoning_parser_sets_the_thinking_apart(client):
     assert [t.function.name for t in c.message.tool_calls] == ["add"] and c.finish_reason == "tool_calls"
 
 
+def test_a_grammar_waits_for_thinking_begun_in_the_prompt(client):
+    """A prompt that has begun thinking (its last tag <think>, here continued from the assistant's
+    message) is read as reasoning from the first token, and a grammar waits for </think>: this
+    random model never writes it, so the output is the free one. A prompt that has ended thinking
+    gets the grammar at once."""
+    def chat(thought, **extra):
+        msgs = [{"role": "user", "content": "1 + 2?"}, {"role": "assistant", "content": thought}]
+        [c] = client.chat.completions.create(
+            model=NAME, messages=msgs, temperature=0, max_tokens=12, extra_body={
+                "add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True, **extra}).choices
+        return c.message.model_extra.get("reasoning_content"), c.message.content, c.finish_reason
+    free = chat("<think>")
+    assert free[0] and free[1] is None and free[2] == "length"
+    assert chat("<think>", guided_regex="[0-9]{3}") == free
+    thought, answer, finish = chat("<think>hm</think>", guided_regex="[0-9]{3}")
+    assert thought is None and re.fullmatch("[0-9]{3}", answer) and finish == "stop"
+
+
 # ---- hostile input: a 4xx with an error body, never a 500, and the server stays up ----
 
 

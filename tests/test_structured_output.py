@@ -198,6 +198,30 @@ def test_a_stop_token_the_grammar_requires_before_min_tokens(llm):
             [("77777", [seven] * 5, "stop")] * params.n
 
 
+def test_a_grammar_that_waits_for_the_end_of_thinking(llm):
+    """StructuredOutput.after (a thinking model's </think>, here a piece of the model's own greedy
+    text, several tokens long): the output is token for token the free one until it holds the
+    marker, then keeps to the grammar; with n = 2 seeded choices each switches where its own text
+    holds it."""
+    token_bytes = llm.llm_engine.grammars.token_bytes
+    free = llm.generate(["The for statement is used to"], P(max_tokens=40, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    raw = b"".join(token_bytes(t) for t in free)
+    marker = raw[len(raw) // 3:len(raw) // 3 + 6].decode()
+    j = next(j for j in range(len(free) + 1) if marker.encode() in b"".join(token_bytes(t) for t in free[:j]))
+    assert 2 <= j < len(free) - 3
+    waits = StructuredOutput("regex", "[0-9]{3}", after=marker)
+    [out] = llm.generate(["The for statement is used to"], P(max_tokens=40, temperature=0.0, structured_output=waits),
+                         use_tqdm=False)[0].outputs
+    assert out.token_ids[:j] == free[:j] and out.finish_reason == "stop"
+    assert re.fullmatch(rb"[0-9]{3}", b"".join(token_bytes(t) for t in out.token_ids[j:]))
+    for c in llm.generate(["The for statement is used to"], P(max_tokens=60, temperature=1.0, seed=4, n=2,
+                                                              structured_output=waits), use_tqdm=False)[0].outputs:
+        head, digits = c.text.split(marker, 1) if marker in c.text else (c.text, None)
+        assert (digits is not None and re.fullmatch("[0-9]{3}", digits) and c.finish_reason == "stop") or \
+            (digits is None and c.finish_reason == "length"), c.text
+
+
 def test_speculative_decoding_keeps_to_the_grammar(llm):
     """n-gram proposals are checked against the grammar (each verify position masked as if the
     proposals before it were taken): greedy outputs equal those without speculation. The last
@@ -207,6 +231,7 @@ def test_speculative_decoding_keeps_to_the_grammar(llm):
 
     spec = LLM(model=None, **ENGINE, speculative={"method": "ngram", "num_tokens": 3, "ngram_min": 1, "ngram_max": 3})
     cases = [StructuredOutput.json_schema(s) for s in schemas()[::4]] + [StructuredOutput("regex", REGEX),
+                                                                         StructuredOutput("regex", REGEX, after=" "),
                                                                          StructuredOutput("regex", "7{20}")]
     params = [P(max_tokens=64, temperature=0.0, structured_output=c) for c in cases]
     prompts = [f"Example {i} as JSON:" for i in range(len(cases))]

@@ -13,7 +13,7 @@ from flask import Flask, Response, current_app, g, jsonify, request
 from jaxserve.config import EngineConfig
 from jaxserve.server.errors import APIError, register_error_handlers
 from jaxserve.server.host import EngineHost, version
-from jaxserve.server.openai_api import bp as openai_bp, chat_prompt_ids
+from jaxserve.server.openai_api import bp as openai_bp, chat_prompt
 from jaxserve.server.validation import field, is_int, json_body
 
 TINY_MODEL_NAME = "jaxserve-tiny"
@@ -88,7 +88,7 @@ def create_app(engine_cfg: EngineConfig, served_model_name: str | None = None, a
         body = json_body()
         engine = _host().require_engine().engine
         if "messages" in body:
-            tokens = chat_prompt_ids(engine.tokenizer, body)
+            tokens = chat_prompt(engine.tokenizer, body)[1]
         else:
             text = field(body, "prompt", lambda v: isinstance(v, str), "a string", None)
             if text is None:

@@ -89,10 +89,12 @@ def chat_completions():
     _check_model(body, host)
     engine = host.require_engine().engine
     tools = tool_calls(body, current_app.config["TOOL_CALL_PARSER"])   # checked before the template sees them
-    ids = chat_prompt_ids(engine.tokenizer, body)
+    text, ids = chat_prompt(engine.tokenizer, body)
+    reasoning = reasoning_reader(current_app.config["REASONING_PARSER"], text)
     # No max_tokens: up to the context length, after any truncation (SamplingParams.resolve).
     params = sampling_params(body, chat=True, max_tokens=None, tenant=g.get("tenant"),
-                             tool_call=tools and tools.constraint, defaults=_defaults(engine))
+                             tool_call=tools and tools.constraint, defaults=_defaults(engine),
+                             grammar_after=reasoning.grammar_after if reasoning is not None else "")
     if tools is not None and tools.parser.keeps_special_tokens:   # its calls begin with a special token
         params = dataclasses.replace(params, skip_special_tokens=False)
     stream, *usage_flags = stream_flags(body)
@@ -100,7 +102,7 @@ def chat_completions():
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = host.submit([ids], params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=True, tools=tools, token_bytes=engine.grammars.token_bytes,
-                       reasoning=reasoning_reader(current_app.config["REASONING_PARSER"], params.structured_output))
+                       reasoning=reasoning)
     return _respond(host, streams, choices, request_id, "chat.completion.chunk" if stream else "chat.completion",
                     stream, usage_flags, len(params.resolve(ids, engine.max_model_len)[0]), timeout)
 
@@ -125,14 +127,14 @@ def _defaults(engine) -> dict:
     return sampling_defaults(engine.model_dir, engine.ecfg.generation_config)
 
 
-def chat_prompt_ids(tokenizer, body: dict) -> list[int]:
-    """The token ids of a chat request's messages, rendered by the model's chat template."""
+def chat_prompt(tokenizer, body: dict) -> tuple[str, list[int]]:
+    """The text and token ids of a chat request's messages, rendered by the model's chat template."""
     msgs, options = messages(body), chat_template_options(body)
     try:
         text = tokenizer.apply_chat_template(msgs, **options)
     except (ValueError, TypeError, jinja2.TemplateError) as e:   # the template's checks, or its input's types
         raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)   # the template wrote any bos itself
+    return text, tokenizer.encode(text, add_special_tokens=False)   # the template wrote any bos itself
 
 
 class _Choices:

@@ -6,6 +6,11 @@ after it as `content`, which tool calls are then read from.
                  up to `</think>` is reasoning (a leading `<think>` dropped); with none, all of it.
     qwen3        Qwen3 (hybrid): a text that begins with `<think>` reasons until `</think>`; any
                  other (enable_thinking false) is all answer.
+
+Either way a prompt whose last think tag is `<think>` has begun the thinking, and one whose last is
+`</think>` has ended it (a template that turns thinking off writes an empty block). A grammar
+(structured output, a forced tool call) waits for the end of thinking begun in the prompt, as
+vLLM's does: the model thinks freely, then answers in the grammar.
 """
 from __future__ import annotations
 
@@ -17,6 +22,11 @@ START, END = "<think>", "</think>"
 class Reasoning:
     def __init__(self, starts_in_prompt: bool):
         self.starts_in_prompt = starts_in_prompt
+
+    @property
+    def grammar_after(self) -> str:
+        """Where a grammar starts (StructuredOutput.after): after thinking begun in the prompt."""
+        return END if self.starts_in_prompt else ""
 
     def parts(self, text: str, final: bool = True) -> tuple[str | None, str]:
         """(reasoning, answer) of a choice's text (reasoning None: the text does not reason). Not
@@ -61,10 +71,9 @@ class Reasoning:
 PARSERS = {"deepseek_r1": True, "qwen3": False}   # --reasoning-parser NAME: whether thinking starts in the prompt
 
 
-def reasoning_reader(parser: str | None, grammar) -> Reasoning | None:
-    """The reader of a chat request's reasoning, None without one. Under a `grammar` (structured
-    output, a forced tool call) the text is the grammar's from its first token: no thinking begun
-    in the prompt (a grammar may still spell out a <think> block)."""
-    if parser is None or (grammar is not None and PARSERS[parser]):
+def reasoning_reader(parser: str | None, prompt: str) -> Reasoning | None:
+    """The reader of a chat request's reasoning (None without a parser), by its rendered `prompt`."""
+    if parser is None:
         return None
-    return Reasoning(PARSERS[parser])
+    start, end = prompt.rfind(START), prompt.rfind(END)
+    return Reasoning(start > end if start != end else PARSERS[parser])

@@ -5,6 +5,7 @@ this server does not implement are rejected when set, rather than silently ignor
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -69,12 +70,14 @@ def reject_unsupported(body: dict) -> None:
 
 
 def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: str | None = None,
-                    tool_call: StructuredOutput | None = None, defaults: dict | None = None) -> SamplingParams:
+                    tool_call: StructuredOutput | None = None, defaults: dict | None = None,
+                    grammar_after: str = "") -> SamplingParams:
     """The sampling fields shared by completions and chat. `max_tokens` is the default when the
     body has neither max_completion_tokens nor max_tokens; `defaults` (the model's: sampling_params.py
     sampling_defaults) those of the fields it names. A `tenant` (from the API key) salts the
     prefix cache, with the body's cache_salt if any. `tool_call`: the output's constraint from the
-    chat request's tools (jaxserve/server/tools.py)."""
+    chat request's tools (jaxserve/server/tools.py); `grammar_after`: where the output's grammar
+    starts (StructuredOutput.after; "" at once)."""
     defaults = {**vars(SamplingParams()), **(defaults or {})}   # the model's, else OpenAI's
     reject_unsupported(body)
     structured = structured_output(body)
@@ -83,6 +86,8 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: s
             raise APIError(400, f"'{structured[0]}' cannot be combined with a tool_choice that forces a tool call",
                            param=structured[0])
         structured = ("tool_choice", tool_call)
+    if structured is not None and grammar_after:   # a thinking model's grammar waits for its answer
+        structured = (structured[0], dataclasses.replace(structured[1], after=grammar_after))
     n = field(body, "n", is_int, "an integer", 1)
     best_of = field(body, "best_of", is_int, "an integer", n)
     if best_of != n:

@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 import re
+from typing import Callable
 
 import llguidance
 
@@ -41,16 +42,37 @@ def check(c: StructuredOutput) -> str | None:
 
 
 class Matcher:
-    """One sequence's place in its grammar."""
+    """One sequence's place in its grammar; until the output holds `after` (bytes), the grammar
+    waits and any token may come."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, words: int):
+    def __init__(self, matcher: llguidance.LLMatcher, words: int, after: bytes = b"",
+                 token_bytes: Callable[[int], bytes] | None = None):
         self._m, self.words = matcher, words
+        self._after, self._token_bytes = after, token_bytes
+        self._tail = b""   # while waiting: the output's last bytes, too few to hold `after`
+
+    def _scan(self, tokens) -> tuple[int | None, bytes]:
+        """While waiting: how many of `tokens` (next after the output) come before the grammar
+        applies (None: not within them), and the output's tail after them."""
+        tail = self._tail
+        for i, token in enumerate(tokens):
+            tail += self._token_bytes(token)
+            if self._after in tail:
+                return i + 1, b""
+            tail = tail[max(0, len(tail) - len(self._after) + 1):]
+        return None, tail
 
     def fill(self, address: int, ahead: list[int] = ()) -> None:
         """Write the tokens allowed next into the int32[words] row at `address` (bit t % 32 of
         word t // 32 for token t; an address, not an array: numpy's `.ctypes.data` costs a few µs
         a row), after `ahead` (a verify row's earlier proposals: consumed while the grammar
-        takes them, then rolled back; positions after a refused one are discarded anyway)."""
+        takes them, then rolled back; positions after a refused one are discarded anyway). While
+        the grammar waits the row is left as it is: token_masks gives rows every bit."""
+        if self._after:
+            start, _ = self._scan(ahead)
+            if start is None:
+                return
+            ahead = ahead[start:]
         taken = self._m.try_consume_tokens(list(ahead)) if ahead else 0
         self._m.unsafe_compute_mask_ptr(address, self.words * 4)
         if taken:
@@ -59,6 +81,11 @@ class Matcher:
     def accept(self, token: int) -> bool:
         """Take the sampled token; True when the output is complete (nothing but eos may follow),
         or the matcher failed (which the mask prevents: logged)."""
+        if self._after:
+            start, self._tail = self._scan([token])
+            if start is not None:
+                self._after = b""   # the grammar applies from the next token
+            return False
         if not self._m.consume_token(token):
             log.error("grammar matcher refused token %d: %s", token, self._m.get_error())
         return self._m.is_stopped()
@@ -92,7 +119,8 @@ class Grammars:
         m = llguidance.LLMatcher(self._tokens, _grammar(c), log_level=0)
         if m.is_error():
             raise InvalidRequest(f"structured output: {m.get_error()}", param="structured_output")
-        return [Matcher(m if i == 0 else m.deep_copy(), self.words) for i in range(n)]
+        return [Matcher(m if i == 0 else m.deep_copy(), self.words, c.after.encode(), self.token_bytes)
+                for i in range(n)]
 
 
 class _Pieces:

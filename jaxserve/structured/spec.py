@@ -11,9 +11,11 @@ KINDS = ("json", "regex", "choice")
 class StructuredOutput:
     """`kind` "json": `spec` is a JSON schema as JSON text ('{"type": "object"}' for any object);
     "regex": a pattern the whole output matches; "choice": a tuple of strings, the output is one
-    of them."""
+    of them. `after`: the grammar applies once the output holds this text (a thinking model's
+    `</think>`: jaxserve/server/reasoning.py), any token before it; "" from the first token."""
     kind: str
     spec: str | tuple[str, ...]
+    after: str = ""
 
     @classmethod
     def json_schema(cls, schema: dict | bool) -> "StructuredOutput":
@@ -31,6 +33,8 @@ class StructuredOutput:
             return "the choices must be a non-empty list of strings"
         if self.kind != "choice" and not isinstance(self.spec, str):
             return "the schema or pattern must be a string"
+        if not isinstance(self.after, str):
+            return "after must be a string"
         from jaxserve.structured.grammar import check  # the library loads only when a request needs it
 
         return check(self)
