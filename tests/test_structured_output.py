@@ -308,6 +308,20 @@ def test_json_object_and_guided_fields_on_completions(server):
     assert all(re.fullmatch(REGEX, c["text"]) for c in choices)
     [c] = complete(guided_choice=list(CHOICES))
     assert c["text"] in CHOICES
+    # Grammars (guided_grammar, vLLM's structured_outputs): GBNF, and Lark with recursion (nested
+    # lists: no regex can say it), each output checked by a parser of its own.
+    gbnf = 'root ::= "(" num ("," num)* ")"\nnum ::= [1-9] [0-9]?'
+    [c] = complete(structured_outputs={"grammar": gbnf})
+    assert re.fullmatch(r"\([1-9][0-9]?(,[1-9][0-9]?)*\)", c["text"]) and c["finish_reason"] == "stop", c
+    [c] = complete(guided_grammar='start: list\nlist: "[" (list ("," list)*)? "]"')
+
+    def nested_lists(v):
+        return isinstance(v, list) and all(nested_lists(x) for x in v)
+    assert nested_lists(json.loads(c["text"])) and c["finish_reason"] == "stop", c
+    for so, check in [({"regex": REGEX}, lambda t: re.fullmatch(REGEX, t)), ({"choice": list(CHOICES)}, CHOICES.__contains__),
+                      ({"json": POINT}, lambda t: jsonschema.validate(json.loads(t), POINT) is None)]:
+        [c] = complete(structured_outputs=so)
+        assert check(c["text"]), (so, c)
 
 
 def test_streamed_json_schema(client):
@@ -373,6 +387,10 @@ BAD = [
     ({"guided_choice": []}, "guided_choice", "non-empty"),
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "at most one"),
+    ({"guided_grammar": 'root ::= "a'}, "guided_grammar", "GBNF"),
+    ({"guided_grammar": "start: missing"}, "guided_grammar", "missing"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one of"),
+    ({"structured_outputs": {"grammar": 5}}, "structured_outputs", "as a string"),
     ({"tools": [WEATHER]}, "tool_choice", "'auto' needs a server started with --enable-auto-tool-choice"),
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "--tool-call-parser"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),

@@ -19,8 +19,11 @@ MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Set to anything but these "off" values, these fields get a 400.
-UNSUPPORTED = {"suffix": (None, ""), "functions": (None, []), "guided_grammar": (None,)}
-GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice")   # at most one per request
+UNSUPPORTED = {"suffix": (None, ""), "functions": (None, [])}
+# The fields that constrain the output, at most one per request: OpenAI's, vLLM's older guided_*
+# and its structured_outputs object (one of OUTPUT_KINDS).
+GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def json_body() -> dict:
@@ -145,41 +148,60 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: s
 
 
 def structured_output(body: dict) -> tuple[str, StructuredOutput] | None:
-    """(the field that set it, the output's grammar) from OpenAI's `response_format` or vLLM's
-    `guided_json`, `guided_regex`, `guided_choice`; None for free text. Whether the grammar
-    compiles is SamplingParams' check."""
+    """(the field that set it, the output's grammar) from OpenAI's `response_format`, vLLM's
+    `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` or its `structured_outputs`
+    ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}); None for free text. Whether
+    the grammar compiles is SamplingParams' check."""
     given = [name for name in GUIDED if body.get(name) is not None]
     if len(given) > 1:
         raise APIError(400, f"set at most one of {', '.join(given)}", param=given[1])
     if not given:
         return None
     name, value = given[0], body[given[0]]
-    if name == "guided_regex":
-        return name, StructuredOutput("regex", field(body, name, lambda v: isinstance(v, str), "a string"))
-    if name == "guided_choice":
-        return name, StructuredOutput("choice", tuple(field(
-            body, name, lambda v: isinstance(v, list) and v and all(isinstance(c, str) for c in v),
-            "a non-empty list of strings")))
-    if name == "guided_json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise APIError(400, f"'guided_json' is not valid JSON: {e}", param=name) from None
-        if not isinstance(value, (dict, bool)):
-            raise APIError(400, "'guided_json' must be a JSON schema (an object)", param=name)
-        return name, StructuredOutput.json_schema(value)
+    if name == "response_format":
+        return _response_format(value)
+    if name == "structured_outputs":
+        kinds = [k for k in OUTPUT_KINDS if isinstance(value, dict) and value.get(k) not in (None, False)]
+        if len(kinds) != 1:
+            raise APIError(400, "'structured_outputs' must set one of " + ", ".join(OUTPUT_KINDS), param=name)
+        return name, _constraint(kinds[0], value[kinds[0]], name)
+    return name, _constraint(name.removeprefix("guided_"), value, name)
+
+
+def _constraint(kind: str, value, name: str) -> StructuredOutput:
+    """The constraint of one of OUTPUT_KINDS, given as `value` in the field `name`."""
+    if kind == "json_object":
+        return StructuredOutput.json_schema({"type": "object"})
+    if kind in ("regex", "grammar"):
+        if not isinstance(value, str):
+            raise APIError(400, f"'{name}' must give the {kind} as a string, got {json.dumps(value)[:80]}", param=name)
+        return StructuredOutput(kind, value)
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+            raise APIError(400, f"'{name}' must give the choices as a non-empty list of strings", param=name)
+        return StructuredOutput("choice", tuple(value))
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise APIError(400, f"'{name}' is not valid JSON: {e}", param=name) from None
+    if not isinstance(value, (dict, bool)):
+        raise APIError(400, f"'{name}' must give a JSON schema (an object)", param=name)
+    return StructuredOutput.json_schema(value)
+
+
+def _response_format(value) -> tuple[str, StructuredOutput] | None:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
         return None
     if kind == "json_object":
-        return name, StructuredOutput.json_schema({"type": "object"})
+        return "response_format", StructuredOutput.json_schema({"type": "object"})
     spec = value.get("json_schema") if kind == "json_schema" else None
     if not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
         raise APIError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
                             "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
-                       param=name)
-    return name, StructuredOutput.json_schema(spec["schema"])
+                       param="response_format")
+    return "response_format", StructuredOutput.json_schema(spec["schema"])
 
 
 def _logit_bias(body: dict) -> dict[int, float]:

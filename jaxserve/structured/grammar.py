@@ -24,11 +24,14 @@ JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 
 def _grammar(c: StructuredOutput) -> str:
-    """llguidance's grammar text for `c` (ValueError on a schema that is not JSON)."""
+    """llguidance's grammar text for `c` (ValueError on a schema that is not JSON, a GBNF grammar
+    that does not parse)."""
     if c.kind == "json":
         return llguidance.LLMatcher.grammar_from_json_schema(c.spec, defaults=JSON_FORMAT)
     if c.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(c.spec)
+    if c.kind == "grammar":   # Lark as it is, GBNF converted to Lark
+        return llguidance.grammar_from("grammar", c.spec)
     return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in c.spec))
 
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 import dataclasses
 import json
 
-KINDS = ("json", "regex", "choice")
+KINDS = ("json", "regex", "choice", "grammar")
 
 
 @dataclasses.dataclass(frozen=True)
 class StructuredOutput:
     """`kind` "json": `spec` is a JSON schema as JSON text ('{"type": "object"}' for any object);
     "regex": a pattern the whole output matches; "choice": a tuple of strings, the output is one
-    of them. `after`: the grammar applies once the output holds this text (a thinking model's
+    of them; "grammar": a context-free grammar, in Lark (llguidance's dialect: `start: ...`) or in
+    GBNF (llama.cpp's and xgrammar's: `root ::= ...`). `after`: the grammar applies once the output holds this text (a thinking model's
     `</think>`: jaxserve/server/reasoning.py), any token before it; "" from the first token."""
     kind: str
     spec: str | tuple[str, ...]
@@ -32,7 +33,7 @@ class StructuredOutput:
                                           and all(isinstance(c, str) for c in self.spec)):
             return "the choices must be a non-empty list of strings"
         if self.kind != "choice" and not isinstance(self.spec, str):
-            return "the schema or pattern must be a string"
+            return "the schema, pattern or grammar must be a string"
         if not isinstance(self.after, str):
             return "after must be a string"
         from jaxserve.structured.grammar import check  # the library loads only when a request needs it
