@@ -46,6 +46,8 @@ OPTIONS = {
     "response_format": [{"type": "json_object"}, {"type": "text"},
                         {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}],
     "guided_regex": ["[ab]{3}", "a+"], "guided_choice": [["yes", "no"]], "truncate_prompt_tokens": [1, 3, 100, -1],
+    "guided_grammar": ['root ::= "a" [0-9]+', 'start: "[" ("x" | start)* "]"'],
+    "structured_outputs": [{"regex": "[ab]{2}"}, {"grammar": 'root ::= "(" [0-9] ")"'}, {"json_object": True}],
     "priority": [0, 1], "cache_salt": ["a", "b"], "stream_options": [{"include_usage": True}],
     "chat_template_kwargs": [{"enable_thinking": False}, {"bos_token": "X"}], "add_generation_prompt": [True, False],
     "continue_final_message": [True, False],
@@ -81,7 +83,7 @@ class Fuzz:
             if body.get("logprobs") is not None and self.rng.random() < 0.7:
                 body["top_logprobs"], body["logprobs"] = body["logprobs"], True
             if self.rng.random() < 0.3:
-                for name in ("response_format", "guided_regex", "guided_choice"):
+                for name in ("response_format", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
                     body.pop(name, None)
                 body.update(tools=TOOLS, max_tokens=60, tool_choice=self.rng.choice(
                     ["required", "none", "auto", {"type": "function", "function": {"name": "get"}}]))
