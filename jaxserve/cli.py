@@ -86,7 +86,7 @@ def _add_serve(sub) -> None:
                    help="tool_choice 'auto' on chat: the calls the model writes are read by --tool-call-parser")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
                    help="the model's tool-call syntax: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1/3.2), "
-                        "mistral (Mistral 7B v0.3, Nemo, Small, Large)")
+                        "mistral (Mistral 7B v0.3, Nemo, Small, Large), pythonic (Llama 3.2 and 4, Gemma 3)")
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
                    help="chat answers' reasoning as message.reasoning_content: deepseek_r1 (thinking begun in the "
                         "prompt: DeepSeek-R1, QwQ, Qwen3 thinking-2507), qwen3 (Qwen3's <think> blocks)")

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from jaxserve.server.tool_parsers import Forced, Hermes, Llama3Json, Mistral
+from jaxserve.server.tool_parsers import Forced, Hermes, Llama3Json, Mistral, Pythonic
 from jaxserve.server.tools import tool_calls
 
 ADD = ("add", {"a": 1, "b": [2, 3]})
@@ -32,6 +32,15 @@ ADD = ("add", {"a": 1, "b": [2, 3]})
     (Mistral(), '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1', None, None),   # cut short
     (Mistral(), '[TOOL_CALLS]add[ARGS][1, 2]', None, None),   # arguments not an object
     (Mistral(), "It is [4].", "It is [4].", None),
+    (Pythonic(), "[add(a=1, b=[2, 3])]", "", [ADD]),
+    (Pythonic(), ' [add(a=1, b=[2, 3]), now()]\n', "", [ADD, ("now", {})]),
+    (Pythonic(), "<|python_start|>[add(a=1, b=[2, 3])]<|python_end|>", "", [ADD]),
+    (Pythonic(), "[add(a=1, b=[2, 3]), now(]", None, None),   # cut short
+    (Pythonic(), "[add(1, 2)]", None, None),                  # positional arguments
+    (Pythonic(), "[add(a=os.getcwd())]", None, None),         # not a literal: never evaluated
+    (Pythonic(), "[add(**kw)]", None, None),
+    (Pythonic(), "[1, 2]", None, None),
+    (Pythonic(), "The answer is [4].", "The answer is [4].", None),
     (Forced(None), '[{"name": "add", "parameters": {"a": 1, "b": [2, 3]}}]', "", [ADD]),
     (Forced("add"), '{"a": 1, "b": [2, 3]}', "", [ADD]),
     (Forced(None), '{"name": "add"}', None, None),
@@ -48,6 +57,7 @@ def test_calls_and_the_text_before_them(parser, text, content, calls):
     (Hermes(), "Hi <b>", 6), (Hermes(), "", 0),
     (Llama3Json(), "", 0), (Llama3Json(), " ", 0), (Llama3Json(), "<|py", 0), (Llama3Json(), '{"na', 0),
     (Llama3Json(), "Hello", 5), (Llama3Json(), "<b>", 3),
+    (Pythonic(), "", 0), (Pythonic(), " [ad", 0), (Pythonic(), "<|py", 0), (Pythonic(), "Hi", 2),
     (Mistral(), "Hi [TOOL", 3), (Mistral(), "Hi [4]", 6), (Mistral(), "[TOOL_CALLS]", 0),
     (Forced(None), "[{", 0)])
 def test_a_stream_holds_back_what_may_become_a_call(parser, text, sendable):

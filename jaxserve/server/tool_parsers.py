@@ -11,6 +11,7 @@ and a model family may require its own call ids (`call_id`).
 """
 from __future__ import annotations
 
+import ast
 import json
 import random
 import re
@@ -132,4 +133,30 @@ class Mistral(Parser):
         return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
-PARSERS = {"hermes": Hermes, "llama3_json": Llama3Json, "mistral": Mistral}   # --tool-call-parser NAME
+class Pythonic(Parser):
+    """Llama 3.2 and 4, Gemma 3 (as vLLM's `pythonic`): the whole answer is a Python list of calls
+    with keyword arguments whose values are literals, `[add(a=1, b=[2, 3]), now()]`, inside
+    Llama 4's `<|python_start|>` ... `<|python_end|>` or not."""
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def begins(self, text: str) -> int:
+        lead = text.lstrip()
+        may_call = lead.startswith(("[", self.START)) or self.START.startswith(lead)   # "" too
+        return 0 if may_call else len(text)
+
+    def calls(self, text: str) -> list[tuple[str, dict]] | None:
+        text = text.strip().removeprefix(self.START).removesuffix(self.END).strip()
+        try:
+            tree = ast.parse(text, mode="eval").body
+            if not (isinstance(tree, ast.List) and tree.elts):
+                return None
+            calls = [(c.func.id, {k.arg: ast.literal_eval(k.value) for k in c.keywords})
+                     for c in tree.elts if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and not c.args
+                     and all(k.arg is not None for k in c.keywords)]
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+            return None
+        return calls if len(calls) == len(tree.elts) else None
+
+
+# --tool-call-parser NAME
+PARSERS = {"hermes": Hermes, "llama3_json": Llama3Json, "mistral": Mistral, "pythonic": Pythonic}

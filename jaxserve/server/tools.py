@@ -6,7 +6,7 @@ anyOf over the tools; one call at most with `parallel_tool_calls: false`); a nam
 (`{"type": "function", "function": {"name": ...}}`) constrains it to that function's arguments.
 `"auto"` (the default when tools are given) leaves the output free and reads the calls the model
 writes in its own syntax, when the server was started with a parser for it
-(`--enable-auto-tool-choice --tool-call-parser hermes|llama3_json|mistral`, as vLLM; a 400 otherwise);
+(`--enable-auto-tool-choice --tool-call-parser NAME` of tool_parsers.PARSERS, as vLLM; a 400 otherwise);
 the text before them is the message's content. Calls are returned as OpenAI `message.tool_calls`
 with `finish_reason: "tool_calls"` (in a stream: the content as it comes, then one
 `delta.tool_calls` chunk per choice when it ends). Text that holds no complete call (an output cut
