@@ -366,7 +366,9 @@ class LLMEngine:
                  text: str) -> CompletionOutput:
         """Take the new token (the sequence's num_outputs-th output) and its `text`, apply stop conditions
         (before min_tokens outputs the sampler bans the ending tokens, unless a grammar allows nothing
-        else: one is then an ordinary token; stop strings wait too), return the delta."""
+        else: one is then an ordinary token; stop strings wait too), return the delta. A stop
+        token is in the delta's token ids and logprobs, as in vLLM; its text only with
+        include_stop_str_in_output."""
         p, i, token = req.params, seq.index, res.token
         is_stop_token = token in seq.end_token_ids and num_outputs > p.min_tokens
         reason = "stop" if is_stop_token else None
@@ -382,8 +384,7 @@ class LLMEngine:
             if reason == "length":
                 req.texts[i] += req.detoks[i].flush()
             self.scheduler.finish(seq, reason)
-        token_ids = [] if is_stop_token and not p.include_stop_str_in_output else [token]
-        return CompletionOutput(i, req.take_text(i, finished=reason is not None), token_ids,
+        return CompletionOutput(i, req.take_text(i, finished=reason is not None), [token],
                                 [res] if p.logprobs is not None else None, reason)
 
     def _output(self, req: Request, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:

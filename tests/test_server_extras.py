@@ -174,8 +174,10 @@ def test_logit_bias_and_min_tokens_match_transformers(client, model):
     ref, ref_logprobs = hf_greedy(hf, prompt, 5, ban_eos_first_4)
     assert ref[4] == EOS and EOS not in ref[:4]
     assert (out.choices[0].finish_reason, out.usage.completion_tokens) == ("stop", 5)
-    # The tokens, by their (raw) logprobs; the text holds back an incomplete last character.
-    assert out.choices[0].logprobs.token_logprobs == pytest.approx(ref_logprobs[:4], abs=1e-3)
+    # The tokens, by their (raw) logprobs, eos too (as vLLM); the text holds back an incomplete
+    # last character.
+    assert out.choices[0].logprobs.token_logprobs == pytest.approx(ref_logprobs, abs=1e-3)
+    assert out.choices[0].logprobs.tokens[-1] == "</s>"
     assert out.choices[0].text == tok.decode(ref[:4]).rstrip("\ufffd")
 
 
@@ -267,3 +269,39 @@ def test_tenants_never_share_prefix_cache(server):
     medians = {k: statistics.median(v) for k, v in ttft.items()}
     print("time to first token (median of 5, s):", medians)
     assert medians["hit"] < medians["other tenant"], medians
+
+
+def test_return_token_ids(server, client, model):
+    """vLLM's return_token_ids: each choice's token ids, a stop token among them (its text is not
+    in the output), and the prompt's as the engine runs it (truncated: its last tokens); streamed,
+    the chunks' ids add up to the same, the prompt's in the first chunk only."""
+    tok = model[2]
+    prompts = [tok.encode("Hello there", add_special_tokens=False), tok.encode("Bye", add_special_tokens=False)]
+    out = complete(client, prompts, n=2, temperature=1.0, seed=3, max_tokens=6, return_token_ids=True,
+                   truncate_prompt_tokens=8)
+    for c in out.choices:
+        extra, prompt = c.model_extra, prompts[c.index // 2][-8:]
+        assert extra["prompt_token_ids"] == prompt and len(extra["token_ids"]) == 6
+        assert tok.decode(extra["token_ids"]) == c.text
+    [c] = complete(client, prompts[0], logit_bias={str(EOS): 100}, return_token_ids=True).choices
+    assert (c.text, c.finish_reason, c.model_extra["token_ids"]) == ("", "stop", [EOS])
+    chunks = [ch.choices[0] for ch in client.completions.create(
+        model=NAME, prompt=prompts, n=2, temperature=1.0, seed=3, max_tokens=6, stream=True,
+        extra_body={"return_token_ids": True, "truncate_prompt_tokens": 8})]
+    for c in out.choices:
+        mine = [ch.model_extra for ch in chunks if ch.index == c.index]
+        assert sum((m["token_ids"] for m in mine), []) == c.model_extra["token_ids"]
+        assert mine[0]["prompt_token_ids"] == c.model_extra["prompt_token_ids"]
+        assert all("prompt_token_ids" not in m for m in mine[1:])
+
+    msgs = [{"role": "user", "content": "hi"}]
+    ids = requests.post(server.url + "/tokenize", json={"messages": msgs}, timeout=60,
+                        headers={"Authorization": "Bearer key-a1"}).json()["tokens"]
+    kw = dict(model=NAME, messages=msgs, temperature=0, max_tokens=5, extra_body={"return_token_ids": True})
+    chat = client.chat.completions.create(**kw)
+    assert chat.model_extra["prompt_token_ids"] == ids
+    assert tok.decode(chat.choices[0].model_extra["token_ids"]) == chat.choices[0].message.content
+    stream = list(client.chat.completions.create(stream=True, **kw))
+    assert stream[0].model_extra["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in ch.model_extra for ch in stream[1:])
+    assert sum((ch.choices[0].model_extra["token_ids"] for ch in stream), []) == chat.choices[0].model_extra["token_ids"]

@@ -185,7 +185,8 @@ def test_schemas_regexes_and_choices_in_one_run(llm):
 
 def test_a_stop_token_the_grammar_requires_before_min_tokens(llm):
     """7{20} allows only '7' at each step. With '7' a stop token and min_tokens 5, the first 5 are
-    ordinary tokens (the ban would leave the grammar nothing) and the 6th ends the output."""
+    ordinary tokens (the ban would leave the grammar nothing) and the 6th ends the output (its
+    token among the ids, its text not in the output)."""
     free = llm.generate(["Count:"], P(max_tokens=3, temperature=0.0, structured_output=StructuredOutput("regex", "7{20}")),
                         use_tqdm=False)[0].outputs[0]
     seven = free.token_ids[0]
@@ -195,7 +196,7 @@ def test_a_stop_token_the_grammar_requires_before_min_tokens(llm):
                                                            structured_output=StructuredOutput("regex", "7{20}")),
                            use_tqdm=False)[0]
         assert [(c.text, c.token_ids, c.finish_reason) for c in out.outputs] == \
-            [("77777", [seven] * 5, "stop")] * params.n
+            [("77777", [seven] * 6, "stop")] * params.n
 
 
 def test_a_grammar_that_waits_for_the_end_of_thinking(llm):

@@ -77,7 +77,7 @@ def completions():
     timeout = _timeout(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = host.submit(ids, params, request_id)
-    choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes)
+    choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes, return_ids=_return_ids(body))
     return _respond(host, streams, choices, request_id, "text_completion", stream, usage_flags,
                     sum(len(params.resolve(i, engine.max_model_len)[0]) for i in ids), timeout)
 
@@ -102,9 +102,15 @@ def chat_completions():
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = host.submit([ids], params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=True, tools=tools, token_bytes=engine.grammars.token_bytes,
-                       reasoning=reasoning)
+                       reasoning=reasoning, return_ids=_return_ids(body))
     return _respond(host, streams, choices, request_id, "chat.completion.chunk" if stream else "chat.completion",
                     stream, usage_flags, len(params.resolve(ids, engine.max_model_len)[0]), timeout)
+
+
+def _return_ids(body: dict) -> bool:
+    """vLLM's return_token_ids: each choice's token ids (a stream: each chunk's), and the prompt's
+    (completions: in each choice's first; chat: in the response, or the stream's first chunk)."""
+    return field(body, "return_token_ids", lambda v: isinstance(v, bool), "a boolean", False)
 
 
 def _timeout(body: dict) -> float | None:
@@ -141,14 +147,15 @@ class _Choices:
     """Turns CompletionOutput deltas into OpenAI choice objects (completion or chat format)."""
 
     def __init__(self, tokenizer, n: int, chat: bool, echoes: list[str] | None = None, tools=None,
-                 token_bytes: Callable[[int], bytes] | None = None, reasoning=None):
-        self.tokenizer, self.n, self.chat, self.echoes = tokenizer, n, chat, echoes
+                 token_bytes: Callable[[int], bytes] | None = None, reasoning=None, return_ids: bool = False):
+        self.tokenizer, self.n, self.chat, self.echoes, self.return_ids = tokenizer, n, chat, echoes, return_ids
         self.token_bytes = token_bytes   # a chat request's: each logprobs entry's `bytes`
         self.tools = tools   # a chat request's tool calls to read (jaxserve/server/tools.py), or None
         self.reasoning = reasoning   # a chat request's reasoning to set apart (server/reasoning.py), or None
         self.started: set[int] = set()
         self.offsets: dict[int, int] = {}    # completion logprobs' text_offset so far, per choice
         self.prompts: dict[int, tuple] = {}  # prompt index -> (prompt ids, prompt logprobs), once scored
+        self.prompt_ids: dict[int, list[int]] = {}   # prompt index -> the prompt the engine runs
 
     def delta(self, prompt_index: int, c) -> dict | None:
         """The streamed choice for one delta, or None when it carries nothing."""
@@ -158,12 +165,15 @@ class _Choices:
         text, start = c.text, self.offsets.get(index, 0)
         results = c.logprobs if c.logprobs is not None and c.token_ids else None
         scored = self.prompts.get(prompt_index) if first else None
-        if not (text or results or c.finish_reason or (first and self.chat) or scored):
+        returned = {"token_ids": list(c.token_ids)} if self.return_ids else {}
+        if not (text or results or c.finish_reason or (first and self.chat) or scored or c.token_ids and returned):
             return None
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             return {"index": index, "delta": delta, "logprobs": self._chat_logprobs(results),
-                    "finish_reason": c.finish_reason}
+                    "finish_reason": c.finish_reason, **returned}
+        if first and self.return_ids:
+            returned["prompt_token_ids"] = self.prompt_ids[prompt_index]
         parts = []   # legacy logprobs: with echo, the prompt's tokens first (the first has none)
         if first and self.echoes is not None:
             if scored is not None:
@@ -176,7 +186,7 @@ class _Choices:
             parts.append(self._completion_logprobs([r[:3] for r in results], start=start))
         self.offsets[index] = start + len(c.text)
         logprobs = {k: sum((p[k] for p in parts), []) for k in parts[0]} if parts else None
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason, **returned}
         if scored is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs(prompt_index)
         return choice
@@ -257,6 +267,7 @@ class _ChoiceDeltas:
             for prompt_index, out in self.deltas:
                 self.generated[prompt_index] = out.num_generated_tokens
                 self.cached[prompt_index] = out.num_cached_tokens
+                self.choices.prompt_ids[prompt_index] = out.prompt_token_ids
                 if out.prompt_logprobs is not None:
                     self.choices.prompts[prompt_index] = (out.prompt_token_ids, out.prompt_logprobs)
                 for c in out.outputs:
@@ -271,8 +282,9 @@ def _chunks(deltas, choices: _Choices, head: dict, include_usage: bool, continuo
             prompt_tokens: int):
     followed = _ChoiceDeltas(deltas, choices, prompt_tokens)
     stream = followed if choices.reasoning is None else choices.reasoning.stream(followed)
-    for choice in (stream if choices.tools is None else choices.tools.stream(stream)):
-        yield {**head, "choices": [choice], **({"usage": followed.usage()} if continuous_usage else {})}
+    for k, choice in enumerate(stream if choices.tools is None else choices.tools.stream(stream)):
+        prompt = {"prompt_token_ids": choices.prompt_ids[0]} if k == 0 and choices.chat and choices.return_ids else {}
+        yield {**head, **prompt, "choices": [choice], **({"usage": followed.usage()} if continuous_usage else {})}
     if include_usage:
         yield {**head, "choices": [], "usage": followed.usage()}
 
@@ -291,15 +303,20 @@ def _collect(deltas, choices: _Choices, prompt_tokens: int) -> dict:
         d = merged[index]
         if choices.chat:
             out.append({"index": index, "message": {"role": "assistant", "content": d.get("content", "")},
-                        "logprobs": d.get("logprobs"), "finish_reason": d.get("finish_reason")})
+                        "logprobs": d.get("logprobs"), "finish_reason": d.get("finish_reason"),
+                        **{k: d[k] for k in ("token_ids",) if k in d}})
             for reader in (choices.reasoning, choices.tools):   # the answer after the reasoning has the calls
                 out[-1] = out[-1] if reader is None else reader.message(out[-1])
         else:
             out.append({"index": index, "text": d.get("text", ""), "logprobs": d.get("logprobs"),
                         "finish_reason": d.get("finish_reason"),
-                        **({"prompt_logprobs": d["prompt_logprobs"]} if "prompt_logprobs" in d else {})})
-    scored = choices.prompt_logprobs(0) if choices.chat else None   # a chat's one prompt: the response's (vLLM)
-    return {"choices": out, "usage": followed.usage(), **({"prompt_logprobs": scored} if scored is not None else {})}
+                        **{k: d[k] for k in ("prompt_logprobs", "prompt_token_ids", "token_ids") if k in d}})
+    top = {}   # a chat's one prompt: its prompt logprobs and ids are the response's (vLLM)
+    if choices.chat and choices.prompt_logprobs(0) is not None:
+        top["prompt_logprobs"] = choices.prompt_logprobs(0)
+    if choices.chat and choices.return_ids:
+        top["prompt_token_ids"] = choices.prompt_ids[0]
+    return {"choices": out, "usage": followed.usage(), **top}
 
 
 def _merge(acc: dict, d: dict) -> None:
@@ -307,8 +324,11 @@ def _merge(acc: dict, d: dict) -> None:
     text = d["delta"].get("content", "") if "delta" in d else d["text"]
     key = "content" if "delta" in d else "text"
     acc[key] = acc.get(key, "") + text
-    if "prompt_logprobs" in d:
-        acc["prompt_logprobs"] = d["prompt_logprobs"]
+    for key in ("prompt_logprobs", "prompt_token_ids"):
+        if key in d:
+            acc[key] = d[key]
+    if "token_ids" in d:
+        acc["token_ids"] = acc.get("token_ids", []) + d["token_ids"]
     if d["logprobs"] is not None:
         lp = acc.setdefault("logprobs", {})
         for k, v in d["logprobs"].items():

@@ -64,7 +64,7 @@ class Reasoning:
             if len(answer) > done_answer:
                 delta["content"] = answer[done_answer:]
             sent[index] = (max(done_reasoning, len(reasoning or "")), max(done_answer, len(answer)))
-            if delta or finish or c["logprobs"]:
+            if delta or finish or c["logprobs"] or c.get("token_ids"):
                 yield {**c, "delta": delta}
 
 

@@ -69,7 +69,7 @@ class ToolCalls:
             if calls is not None:
                 delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
                 finish = "tool_calls"
-            if delta or finish or c["logprobs"]:
+            if delta or finish or c["logprobs"] or c.get("token_ids"):
                 yield {**c, "delta": delta, "finish_reason": finish}
 
 
