@@ -22,6 +22,9 @@ CONFIGS = {
     "phi3_fused": (tf.Phi3Config, dict(
         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, sliding_window=None,
         partial_rotary_factor=0.5)),
+    # Gemma 1: its config.json says hidden_act "gelu", as released (save_hf_model), meaning the tanh
+    # approximation; one KV head; head_dim 32, not 64 / 4.
+    "gemma_geglu": (tf.GemmaConfig, dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32)),
     # Small caps, so both soft caps bite; a 12-token window on every other layer.
     "gemma2_softcap": (tf.Gemma2Config, dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
@@ -77,6 +80,15 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0):
                 layer.self_attn.q_norm.weight.normal_(1, 0.5)
                 layer.self_attn.k_norm.weight.normal_(1, 0.5)
     model.save_pretrained(out_dir)
+    if name == "gemma_geglu":   # as Gemma 1 was released (transformers writes the value it reads it as)
+        import json
+        import os
+
+        path = os.path.join(out_dir, "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**cfg, "hidden_act": "gelu"}, f)
     return model
 
 

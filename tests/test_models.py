@@ -69,6 +69,8 @@ def test_config_reads_family_features(pair):
         "qwen3_qk_norm": lambda c: c.qk_norm and c.head_dim == 32 and not c.qkv_bias,
         "phi3_fused": lambda c: c.num_kv_heads == 2 and c.sliding_windows == (None, None)
         and c.rope_scaling.rotary_fraction == 0.5,
+        "gemma_geglu": lambda c: c.hidden_act == "gelu_pytorch_tanh" and c.norm_offset == 1.0 and c.scale_embeddings
+        and not c.sandwich_norms and c.attn_scale is None and c.sliding_windows == (None, None) and c.head_dim == 32,
         "gemma2_softcap": lambda c: c.sliding_windows == (12, None) and c.attn_soft_cap == 2.0
         and c.final_soft_cap == 3.0 and c.attn_scale == 24 ** -0.5 and c.tie_word_embeddings,
         "gemma3_local_global": lambda c: c.sliding_windows == (12, 12, None) and c.qk_norm

@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 (text): the Llama module with Gemma's options (ModelConfig's Gemma fields).
+"""Gemma 1, 2 and 3 (text): the Llama module with Gemma's options (ModelConfig's Gemma fields).
 
 What differs from Llama, all set from config.json here: RMSNorm scales by (1 + weight);
 embeddings are multiplied by sqrt(hidden_size); a norm after attention and one after the MLP
@@ -6,7 +6,9 @@ besides the two before them; GeGLU (tanh-approximated GELU); queries scaled by
 query_pre_attn_scalar ** -0.5; tanh soft caps on attention scores and final logits; every
 other layer (or as `layer_types` says) attends within a sliding window; tied embeddings.
 Gemma 3 drops the attention soft cap for RMSNorms on q and k, has five windowed layers to each
-global one, and gives the windowed layers their own RoPE base.
+global one, and gives the windowed layers their own RoPE base. Gemma 1 (and CodeGemma) has the
+norms, embedding scale and GeGLU alone: no sandwich norms, soft caps or windows, queries scaled
+by head_dim ** -0.5.
 """
 from __future__ import annotations
 
@@ -15,6 +17,15 @@ from typing import Any
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
 from jaxserve.models.layers import rope_from_hf
+
+
+def gemma_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Gemma 1's releases say hidden_act "gelu" but mean the tanh approximation (as transformers
+    reads them)."""
+    act = hf.get("hidden_act") or "gelu_pytorch_tanh"
+    return llama._config(hf, common, hidden_act="gelu_pytorch_tanh" if act == "gelu" else act,
+                         rms_norm_eps=hf.get("rms_norm_eps", 1e-6), tie_word_embeddings=hf.get("tie_word_embeddings", True),
+                         norm_offset=1.0, scale_embeddings=True)
 
 
 def gemma2_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:

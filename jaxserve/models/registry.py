@@ -31,6 +31,7 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "BloomForCausalLM": Architecture(bloom.bloom_config, bloom.AlibiForCausalLM, bloom.hf_tensor, bloom.PARAM_AXES),
+    "GemmaForCausalLM": Architecture(gemma.gemma_config, llama.LlamaForCausalLM, llama.hf_tensor, llama.PARAM_AXES),
     "Gemma2ForCausalLM": Architecture(gemma.gemma2_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                       llama.PARAM_AXES),
     "Gemma3ForCausalLM": Architecture(gemma.gemma3_config, llama.LlamaForCausalLM, llama.hf_tensor,
