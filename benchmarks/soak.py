@@ -79,6 +79,8 @@ def run(args, command: str = "") -> dict:
         try:
             server.wait_ready()
             result = soak(server, args)
+            if any(r["outcome"].startswith("LOST") for r in result["requests"]):   # what the server saw
+                result["server_log"] = server.log_tail(16000)
             result["exit_code"], result["decode_steps"] = server.stop(), args.decode_steps
         finally:
             server.kill()
@@ -249,6 +251,12 @@ def markdown(report: dict) -> str:
     lines += ["", "TTFT of the short-prompt streams that ran to their end (ms): "
               + ", ".join(f"{k} {v:.0f}" for k, v in ttft.items() if v is not None), "",
               f"![p99 TTFT, free pages and resident memory over time]({report['plot']})", ""]
+    lost = [r for r in reqs if r["outcome"].startswith("LOST")]
+    if lost:   # when each was sent, and what the engine held meanwhile, beside the server's log
+        lines += ["## LOST", ""] + [f"- {r['kind']} sent at {r['sent']:.1f} s: {r['outcome']}" for r in lost]
+        lines += ["", "Engine (t s: running, waiting, free pages): " + ", ".join(
+            f"{s['t']:.0f}: {s['running']:g}, {s['waiting']:g}, {s['free_pages']:g}" for s in report["samples"][::5]),
+            "", "```", report.get("server_log", ""), "```", ""]
     return "\n".join(lines)
 
 
