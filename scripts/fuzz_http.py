@@ -50,7 +50,7 @@ OPTIONS = {
     "structured_outputs": [{"regex": "[ab]{2}"}, {"grammar": 'root ::= "(" [0-9] ")"'}, {"json_object": True}],
     "priority": [0, 1], "cache_salt": ["a", "b"], "stream_options": [{"include_usage": True}],
     "chat_template_kwargs": [{"enable_thinking": False}, {"bos_token": "X"}], "add_generation_prompt": [True, False],
-    "continue_final_message": [True, False],
+    "continue_final_message": [True, False], "return_token_ids": [True, False],
 }
 PROMPTS = ["Hello", " ", "\u00e9t\u00e9 \U0001F600", "The quick brown fox", [1, 2, 3], [[1, 2], [3]], ["a", "b"]]
 HOSTILE_PROMPTS = ["", "a" * 3000, [], [[]], [-5], [10**9], 123, None, {"a": 1}]
@@ -191,6 +191,9 @@ def check_body(body: dict, d: dict, chat: bool) -> None:
             assert all(e["logprob"] <= 0 and len(e["top_logprobs"]) == want_top for e in lp["content"]), lp
     u = d["usage"]
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"], u
+    if body.get("return_token_ids") is True:   # every sampled token, stop tokens too, is a choice's
+        assert sum(len(c["token_ids"]) for c in d["choices"]) == u["completion_tokens"], (u, d["choices"])
+        assert all(c.get("prompt_token_ids") for c in d["choices"]) if not chat else d["prompt_token_ids"], d
 
 
 def idle_state(url: str) -> dict[str, float]:
