@@ -92,6 +92,19 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0):
     return model
 
 
+def hf_greedy(hf, ids: list[int], n: int, adjust=lambda step, logits: logits) -> tuple[list[int], list[float]]:
+    """n greedy tokens after `ids` in transformers, `adjust(step, logits)` editing each step's
+    logits, and the tokens' logprobs under the unedited logits."""
+    ids, out, logprobs = list(ids), [], []
+    with torch.no_grad():
+        for step in range(n):
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+            out.append(int(adjust(step, logits.clone()).argmax()))
+            logprobs.append(float(torch.log_softmax(logits, -1)[out[-1]]))
+            ids.append(out[-1])
+    return out, logprobs
+
+
 def save_byte_tokenizer(out_dir: str) -> None:
     """A byte-level tokenizer.json: ids 0-255 are bytes, 256 is <s>, 257 is </s>."""
     import json
@@ -114,7 +127,9 @@ def save_byte_tokenizer(out_dir: str) -> None:
                                     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
                                     "{% if m.tool_calls %} calls: {{ m.tool_calls | tojson }}{% endif %}"
                                     "{% if m.tool_call_id %} for {{ m.tool_call_id }}{% endif %}{{ '\\n' }}{% endfor %}"
-                                    "{% if add_generation_prompt %}assistant:{% endif %}"}, f)
+                                    # as Qwen3's: thinking turned off is an empty think block
+                                    "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and "
+                                    "not enable_thinking %}<think></think>{% endif %}{% endif %}"}, f)
 
 
 def save_engine_model(out_dir: str, seed: int = 0, **overrides):

@@ -51,19 +51,20 @@ def test_streams_cut_anywhere_agree_with_the_whole(reader, text):
         assert out[-1]["finish_reason"] == "stop"
 
 
-@pytest.mark.parametrize("parser,prompt,begun", [
-    ("deepseek_r1", "<|User|>2+2?<|Assistant|>", True),            # thinking starts in the prompt
-    ("deepseek_r1", "<|User|>2+2?<|Assistant|><think>\n", True),    # R1-0528's template writes the tag
-    ("deepseek_r1", "<|Assistant|><think>\n\n</think>\n\n", False),   # thinking turned off
-    ("qwen3", "<|im_start|>assistant\n", False),                   # the model may think, or not
-    ("qwen3", "<|im_start|>assistant\n<think>\n", True),          # Qwen3 thinking-2507
-    ("qwen3", "<think>\nold</think>\nhi<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
+@pytest.mark.parametrize("parser,prompt,begun,waits", [
+    ("deepseek_r1", "<|User|>2+2?<|Assistant|>", True, True),           # thinking starts in the prompt
+    ("deepseek_r1", "<|User|>2+2?<|Assistant|><think>\n", True, True),   # R1-0528's template writes the tag
+    ("deepseek_r1", "<|Assistant|><think>\n\n</think>\n\n", False, False),   # thinking turned off
+    ("qwen3", "<|im_start|>assistant\n", False, True),                  # the model may think, or not
+    ("qwen3", "<|im_start|>assistant\n<think>\n", True, True),         # Qwen3 thinking-2507
+    ("qwen3", "<think>\nold</think>\nhi<|im_start|>assistant\n<think>\n\n</think>\n\n", False, False),
 ])
-def test_the_prompt_says_whether_thinking_has_begun(parser, prompt, begun):
-    """Thinking begun in the prompt is read from the first token, and a grammar waits for its end
-    (StructuredOutput.after); otherwise a text that begins with <think> still reasons."""
+def test_the_prompt_says_whether_thinking_has_begun_or_ended(parser, prompt, begun, waits):
+    """Thinking begun in the prompt is read from the first token; otherwise a text that begins with
+    <think> still reasons. A grammar waits for </think> (StructuredOutput.after) unless the prompt
+    has ended the thinking."""
     reader = reasoning_reader(parser, prompt)
-    assert reader.starts_in_prompt == begun and reader.grammar_after == ("</think>" if begun else "")
+    assert reader.starts_in_prompt == begun and reader.grammar_after == ("</think>" if waits else "")
     assert reader.parts("x</think>y") == (("x", "y") if begun else (None, "x</think>y"))
     assert reader.parts("<think>x</think>y") == ("x", "y")
     assert reasoning_reader(None, prompt) is None

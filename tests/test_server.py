@@ -12,8 +12,8 @@ import time
 
 import pytest
 import requests
-import torch
 
+from tests.hf_models import hf_greedy
 from tests.hostile_requests import C, HOSTILE, LONG, MAX_LEN, NAME, OK
 from tests.server_harness import BYTES_ENGINE, bytes_model, openai_client, serving
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
@@ -34,19 +34,6 @@ def server(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server):
     return openai_client(server)
-
-
-def hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], list[float]]:
-    """n greedy tokens after `ids` (no stop token) and their logprobs, in transformers."""
-    ids, out, lps = list(ids), [], []
-    with torch.no_grad():
-        for _ in range(n):
-            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)
-            t = int(logp.argmax())
-            ids.append(t)
-            out.append(t)
-            lps.append(float(logp[t]))
-    return out, lps
 
 
 def post(server, path, body, **kw):
@@ -175,6 +162,11 @@ def test_chat_tool_turns_and_template_options(server, model):
     assert tok.decode(tokens).endswith("assistant: Hel")
 
 
+# The server reads reasoning (qwen3), so a grammar waits for </think> unless the prompt ended the
+# thinking, as Qwen3's template does with thinking turned off.
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
 def test_auto_tool_choice_reads_hermes_calls(client):
     """--enable-auto-tool-choice --tool-call-parser hermes: with tool_choice "auto" (the default
     with tools) the calls the model writes in Qwen's syntax (forced here by a regex) come back as
@@ -186,59 +178,63 @@ def test_auto_tool_choice_reads_hermes_calls(client):
 
     def streamed(regex):
         chunks = [ch.choices[0] for ch in client.chat.completions.create(
-            stream=True, extra_body={"guided_regex": regex}, **kw) if ch.choices]
+            stream=True, extra_body={"guided_regex": regex, **NO_THINKING}, **kw) if ch.choices]
         return ("".join(c.delta.content or "" for c in chunks), [t for c in chunks for t in c.delta.tool_calls or []],
                 chunks[-1].finish_reason)
 
     for content in ("Sure. ", ""):
-        [c] = client.chat.completions.create(extra_body={"guided_regex": re.escape(content + call * 2)}, **kw).choices
+        [c] = client.chat.completions.create(extra_body={"guided_regex": re.escape(content + call * 2), **NO_THINKING},
+                                             **kw).choices
         assert c.finish_reason == "tool_calls" and c.message.content == (content or None)
         assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == \
             [("add", {"a": 1, "b": 2})] * 2
         text, calls, finish = streamed(re.escape(content + call * 2))
         assert (text, finish) == (content, "tool_calls") and [t.index for t in calls] == [0, 1]
         assert [json.loads(t.function.arguments) for t in calls] == [{"a": 1, "b": 2}] * 2
-    [c] = client.chat.completions.create(extra_body={"guided_regex": "Sure, <tool"}, **kw).choices
+    [c] = client.chat.completions.create(extra_body={"guided_regex": "Sure, <tool", **NO_THINKING}, **kw).choices
     assert (c.message.content, c.message.tool_calls, c.finish_reason) == ("Sure, <tool", None, "stop")
     assert streamed("Sure, <tool") == ("Sure, <tool", [], "stop")
 
 
 def test_reasoning_parser_sets_the_thinking_apart(client):
-    """--reasoning-parser qwen3: an answer that thinks first (spelt out here by a regex) has its
-    <think> block as reasoning_content and the rest as content, streamed and not; after it, a
-    hermes call is read from the answer. (Answers that do not think: every other chat test.)"""
+    """--reasoning-parser qwen3: an answer that thinks first (spelt out here by a regex, with the
+    template's thinking turned off so that the grammar applies at once) has its <think> block as
+    reasoning_content and the rest as content, streamed and not; after it, a hermes call is read
+    from the answer. (Answers that do not think: every other chat test.)"""
     call = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     kw = dict(model=NAME, messages=[{"role": "user", "content": "1 + 2?"}], temperature=0, max_tokens=120,
-              extra_body={"guided_regex": r"<think>[a-z]{5}</think>It is 3\."})
+              extra_body={"guided_regex": r"<think>[a-z]{5}</think>It is 3\.", **NO_THINKING})
     [c] = client.chat.completions.create(**kw).choices
     thought = c.message.model_extra["reasoning_content"]
     assert re.fullmatch("[a-z]{5}", thought) and c.message.content == "It is 3."
     chunks = [ch.choices[0].delta for ch in client.chat.completions.create(stream=True, **kw) if ch.choices]
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in chunks) == thought
     assert "".join(d.content or "" for d in chunks) == "It is 3."
-    kw["extra_body"] = {"guided_regex": r"<think>[a-z]{5}</think>Sure\. " + re.escape(call)}
+    kw["extra_body"] = {"guided_regex": r"<think>[a-z]{5}</think>Sure\. " + re.escape(call), **NO_THINKING}
     [c] = client.chat.completions.create(tools=tools, **kw).choices
     assert re.fullmatch("[a-z]{5}", c.message.model_extra["reasoning_content"]) and c.message.content == "Sure. "
     assert [t.function.name for t in c.message.tool_calls] == ["add"] and c.finish_reason == "tool_calls"
 
 
-def test_a_grammar_waits_for_thinking_begun_in_the_prompt(client):
+def test_a_grammar_waits_for_the_end_of_thinking(client):
     """A prompt that has begun thinking (its last tag <think>, here continued from the assistant's
-    message) is read as reasoning from the first token, and a grammar waits for </think>: this
-    random model never writes it, so the output is the free one. A prompt that has ended thinking
-    gets the grammar at once."""
+    message) is read as reasoning from the first token, and a grammar waits for </think>; so it
+    does after a prompt with no tag, where qwen3 lets the model think or not (as vLLM). This random
+    model never writes </think>, so both outputs are the free ones. A prompt that has ended the
+    thinking (the template's thinking turned off) gets the grammar at once."""
     def chat(thought, **extra):
-        msgs = [{"role": "user", "content": "1 + 2?"}, {"role": "assistant", "content": thought}]
-        [c] = client.chat.completions.create(
-            model=NAME, messages=msgs, temperature=0, max_tokens=12, extra_body={
-                "add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True, **extra}).choices
+        msgs = [{"role": "user", "content": "1 + 2?"}] + ([{"role": "assistant", "content": thought}] if thought else [])
+        [c] = client.chat.completions.create(model=NAME, messages=msgs, temperature=0, max_tokens=12, extra_body={
+            "add_generation_prompt": not thought, "continue_final_message": bool(thought), "ignore_eos": True,
+            **extra}).choices
         return c.message.model_extra.get("reasoning_content"), c.message.content, c.finish_reason
-    free = chat("<think>")
-    assert free[0] and free[1] is None and free[2] == "length"
-    assert chat("<think>", guided_regex="[0-9]{3}") == free
-    thought, answer, finish = chat("<think>hm</think>", guided_regex="[0-9]{3}")
-    assert thought is None and re.fullmatch("[0-9]{3}", answer) and finish == "stop"
+    begun, untagged = chat("<think>"), chat(None)
+    assert begun[0] and begun[1] is None and begun[2] == "length"
+    assert untagged[0] is None and untagged[1] and untagged[2] == "length"
+    assert chat("<think>", guided_regex="[0-9]{3}") == begun and chat(None, guided_regex="[0-9]{3}") == untagged
+    for ended in (chat("<think>hm</think>", guided_regex="[0-9]{3}"), chat(None, guided_regex="[0-9]{3}", **NO_THINKING)):
+        assert ended[0] is None and re.fullmatch("[0-9]{3}", ended[1]) and ended[2] == "stop", ended
 
 
 # ---- hostile input: a 4xx with an error body, never a 500, and the server stays up ----

@@ -11,6 +11,7 @@ import pytest
 import requests
 import torch
 
+from tests.hf_models import hf_greedy
 from tests.server_harness import BYTES_ENGINE, BYTES_MAX_LEN, TEST_ENGINE, bytes_model, openai_client, serving
 
 NAME = "tiny-extras"
@@ -41,19 +42,6 @@ def client_for(server, key: str) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def client(server):
     return client_for(server, "key-a1")
-
-
-def hf_greedy(hf, ids: list[int], n: int, adjust=lambda step, logits: logits) -> tuple[list[int], list[float]]:
-    """n greedy tokens after `ids` in transformers, `adjust(step, logits)` editing each step's
-    logits, and the tokens' logprobs under the unedited logits."""
-    ids, out, logprobs = list(ids), [], []
-    with torch.no_grad():
-        for step in range(n):
-            logits = hf(torch.tensor([ids])).logits[0, -1].double()
-            out.append(int(adjust(step, logits.clone()).argmax()))
-            logprobs.append(float(torch.log_softmax(logits, -1)[out[-1]]))
-            ids.append(out[-1])
-    return out, logprobs
 
 
 def biased(bias: dict[int, float]):

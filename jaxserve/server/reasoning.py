@@ -9,8 +9,8 @@ after it as `content`, which tool calls are then read from.
 
 Either way a prompt whose last think tag is `<think>` has begun the thinking, and one whose last is
 `</think>` has ended it (a template that turns thinking off writes an empty block). A grammar
-(structured output, a forced tool call) waits for the end of thinking begun in the prompt, as
-vLLM's does: the model thinks freely, then answers in the grammar.
+(structured output, a forced tool call) waits for `</think>` unless the prompt has ended the
+thinking, as vLLM's does: the model thinks freely, then answers in the grammar.
 """
 from __future__ import annotations
 
@@ -20,13 +20,9 @@ START, END = "<think>", "</think>"
 
 
 class Reasoning:
-    def __init__(self, starts_in_prompt: bool):
+    def __init__(self, starts_in_prompt: bool, grammar_after: str = END):
         self.starts_in_prompt = starts_in_prompt
-
-    @property
-    def grammar_after(self) -> str:
-        """Where a grammar starts (StructuredOutput.after): after thinking begun in the prompt."""
-        return END if self.starts_in_prompt else ""
+        self.grammar_after = grammar_after   # where a grammar starts (StructuredOutput.after)
 
     def parts(self, text: str, final: bool = True) -> tuple[str | None, str]:
         """(reasoning, answer) of a choice's text (reasoning None: the text does not reason). Not
@@ -76,4 +72,6 @@ def reasoning_reader(parser: str | None, prompt: str) -> Reasoning | None:
     if parser is None:
         return None
     start, end = prompt.rfind(START), prompt.rfind(END)
-    return Reasoning(start > end if start != end else PARSERS[parser])
+    if start == end:   # no tag: as the parser says
+        return Reasoning(PARSERS[parser])
+    return Reasoning(start > end, END if start > end else "")
