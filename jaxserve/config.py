@@ -61,9 +61,12 @@ class ModelConfig:
     hidden_act: str = "silu"      # the gated MLP's activation (models.layers.ACTIVATIONS)
     # Gemma: norms scale by (offset + weight), embeddings by sqrt(hidden_size), norms also after
     # attention and after the MLP ("sandwich"), an attention scale other than 1/sqrt(head_dim),
-    # tanh soft caps of attention scores and final logits.
+    # tanh soft caps of attention scores and final logits. Granite: embeddings, each branch's
+    # output (before its residual add) and the logits (divided) scaled by their own constants.
     norm_offset: float = 0.0
-    scale_embeddings: bool = False
+    embedding_multiplier: float = 1.0   # applied in the model's dtype, as HF does
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     sandwich_norms: bool = False
     attn_scale: float | None = None
     attn_soft_cap: float | None = None

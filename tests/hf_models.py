@@ -48,6 +48,10 @@ CONFIGS = {
     # interleaved qkv, embedding LayerNorm and biases; MPT's clip_qkv (low enough to bite).
     "bloom_alibi6": (tf.BloomConfig, dict(hidden_size=96, n_head=6)),
     "mpt_alibi6_clip": (tf.MptConfig, dict(hidden_size=96, n_heads=6, attn_config={"clip_qkv": 0.3})),
+    # Granite 3's four constants, far enough from 1 to matter.
+    "granite_multipliers": (tf.GraniteConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=6.0, residual_multiplier=0.3,
+        attention_multiplier=0.09, logits_scaling=4.0, tie_word_embeddings=True)),
     "llama_mha": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
     "llama_mqa": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1,
                                        attention_bias=True)),

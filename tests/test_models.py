@@ -69,7 +69,7 @@ def test_config_reads_family_features(pair):
         "qwen3_qk_norm": lambda c: c.qk_norm and c.head_dim == 32 and not c.qkv_bias,
         "phi3_fused": lambda c: c.num_kv_heads == 2 and c.sliding_windows == (None, None)
         and c.rope_scaling.rotary_fraction == 0.5,
-        "gemma_geglu": lambda c: c.hidden_act == "gelu_pytorch_tanh" and c.norm_offset == 1.0 and c.scale_embeddings
+        "gemma_geglu": lambda c: c.hidden_act == "gelu_pytorch_tanh" and c.norm_offset == 1.0 and c.embedding_multiplier == 8.0
         and not c.sandwich_norms and c.attn_scale is None and c.sliding_windows == (None, None) and c.head_dim == 32,
         "gemma2_softcap": lambda c: c.sliding_windows == (12, None) and c.attn_soft_cap == 2.0
         and c.final_soft_cap == 3.0 and c.attn_scale == 24 ** -0.5 and c.tie_word_embeddings,
@@ -81,6 +81,8 @@ def test_config_reads_family_features(pair):
         == tuple(_get_alibi_slopes(6, "cpu").tolist()),
         "mpt_alibi6_clip": lambda c: c.clip_qkv == 0.3 and not c.norm_bias and not c.qkv_bias and c.alibi_slopes
         == tuple((-build_mpt_alibi_tensor(6, 2)[:, 0, 0]).tolist()),
+        "granite_multipliers": lambda c: (c.embedding_multiplier, c.residual_multiplier, c.attn_scale, c.logits_scaling)
+        == (6.0, 0.3, 0.09, 4.0),
         "llama_mha": lambda c: c.num_heads == c.num_kv_heads,
         "llama_mqa": lambda c: c.num_kv_heads == 1 and c.qkv_bias and c.o_bias,
     }

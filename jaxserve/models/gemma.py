@@ -25,7 +25,7 @@ def gemma_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     act = hf.get("hidden_act") or "gelu_pytorch_tanh"
     return llama._config(hf, common, hidden_act="gelu_pytorch_tanh" if act == "gelu" else act,
                          rms_norm_eps=hf.get("rms_norm_eps", 1e-6), tie_word_embeddings=hf.get("tie_word_embeddings", True),
-                         norm_offset=1.0, scale_embeddings=True)
+                         norm_offset=1.0, embedding_multiplier=hf["hidden_size"] ** 0.5)
 
 
 def gemma2_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
@@ -73,6 +73,6 @@ def _config(hf: dict[str, Any], common: dict[str, Any], window_every: int, **fam
     return llama._config(
         hf, common, hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6), tie_word_embeddings=hf.get("tie_word_embeddings", True),
-        norm_offset=1.0, scale_embeddings=True, sandwich_norms=True,
+        norm_offset=1.0, embedding_multiplier=hf["hidden_size"] ** 0.5, sandwich_norms=True,
         attn_scale=hf.get("query_pre_attn_scalar", 256) ** -0.5, final_soft_cap=hf.get("final_logit_softcapping"),
         sliding_windows=tuple(window if t == "sliding_attention" else None for t in types), **family)

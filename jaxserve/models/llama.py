@@ -1,4 +1,4 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3 (and Phi-3, Gemma 2 and 3), in one Flax implementation.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Granite (and Phi-3, Gemma), in one Flax implementation.
 
 The architectures differ only in configuration, read here from their config.json: RoPE
 scaling, GQA/MQA head counts, per-layer sliding windows, q/k/v biases, tied embeddings,
@@ -53,6 +53,15 @@ def _config(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelConfig
 
 def llama_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     return _config(hf, common)
+
+
+def granite_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """IBM Granite 3: Llama with four constants, on the embeddings, the branches' outputs, the
+    attention scores (in place of 1/sqrt(head_dim)) and the logits (a divisor)."""
+    return _config(hf, common, embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+                   residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+                   attn_scale=float(hf.get("attention_multiplier", 1.0)),
+                   logits_scaling=float(hf.get("logits_scaling", 1.0)))
 
 
 def mistral_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
@@ -166,8 +175,11 @@ class DecoderLayer(nn.Module):
         if c.sandwich_norms:   # Gemma: each branch's output normed too (HF names these four)
             x = x + norm("post_attention_layernorm")(h)
             return x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x))), layer_kv
-        x = x + h
-        return x + mlp(norm("post_attention_layernorm")(x)), layer_kv
+        x = x + self.residual(h)
+        return x + self.residual(mlp(norm("post_attention_layernorm")(x))), layer_kv
+
+    def residual(self, h):   # Granite scales each branch's output
+        return h if self.cfg.residual_multiplier == 1.0 else h * jnp.asarray(self.cfg.residual_multiplier, h.dtype)
 
 
 class LlamaModel(nn.Module):
@@ -183,8 +195,8 @@ class LlamaModel(nn.Module):
 
     def __call__(self, tokens, positions, kv_cache: KVCache | None = None, meta=None):
         x = self.embed_tokens(tokens)
-        if self.cfg.scale_embeddings:   # by sqrt(hidden) rounded to the model dtype, as HF does
-            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, self.dtype)
+        if self.cfg.embedding_multiplier != 1.0:   # rounded to the model dtype, as HF does
+            x = x * jnp.asarray(self.cfg.embedding_multiplier, self.dtype)
         new_layers = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, positions, None if kv_cache is None else kv_cache.layers[i], meta)
@@ -218,6 +230,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             out = self.lm_head(hidden)
         out = out.astype(jnp.float32)
+        if self.cfg.logits_scaling != 1.0:   # Granite
+            out = out / self.cfg.logits_scaling
         if self.cfg.final_soft_cap is not None:
             out = self.cfg.final_soft_cap * jnp.tanh(out / self.cfg.final_soft_cap)
         return out

@@ -38,6 +38,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                                       llama.PARAM_AXES),
     "Gemma3ForConditionalGeneration": Architecture(gemma.gemma3_multimodal_config, llama.LlamaForCausalLM,
                                                    gemma.multimodal_hf_tensor, llama.PARAM_AXES),
+    "GraniteForCausalLM": Architecture(llama.granite_config, llama.LlamaForCausalLM, llama.hf_tensor,
+                                       llama.PARAM_AXES),
     "LlamaForCausalLM": Architecture(llama.llama_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                      llama.PARAM_AXES),
     "MistralForCausalLM": Architecture(llama.mistral_config, llama.LlamaForCausalLM, llama.hf_tensor,
