@@ -135,7 +135,8 @@ def test_convert_quantized_reloads_exactly(tmp_path, config):
     assert any(k.startswith("['lm_head']") for k in expected) == head
     for k in expected:
         assert expected[k].dtype == reloaded[k].dtype and np.array_equal(expected[k], reloaded[k]), k
-    assert greedy(LLM(model=dst, **ENGINE)) == quantized_greedy(config)
+    if config in ("int4", "w8a8+head"):   # the engine's restore of packed nibbles and of a head copy
+        assert greedy(LLM(model=dst, **ENGINE)) == quantized_greedy(config)   # (int8 and w8a8: as their leaves)
     other = "int4" if mode == "int8" else "int8"
     with pytest.raises(ValueError, match=f"holds {mode} weights"):
         load_params(dst, cfg, quantization=other)
