@@ -312,8 +312,9 @@ def _collect(deltas, choices: _Choices, prompt_tokens: int) -> dict:
                         "finish_reason": d.get("finish_reason"),
                         **{k: d[k] for k in ("prompt_logprobs", "prompt_token_ids", "token_ids") if k in d}})
     top = {}   # a chat's one prompt: its prompt logprobs and ids are the response's (vLLM)
-    if choices.chat and choices.prompt_logprobs(0) is not None:
-        top["prompt_logprobs"] = choices.prompt_logprobs(0)
+    scored = choices.prompt_logprobs(0) if choices.chat else None
+    if scored is not None:
+        top["prompt_logprobs"] = scored
     if choices.chat and choices.return_ids:
         top["prompt_token_ids"] = choices.prompt_ids[0]
     return {"choices": out, "usage": followed.usage(), **top}
