@@ -6,6 +6,7 @@ import pytest
 
 from jaxserve.server.tool_parsers import Forced, Hermes, Llama3Json, Mistral, Pythonic
 from jaxserve.server.tools import tool_calls
+from jaxserve.server.validation import sampling_params
 
 ADD = ("add", {"a": 1, "b": [2, 3]})
 
@@ -76,3 +77,6 @@ def test_mistral_calls_get_the_ids_its_templates_accept():
     assert content == "" and [c["function"]["name"] for c in calls] == ["add", "add"]
     assert all(re.fullmatch("[A-Za-z0-9]{9}", c["id"]) for c in calls) and calls[0]["id"] != calls[1]["id"]
     assert hermes.split('<tool_call>{"name": "add"}</tool_call>')[1][0]["id"].startswith("call_")
+    for keep, skip in ((True, False), (False, True)):   # as the chat route passes the parser's flag
+        assert sampling_params({**body, "skip_special_tokens": True}, chat=True, max_tokens=None,
+                               keep_special_tokens=keep).skip_special_tokens is skip

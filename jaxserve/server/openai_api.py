@@ -94,9 +94,8 @@ def chat_completions():
     # No max_tokens: up to the context length, after any truncation (SamplingParams.resolve).
     params = sampling_params(body, chat=True, max_tokens=None, tenant=g.get("tenant"),
                              tool_call=tools and tools.constraint, defaults=_defaults(engine),
-                             grammar_after=reasoning.grammar_after if reasoning is not None else "")
-    if tools is not None and tools.parser.keeps_special_tokens:   # its calls begin with a special token
-        params = dataclasses.replace(params, skip_special_tokens=False)
+                             grammar_after=reasoning.grammar_after if reasoning is not None else "",
+                             keep_special_tokens=tools is not None and tools.parser.keeps_special_tokens)
     stream, *usage_flags = stream_flags(body)
     timeout = _timeout(body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

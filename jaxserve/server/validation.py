@@ -74,13 +74,14 @@ def reject_unsupported(body: dict) -> None:
 
 def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: str | None = None,
                     tool_call: StructuredOutput | None = None, defaults: dict | None = None,
-                    grammar_after: str = "") -> SamplingParams:
+                    grammar_after: str = "", keep_special_tokens: bool = False) -> SamplingParams:
     """The sampling fields shared by completions and chat. `max_tokens` is the default when the
     body has neither max_completion_tokens nor max_tokens; `defaults` (the model's: sampling_params.py
     sampling_defaults) those of the fields it names. A `tenant` (from the API key) salts the
     prefix cache, with the body's cache_salt if any. `tool_call`: the output's constraint from the
     chat request's tools (jaxserve/server/tools.py); `grammar_after`: where the output's grammar
-    starts (StructuredOutput.after; "" at once)."""
+    starts (StructuredOutput.after; "" at once); `keep_special_tokens`: the text keeps them whatever
+    the body says (a tool-call syntax that begins with one)."""
     defaults = {**vars(SamplingParams()), **(defaults or {})}   # the model's, else OpenAI's
     reject_unsupported(body)
     structured = structured_output(body)
@@ -136,7 +137,8 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: s
             logit_bias=_logit_bias(body),
             include_stop_str_in_output=field(body, "include_stop_str_in_output", lambda v: isinstance(v, bool),
                                              "a boolean", False),
-            skip_special_tokens=field(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean", True),
+            skip_special_tokens=field(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean",
+                                      True) and not keep_special_tokens,
             truncate_prompt_tokens=field(body, "truncate_prompt_tokens", is_int, "an integer", None),
             cache_salt=cache_salt(body, tenant),
             structured_output=structured and structured[1],
