@@ -30,6 +30,13 @@ ORBAX_DIR = "orbax"
 QUANTIZATION_FILE = "quantization.json"
 
 
+def resolve_dtype(name: str):
+    """EngineConfig.dtype as a jnp dtype; auto: float32 on a CPU, bfloat16 on an accelerator."""
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
 def param_shapes(cfg: ModelConfig, dtype=jnp.float32, quantization: str | None = None,
                  lm_head: bool = False) -> dict:
     """The params pytree of `cfg` as ShapeDtypeStructs (no memory allocated), quantized or not

@@ -27,7 +27,8 @@ TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 def engine_config(args) -> EngineConfig:
     """--config YAML (with --model, --tp/--sp/--dp, --quantization, --quantize-lm-head, --kv-cache-dtype,
-    --decode-steps and --generation-config on top); with neither, configs/tiny-cpu.yaml when present."""
+    --decode-steps, --generation-config and the LoRA flags on top); with neither, configs/tiny-cpu.yaml
+    when present."""
     path = args.config or (TINY_CPU_CONFIG if args.model is None and os.path.exists(TINY_CPU_CONFIG) else None)
     cfg = EngineConfig.from_yaml(path, model=args.model) if path else EngineConfig(model=args.model)
     axes = {"model": args.tp, "seq": args.sp, "data": args.dp}
@@ -44,7 +45,18 @@ def engine_config(args) -> EngineConfig:
         cfg = dataclasses.replace(cfg, decode_steps=args.decode_steps)
     if args.generation_config:
         cfg = dataclasses.replace(cfg, generation_config=args.generation_config)
-    return cfg
+    modules = args.lora_modules and {**cfg.lora_modules, **dict(map(_lora_module, args.lora_modules))}
+    lora = {"enable_lora": args.enable_lora or None, "lora_modules": modules, "max_loras": args.max_loras,
+            "max_lora_rank": args.max_lora_rank}
+    return dataclasses.replace(cfg, **{k: v for k, v in lora.items() if v is not None})
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules' NAME=PATH."""
+    name, sep, path = text.partition("=")
+    if not (sep and name and path):
+        raise SystemExit(f"--lora-modules takes NAME=PATH (a PEFT adapter directory), got {text!r}")
+    return name, path
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -66,6 +78,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): the model's generation_config.json sampling settings (temperature, top_p, "
                         "top_k, min_p, repetition_penalty) are the defaults of requests that leave them out, as "
                         "in vLLM; none: OpenAI's defaults")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="PEFT LoRA adapters to serve beside the model, loaded at start; a request's 'model' "
+                        "naming one runs on it")
+    p.add_argument("--max-loras", type=int, help="LoRA adapters resident on the device at once "
+                                                 "(default: as many as --lora-modules, at least 1)")
+    p.add_argument("--max-lora-rank", type=int, help="the largest adapter rank (default 16); smaller ranks "
+                                                     "are padded to it, so it sets LoRA's cost")
     p.add_argument("--speculative-config", help='speculative decoding as JSON (the engine config key '
                                                 '`speculative`), e.g. \'{"method": "ngram", "num_tokens": 4}\' or '
                                                 '\'{"method": "draft", "model": DIR, "num_tokens": 4}\'')

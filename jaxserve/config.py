@@ -224,6 +224,15 @@ class EngineConfig:
     # Request defaults from the model (sampling_defaults): auto, its generation_config.json's
     # sampling settings where a request leaves a field out (vLLM's default); none, OpenAI's defaults.
     generation_config: str = "auto"
+    # Multi-LoRA (jaxserve/lora.py), as vLLM's flags: PEFT adapters served beside the base model,
+    # a request on one of them or none. lora_modules {name: directory} load at start and stay on
+    # the device (implying enable_lora); others load on demand (LLM.generate's lora_request) into
+    # one of max_loras slots (default: as many as lora_modules, at least 1). Ranks up to
+    # max_lora_rank, smaller ones zero-padded to it (its cost is the padded rank's).
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
+    max_loras: int | None = None
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         if isinstance(self.distributed, dict):
@@ -260,15 +269,32 @@ class EngineConfig:
         if self.distributed is not None and self.speculative is not None and self.speculative.method == "draft":
             raise ValueError("engine config: a draft model (speculative method draft) runs in one process, "
                              "not in a multi-host engine (its steps are not broadcast to the followers)")
+        if self.lora_slots < max(len(self.lora_modules), 1) or self.max_lora_rank < 1:
+            raise ValueError(f"engine config: max_loras must be at least 1 and hold every lora_modules adapter "
+                             f"({len(self.lora_modules)}), and max_lora_rank at least 1; got {self.max_loras} and "
+                             f"{self.max_lora_rank}")
+        if self.serves_lora and self.mesh.get("seq", 1) > 1:
+            raise ValueError("engine config: LoRA adapters are not applied by the sequence-parallel prefill "
+                             "(mesh seq > 1); serve them without it")
         if self.distributed is not None and self.mesh.get("data", 1) > 1:
             raise ValueError("engine config: data-parallel replicas (mesh data > 1) run in one process; "
                              "a multi-host engine is one engine over all hosts' devices")
 
+    @property
+    def serves_lora(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapters resident on the device: max_loras, by default as many as lora_modules, at least 1."""
+        return self.max_loras if self.max_loras is not None else max(len(self.lora_modules), 1)
+
     # Settings only the host reads: never part of a compiled program (the pool's size reaches the
-    # programs as num_pages, the model's shapes as the ModelConfig and the weights).
+    # programs as num_pages, the model's shapes as the ModelConfig and the weights, the LoRA
+    # adapters' targets as their stacks: see ModelRunner's executables).
     HOST_ONLY = ("model", "kv_cache_mb", "kv_memory_fraction", "enable_prefix_caching", "admission_eagerness",
                  "max_queue_size", "max_failed_steps", "request_timeout_s", "compilation_cache_dir", "seed",
-                 "poison_freed_pages", "generation_config")
+                 "poison_freed_pages", "generation_config", "lora_modules")
 
     def program_settings(self) -> dict[str, Any]:
         """The settings that may decide a compiled program: what the executable store is keyed on,

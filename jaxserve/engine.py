@@ -20,15 +20,15 @@ import itertools
 import os
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import parallel
+from jaxserve import lora, parallel
 from jaxserve import quantization as quant
 from jaxserve.block_manager import BlockManager
-from jaxserve.checkpoint import load_for_mesh, saved_lm_head, saved_quantization
+from jaxserve.checkpoint import load_for_mesh, resolve_dtype, saved_lm_head, saved_quantization
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.lora import Adapters
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
 from jaxserve.runner import Launched, ModelRunner, SampleResult
 from jaxserve.sampling import reads_outputs, samples_ahead
@@ -63,7 +63,7 @@ class LLMEngine:
         self.model_dir = model_dir = self.ecfg.model or TINY_MODEL_DIR
         self.model_cfg = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
-        self.dtype = _resolve_dtype(self.ecfg.dtype)
+        self.dtype = resolve_dtype(self.ecfg.dtype)
         mesh = mesh if mesh is not None else parallel.make_mesh(self.ecfg.mesh)
         if params is None:
             params = load_for_mesh(model_dir, self.model_cfg, self.dtype, self.ecfg.quantization, mesh,
@@ -71,7 +71,8 @@ class LLMEngine:
         else:   # given full-precision params (tests, benchmarks) are quantized as loaded ones are
             params = quant.quantize_params(params, self.ecfg.quantization or saved_quantization(model_dir),
                                            lm_head=self.ecfg.quantize_lm_head or saved_lm_head(model_dir))
-        self.runner = ModelRunner(self.model_cfg, params, self.ecfg, mesh=mesh, dtype=self.dtype)
+        self.loras = Adapters(self.model_cfg, self.ecfg, mesh, self.dtype) if self.ecfg.serves_lora else None
+        self.runner = ModelRunner(self.model_cfg, params, self.ecfg, mesh=mesh, dtype=self.dtype, lora=self.loras)
         self.max_model_len = self.runner.max_model_len
         spec = self.ecfg.speculative
         self.draft = None   # the draft-model proposer (speculative method draft)
@@ -117,6 +118,7 @@ class LLMEngine:
         if bad := [t for t in prompt_token_ids if not 0 <= t < self.model_cfg.vocab_size]:
             raise InvalidRequest(f"prompt token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}",
                                  param="prompt")
+        lora.check(self.loras, params.lora_name)
         if params.prompt_logprobs is not None and self.runner.prefills_sequence_parallel:
             raise InvalidRequest("prompt_logprobs is not supported with sequence-parallel prefill",
                                  param="prompt_logprobs")
@@ -148,7 +150,9 @@ class LLMEngine:
         """Schedule a request made by `new_request` (on the thread that steps the engine)."""
         if req.request_id in self._requests:
             raise InvalidRequest(f"duplicate request id {req.request_id!r}")
+        slot = self.loras.acquire(req.params.lora_name) if self.loras is not None else 0   # held until it ends
         for seq in req.seqs:
+            seq.lora_slot = slot
             # Choices of one seeded request differ from each other but repeat run to run.
             seq.seed = (req.params.seed + seq.index if req.params.seed is not None
                         else int(self._rng.integers(2**31)))
@@ -166,11 +170,17 @@ class LLMEngine:
         return self.add(self.new_request(prompt_token_ids, params, request_id, arrival_time))
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        req = self._requests.pop(request_id, None)
+        req = self._requests.get(request_id)
         if req is None:
             return None
+        self._forget(req)
         self.scheduler.abort(request_id)
         return self._output(req, [CompletionOutput(s.index, "", [], None, "abort") for s in req.seqs], finished=True)
+
+    def _forget(self, req: Request) -> None:
+        del self._requests[req.request_id]
+        if self.loras is not None:
+            self.loras.release(req.seqs[0].lora_slot)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -298,7 +308,7 @@ class LLMEngine:
                 # choice 0 scored the whole prompt before any choice sampled
                 outputs[-1].prompt_logprobs, req.prompt_logprobs_sent = req.seqs[0].prompt_logprobs, True
             if finished:
-                del self._requests[request_id]
+                self._forget(req)
                 self.stats["requests_finished"] += 1
         return outputs
 
@@ -350,17 +360,11 @@ class LLMEngine:
         return sampled[:n + 1]
 
     def _detokenize(self, live: list, accepted: dict[int, list[SampleResult]]) -> dict[int, list[str]]:
-        """Each row's new tokens' texts by seq_id, in one tokenizer call per position of the runs
-        (a call per row and token cost more than the rest of a step); a stop token's too, kept
-        only if asked for (`_advance`); texts past a stop go unused."""
+        """Each row's new tokens' texts by seq_id (IncrementalDetokenizer.step_runs); a stop
+        token's too, kept only if asked for (`_advance`); texts past a stop go unused."""
         seqs = [s.seq for s in live if self._requests[s.seq.request_id].params.max_tokens]
-        texts = {q.seq_id: [] for q in seqs}
-        for i in range(max((len(accepted[q.seq_id]) for q in seqs), default=0)):
-            rows = [q for q in seqs if len(accepted[q.seq_id]) > i]
-            detoks = [self._requests[q.request_id].detoks[q.index] for q in rows]
-            for q, text in zip(rows, IncrementalDetokenizer.step_all(detoks, [[accepted[q.seq_id][i].token] for q in rows])):
-                texts[q.seq_id].append(text)
-        return texts
+        return IncrementalDetokenizer.step_runs({q.seq_id: [r.token for r in accepted[q.seq_id]] for q in seqs},
+                                                {q.seq_id: self._requests[q.request_id].detoks[q.index] for q in seqs})
 
     def _advance(self, req: Request, seq: Sequence, res: SampleResult, num_outputs: int,
                  text: str) -> CompletionOutput:
@@ -392,9 +396,3 @@ class LLMEngine:
             req.request_id, req.prompt_token_ids, outputs, finished, req.num_generated,
             req.arrival_time, req.first_token_time, time.monotonic() if finished else None,
             req.first_scheduled_time, req.seqs[0].num_cached_tokens or 0)
-
-
-def _resolve_dtype(name: str):
-    if name == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Union
 
 from jaxserve.config import EngineConfig
 
-from jaxserve.sampling_params import InvalidRequest, SamplingParams, sampling_defaults
+from jaxserve.sampling_params import InvalidRequest, LoRARequest, SamplingParams, sampling_defaults
 
 if TYPE_CHECKING:
     from jaxserve.runner import SampleResult
@@ -81,9 +81,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One prompt or a list; one SamplingParams for all, or one per prompt. Every request is
-        checked before any runs (InvalidRequest names the prompt at fault)."""
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """One prompt or a list; one SamplingParams for all, or one per prompt; one LoRA adapter
+        for all, or one (or None: the base model) per prompt. Every request is checked before any
+        runs (InvalidRequest names the prompt at fault)."""
         single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
                                                       and all(isinstance(t, int) for t in prompts))
         prompts = [prompts] if single else list(prompts)
@@ -93,6 +95,7 @@ class LLM:
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         else:
             params = [params] * len(prompts)
+        params = self._with_loras(params, lora_request)
         parsed = [self._parse(p, i) for i, p in enumerate(prompts)]
         return self._run([text for text, _ in parsed], [ids for _, ids in parsed], params, use_tqdm)
 
@@ -111,6 +114,22 @@ class LLM:
         # The template writes any bos itself.
         return self.generate([{"prompt": t, "prompt_token_ids": tokenizer.encode(t, add_special_tokens=False)}
                               for t in texts], sampling_params, use_tqdm)
+
+    def _with_loras(self, params: list[SamplingParams], requests) -> list[SamplingParams]:
+        """`params` on their prompts' adapters, made known to the engine (loaded when a request runs)."""
+        requests = requests if isinstance(requests, list) else [requests] * len(params)
+        if len(requests) != len(params):
+            raise ValueError(f"{len(requests)} LoRA requests for {len(params)} prompts")
+        adapters = self.llm_engine.loras
+        named = {r.lora_name: r for r in requests if r is not None}
+        if named and adapters is None:
+            raise ValueError("a lora_request needs an engine with LoRA enabled: LLM(..., enable_lora=True)")
+        if len(named) > adapters.max_loras if named else False:
+            raise ValueError(f"{len(named)} LoRA adapters in one generate call, but max_loras is "
+                             f"{adapters.max_loras}: raise max_loras or split the call")
+        for r in named.values():
+            adapters.register(r)
+        return [p if r is None else dataclasses.replace(p, lora_name=r.lora_name) for p, r in zip(params, requests)]
 
     def _parse(self, prompt: Prompt, i: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:

@@ -21,6 +21,7 @@ class Batch(NamedTuple):
     decode_q: int
     prompt_logprobs: tuple | None   # prompt_logprobs.pack's (seqs, counts, arrays), None: no row asks
     pending: list                   # (position in tokens, sequence) of each PENDING input token
+    lora_slots: np.ndarray          # each token's LoRA adapter slot (0: none; jaxserve/lora.py)
 
 
 def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pages: int,
@@ -76,6 +77,8 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
     tokens[:num_real] = list(itertools.chain.from_iterable(queries))
     positions[:num_real] = _ranges(starts, counts)
+    lora_slots = np.zeros(t, np.int32)
+    lora_slots[:num_real] = np.repeat([s.seq.lora_slot for _, s in real], counts)
     pages = page_table[np.repeat(index, counts), positions[:num_real] // page_size]
     slots = np.full(t, num_pages * page_size, np.int32)  # padding: not written
     slots[:num_real] = pages * page_size + positions[:num_real] % page_size
@@ -88,7 +91,7 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     pending = [(end, s.seq) for (_, s), query, end in zip(real, queries, ends) if query[-1] == PENDING]
     first_tokens = [(s, c) for (_, s), c in zip(real, cursors.tolist())]
     arrays = (tokens, positions, slots, page_table, seq_lens, qsl, logits_index)
-    return Batch(arrays, sampling_seqs, sp, max_q, dq, prompt_logprobs.pack(first_tokens, t), pending)
+    return Batch(arrays, sampling_seqs, sp, max_q, dq, prompt_logprobs.pack(first_tokens, t), pending, lora_slots)
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

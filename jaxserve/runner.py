@@ -32,6 +32,7 @@ from jaxserve.compilations import CompileCounter
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.executables import Executables, abstract, context_digest, key
 from jaxserve.kv_cache import KVCache, page_bytes_per_chip
+from jaxserve.lora import Adapters, StepLora
 from jaxserve.models import build_model
 from jaxserve.packing import pack
 from jaxserve.sampling import SamplingMetadata, SampleOutput, metadata_for
@@ -53,7 +54,7 @@ class SampleResult(NamedTuple):
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, engine_cfg: EngineConfig, mesh=None,
-                 dtype=jnp.float32):
+                 dtype=jnp.float32, lora: Adapters | None = None):
         CompileCounter.install()
         self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
         self.cfg = cfg = cfg.serving(self.max_model_len)
@@ -64,6 +65,7 @@ class ModelRunner:
         self.page_size = engine_cfg.page_size
         self.max_pages_per_seq = sizing.pages_per_seq(cfg, engine_cfg)
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh, cfg))
+        self.lora = lora   # LoRA adapters' slots (jaxserve/lora.py): each step then takes a StepLora
         self.num_pages = engine_cfg.num_pages or self._pages_that_fit()
         # Multi-host: process 0 broadcasts every step (see jaxserve/multihost.py); the others
         # build the same runner and `follow`. The pool size must agree (free memory may not).
@@ -96,7 +98,7 @@ class ModelRunner:
         devices = list(self.mesh.devices.flat)
         self.executables = Executables(store, devices, context_digest(
             devices, cfg, engine_cfg.program_settings(), jnp.dtype(dtype).name, self.mesh, self.backend, abstract(self.params),
-            abstract(self.kv_cache)))
+            abstract(self.kv_cache), lora and abstract(lora.weights)))   # the adapters' targets too
 
     @property
     def prefills_sequence_parallel(self) -> bool:
@@ -133,6 +135,7 @@ class ModelRunner:
             batch = pack(dataclasses.replace(out, scheduled=rest), self.buckets, self.max_pages_per_seq,
                          self.num_pages, self.page_size, self.ready_shapes)
             seqs = batch.sampling_seqs
+            lora = () if self.lora is None else (batch.lora_slots,)   # the op's first array (see `replay`)
             token_src = np.full(len(batch.arrays[0]), -1, np.int32)   # >= 0: the previous step's row
             for position, seq in batch.pending:
                 token_src[position] = self._last_rows[seq.seq_id]
@@ -150,10 +153,10 @@ class ModelRunner:
                 filters = multi_step_variant(multi_step_variants(parallel.platform(self.mesh)), md, self.cfg.vocab_size)
                 filters = -1 if filters is None else int(filters)
                 ops.append(_Op([_MULTI_STEP, self.ecfg.decode_steps, filters],
-                               (*batch.arrays, token_src, row_steps, pending), seqs, md))
+                               (*lora, *batch.arrays, token_src, row_steps, pending), seqs, md))
             else:
                 ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q, batch.decode_q, int(sample_later)],
-                               (*batch.arrays, token_src), seqs, None if sample_later else metadata()))
+                               (*lora, *batch.arrays, token_src), seqs, None if sample_later else metadata()))
             self._last_rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
             if batch.prompt_logprobs is not None:   # scored from that step's hidden states
                 plp_seqs, plp_counts, plp_arrays = batch.prompt_logprobs
@@ -231,10 +234,13 @@ class ModelRunner:
             if kind == _PROMPT_LOGPROBS:   # over the hidden states of the step just before
                 sampled.append(self._prompt_logprobs(hidden, *arrays))
                 continue
+            lora = ()
+            if self.lora is not None and kind in (_STEP, _MULTI_STEP):   # the tokens' adapter slots come first
+                lora, arrays = (StepLora(self.lora.weights, arrays[0]),), arrays[1:]
             if kind == _MULTI_STEP:   # samples inside; its arrays end with row_steps, pending
                 outs, self.kv_cache, self._last_sampled, self._last_run = self._run(
                     "multi_step", self._multi_step, (self.params, self.kv_cache),
-                    (*arrays, self._last_sampled, self._last_run, SamplingMetadata(*md)), steps=int(static[0]),
+                    (*arrays, self._last_sampled, self._last_run, SamplingMetadata(*md), *lora), steps=int(static[0]),
                     filters=None if static[1] < 0 else bool(static[1]))
                 sampled.append(outs)
                 continue
@@ -242,7 +248,7 @@ class ModelRunner:
                 logits, self._unsampled_logits = self._unsampled_logits, None
             elif kind == _STEP:   # its arrays end with token_src: PENDING tokens are read from _last_sampled
                 logits, self.kv_cache, hidden = self._run(
-                    "step", self._step, (self.params, self.kv_cache), (*arrays, self._last_sampled),
+                    "step", self._step, (self.params, self.kv_cache), (*arrays, self._last_sampled, *lora),
                     num_prefill_rows=int(static[0]), max_q=int(static[1]), decode_q=int(static[2]))
                 if static[3]:   # its sampler comes later
                     self._unsampled_logits = logits

@@ -1,5 +1,6 @@
 """Per-request sampling settings (SamplingParams, checked when built), their limits, the request
-error the engine raises (InvalidRequest), and the defaults a model recommends (generation_config.json)."""
+error the engine raises (InvalidRequest), the defaults a model recommends (generation_config.json),
+and the offline API's choice of LoRA adapter (LoRARequest)."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,6 +25,14 @@ class InvalidRequest(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's: a LoRA adapter by its name, a unique int id, and its PEFT directory (jaxserve/lora.py)."""
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +63,9 @@ class SamplingParams:
     cache_salt: str | None = None         # mixed into the prefix-cache keys: only equal salts share pages
     prompt_logprobs: int | None = None    # top-N logprobs per prompt token (0 = only the token's own)
     structured_output: StructuredOutput | None = None   # the output's grammar: a JSON schema, a regex, choices
+    # The LoRA adapter it runs on, by a name the engine knows (jaxserve/lora.py: a lora_modules entry,
+    # or set by LLM.generate's lora_request; the server's: the body's `model`); None: the base model.
+    lora_name: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -240,7 +240,7 @@ class Scheduler:
                     continue                                 # forks behind may still join
                 # Cached pages have no hidden states to score the prompt with (its pages are
                 # still cached for others).
-                hit = (self.bm.match_prefix(seq.token_ids, seq.sampling.cache_salt)
+                hit = (self.bm.match_prefix(seq.token_ids, seq.sampling.cache_salt, seq.sampling.lora_name)
                        if seq.sampling.prompt_logprobs is None else ([], []))
                 n = min(seq.num_tokens - len(hit[0]) * self.bm.page_size, self.cfg.prefill_chunk_size, admit_budget)
                 if not self.bm.admit(seq, hit, n):

@@ -74,6 +74,7 @@ class Sequence:
     # With sampling.structured_output: its grammar matcher (jaxserve/structured/grammar.py), which
     # fills the sampler's mask and takes each output token.
     grammar: Matcher | None = None
+    lora_slot: int = 0                 # its LoRA adapter's slot, held while it runs (0: none; set by the engine)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     # Guesses of the tokens after token_ids (speculative decoding). The next step that schedules
     # the sequence verifies them if all its tokens but the last are computed, and clears them.

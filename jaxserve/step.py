@@ -19,6 +19,7 @@ from jaxserve import parallel
 from jaxserve.attention import AttentionMetadata
 from jaxserve.buckets import StepShape
 from jaxserve.config import ModelConfig
+from jaxserve.lora import StepLora
 from jaxserve.sampling import PenaltyCounts, sample, sampler_variants, uses_filters
 from jaxserve.sampling_params import MAX_LOGPROBS
 
@@ -36,21 +37,27 @@ def make_multi_step(model, cfg: ModelConfig, mesh, backend: str, length: int):
     return functools.partial(multi_step_decode, model, length=length, **make_step(model, cfg, mesh, backend).keywords)
 
 
-def step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled) -> tuple:
-    """The step's arrays for an empty batch of `shape`, none of its tokens PENDING (see model_step)."""
+def step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled, lora=None) -> tuple:
+    """The step's arrays for an empty batch of `shape`, none of its tokens PENDING (see model_step);
+    with `lora` (LoRA adapters' weights) its StepLora, every token on slot 0."""
     batch = shape.empty_batch(max_pages_per_seq, padding_slot)
-    return *batch, np.full(shape.tokens, -1, np.int32), last_sampled
+    return *batch, np.full(shape.tokens, -1, np.int32), last_sampled, *empty_lora(shape, lora)
+
+
+def empty_lora(shape: StepShape, lora) -> tuple:
+    """() without LoRA weights, else (StepLora with every token of `shape` on slot 0 (none),)."""
+    return () if lora is None else (StepLora(lora, np.zeros(shape.tokens, np.int32)),)
 
 
 def multi_step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled, last_run,
-                      max_model_len: int, vocab_size: int, penalties: bool) -> tuple:
+                      max_model_len: int, vocab_size: int, penalties: bool, lora=None) -> tuple:
     """multi_step_decode's arrays for an empty batch of a decode `shape`: the step's, no row
     running a step or with PENDING tokens, the sampler's metadata (the plain variant's, or with
-    penalties and a bias)."""
+    penalties and a bias), with `lora` weights its StepLora."""
     *arrays, last_sampled = step_arrays(shape, max_pages_per_seq, padding_slot, last_sampled)
     md = sampler_variants(shape.logit_rows, max_model_len, vocab_size)[int(penalties)]
     none = np.zeros(shape.logit_rows, np.int32)
-    return *arrays, none, none, last_sampled, last_run, md
+    return *arrays, none, none, last_sampled, last_run, md, *empty_lora(shape, lora)
 
 
 def last_sampled_spec(mesh, *shape: int) -> jax.ShapeDtypeStruct:
@@ -59,11 +66,12 @@ def last_sampled_spec(mesh, *shape: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=parallel.replicated(mesh))
 
 
-def lower_step(step, params, kv_cache, shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled):
+def lower_step(step, params, kv_cache, shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled,
+               lora=None):
     """`step` (from make_step) lowered for `shape` over an empty batch; `last_sampled`: an array
-    or last_sampled_spec."""
+    or last_sampled_spec; `lora`: LoRA adapters' weights, or None."""
     return step.func.lower(*step.args, params, kv_cache,
-                           *step_arrays(shape, max_pages_per_seq, padding_slot, last_sampled),
+                           *step_arrays(shape, max_pages_per_seq, padding_slot, last_sampled, lora),
                            num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q,
                            **step.keywords)
 
@@ -114,17 +122,19 @@ def page_copy_batches(copies, max_copies: int, num_pages: int):
                                              "kv_sharding", "logits_sharding"),
                    donate_argnames=("kv_cache",))
 def model_step(model, params, kv_cache, tokens, positions, slot_mapping, page_table, seq_lens,
-               query_start_loc, logits_index, token_src, last_sampled, *, backend, num_prefill_rows, max_q,
+               query_start_loc, logits_index, token_src, last_sampled, lora=None, *, backend, num_prefill_rows, max_q,
                kv_sharding, logits_sharding, decode_q=1):
     """The arrays: packing.py's, then where PENDING tokens are: token_src[i] >= 0 makes tokens[i]
     the previous step's sampled token last_sampled[token_src[i]] (sampled on the device while
-    this step was planned: see jaxserve/engine.py)."""
+    this step was planned: see jaxserve/engine.py). `lora`: a StepLora (jaxserve/lora.py), or
+    None: the program has no LoRA at all."""
     tokens = jnp.where(token_src >= 0, last_sampled[jnp.maximum(token_src, 0)], tokens)
     meta = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, page_table=page_table,
                              seq_lens=seq_lens, query_start_loc=query_start_loc, max_q=max_q,
                              num_prefill_rows=num_prefill_rows, decode_q=decode_q, backend=backend,
                              kv_sharding=kv_sharding, platform=parallel.platform(kv_sharding.mesh))
-    hidden, kv_cache = model.apply({"params": params}, tokens, positions, kv_cache, meta)
+    variables = {"params": params} if lora is None else {"params": params, "lora": lora.variables()}
+    hidden, kv_cache = model.apply(variables, tokens, positions, kv_cache, meta)
     logits = model.apply({"params": params}, hidden[logits_index], method=model.logits)
     # Under tensor parallelism: keep the lm_head matmul vocab-split, then gather the logits
     # once for the sampler (see parallel.logits_sharding). No-ops on one device.
@@ -155,8 +165,8 @@ def multi_step_variant(variants: list[tuple[bool, bool | None]], md, vocab_size:
 @functools.partial(jax.jit, static_argnames=("model", "backend", "steps", "filters", "length", "kv_sharding",
                                              "logits_sharding"), donate_argnames=("kv_cache",))
 def multi_step_decode(model, params, kv_cache, tokens, positions, slot_mapping, page_table, seq_lens,
-                      query_start_loc, logits_index, token_src, row_steps, pending, last_sampled, last_run, md, *,
-                      backend, steps, filters, length, kv_sharding, logits_sharding):
+                      query_start_loc, logits_index, token_src, row_steps, pending, last_sampled, last_run, md,
+                      lora=None, *, backend, steps, filters, length, kv_sharding, logits_sharding):
     """`steps` decode steps of a decode-only batch (packing.py's arrays: one token a row, row r
     at position r and logit row r) in one program, each step's sampled tokens the next one's
     inputs (scheduler.py: multi-step decodes). Row r runs its first row_steps[r] steps; later
@@ -168,7 +178,8 @@ def multi_step_decode(model, params, kv_cache, tokens, positions, slot_mapping, 
     still running when this one was planned (the last in last_sampled, the others in last_run, at
     its token_src row), and grow with each step's token. Returns the samples [steps, rows], the
     pool, each row's last sampled token padded to `length` (the next step's last_sampled, as
-    serving_sample's) and the samples' tokens padded to [steps, length] (the next last_run)."""
+    serving_sample's) and the samples' tokens padded to [steps, length] (the next last_run).
+    `lora`: as model_step's (a row's one token, its slot, every step)."""
     rows, page_size = tokens.shape[0], kv_cache.page_size
     no_slot = kv_cache.num_pages * page_size
     tokens = jnp.where(token_src >= 0, last_sampled[jnp.maximum(token_src, 0)], tokens)
@@ -187,7 +198,7 @@ def multi_step_decode(model, params, kv_cache, tokens, positions, slot_mapping, 
         page = page_table[jnp.arange(rows), pos // page_size]
         slots = jnp.where(running, page * page_size + pos % page_size, no_slot)
         logits, kv_cache, _ = model_step(model, params, kv_cache, tokens, pos, slots, page_table, seq_lens + ahead,
-                                         query_start_loc, logits_index, no_src, last_sampled, backend=backend,
+                                         query_start_loc, logits_index, no_src, last_sampled, lora, backend=backend,
                                          num_prefill_rows=0, max_q=1, decode_q=1, kv_sharding=kv_sharding,
                                          logits_sharding=logits_sharding)
         out = sample(logits, md.replace(step=md.step + k), counts, num_logprobs=MAX_LOGPROBS, filters=filters)

@@ -256,6 +256,19 @@ class IncrementalDetokenizer:
             deltas.append("" if held else text[len(prefix):])
         return deltas
 
+    @staticmethod
+    def step_runs(runs: dict, detoks: dict) -> dict[object, list[str]]:
+        """Each key's new tokens' texts ({key: ids} in `runs`, {key: its detokenizer} in
+        `detoks`), in one `step_all` per position of the runs (a call per row and token cost more
+        than the rest of an engine step)."""
+        texts = {k: [] for k in runs}
+        for i in range(max(map(len, runs.values()), default=0)):
+            keys = [k for k, ids in runs.items() if len(ids) > i]
+            for k, text in zip(keys, IncrementalDetokenizer.step_all([detoks[k] for k in keys],
+                                                                     [[runs[k][i]] for k in keys])):
+                texts[k].append(text)
+        return texts
+
     def _may_complete(self) -> bool:
         """Whether a window whose text ends in U+FFFD may still end in a character once more ids
         come. A character's unfinished bytes are at most 3, so yes while no more new ids are held;

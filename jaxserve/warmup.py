@@ -125,7 +125,7 @@ def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
         args, static = _step_args(runner, shape)
         work.append((key("step", args, **static), functools.partial(
             lower_step, runner._step, runner.params, kv, shape, runner.max_pages_per_seq,
-            runner.num_pages * runner.page_size, args[-1])))
+            runner.num_pages * runner.page_size, runner.no_sampled_tokens(), _lora_weights(runner))))
     work += [_lowering("multi_step", runner._multi_step, (runner.params, kv), args, steps=runner.ecfg.decode_steps,
                        filters=filters)
              for args, filters in _multi_steps(runner, shapes)]
@@ -172,7 +172,7 @@ def _step_args(runner, shape: StepShape) -> tuple[tuple, dict]:
     """The step's arrays for an empty batch of `shape` (the latest sampled tokens: zeros, as the
     runner starts with; not the runner's own, which serving may be replacing), its static arguments."""
     return (step_arrays(shape, runner.max_pages_per_seq, runner.num_pages * runner.page_size,
-                        runner.no_sampled_tokens()),
+                        runner.no_sampled_tokens(), _lora_weights(runner)),
             dict(num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q))
 
 
@@ -183,8 +183,14 @@ def _multi_steps(runner, shapes: list[StepShape]) -> list[tuple[tuple, bool | No
         return []
     return [(multi_step_arrays(s, runner.max_pages_per_seq, runner.num_pages * runner.page_size,
                                runner.no_sampled_tokens(), runner.no_sampled_tokens(runner.ecfg.decode_steps),
-                               runner.max_model_len, runner.cfg.vocab_size, penalties), filters)
+                               runner.max_model_len, runner.cfg.vocab_size, penalties, _lora_weights(runner)),
+             filters)
             for s in shapes if s.plain_decode for penalties, filters in multi_step_variants(parallel.platform(runner.mesh))]
+
+
+def _lora_weights(runner):
+    """The LoRA adapters' weights the steps take (None: no LoRA)."""
+    return None if runner.lora is None else runner.lora.weights
 
 
 def _outputs(executable):

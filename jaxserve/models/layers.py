@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import quantization
+from jaxserve import lora, quantization
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.matmul import matmul_t
 
@@ -32,7 +32,8 @@ class Linear(nn.Module):
 
     Every projection of every family goes through this class, so quantized weights belong here:
     params holding `qweight` and a scale instead of `weight` (jaxserve.quantization.quantize_params)
-    are multiplied by quantization.matmul, which dequantizes inside the fused computation."""
+    are multiplied by quantization.matmul, which dequantizes inside the fused computation. LoRA
+    adapters (the "lora" collection, jaxserve/lora.py) add each token's own product."""
     features: int
     use_bias: bool
     dtype: jnp.dtype = jnp.float32
@@ -48,6 +49,8 @@ class Linear(nn.Module):
             w = self.param("weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2),
                            (self.features, x.shape[-1]), self.dtype)
             y = matmul_t(x.astype(self.dtype), w)
+        if self.has_variable("lora", "a"):
+            y = y + lora.delta(x.astype(self.dtype), *(self.get_variable("lora", k) for k in ("a", "b", "mask")))
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y

@@ -39,36 +39,50 @@ def _host():
     return current_app.extensions["jaxserve"]
 
 
-def _check_model(body: dict, host) -> None:
+def _check_model(body: dict, host) -> str:
+    """The model the body names (default: the served model): the served model, or one of its LoRA
+    adapters (lora_modules, as vLLM's), whose name selects it; else 404."""
     model = field(body, "model", lambda v: isinstance(v, str), "a string", host.model_name)
-    if model != host.model_name:
-        raise APIError(404, f"model {model!r} does not exist; this server serves {host.model_name!r}",
+    served = [host.model_name, *host.engine_cfg.lora_modules]
+    if model not in served:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {', '.join(map(repr, served))}",
                        param="model", code="model_not_found")
+    return model
 
 
-def _model_card(host) -> dict:
-    return {"id": host.model_name, "object": "model", "created": host.created, "owned_by": "jaxserve"}
+def _lora_name(model: str, host) -> str | None:
+    return None if model == host.model_name else model
+
+
+def _model_card(host, model: str) -> dict:
+    """vLLM's card: a LoRA adapter's `root` is its directory, its `parent` the served model."""
+    adapter = _lora_name(model, host)
+    return {"id": model, "object": "model", "created": host.created, "owned_by": "jaxserve",
+            "root": host.engine_cfg.lora_modules[adapter] if adapter else host.engine_cfg.model or model,
+            "parent": adapter and host.model_name}
 
 
 @bp.get("/v1/models")
 def list_models():
-    return jsonify({"object": "list", "data": [_model_card(_host())]})
+    host = _host()
+    return jsonify({"object": "list", "data": [_model_card(host, m) for m in [host.model_name,
+                                                                              *host.engine_cfg.lora_modules]]})
 
 
 @bp.get("/v1/models/<path:model>")
 def retrieve_model(model: str):
     host = _host()
-    _check_model({"model": model}, host)
-    return jsonify(_model_card(host))
+    return jsonify(_model_card(host, _check_model({"model": model}, host)))
 
 
 @bp.post("/v1/completions")
 def completions():
     host = _host()
     body = json_body()
-    _check_model(body, host)
+    model = _check_model(body, host)
     engine = host.require_engine().engine
-    params = sampling_params(body, chat=False, max_tokens=16, tenant=g.get("tenant"), defaults=_defaults(engine))
+    params = sampling_params(body, chat=False, max_tokens=16, tenant=g.get("tenant"), defaults=_defaults(engine),
+                             lora_name=_lora_name(model, host))
     stream, *usage_flags = stream_flags(body)
     echo = field(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
     items = prompts(body, engine.tokenizer.encode)
@@ -78,7 +92,7 @@ def completions():
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = host.submit(ids, params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes, return_ids=_return_ids(body))
-    return _respond(host, streams, choices, request_id, "text_completion", stream, usage_flags,
+    return _respond(host, model, streams, choices, request_id, "text_completion", stream, usage_flags,
                     sum(len(params.resolve(i, engine.max_model_len)[0]) for i in ids), timeout)
 
 
@@ -86,7 +100,7 @@ def completions():
 def chat_completions():
     host = _host()
     body = json_body()
-    _check_model(body, host)
+    model = _check_model(body, host)
     engine = host.require_engine().engine
     tools = tool_calls(body, current_app.config["TOOL_CALL_PARSER"])   # checked before the template sees them
     text, ids = chat_prompt(engine.tokenizer, body)
@@ -95,14 +109,15 @@ def chat_completions():
     params = sampling_params(body, chat=True, max_tokens=None, tenant=g.get("tenant"),
                              tool_call=tools and tools.constraint, defaults=_defaults(engine),
                              grammar_after=reasoning.grammar_after if reasoning is not None else "",
-                             keep_special_tokens=tools is not None and tools.parser.keeps_special_tokens)
+                             keep_special_tokens=tools is not None and tools.parser.keeps_special_tokens,
+                             lora_name=_lora_name(model, host))
     stream, *usage_flags = stream_flags(body)
     timeout = _timeout(body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = host.submit([ids], params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=True, tools=tools, token_bytes=engine.grammars.token_bytes,
                        reasoning=reasoning, return_ids=_return_ids(body))
-    return _respond(host, streams, choices, request_id, "chat.completion.chunk" if stream else "chat.completion",
+    return _respond(host, model, streams, choices, request_id, "chat.completion.chunk" if stream else "chat.completion",
                     stream, usage_flags, len(params.resolve(ids, engine.max_model_len)[0]), timeout)
 
 
@@ -116,11 +131,11 @@ def _timeout(body: dict) -> float | None:
     return field(body, "timeout", lambda v: is_number(v) and v > 0, "a positive number of seconds", None)
 
 
-def _respond(host, streams, choices, request_id: str, obj: str, stream: bool, usage_flags: list[bool],
+def _respond(host, model: str, streams, choices, request_id: str, obj: str, stream: bool, usage_flags: list[bool],
              prompt_tokens: int, timeout: float | None):
-    """The SSE stream, or the JSON body, of submitted requests. `usage_flags`: stream_options'
-    include_usage and continuous_usage_stats."""
-    head = {"id": request_id, "object": obj, "created": int(time.time()), "model": host.model_name,
+    """The SSE stream, or the JSON body, of submitted requests (`model`: the name the body gave).
+    `usage_flags`: stream_options' include_usage and continuous_usage_stats."""
+    head = {"id": request_id, "object": obj, "created": int(time.time()), "model": model,
             "system_fingerprint": host.system_fingerprint}
     deltas = host.follow(streams, alive=_client_connected(request.environ), timeout=timeout)
     if stream:

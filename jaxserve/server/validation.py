@@ -74,14 +74,16 @@ def reject_unsupported(body: dict) -> None:
 
 def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: str | None = None,
                     tool_call: StructuredOutput | None = None, defaults: dict | None = None,
-                    grammar_after: str = "", keep_special_tokens: bool = False) -> SamplingParams:
+                    grammar_after: str = "", keep_special_tokens: bool = False,
+                    lora_name: str | None = None) -> SamplingParams:
     """The sampling fields shared by completions and chat. `max_tokens` is the default when the
     body has neither max_completion_tokens nor max_tokens; `defaults` (the model's: sampling_params.py
     sampling_defaults) those of the fields it names. A `tenant` (from the API key) salts the
     prefix cache, with the body's cache_salt if any. `tool_call`: the output's constraint from the
     chat request's tools (jaxserve/server/tools.py); `grammar_after`: where the output's grammar
     starts (StructuredOutput.after; "" at once); `keep_special_tokens`: the text keeps them whatever
-    the body says (a tool-call syntax that begins with one)."""
+    the body says (a tool-call syntax that begins with one); `lora_name`: the LoRA adapter the
+    body's `model` names (None: the served model)."""
     defaults = {**vars(SamplingParams()), **(defaults or {})}   # the model's, else OpenAI's
     reject_unsupported(body)
     structured = structured_output(body)
@@ -142,6 +144,7 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: s
             truncate_prompt_tokens=field(body, "truncate_prompt_tokens", is_int, "an integer", None),
             cache_salt=cache_salt(body, tenant),
             structured_output=structured and structured[1],
+            lora_name=lora_name,
         )
     except InvalidRequest as e:
         param = {"logprobs": "top_logprobs" if chat else "logprobs",

@@ -1,0 +1,246 @@
+"""Multi-LoRA serving (jaxserve/lora.py) against transformers + peft on a seeded tiny Llama and
+seeded PEFT adapters written by peft's save_pretrained: greedy tokens and logprobs of base and
+adapter rows mixed in one batch, adapters loaded on demand into the least recently used slot, no
+prefix-cache page shared across adapters, the OpenAI server selecting an adapter by model name,
+and adapters the engine cannot serve refused with clear errors."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import openai
+import peft
+import pytest
+import torch
+import transformers as tf
+
+from jaxserve import LLM, LoRARequest, SamplingParams
+from jaxserve.compilations import CompileCounter
+from jaxserve.sampling_params import InvalidRequest
+from tests import server_harness
+from tests.conftest import fake_devices_env
+from tests.hf_models import save_byte_tokenizer, save_hf_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NEW_TOKENS = 12
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=16, max_prefill_seqs=1,
+              page_size=8, max_model_len=128, num_pages=64, compilation_cache_dir=None)
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (seed, LoraConfig fields): a1 every projection; a2 a few at a smaller rank, rsLoRA's
+# scaling; a3 (loaded on demand) at the full max_lora_rank.
+ADAPTERS = {"a1": (1, dict(r=8, lora_alpha=16, target_modules=ALL)),
+            "a2": (2, dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"])),
+            "a3": (3, dict(r=16, lora_alpha=8, target_modules=["k_proj", "o_proj", "up_proj"]))}
+
+
+def save_adapter(base_dir: str, out_dir: str, seed: int, **config):
+    """A PEFT adapter of the base model with seeded random A and B (PEFT starts B at zero), saved;
+    returns the PEFT model."""
+    model = tf.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
+    model = peft.get_peft_model(model, peft.LoraConfig(**config))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    model.save_pretrained(out_dir)
+    return model.eval()
+
+
+def reference(model, prompt: list[int]) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and the logprobs [NEW_TOKENS, vocab] before each, by transformers (+ peft)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        logits = model(ids).logits[0, len(prompt) - 1:-1]
+    return ids[0, len(prompt):].tolist(), torch.log_softmax(logits, -1).numpy()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("base"))
+    hf = save_hf_model("llama_gqa_rope3", base).eval()
+    save_byte_tokenizer(base)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 19, 30)]
+    dirs, expected = {}, {None: [reference(hf, p) for p in prompts]}
+    for name, (seed, config) in ADAPTERS.items():
+        dirs[name] = str(tmp_path_factory.mktemp(name))
+        model = save_adapter(base, dirs[name], seed, **config)
+        expected[name] = [reference(model, p) for p in prompts]
+    return base, dirs, prompts, expected
+
+
+@pytest.fixture(scope="module")
+def llm(setup):
+    base, dirs, _, _ = setup
+    llm = LLM(model=base, lora_modules={n: dirs[n] for n in ("a1", "a2")}, max_loras=2, **ENGINE)
+    llm.llm_engine.warmup()
+    return llm
+
+
+def request(dirs: dict, name: str | None) -> LoRARequest | None:
+    return None if name is None else LoRARequest(name, int(name[1]), dirs[name])
+
+
+def check(outputs, names, prompt_index, expected):
+    """Each output equals its adapter's reference: tokens, and the top-5 logprobs of each step."""
+    for out, name, i in zip(outputs, names, prompt_index):
+        tokens, logprobs = expected[name][i]
+        assert out.outputs[0].token_ids == tokens, (name, i)
+        for step, lp in enumerate(out.outputs[0].logprobs):
+            top = np.argsort(-logprobs[step])[:5]
+            assert list(lp)[1:] == top.tolist() or list(lp)[:5] == top.tolist(), (name, i, step)
+            assert np.allclose([lp[t].logprob for t in top], logprobs[step, top], atol=1e-4), (name, i, step)
+
+
+SAMPLING = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+
+
+def test_mixed_batch_matches_peft_in_one_step_without_compiling(setup, llm):
+    """Base, a1 and a2 rows of every prompt in one generate call: each equals transformers + peft
+    alone; decode steps ran rows of all three at once; nothing compiled after warm-up."""
+    _, dirs, prompts, expected = setup
+    names = [None, "a1", "a2"] * len(prompts)
+    index = [i for i in range(len(prompts)) for _ in range(3)]
+    engine, mixed = llm.llm_engine, []
+    step = engine.step
+
+    def watched():
+        outputs = step()
+        mixed.append({s.seq.lora_slot for s in engine.last_schedule.scheduled})
+        return outputs
+
+    before = CompileCounter.count
+    engine.step = watched
+    try:
+        outs = llm.generate([prompts[i] for i in index], SAMPLING, use_tqdm=False,
+                            lora_request=[request(dirs, n) for n in names])
+    finally:
+        del engine.step
+    check(outs, names, index, expected)
+    assert {0, 1, 2} in mixed
+    assert CompileCounter.count == before
+    assert engine.loras.users == [0, 0, 0]   # every slot released
+
+
+def test_speculative_decoding_with_adapters(setup):
+    """n-gram speculation verifies LoRA rows through the same per-token slots: outputs unchanged.
+    (1-grams: a random model seldom repeats longer runs.)"""
+    base, dirs, prompts, expected = setup
+    spec = dict(method="ngram", num_tokens=3, ngram_min=1, ngram_max=2, disable_by_batch_size=8)
+    llm = LLM(model=base, lora_modules={"a1": dirs["a1"]}, speculative=spec, **ENGINE)
+    names = [None, "a1"] * len(prompts)
+    index = [i for i in range(len(prompts)) for _ in range(2)]
+    outs = llm.generate([prompts[i] for i in index], SAMPLING, use_tqdm=False,
+                        lora_request=[request(dirs, n) for n in names])
+    check(outs, names, index, expected)
+    assert llm.llm_engine.stats["spec_verify_rows"] > 0
+
+
+def test_tensor_parallel_and_multi_step(setup):
+    """TP 2 (fake CPU devices, in a subprocess), 4 decode steps a program: B split with the
+    column-parallel outputs, A with the row-parallel inputs; outputs unchanged."""
+    base, dirs, prompts, expected = setup
+    proc = subprocess.run([sys.executable, "-m", "tests.test_lora", json.dumps([base, dirs, prompts])], cwd=ROOT,
+                          capture_output=True, text=True, env=fake_devices_env(2), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    names = [None, "a1", "a2"] * len(prompts)
+    for tokens, name, i in zip(result["tokens"], names, [i for i in range(len(prompts)) for _ in range(3)]):
+        assert tokens == expected[name][i][0], (name, i)
+    assert result["specs"] == {"q_proj/a": [None, None, None], "q_proj/b": [None, "model", None],
+                               "o_proj/a": [None, None, "model"], "o_proj/b": [None, None, None]}
+    assert result["multi_step_decodes"] > 0
+
+
+def test_adapter_loaded_on_demand_into_the_idle_slot(setup, llm):
+    """a3 is not among lora_modules: it loads into the least recently used slot (a1's, after the
+    test above used a2 last), and a1 loads again when asked for; both still equal peft."""
+    _, dirs, prompts, expected = setup
+    adapters = llm.llm_engine.loras
+    before = CompileCounter.count
+    for name in ("a3", "a1"):
+        outs = llm.generate(prompts, SAMPLING, use_tqdm=False, lora_request=request(dirs, name))
+        check(outs, [name] * len(prompts), range(len(prompts)), expected)
+    assert adapters.slot_of == {"a1": 2, "a3": 1}
+    assert CompileCounter.count == before
+    with pytest.raises(ValueError, match="3 LoRA adapters in one generate call, but max_loras is 2"):
+        llm.generate(prompts, SAMPLING, use_tqdm=False, lora_request=[request(dirs, n) for n in ("a1", "a2", "a3")])
+
+
+def test_prefix_cache_never_shared_across_adapters(setup, llm):
+    """The same 40-token prompt (5 pages) under base, a1, a2, then a1 again: the outputs differ,
+    and only the second a1 run finds cached pages (the prompt's 4 full pages before its last token)."""
+    _, dirs, _, _ = setup
+    prompt = np.random.default_rng(7).integers(0, 256, 40).tolist()
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    bm, tokens, hits = llm.llm_engine.block_manager, [], []
+    for name in (None, "a1", "a2", "a1"):
+        before = bm.prefix_hit_tokens
+        [out] = llm.generate(prompt, sp, use_tqdm=False, lora_request=request(dirs, name))
+        tokens.append(out.outputs[0].token_ids)
+        hits.append(bm.prefix_hit_tokens - before)
+    assert len({tuple(t) for t in tokens[:3]}) == 3 and tokens[3] == tokens[1]
+    assert hits == [0, 0, 0, 32]
+
+
+@pytest.mark.parametrize("change, error", [
+    (dict(r=32, lora_alpha=32), "rank 32 is above max_lora_rank 16"),
+    (dict(use_dora=True), r"DoRA \(use_dora\) is not supported"),
+    (dict(target_modules=["q_proj", "embed_tokens"]), "cannot apply.*embed_tokens"),
+    (dict(bias="lora_only"), "bias 'lora_only' is not supported"),
+])
+def test_adapters_jaxserve_cannot_serve_are_refused(setup, llm, tmp_path, change, error):
+    base, _, prompts, _ = setup
+    save_adapter(base, str(tmp_path), 5, **{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], **change})
+    with pytest.raises(ValueError, match=error):
+        llm.generate(prompts[0], SAMPLING, use_tqdm=False, lora_request=LoRARequest("bad", 9, str(tmp_path)))
+
+
+def test_missing_files_and_unknown_names_are_refused(setup, llm, tmp_path):
+    _, _, prompts, _ = setup
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        llm.generate(prompts[0], SAMPLING, use_tqdm=False, lora_request=LoRARequest("gone", 8, str(tmp_path)))
+    with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'nope'"):
+        llm.generate(prompts[0], SamplingParams(lora_name="nope"), use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def server(setup, tmp_path_factory):
+    base, dirs, _, _ = setup
+    yield from server_harness.serving(str(tmp_path_factory.mktemp("served")), base, "--served-model-name", "base",
+                                      lora_modules={"a1": dirs["a1"]})
+
+
+def test_served_adapter_by_model_name(setup, server):
+    """The OpenAI client's `model` picks the adapter (or the base model); /v1/models lists the
+    adapter with its parent; an unknown model is a 404 model_not_found."""
+    _, dirs, prompts, expected = setup
+    client = server_harness.openai_client(server)
+    cards = client.models.list().data
+    assert [(m.id, m.model_extra["parent"]) for m in cards] == [("base", None), ("a1", "base")]
+    assert client.models.retrieve("a1").model_extra["root"] == dirs["a1"]
+    for model, name in (("a1", "a1"), ("base", None)):
+        out = client.completions.create(model=model, prompt=prompts[1], max_tokens=NEW_TOKENS, temperature=0.0,
+                                        extra_body=dict(ignore_eos=True, return_token_ids=True))
+        assert out.model == model
+        assert out.choices[0].model_extra["token_ids"] == expected[name][1][0], model
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="a2", prompt=prompts[1], max_tokens=2)
+    assert e.value.code == "model_not_found" and "'base', 'a1'" in e.value.message
+
+
+if __name__ == "__main__":   # test_tensor_parallel_and_multi_step's engine, on this process's fake devices
+    base, dirs, prompts = json.loads(sys.argv[1])
+    llm = LLM(model=base, lora_modules=dirs, mesh={"model": 2}, decode_steps=4, **ENGINE)
+    layer = llm.llm_engine.loras.weights["model"]["layers_0"]["self_attn"]
+    specs = {f"{m}/{leaf}": [*layer[m][leaf].sharding.spec] + [None] * (3 - len(layer[m][leaf].sharding.spec))
+             for m in ("q_proj", "o_proj") for leaf in "ab"}
+    outs = llm.generate([p for p in prompts for _ in range(3)], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                                               ignore_eos=True), use_tqdm=False,
+                        lora_request=[request(dirs, n) for n in [None, "a1", "a2"] * len(prompts)])
+    print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "specs": specs,
+                      "multi_step_decodes": llm.llm_engine.stats["multi_step_decodes"]}))
