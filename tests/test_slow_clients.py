@@ -2,13 +2,16 @@
 line a second and 1,000 idle ones (one client), a normal completion answers within 1 s and SSE
 still streams; each connection's cost is bounded (head size, head time, idle keep-alive)."""
 import asyncio
+import contextlib
 import json
 import socket
+import threading
 import time
 
 import pytest
+import uvicorn
 
-from jaxserve.server import asgi
+from jaxserve.server import asgi, http_server
 from jaxserve.server.http_server import HEAD_TIMEOUT_S, KEEP_ALIVE_S, MAX_HEAD_BYTES
 from tests.server_harness import BYTES_ENGINE, bytes_model_dir, serving
 from tests.slow_clients import probe, raise_fd_limit, run_load, stream
@@ -89,3 +92,42 @@ def test_a_stalled_body_gets_408_without_taking_a_thread(monkeypatch):
     assert sent[0]["status"] == 408
     assert json.loads(sent[1]["body"])["error"]["message"].startswith("request body not received")
     assert called == []
+
+
+def test_a_long_request_on_a_kept_alive_connection_is_not_cut(monkeypatch):
+    """In-process, the real protocol: a request whose head came in before the previous response
+    had ended (pipelined, or sent as soon as the body was in, while the server still closed the
+    response) runs longer than HEAD_TIMEOUT_S and still gets its whole answer. The head timer
+    armed at the first response's end once closed the connection under it (a soak's long
+    completion, 2026-11-29)."""
+    monkeypatch.setattr(http_server, "HEAD_TIMEOUT_S", 0.5)
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await receive()
+        await asyncio.sleep(1.5 if scope["path"] == "/slow" else 0)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, http=http_server._BoundedH11Protocol, lifespan="off",
+                                               log_config=None, timeout_keep_alive=5))
+        server.capture_signals = contextlib.nullcontext   # not the main thread
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]})
+        thread.start()
+        try:
+            while not server.started:
+                time.sleep(0.01)
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\nGET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+                sock.settimeout(5)
+                got = b""
+                while got.count(b"ok") < 2 and (chunk := sock.recv(65536)):
+                    got += chunk
+            assert got.count(b"HTTP/1.1 200") == 2 and got.endswith(b"ok"), got
+        finally:
+            server.should_exit = True
+            thread.join(10)

@@ -66,9 +66,9 @@ class _BoundedH11Protocol(H11Protocol):
             self._head_timer.cancel()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            self._head_timer.cancel()
+        super().on_response_complete()   # starts a request whose head came in early (pipelined)
+        self._head_timer.cancel()
+        if not self.transport.is_closing() and self.cycle.response_complete:   # no request is in
             self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self.timeout_keep_alive_handler)
 
     def connection_lost(self, exc) -> None:
