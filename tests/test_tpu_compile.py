@@ -192,8 +192,10 @@ def test_multi_step_decodes_compile():
 
 
 # One chip and TP 8, as in the shipped configs/llama3-8b-v6e-1 and -v5e-8 (v6e-4 and the rest:
-# `jaxserve check`, minutes each).
-LLAMA3_8B_TARGETS = [("v6e-1", 1), ("v5e-8", 8)]
+# `jaxserve check`, minutes each). v6e compiles one computation at a time (check._SPARSECORE),
+# and the prefill step took 56 of its 75 s: there, the decode steps only.
+LLAMA3_8B_TARGETS = [("v6e-1", 1, ["decode-64", "decode-8"]),
+                     ("v5e-8", 8, ["decode-64", "decode-8", "prefill-512x2q512"])]
 CI_LAYERS = 2   # of Llama-3-8B's 32: every layer compiles to the same ops, and 2 compile 16x faster
 
 
@@ -205,8 +207,8 @@ def with_ci_layers(full: ModelConfig, ecfg: EngineConfig, tpu: check.Slice, tp: 
     return dataclasses.replace(full, num_layers=CI_LAYERS, sliding_windows=())
 
 
-@pytest.mark.parametrize("topology, tp", LLAMA3_8B_TARGETS)
-def test_llama3_8b_steps_compile_without_whole_pool_copies(topology, tp):
+@pytest.mark.parametrize("topology, tp, names", LLAMA3_8B_TARGETS)
+def test_llama3_8b_steps_compile_without_whole_pool_copies(topology, tp, names):
     """decode-64, decode-8 and the largest prefill bucket of Llama-3-8B bf16 with the KV pool
     the runner would size for all 32 layers, compiled with CI_LAYERS of them (every bucket
     and every layer: `jaxserve check`, see the README)."""
@@ -215,6 +217,7 @@ def test_llama3_8b_steps_compile_without_whole_pool_copies(topology, tp):
     cfg = with_ci_layers(ModelConfig.from_pretrained(LLAMA3_8B), ecfg, tpu, tp, "llama3-8b")
     shapes = check.quick_shapes(Buckets(ecfg, platform="tpu").warmup_shapes(False))
     assert [s.name for s in shapes] == ["decode-64", "decode-8", "prefill-512x2q512"]
+    shapes = [s for s in shapes if s.name in names]
     report = check.check(ecfg, cfg, tpu, model_name="llama3-8b", dtype=jnp.bfloat16, shapes=shapes, samplers=False)
     assert_serves(report, f"llama3-8b ({CI_LAYERS} layers) on {topology}")
     # The weights per chip as jax shards them: every leaf's shard, summed.
