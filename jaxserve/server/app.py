@@ -14,6 +14,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.server.errors import APIError, register_error_handlers
 from jaxserve.server.host import EngineHost, version
 from jaxserve.server.openai_api import bp as openai_bp, chat_prompt
+from jaxserve.server.responses_api import bp as responses_bp
 from jaxserve.server.validation import field, is_int, json_body
 
 TINY_MODEL_NAME = "jaxserve-tiny"
@@ -53,6 +54,7 @@ def create_app(engine_cfg: EngineConfig, served_model_name: str | None = None, a
                                             on_load_error)
     register_error_handlers(app)
     app.register_blueprint(openai_bp)
+    app.register_blueprint(responses_bp)
 
     # key -> tenant. A lone --api-key has none (no salt); beside tenants' keys it is tenant "", so
     # no request goes unsalted, whose client could then pick another tenant's salt itself.

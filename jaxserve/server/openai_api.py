@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import time
 import uuid
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jinja2
 from flask import Blueprint, current_app, g, jsonify, request
@@ -92,14 +92,32 @@ def completions():
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = host.submit(ids, params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes, return_ids=_return_ids(body))
-    return _respond(host, model, streams, choices, request_id, "text_completion", stream, usage_flags,
-                    sum(len(params.resolve(i, engine.max_model_len)[0]) for i in ids), timeout)
+    submitted = Submitted(body, model, request_id, streams, choices,
+                              sum(len(params.resolve(i, engine.max_model_len)[0]) for i in ids), timeout)
+    return _respond(host, submitted, "text_completion", stream, usage_flags)
 
 
 @bp.post("/v1/chat/completions")
 def chat_completions():
     host = _host()
-    body = json_body()
+    chat = submit_chat(host, json_body())
+    stream, *usage_flags = stream_flags(chat.body)
+    return _respond(host, chat, "chat.completion.chunk" if stream else "chat.completion", stream, usage_flags)
+
+
+class Submitted(NamedTuple):
+    """Requests in the engine, and what their answer is made from (completions, chat, responses)."""
+    body: dict
+    model: str   # as the body named it
+    request_id: str
+    streams: list
+    choices: "_Choices"
+    prompt_tokens: int
+    timeout: float | None
+
+
+def submit_chat(host, body: dict, request_id: str | None = None) -> Submitted:
+    """Checks a chat request's body (400 naming the field) and submits it to the engine."""
     model = _check_model(body, host)
     engine = host.require_engine().engine
     tools = tool_calls(body, current_app.config["TOOL_CALL_PARSER"])   # checked before the template sees them
@@ -111,14 +129,13 @@ def chat_completions():
                              grammar_after=reasoning.grammar_after if reasoning is not None else "",
                              keep_special_tokens=tools is not None and tools.parser.keeps_special_tokens,
                              lora_name=_lora_name(model, host))
-    stream, *usage_flags = stream_flags(body)
     timeout = _timeout(body)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
     streams = host.submit([ids], params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=True, tools=tools, token_bytes=engine.grammars.token_bytes,
                        reasoning=reasoning, return_ids=_return_ids(body))
-    return _respond(host, model, streams, choices, request_id, "chat.completion.chunk" if stream else "chat.completion",
-                    stream, usage_flags, len(params.resolve(ids, engine.max_model_len)[0]), timeout)
+    return Submitted(body, model, request_id, streams, choices,
+                         len(params.resolve(ids, engine.max_model_len)[0]), timeout)
 
 
 def _return_ids(body: dict) -> bool:
@@ -131,16 +148,20 @@ def _timeout(body: dict) -> float | None:
     return field(body, "timeout", lambda v: is_number(v) and v > 0, "a positive number of seconds", None)
 
 
-def _respond(host, model: str, streams, choices, request_id: str, obj: str, stream: bool, usage_flags: list[bool],
-             prompt_tokens: int, timeout: float | None):
-    """The SSE stream, or the JSON body, of submitted requests (`model`: the name the body gave).
-    `usage_flags`: stream_options' include_usage and continuous_usage_stats."""
-    head = {"id": request_id, "object": obj, "created": int(time.time()), "model": model,
+def _respond(host, submitted: Submitted, obj: str, stream: bool, usage_flags: list[bool]):
+    """The SSE stream, or the JSON body, of submitted requests. `usage_flags`: stream_options'
+    include_usage and continuous_usage_stats."""
+    head = {"id": submitted.request_id, "object": obj, "created": int(time.time()), "model": submitted.model,
             "system_fingerprint": host.system_fingerprint}
-    deltas = host.follow(streams, alive=_client_connected(request.environ), timeout=timeout)
+    deltas = follow(host, submitted)
     if stream:
-        return sse_response(_chunks(deltas, choices, head, *usage_flags, prompt_tokens))
-    return jsonify({**head, **_collect(deltas, choices, prompt_tokens)})
+        return sse_response(chunks(deltas, submitted.choices, head, *usage_flags, submitted.prompt_tokens))
+    return jsonify({**head, **collect(deltas, submitted.choices, submitted.prompt_tokens)})
+
+
+def follow(host, submitted: Submitted):
+    """The submitted requests' outputs as they come, ended early by the client leaving or the timeout."""
+    return host.follow(submitted.streams, alive=_client_connected(request.environ), timeout=submitted.timeout)
 
 
 def _defaults(engine) -> dict:
@@ -292,7 +313,7 @@ class _ChoiceDeltas:
             self.deltas.close()
 
 
-def _chunks(deltas, choices: _Choices, head: dict, include_usage: bool, continuous_usage: bool,
+def chunks(deltas, choices: _Choices, head: dict, include_usage: bool, continuous_usage: bool,
             prompt_tokens: int):
     followed = _ChoiceDeltas(deltas, choices, prompt_tokens)
     stream = followed if choices.reasoning is None else choices.reasoning.stream(followed)
@@ -303,7 +324,7 @@ def _chunks(deltas, choices: _Choices, head: dict, include_usage: bool, continuo
         yield {**head, "choices": [], "usage": followed.usage()}
 
 
-def _collect(deltas, choices: _Choices, prompt_tokens: int) -> dict:
+def collect(deltas, choices: _Choices, prompt_tokens: int) -> dict:
     """The non-streaming body: every choice's deltas merged."""
     merged: dict[int, dict] = {}
     followed = _ChoiceDeltas(deltas, choices, prompt_tokens)
