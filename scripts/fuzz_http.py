@@ -6,7 +6,7 @@ multi-step decodes; `--speculative-config` adds verify rows), then:
     jaxserve serve --port 8011 &
     python scripts/fuzz_http.py --url http://127.0.0.1:8011 --requests 400 [--hostile] [--seed 1]
 
-1. `--requests` random requests, 8 at a time: completions and chat, streamed or not, some clients
+1. `--requests` random requests, 8 at a time: completions, chat and responses, streamed or not, some clients
    leaving mid-stream; parameters over the whole API (sampling, penalties, bias, stops, n,
    logprobs, echo, prompt logprobs, response_format, guided fields, tools, cache salts, priorities);
    with `--hostile` also values of the wrong type or range and malformed bodies. Every answer must
@@ -60,6 +60,15 @@ MESSAGES = [[{"role": "user", "content": "hi"}],
             [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "c", "type": "function", "function": {"name": "get", "arguments": '{"city": "Rome"}'}}]},
              {"role": "tool", "tool_call_id": "c", "content": "sunny"}]]
+INPUTS = ["hi", [{"role": "user", "content": "hi"}],   # /v1/responses' input
+          [{"role": "developer", "content": "s"}, {"type": "message", "role": "user",
+                                                    "content": [{"type": "input_text", "text": "\U0001F600"}]}],
+          [{"role": "user", "content": "weather?"}, {"type": "function_call", "call_id": "c", "name": "get",
+                                                     "arguments": '{"city": "Rome"}'},
+           {"type": "function_call_output", "call_id": "c", "output": "sunny"}, {"type": "reasoning", "summary": []}]]
+HOSTILE_INPUTS = [[], 5, [{"role": "user", "content": 5}], [{"type": "item_reference", "id": "x"}],
+                  [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]]
+TEXT_FORMATS = [{"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "name": "x", "schema": SCHEMA}]
 HOSTILE_MESSAGES = [[], [{"role": "bogus", "content": "x"}], [{"role": "user"}], "hi",
                     [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "g", "arguments": "{"}}]}],
                     [{"role": "assistant", "tool_calls": "x"}], [{"role": "tool", "content": 5}]]
@@ -92,13 +101,30 @@ class Fuzz:
             body["echo"] = self.rng.random() < 0.2
         return body
 
+    def responses_body(self) -> dict:
+        """A /v1/responses body: a chat body's sampling fields, with the Responses API's own."""
+        body = self.body(chat=True)
+        for name in ("messages", "n", "logprobs", "top_logprobs", "response_format", "stream_options", "tools",
+                     "tool_choice", "prompt_logprobs", "add_generation_prompt", "continue_final_message"):
+            body.pop(name, None)
+        body.update(input=self.pick(INPUTS, HOSTILE_INPUTS), max_output_tokens=body.pop("max_tokens"))
+        if self.rng.random() < 0.3:
+            body["instructions"] = self.pick(["Be brief."])
+        if self.rng.random() < 0.3:
+            body["text"] = {"format": self.pick(TEXT_FORMATS)}
+        elif self.rng.random() < 0.3:
+            body.update(tools=[{"type": "function", **t["function"]} for t in TOOLS], max_output_tokens=60,
+                        tool_choice=self.pick(["required", "none", "auto", {"type": "function", "name": "get"}]))
+        return body
+
     def one(self) -> str:
-        chat, stream = self.rng.random() < 0.4, self.rng.random() < 0.35
-        body = {**self.body(chat), "stream": stream}
+        kind, stream = self.rng.choice(["completions", "completions", "chat", "responses"]), self.rng.random() < 0.35
+        chat = kind == "chat"
+        body = {**(self.responses_body() if kind == "responses" else self.body(chat)), "stream": stream}
         data = json.dumps(body)
         if self.hostile and self.rng.random() < 0.03:
             data = self.rng.choice(["{", "[]", "null", '{"prompt": NaN}'])
-        r = requests.post(self.url + ("/v1/chat/completions" if chat else "/v1/completions"), data=data,
+        r = requests.post(f"{self.url}/v1/{kind.replace('chat', 'chat/completions')}", data=data,
                           headers={"Content-Type": "application/json"}, stream=stream, timeout=300)
         if r.status_code != 200:
             assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
@@ -114,9 +140,16 @@ class Fuzz:
             assert lines[-1] == b"data: [DONE]", lines[-3:]
             bad = [line for line in lines[:-1] if not line.startswith(b"data: ") or "error" in json.loads(line[6:])]
             assert not bad, bad[:2]
-            return "200 stream"
-        check_body(body, r.json(), chat)
-        return "200"
+            if kind == "responses":
+                events = [json.loads(line[6:]) for line in lines[:-1]]
+                assert [e["sequence_number"] for e in events] == list(range(len(events))), events[:3]
+                check_response(events[-1]["response"])
+            return f"200 {kind} stream"
+        if kind == "responses":
+            check_response(r.json())
+        else:
+            check_body(body, r.json(), chat)
+        return f"200 {kind}"
 
     def run(self, n: int) -> None:
         with cf.ThreadPoolExecutor(8) as pool:
@@ -194,6 +227,16 @@ def check_body(body: dict, d: dict, chat: bool) -> None:
     if body.get("return_token_ids") is True:   # every sampled token, stop tokens too, is a choice's
         assert sum(len(c["token_ids"]) for c in d["choices"]) == u["completion_tokens"], (u, d["choices"])
         assert all(c.get("prompt_token_ids") for c in d["choices"]) if not chat else d["prompt_token_ids"], d
+
+
+def check_response(d: dict) -> None:
+    """A finished Response's own consistency."""
+    assert d["object"] == "response" and d["status"] in ("completed", "incomplete"), d
+    assert (d["status"] == "incomplete") == (d["incomplete_details"] is not None), d
+    assert all(item["type"] in ("message", "reasoning", "function_call") for item in d["output"]), d["output"]
+    assert all(json.loads(item["arguments"]) is not None for item in d["output"] if item["type"] == "function_call")
+    u = d["usage"]
+    assert u["total_tokens"] == u["input_tokens"] + u["output_tokens"], u
 
 
 def idle_state(url: str) -> dict[str, float]:
