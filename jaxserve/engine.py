@@ -28,7 +28,6 @@ from jaxserve import quantization as quant
 from jaxserve.block_manager import BlockManager
 from jaxserve.checkpoint import load_for_mesh, resolve_dtype, saved_lm_head, saved_quantization
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.lora import Adapters
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
 from jaxserve.runner import Launched, ModelRunner, SampleResult
 from jaxserve.sampling import reads_outputs, samples_ahead
@@ -71,7 +70,7 @@ class LLMEngine:
         else:   # given full-precision params (tests, benchmarks) are quantized as loaded ones are
             params = quant.quantize_params(params, self.ecfg.quantization or saved_quantization(model_dir),
                                            lm_head=self.ecfg.quantize_lm_head or saved_lm_head(model_dir))
-        self.loras = Adapters(self.model_cfg, self.ecfg, mesh, self.dtype) if self.ecfg.serves_lora else None
+        self.loras = lora.Adapters(self.model_cfg, self.ecfg, mesh, self.dtype) if self.ecfg.serves_lora else None
         self.runner = ModelRunner(self.model_cfg, params, self.ecfg, mesh=mesh, dtype=self.dtype, lora=self.loras)
         self.max_model_len = self.runner.max_model_len
         spec = self.ecfg.speculative

@@ -102,18 +102,19 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One conversation ([{"role", "content"}, ...]) or a list of them, through the model's
         chat template: the assistant's turn to come, or (continue_final_message, with
         add_generation_prompt=False) the last message continued; `tools` and
-        `chat_template_kwargs` reach the template."""
+        `chat_template_kwargs` reach the template; `lora_request` as generate's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         texts = [tokenizer.apply_chat_template(c, add_generation_prompt, continue_final_message, tools,
                                                **(chat_template_kwargs or {})) for c in conversations]
         # The template writes any bos itself.
         return self.generate([{"prompt": t, "prompt_token_ids": tokenizer.encode(t, add_special_tokens=False)}
-                              for t in texts], sampling_params, use_tqdm)
+                              for t in texts], sampling_params, use_tqdm, lora_request)
 
     def _with_loras(self, params: list[SamplingParams], requests) -> list[SamplingParams]:
         """`params` on their prompts' adapters, made known to the engine (loaded when a request runs)."""
@@ -124,12 +125,15 @@ class LLM:
         named = {r.lora_name: r for r in requests if r is not None}
         if named and adapters is None:
             raise ValueError("a lora_request needs an engine with LoRA enabled: LLM(..., enable_lora=True)")
-        if len(named) > adapters.max_loras if named else False:
+        if named and len(named) > adapters.max_loras:
             raise ValueError(f"{len(named)} LoRA adapters in one generate call, but max_loras is "
                              f"{adapters.max_loras}: raise max_loras or split the call")
         for r in named.values():
             adapters.register(r)
-        return [p if r is None else dataclasses.replace(p, lora_name=r.lora_name) for p, r in zip(params, requests)]
+        # each distinct (params, adapter) built once: building SamplingParams checks its grammar
+        pairs = {(id(p), r.lora_name): (p, r.lora_name) for p, r in zip(params, requests) if r is not None}
+        on_adapter = {key: dataclasses.replace(p, lora_name=name) for key, (p, name) in pairs.items()}
+        return [p if r is None else on_adapter[id(p), r.lora_name] for p, r in zip(params, requests)]
 
     def _parse(self, prompt: Prompt, i: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:

@@ -2,11 +2,12 @@
 held in fixed device slots, each token of a step applying its own (or none).
 
 Every targeted Linear gets two stacks in the "lora" variable collection beside the params,
-A [slots, rank, in] and B [slots, out, rank]: slot 0 is no adapter (zeros), ranks are zero-padded
-to max_lora_rank and each adapter's scaling is folded into its B. layers.Linear adds `delta`, for
-each token the product through its slot's A and B. The step gets each token's slot (`StepLora`),
-so a batch mixing base rows and rows of several adapters runs in one program, of the same shapes
-whatever the mix. The targets are the modules the start-up adapters (lora_modules) target, or
+A [max_loras, rank, in] and B [out, max_loras, rank], slot s (1..max_loras) at index s - 1 (slot 0,
+no adapter, is not stored: its tokens' mask is zero); ranks are zero-padded to max_lora_rank and
+each adapter's scaling is folded into its B. layers.Linear adds `delta`, for each token the
+product through its slot's A and B. The step gets each token's slot (`StepLora`), so a batch
+mixing base rows and rows of several adapters runs in one program, of the same shapes whatever
+the mix. The targets are the modules the start-up adapters (lora_modules) target, or
 every Linear of the decoder without any; a fused HF tensor (Phi-3's qkv_proj) maps by its rows.
 """
 from __future__ import annotations
@@ -18,7 +19,6 @@ import os
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import traverse_util
@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 
 from jaxserve import parallel
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.matmul import matmul_t
 from jaxserve.sampling_params import InvalidRequest, LoRARequest
 
 PEFT_PREFIX = "base_model.model."   # PEFT's names: this, the HF module's name, .lora_A.weight / .lora_B.weight
@@ -37,20 +38,23 @@ class StepLora(NamedTuple):
     token_slots: jax.Array
 
     def variables(self) -> dict:
-        """The "lora" collection: each targeted Linear's a, b and the tokens' one-hot slot mask."""
+        """The "lora" collection: each targeted Linear's a, b and the tokens' one-hot slot mask
+        [T, max_loras] (all zeros for slot 0)."""
         flat = traverse_util.flatten_dict(self.weights)
         a = next(iter(flat.values()))
-        mask = jax.nn.one_hot(self.token_slots, a.shape[0], dtype=a.dtype)   # once for every layer
+        mask = jax.nn.one_hot(self.token_slots - 1, a.shape[0], dtype=a.dtype)   # once for every layer
         flat.update({path[:-1] + ("mask",): mask for path in flat if path[-1] == "a"})
         return traverse_util.unflatten_dict(flat)
 
 
 def delta(x, a, b, mask):
     """Each token's (x @ A[s].T) @ B[s].T for its slot s: through every slot's A (a few columns
-    each), the other slots' columns zeroed by `mask`, then every slot's B. Cheaper than gathering
-    each token's matrices (a prefill's tokens would copy them) while slots x rank stays small."""
-    xa = jnp.einsum("...i,sri->...sr", x, a) * mask[..., None]
-    return jnp.einsum("...sr,sor->...o", xa, b)
+    each), the other slots' columns zeroed by `mask`, then every slot's B, as two products with
+    contiguous contractions (matmul_t). Cheaper than gathering each token's matrices (a prefill's
+    tokens would copy them) while slots x rank stays small."""
+    (slots, rank, inp), out = a.shape, b.shape[0]
+    xa = matmul_t(x, a.reshape(slots * rank, inp)).reshape(*x.shape[:-1], slots, rank) * mask[..., None]
+    return matmul_t(xa.reshape(*x.shape[:-1], slots * rank), b.reshape(out, slots * rank))
 
 
 def linear_modules(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, tuple[int, int] | None, tuple[int, int]]]:
@@ -160,21 +164,18 @@ class Adapters:
         self.linears = linear_modules(cfg)
         first = {name: read_adapter(path, self.linears, self.max_rank) for name, path in self.paths.items()}
         self.targets = sorted(set().union(*first.values()) if first else self.linears)
-        shapes, shardings = {}, {}
+        shapes, shardings, slots, rank = {}, {}, self.max_loras, self.max_rank
         for path in self.targets:
             out, inp = self.linears[path][2]
             out_axis, in_axis = param_logical_axes(path + ("weight",), cfg)
-            for leaf, shape, axes in (("a", (self.max_rank, inp), ("lora_rank", in_axis)),
-                                      ("b", (out, self.max_rank), (out_axis, "lora_rank"))):
-                shapes[path + (leaf,)] = (self.max_loras + 1, *shape)
-                spec = parallel.logical_to_spec(("lora_slots", *axes), shapes[path + (leaf,)], mesh, cfg)
-                shardings[path + (leaf,)] = NamedSharding(mesh, spec)
+            for leaf, shape, axes in (("a", (slots, rank, inp), ("lora_slots", "lora_rank", in_axis)),
+                                      ("b", (out, slots, rank), (out_axis, "lora_slots", "lora_rank"))):
+                shapes[path + (leaf,)] = shape
+                shardings[path + (leaf,)] = NamedSharding(mesh, parallel.logical_to_spec(axes, shape, mesh, cfg))
         self.weights = traverse_util.unflatten_dict(
             {p: jax.device_put(np.zeros(s, dtype), shardings[p]) for p, s in shapes.items()})
         # one program for every load: the slot is an argument
-        self._store = jax.jit(lambda w, slot, new: jax.tree.map(lambda x, n: x.at[slot].set(n.astype(x.dtype)),
-                                                                w, new),
-                              donate_argnums=0, out_shardings=traverse_util.unflatten_dict(shardings))
+        self._store = jax.jit(_store, donate_argnums=0, out_shardings=traverse_util.unflatten_dict(shardings))
         self.slot_of: dict[str, int] = {}            # resident adapters
         self.users = [0] * (self.max_loras + 1)      # running requests per slot
         self.last_used = [0] * (self.max_loras + 1)
@@ -230,7 +231,16 @@ class Adapters:
         new = {}
         for path in self.targets:   # zeros where this adapter has none
             out, inp = self.linears[path][2]
-            zeros = np.zeros((self.max_rank, inp), np.float32), np.zeros((out, self.max_rank), np.float32)
-            new[path + ("a",)], new[path + ("b",)] = adapter.get(path) or zeros
-        self.weights = self._store(self.weights, np.int32(slot), traverse_util.unflatten_dict(new))
+            new[path] = adapter.get(path) or (np.zeros((self.max_rank, inp), np.float32),
+                                                        np.zeros((out, self.max_rank), np.float32))
+        self.weights = self._store(self.weights, np.int32(slot - 1), new)
         self.slot_of[name] = slot
+
+
+def _store(weights: dict, index, adapter: dict) -> dict:
+    """`weights` with `adapter` ({module path: (A, B)}) at slot index `index`."""
+    flat = traverse_util.flatten_dict(weights)
+    for path, (a, b) in adapter.items():
+        flat[path + ("a",)] = flat[path + ("a",)].at[index].set(a.astype(flat[path + ("a",)].dtype))
+        flat[path + ("b",)] = flat[path + ("b",)].at[:, index].set(b.astype(flat[path + ("b",)].dtype))
+    return traverse_util.unflatten_dict(flat)

@@ -46,7 +46,7 @@ LOGICAL_RULES = {
     "head_dim": None,
     "pages": None,
     "page_slots": None,
-    "lora_slots": None,   # LoRA stacks (jaxserve/lora.py): split as their base weight, slots and rank whole
+    "lora_slots": None,   # LoRA stacks (jaxserve/lora.py): split as their base weight, slots and ranks whole
     "lora_rank": None,
 }
 # A parameter's logical axes come from its family's rules (jaxserve.models.registry).
