@@ -177,8 +177,8 @@ class Adapters:
         # one program for every load: the slot is an argument
         self._store = jax.jit(_store, donate_argnums=0, out_shardings=traverse_util.unflatten_dict(shardings))
         self.slot_of: dict[str, int] = {}            # resident adapters
-        self.users = [0] * (self.max_loras + 1)      # running requests per slot
-        self.last_used = [0] * (self.max_loras + 1)
+        self.users = [0] * (self.max_loras + 1)      # running requests per slot (index 0, the base model's: unused)
+        self.last_used = [0] * (self.max_loras + 1)  # a clock tick per acquire: the least recent is evicted first
         self._clock = itertools.count(1)
         for slot, (name, adapter) in enumerate(first.items(), 1):
             self._load(name, adapter, slot)
