@@ -93,7 +93,7 @@ def completions():
     streams = host.submit(ids, params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes, return_ids=_return_ids(body))
     submitted = Submitted(body, model, request_id, streams, choices,
-                              sum(len(params.resolve(i, engine.max_model_len)[0]) for i in ids), timeout)
+                          sum(len(params.resolve(i, engine.max_model_len)[0]) for i in ids), timeout)
     return _respond(host, submitted, "text_completion", stream, usage_flags)
 
 
@@ -111,7 +111,7 @@ class Submitted(NamedTuple):
     model: str   # as the body named it
     request_id: str
     streams: list
-    choices: "_Choices"
+    choices: "_Choices"   # defined below
     prompt_tokens: int
     timeout: float | None
 
@@ -135,7 +135,7 @@ def submit_chat(host, body: dict, request_id: str | None = None) -> Submitted:
     choices = _Choices(engine.tokenizer, params.n, chat=True, tools=tools, token_bytes=engine.grammars.token_bytes,
                        reasoning=reasoning, return_ids=_return_ids(body))
     return Submitted(body, model, request_id, streams, choices,
-                         len(params.resolve(ids, engine.max_model_len)[0]), timeout)
+                     len(params.resolve(ids, engine.max_model_len)[0]), timeout)
 
 
 def _return_ids(body: dict) -> bool:
