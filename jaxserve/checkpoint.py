@@ -9,6 +9,7 @@ never whole either.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -73,53 +74,67 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
     the quantized tree's)."""
     if is_orbax_checkpoint(model_dir):
         return _load_orbax(model_dir, cfg, dtype, shardings, quantization, lm_head)
-    stored = prequantized.hf_quantization(model_dir)
-    if stored is not None and quantization not in (None, stored):
-        raise ValueError(f"{model_dir} holds {stored} weights; it cannot be loaded as {quantization}")
+    stored = prequantized.stored(model_dir)
+    if stored is not None and quantization not in (None, stored.mode):
+        raise ValueError(f"{model_dir} holds {stored.mode} weights; it cannot be loaded as {quantization}")
     if stored is not None and lm_head:
-        raise ValueError(f"{model_dir} holds {stored} weights: its LM head is loaded as stored")
+        raise ValueError(f"{model_dir} holds {stored.mode} weights: its LM head is loaded as stored")
     quant.check_head(quantization, lm_head)
     shapes = param_shapes(cfg, dtype)
     index = _tensor_index(model_dir)
     hf_tensor = architecture(cfg.architecture).hf_tensor
     open_files: dict[str, Any] = {}
+
+    def lazy(name: str, shape: tuple[int, ...] | None = None):   # the tensor `name` as a lazy safetensors slice
+        name = _as_in_checkpoint(name, index)
+        if name not in index:
+            raise ValueError(f"checkpoint {model_dir} is missing tensor {name!r}"
+                             + ("" if shape is None else f" (expected shape {tuple(shape)})"))
+        if index[name] not in open_files:
+            open_files[index[name]] = safe_open(index[name], framework="np")
+        return open_files[index[name]].get_slice(name)
+
     params: dict = {}
     try:
         for path, spec in jax.tree_util.tree_flatten_with_path(shapes)[0]:
             keys = tuple(k.key for k in path)
             name, rows = hf_tensor(keys, cfg)
-            name = _as_in_checkpoint(name, index)
-            if name not in index:
-                raise ValueError(f"checkpoint {model_dir} is missing tensor {name!r} "
-                                 f"(expected shape {tuple(spec.shape)})")
-            fn = index[name]
-            if fn not in open_files:
-                open_files[fn] = safe_open(fn, framework="np")
-            tensor = open_files[fn].get_slice(name)
+            quantize = (quantization or stored) is not None and quant.quantizable(keys, spec, lm_head)
+            where = _read_sharding(shardings, keys, quantize)
+            if quantize and stored:   # read as stored, in jaxserve's layout
+                quant.set_path(params, keys[:-1], _place_stored(stored, lambda n: lazy(n)[:], name, rows, spec,
+                                                                None if shardings is None else quant.node(shardings, keys[:-1])))
+                continue
+            tensor = lazy(name, spec.shape)
             hf_shape = tuple(tensor.get_shape())
             fits = (hf_shape == tuple(spec.shape) if rows is None
                     else hf_shape[0] >= rows[1] and hf_shape[1:] == tuple(spec.shape[1:]))
             if not fits:
                 raise ValueError(f"tensor {name!r} has shape {hf_shape} in the checkpoint, expected "
                                  f"{tuple(spec.shape)}" + ("" if rows is None else f" at rows {rows[0]}:{rows[1]}"))
-            quantize = (quantization or stored) is not None and quant.quantizable(keys, spec, lm_head)
-            where = _read_sharding(shardings, keys, quantize)
-            row_offset = None if rows is None else rows[0]
-            if quantize and stored:   # already int8: read as it is
-                scale = prequantized.read_scale(open_files[fn], name, rows)
-                leaf = {"qweight": _place(tensor, jax.ShapeDtypeStruct(spec.shape, jnp.int8), where, row_offset),
-                        "scale": jnp.asarray(scale) if shardings is None else
-                        jax.device_put(scale, quant.node(shardings, keys[:-1])["scale"])}
-            else:
-                leaf = _place(tensor, spec, where, row_offset)
-                if quantize:
-                    leaf = quant.quantize_placed(leaf, quantization, None if shardings is None else quant.node(shardings, keys[:-1]))
+            leaf = _place(tensor, spec, where, None if rows is None else rows[0])
+            if quantize:
+                leaf = quant.quantize_placed(leaf, quantization, None if shardings is None else quant.node(shardings, keys[:-1]))
             quant.set_path(params, keys[:-1] if quantize else keys, leaf)
     finally:
         open_files.clear()
     if lm_head:
         quant.tied_head(params, quantization, shardings)
     return params
+
+
+def _place_stored(stored: prequantized.Stored, tensor, name: str, rows, spec, shardings: dict | None) -> dict:
+    """A pre-quantized Linear's {"qweight", "scale"} (its rows of a fused tensor), checked
+    against the shapes its quantization gives `spec` and placed by `shardings` (None: default device)."""
+    want = jax.eval_shape(functools.partial(quant.quantize_weight, mode=stored.mode), spec)
+    leaf = {}
+    for k, x in stored.read(tensor, name).items():
+        x = x if rows is None else x[rows[0]:rows[1]]
+        if x.shape != want[k].shape:
+            raise ValueError(f"{name} of the pre-quantized checkpoint reads as a {k} of shape {x.shape}, expected "
+                             f"{want[k].shape}")
+        leaf[k] = _place(x, jax.ShapeDtypeStruct(x.shape, x.dtype), None if shardings is None else shardings[k], None)
+    return leaf
 
 
 def _read_sharding(shardings: Any, keys: tuple[str, ...], quantize: bool):

@@ -70,10 +70,17 @@ def quantize_weight(w, mode: str) -> dict:
         raise ValueError(f"int4 quantization needs a weight's input size to be a multiple of {GROUP}, got {inp}")
     groups = w.reshape(out, inp // GROUP, GROUP)
     scale = _nonzero(jnp.max(jnp.abs(groups), axis=2) / 7)
-    nibbles = jnp.clip(jnp.round(groups / scale[..., None]), -7, 7).astype(jnp.int8).astype(jnp.uint8) & 0xF
+    codes = jnp.clip(jnp.round(groups / scale[..., None]), -7, 7).astype(jnp.int8)
+    return {"qweight": pack_int4(codes.reshape(out, inp)), "scale": scale}
+
+
+def pack_int4(codes):
+    """int8 codes [out, in] in -8..7 (a numpy or a jax array) as int4's qweight uint8 [out, in / 2]:
+    byte k of a group of 128 inputs holds input k in its low nibble and input k + 64 in its high one."""
+    out, inp = codes.shape
+    nibbles = (codes.astype(jnp.uint8) & 0xF).reshape(out, inp // GROUP, GROUP)
     half = GROUP // 2
-    packed = nibbles[..., :half] | (nibbles[..., half:] << 4)
-    return {"qweight": packed.reshape(out, inp // 2), "scale": scale}
+    return (nibbles[..., :half] | (nibbles[..., half:] << 4)).reshape(out, inp // 2)
 
 
 _LARGEST = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
