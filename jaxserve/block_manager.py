@@ -12,8 +12,9 @@ Prefix-cache key of page i: sha256(key of page i-1 + the page's token ids), so a
 whole prefix up to the end of its page. Page 0's parent is the sequence's cache salt (its
 SamplingParams.cache_salt, hashed; empty without one), so sequences with different salts (tenants)
 never share a page, even for equal prompts: no cross-tenant hit, and no time-to-first-token
-difference that would tell one tenant what another has sent. A LoRA adapter (SamplingParams.lora_name)
-salts the root too: its K/V are not the base model's nor another adapter's. Only full pages whose K/V are computed get keys, and a
+difference that would tell one tenant what another has sent. A LoRA adapter (Sequence.lora_id, one
+for each time an adapter is loaded: a name reloaded with other weights gets another) salts the root
+too: its K/V are not the base model's nor another adapter's. Only full pages whose K/V are computed get keys, and a
 full page is never written again, so a cached page can be shared without copying.
 
 Copy-on-write: a sequence about to write into a page it shares (a fork of an n > 1 request, see
@@ -48,11 +49,11 @@ def page_key(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
-def root_key(cache_salt: str | None, lora_name: str | None = None) -> bytes:
+def root_key(cache_salt: str | None, lora_id: int | None = None) -> bytes:
     """The parent key of a sequence's first page (b"": no salt, the base model)."""
-    if cache_salt is None and lora_name is None:
+    if cache_salt is None and lora_id is None:
         return b""
-    return hashlib.sha256(json.dumps(["salt", cache_salt, lora_name]).encode()).digest()
+    return hashlib.sha256(json.dumps(["salt", cache_salt, lora_id]).encode()).digest()
 
 
 class BlockManager:
@@ -99,11 +100,11 @@ class BlockManager:
 
     # ---- allocation ----
     def match_prefix(self, token_ids: list[int], cache_salt: str | None = None,
-                     lora_name: str | None = None) -> tuple[list[int], list[bytes]]:
+                     lora_id: int | None = None) -> tuple[list[int], list[bytes]]:
         """Cached pages (and their keys) holding the longest cached prefix of `token_ids` under
-        `cache_salt` and LoRA adapter `lora_name`, leaving at least the last token uncovered so a
+        `cache_salt` and LoRA adapter `lora_id`, leaving at least the last token uncovered so a
         prompt always has a token to compute."""
-        pages, keys, parent = [], [], root_key(cache_salt, lora_name)
+        pages, keys, parent = [], [], root_key(cache_salt, lora_id)
         if not self.enable_prefix_caching:
             return pages, keys
         ps = self.page_size
@@ -201,7 +202,7 @@ class BlockManager:
         first = len(seq.page_hashes)
         tokens = seq.token_range(first * ps, num_full * ps)   # not the whole token list, each page
         for i in range(first, num_full):
-            parent = seq.page_hashes[-1] if seq.page_hashes else root_key(seq.sampling.cache_salt, seq.sampling.lora_name)
+            parent = seq.page_hashes[-1] if seq.page_hashes else root_key(seq.sampling.cache_salt, seq.lora_id)
             key = page_key(parent, tokens[(i - first) * ps:(i - first + 1) * ps])
             seq.page_hashes.append(key)
             page = seq.page_table[i]

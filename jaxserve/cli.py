@@ -46,8 +46,11 @@ def engine_config(args) -> EngineConfig:
     if args.generation_config:
         cfg = dataclasses.replace(cfg, generation_config=args.generation_config)
     modules = args.lora_modules and {**cfg.lora_modules, **dict(map(_lora_module, args.lora_modules))}
+    # vLLM's switch for the same routes too, so its deployment scripts work unchanged
+    runtime = args.allow_runtime_lora_updating or os.environ.get(
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
     lora = {"enable_lora": args.enable_lora or None, "lora_modules": modules, "max_loras": args.max_loras,
-            "max_lora_rank": args.max_lora_rank}
+            "max_lora_rank": args.max_lora_rank, "allow_runtime_lora_updating": runtime or None}
     return dataclasses.replace(cfg, **{k: v for k, v in lora.items() if v is not None})
 
 
@@ -82,10 +85,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                    help="PEFT LoRA adapters to serve beside the model, loaded at start; a request's 'model' "
                         "naming one runs on it")
-    p.add_argument("--max-loras", type=int, help="LoRA adapters resident on the device at once "
-                                                 "(default: as many as --lora-modules, at least 1)")
+    p.add_argument("--max-loras", type=int, help="LoRA adapters resident on the device at once; requests of "
+                                                 "others wait (default: as many as --lora-modules, at least 1)")
     p.add_argument("--max-lora-rank", type=int, help="the largest adapter rank (default 16); smaller ranks "
                                                      "are padded to it, so it sets LoRA's cost")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve: POST /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM with "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (also honoured)")
     p.add_argument("--speculative-config", help='speculative decoding as JSON (the engine config key '
                                                 '`speculative`), e.g. \'{"method": "ngram", "num_tokens": 4}\' or '
                                                 '\'{"method": "draft", "model": DIR, "num_tokens": 4}\'')

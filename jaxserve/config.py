@@ -225,14 +225,16 @@ class EngineConfig:
     # sampling settings where a request leaves a field out (vLLM's default); none, OpenAI's defaults.
     generation_config: str = "auto"
     # Multi-LoRA (jaxserve/lora.py), as vLLM's flags: PEFT adapters served beside the base model,
-    # a request on one of them or none. lora_modules {name: directory} load at start and stay on
-    # the device (implying enable_lora); others load on demand (LLM.generate's lora_request) into
-    # one of max_loras slots (default: as many as lora_modules, at least 1). Ranks up to
-    # max_lora_rank, smaller ones zero-padded to it (its cost is the padded rank's).
+    # a request on one of them or none. lora_modules {name: directory} are known from the start
+    # (implying enable_lora); others become known through LLM.generate's lora_request or, with
+    # allow_runtime_lora_updating, the server's /v1/load_lora_adapter. A step runs at most max_loras
+    # adapters, each in a device slot (default: as many as lora_modules, at least 1); requests of
+    # others wait. Ranks up to max_lora_rank, smaller ones zero-padded to it (its cost is the padded rank's).
     enable_lora: bool = False
     lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
     max_loras: int | None = None
     max_lora_rank: int = 16
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self):
         if isinstance(self.distributed, dict):
@@ -269,10 +271,14 @@ class EngineConfig:
         if self.distributed is not None and self.speculative is not None and self.speculative.method == "draft":
             raise ValueError("engine config: a draft model (speculative method draft) runs in one process, "
                              "not in a multi-host engine (its steps are not broadcast to the followers)")
-        if self.lora_slots < max(len(self.lora_modules), 1) or self.max_lora_rank < 1:
-            raise ValueError(f"engine config: max_loras must be at least 1 and hold every lora_modules adapter "
-                             f"({len(self.lora_modules)}), and max_lora_rank at least 1; got {self.max_loras} and "
-                             f"{self.max_lora_rank}")
+        if self.lora_slots < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"engine config: max_loras and max_lora_rank must be at least 1; got {self.max_loras} "
+                             f"and {self.max_lora_rank}")
+        if self.distributed is not None and self.serves_lora and (
+                len(self.lora_modules) > self.lora_slots or self.allow_runtime_lora_updating):
+            raise ValueError("engine config: a multi-host engine loads LoRA adapters at start only (a later load "
+                             "is not sent to the other processes): max_loras must hold every lora_modules adapter, "
+                             "and allow_runtime_lora_updating is off")
         if self.serves_lora and self.mesh.get("seq", 1) > 1:
             raise ValueError("engine config: LoRA adapters are not applied by the sequence-parallel prefill "
                              "(mesh seq > 1); serve them without it")
@@ -294,7 +300,7 @@ class EngineConfig:
     # adapters' targets as their stacks: see ModelRunner's executables).
     HOST_ONLY = ("model", "kv_cache_mb", "kv_memory_fraction", "enable_prefix_caching", "admission_eagerness",
                  "max_queue_size", "max_failed_steps", "request_timeout_s", "compilation_cache_dir", "seed",
-                 "poison_freed_pages", "generation_config", "lora_modules")
+                 "poison_freed_pages", "generation_config", "lora_modules", "allow_runtime_lora_updating")
 
     def program_settings(self) -> dict[str, Any]:
         """The settings that may decide a compiled program: what the executable store is keyed on,

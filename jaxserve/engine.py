@@ -117,7 +117,7 @@ class LLMEngine:
         if bad := [t for t in prompt_token_ids if not 0 <= t < self.model_cfg.vocab_size]:
             raise InvalidRequest(f"prompt token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}",
                                  param="prompt")
-        lora.check(self.loras, params.lora_name)
+        adapter = lora.resolve(self.loras, params.lora_name)
         if params.prompt_logprobs is not None and self.runner.prefills_sequence_parallel:
             raise InvalidRequest("prompt_logprobs is not supported with sequence-parallel prefill",
                                  param="prompt_logprobs")
@@ -142,16 +142,15 @@ class LLMEngine:
         ends = tuple(dict.fromkeys(params.stop_token_ids + ([] if params.ignore_eos else sorted(self.eos_token_ids))))
         grammars = self.grammars.matchers(params.structured_output, params.n)
         seqs = [Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=params,
-                         arrival_time=arrival, index=i, end_token_ids=ends, grammar=grammars[i]) for i in range(params.n)]
+                         arrival_time=arrival, index=i, end_token_ids=ends, grammar=grammars[i], lora=adapter)
+                for i in range(params.n)]
         return Request(request_id, list(prompt_token_ids), params, arrival, seqs)
 
     def add(self, req: Request) -> str:
         """Schedule a request made by `new_request` (on the thread that steps the engine)."""
         if req.request_id in self._requests:
             raise InvalidRequest(f"duplicate request id {req.request_id!r}")
-        slot = self.loras.acquire(req.params.lora_name) if self.loras is not None else 0   # held until it ends
         for seq in req.seqs:
-            seq.lora_slot = slot
             # Choices of one seeded request differ from each other but repeat run to run.
             seq.seed = (req.params.seed + seq.index if req.params.seed is not None
                         else int(self._rng.integers(2**31)))
@@ -172,14 +171,9 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is None:
             return None
-        self._forget(req)
+        del self._requests[req.request_id]
         self.scheduler.abort(request_id)
         return self._output(req, [CompletionOutput(s.index, "", [], None, "abort") for s in req.seqs], finished=True)
-
-    def _forget(self, req: Request) -> None:
-        del self._requests[req.request_id]
-        if self.loras is not None:
-            self.loras.release(req.seqs[0].lora_slot)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -259,6 +253,8 @@ class LLMEngine:
             req.first_scheduled_time = req.first_scheduled_time or now
         if self.ecfg.poison_freed_pages:
             out = self.runner.poison_pages(out, self.block_manager.drain_stale_pages())
+        if self.loras is not None:   # the running sequences' adapters in slots (the scheduler bounds how many)
+            self.loras.assign(self.scheduler.running)
         sample_later = self._can_overlap(out) and out.decode_steps == 1 and any(   # see `step`
             s.num_sampled and (self._defer_all_samplers or reads_outputs(s.seq)) for s in out.scheduled)
         launched = self.runner.launch(out, {s.seq.seq_id: s.seq.seed for s in out.scheduled}, sample_later)
@@ -307,7 +303,7 @@ class LLMEngine:
                 # choice 0 scored the whole prompt before any choice sampled
                 outputs[-1].prompt_logprobs, req.prompt_logprobs_sent = req.seqs[0].prompt_logprobs, True
             if finished:
-                self._forget(req)
+                del self._requests[req.request_id]
                 self.stats["requests_finished"] += 1
         return outputs
 

@@ -117,7 +117,8 @@ class LLM:
                               for t in texts], sampling_params, use_tqdm, lora_request)
 
     def _with_loras(self, params: list[SamplingParams], requests) -> list[SamplingParams]:
-        """`params` on their prompts' adapters, made known to the engine (loaded when a request runs)."""
+        """`params` on their prompts' adapters, made known to the engine (loaded into a slot when a
+        request runs; beyond max_loras adapters, requests wait for one)."""
         requests = requests if isinstance(requests, list) else [requests] * len(params)
         if len(requests) != len(params):
             raise ValueError(f"{len(requests)} LoRA requests for {len(params)} prompts")
@@ -125,9 +126,6 @@ class LLM:
         named = {r.lora_name: r for r in requests if r is not None}
         if named and adapters is None:
             raise ValueError("a lora_request needs an engine with LoRA enabled: LLM(..., enable_lora=True)")
-        if named and len(named) > adapters.max_loras:
-            raise ValueError(f"{len(named)} LoRA adapters in one generate call, but max_loras is "
-                             f"{adapters.max_loras}: raise max_loras or split the call")
         for r in named.values():
             adapters.register(r)
         # each distinct (params, adapter) built once: building SamplingParams checks its grammar

@@ -12,6 +12,7 @@ every Linear of the decoder without any; a fused HF tensor (Phi-3's qkv_proj) ma
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -73,8 +74,8 @@ def linear_modules(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, tuple[i
 
 
 def read_adapter(path: str, linears: dict, max_rank: int) -> dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]]:
-    """A PEFT LoRA adapter as {module path: (A [max_rank, in], B [out, max_rank] times its scaling)};
-    raises ValueError naming what jaxserve cannot serve."""
+    """A PEFT LoRA adapter as {module path: (A [r, in], B [out, r] times its scaling)}, its rank r at
+    most max_rank; raises ValueError naming what jaxserve cannot serve."""
     def refuse(why: str):
         raise ValueError(f"LoRA adapter {path}: {why}")
 
@@ -113,8 +114,7 @@ def read_adapter(path: str, linears: dict, max_rank: int) -> dict[tuple[str, ...
             refuse(f"{module}: lora_A {a.shape} and lora_B {b.shape} do not fit the base model's "
                    f"{(out, inp)} weight at rank {r} (an adapter of another model?)")
         used |= {key_a, key_b}
-        adapter[module_path] = (np.pad(a, ((0, max_rank - r), (0, 0))),
-                                np.pad(b * np.float32(scaling), ((0, 0), (0, max_rank - r))))
+        adapter[module_path] = (a, b * np.float32(scaling))
     if unused := sorted(set(tensors) - used):
         refuse(f"weights jaxserve cannot apply: {unused[:3]} (LoRA applies to the decoder's linear layers, not to "
                f"embeddings or the LM head)")
@@ -123,14 +123,18 @@ def read_adapter(path: str, linears: dict, max_rank: int) -> dict[tuple[str, ...
     return adapter
 
 
-def check(adapters: "Adapters | None", name: str | None) -> None:
-    """A request's adapter (its SamplingParams.lora_name) is one the engine knows."""
-    if name is not None and adapters is None:
+def resolve(adapters: "Adapters | None", name: str | None) -> "Adapter | None":
+    """A request's adapter (its SamplingParams.lora_name), which the engine must know; None: the base model."""
+    if name is None:
+        return None
+    if adapters is None:
         raise InvalidRequest(f"LoRA adapter {name!r} asked for, but LoRA is not enabled (enable_lora, lora_modules)",
                              param="lora_name")
-    if name is not None and name not in adapters.paths:
-        raise InvalidRequest(f"unknown LoRA adapter {name!r} (known: {', '.join(sorted(adapters.paths)) or 'none'})",
+    adapter = adapters.known.get(name)
+    if adapter is None:
+        raise InvalidRequest(f"unknown LoRA adapter {name!r} (known: {', '.join(sorted(adapters.known)) or 'none'})",
                              param="lora_name")
+    return adapter
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
@@ -150,20 +154,39 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Adapter:
+    """An adapter as registered: its name, its directory, its weights as read and checked once
+    ({module path: (A [r, in], B [out, r] times its scaling)}, in the slots' dtype) and an id of
+    its own. A request holds its Adapter, so it runs on it even if the name is unloaded (or
+    loaded again, maybe with other weights: another Adapter) meanwhile; slots and the prefix
+    cache tell adapters apart by Adapter, not by name."""
+    name: str
+    path: str
+    weights: dict = dataclasses.field(repr=False)
+    id: int = dataclasses.field(default_factory=lambda: next(_adapter_ids))
+
+
+_adapter_ids = itertools.count(1)
+
+
 class Adapters:
-    """One engine's adapters: which are known (name -> directory), which slot holds which, how
-    many running requests use each slot, and the slots' stacks on the device (`weights`, the
-    "lora" collection without the masks). lora_modules are loaded at start and stay; another
-    adapter loads on demand into a free slot, else the least recently used one no request holds."""
+    """One engine's adapters: which are known by name (`known`), which slot holds which
+    (`slot_of`), and the slots' stacks on the device (`weights`, the "lora" collection without
+    the masks). The first max_loras lora_modules are loaded at start. Each step, the running
+    sequences' adapters (at most max_loras: the scheduler's rule) get slots (`assign`): one not
+    resident loads into a free slot, else into the one whose adapter ran least recently (one no
+    longer known first). Known adapters' weights stay in host memory."""
 
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, mesh, dtype):
         from jaxserve.models.registry import param_logical_axes
 
-        self.max_loras, self.max_rank = ecfg.lora_slots, ecfg.max_lora_rank
-        self.paths = dict(ecfg.lora_modules)
+        self.max_loras, self.max_rank, self.dtype = ecfg.lora_slots, ecfg.max_lora_rank, dtype
         self.linears = linear_modules(cfg)
-        first = {name: read_adapter(path, self.linears, self.max_rank) for name, path in self.paths.items()}
+        first = {name: read_adapter(path, self.linears, self.max_rank) for name, path in ecfg.lora_modules.items()}
         self.targets = sorted(set().union(*first.values()) if first else self.linears)
+        self.known: dict[str, Adapter] = {name: self._adapter(name, ecfg.lora_modules[name], weights)
+                                          for name, weights in first.items()}
         shapes, shardings, slots, rank = {}, {}, self.max_loras, self.max_rank
         for path in self.targets:
             out, inp = self.linears[path][2]
@@ -176,65 +199,75 @@ class Adapters:
             {p: jax.device_put(np.zeros(s, dtype), shardings[p]) for p, s in shapes.items()})
         # one program for every load: the slot is an argument
         self._store = jax.jit(_store, donate_argnums=0, out_shardings=traverse_util.unflatten_dict(shardings))
-        self.slot_of: dict[str, int] = {}            # resident adapters
-        self.users = [0] * (self.max_loras + 1)      # running requests per slot (index 0, the base model's: unused)
-        self.last_used = [0] * (self.max_loras + 1)  # a clock tick per acquire: the least recent is evicted first
+        self.slot_of: dict[Adapter, int] = {}        # resident adapters
+        self.last_used = [0] * (self.max_loras + 1)  # per slot, the latest `assign` tick its adapter ran in
         self._clock = itertools.count(1)
-        for slot, (name, adapter) in enumerate(first.items(), 1):
-            self._load(name, adapter, slot)
+        for slot, adapter in enumerate(list(self.known.values())[:self.max_loras], 1):
+            self._load(adapter, slot)
 
-    def register(self, request: LoRARequest) -> None:
-        """Make an adapter known (checked now, loaded when a request uses it: `acquire`)."""
-        known = self.paths.get(request.lora_name)
-        if known is not None and os.path.abspath(known) != os.path.abspath(request.lora_path):
-            raise InvalidRequest(f"LoRA adapter {request.lora_name!r} is already {known}, not {request.lora_path}",
-                                 param="lora_request")
-        if known is None:
-            self._check_targets(request.lora_name, read_adapter(request.lora_path, self.linears, self.max_rank))
-            self.paths[request.lora_name] = request.lora_path
-
-    def acquire(self, name: str | None) -> int:
-        """The slot of adapter `name` (0: none) for one more request, loaded into one if need be."""
-        if name is None:
-            return 0
-        if name not in self.slot_of:
-            self._load(name, read_adapter(self.paths[name], self.linears, self.max_rank), self._free_slot())
-        slot = self.slot_of[name]
-        self.users[slot] += 1
-        self.last_used[slot] = next(self._clock)
-        return slot
-
-    def release(self, slot: int) -> None:
-        if slot:
-            self.users[slot] -= 1
-
-    def _free_slot(self) -> int:
-        taken = {s: n for n, s in self.slot_of.items()}
-        free = [s for s in range(1, self.max_loras + 1) if s not in taken]
-        idle = sorted((self.last_used[s], s) for s in taken if not self.users[s])
-        if not (free or idle):
-            raise InvalidRequest(f"all {self.max_loras} LoRA slots (max_loras) hold adapters of running requests; "
-                                 f"wait for them, or raise max_loras", param="lora_request")
-        slot = free[0] if free else idle[0][1]
-        if slot in taken:   # evicted
-            del self.slot_of[taken[slot]]
-        return slot
-
-    def _check_targets(self, name: str, adapter: dict) -> None:
-        if extra := set(adapter) - set(self.targets):
+    def read(self, name: str, path: str) -> Adapter:
+        """Adapter `name` from PEFT directory `path`, read and checked (ValueError naming what the
+        engine cannot serve), not yet known (`add`)."""
+        weights = read_adapter(path, self.linears, self.max_rank)
+        if extra := set(weights) - set(self.targets):
             raise InvalidRequest(f"LoRA adapter {name!r} targets {'/'.join(sorted(extra)[0])}, which the engine's "
                                  f"adapters (lora_modules) do not: serve it from the start (lora_modules)",
                                  param="lora_request")
+        return self._adapter(name, path, weights)
 
-    def _load(self, name: str, adapter: dict, slot: int) -> None:
-        self._check_targets(name, adapter)
+    def add(self, adapter: Adapter) -> None:
+        """Make `adapter` known by its name (a free one)."""
+        self.known[adapter.name] = adapter
+
+    def remove(self, name: str) -> None:
+        """Forget adapter `name`: new requests cannot ask for it; those holding it run on."""
+        del self.known[name]
+
+    def register(self, request: LoRARequest) -> None:
+        """Make a LoRARequest's adapter known (read and checked now), unless it already is."""
+        known = self.known.get(request.lora_name)
+        if known is None:
+            self.add(self.read(request.lora_name, request.lora_path))
+        elif os.path.abspath(known.path) != os.path.abspath(request.lora_path):
+            raise InvalidRequest(f"LoRA adapter {request.lora_name!r} is already {known.path}, not "
+                                 f"{request.lora_path}", param="lora_request")
+
+    def assign(self, seqs) -> None:
+        """Give each of `seqs` (the running sequences: at most max_loras adapters) its adapter's
+        slot, loading adapters that are not resident."""
+        running = {s.lora for s in seqs if s.lora is not None}
+        tick = next(self._clock)
+        for adapter in running:
+            if adapter not in self.slot_of:
+                self._load(adapter, self._free_slot(running))
+            self.last_used[self.slot_of[adapter]] = tick
+        for s in seqs:
+            s.lora_slot = 0 if s.lora is None else self.slot_of[s.lora]
+
+    def _free_slot(self, running: set) -> int:
+        """A free slot, else the one of the adapter not `running` that is no longer known or ran
+        least recently (evicted); there is one, as at most max_loras adapters run."""
+        holder = {s: a for a, s in self.slot_of.items()}
+        free = [s for s in range(1, self.max_loras + 1) if s not in holder]
+        if free:
+            return free[0]
+        _, _, slot = min((self.known.get(a.name) is a, self.last_used[s], s)
+                         for s, a in holder.items() if a not in running)
+        del self.slot_of[holder[slot]]
+        return slot
+
+    def _adapter(self, name: str, path: str, weights: dict) -> Adapter:
+        return Adapter(name, path, {p: (a.astype(self.dtype), b.astype(self.dtype)) for p, (a, b) in weights.items()})
+
+    def _load(self, adapter: Adapter, slot: int) -> None:
         new = {}
-        for path in self.targets:   # zeros where this adapter has none
+        for path in self.targets:   # ranks zero-padded to max_rank; zeros where this adapter has none
             out, inp = self.linears[path][2]
-            new[path] = adapter.get(path) or (np.zeros((self.max_rank, inp), np.float32),
-                                                        np.zeros((out, self.max_rank), np.float32))
+            a, b = adapter.weights.get(path, (np.zeros((0, inp), self.dtype), np.zeros((out, 0), self.dtype)))
+            pad = self.max_rank - a.shape[0]
+            new[path] = (np.pad(a, ((0, pad), (0, 0))), np.pad(b, ((0, 0), (0, pad))))
         self.weights = self._store(self.weights, np.int32(slot - 1), new)
-        self.slot_of[name] = slot
+        self.slot_of[adapter] = slot
 
 
 def _store(weights: dict, index, adapter: dict) -> dict:

@@ -12,6 +12,12 @@ Each `schedule()`:
      The first waiting sequence that does not get pages stops admission (no overtaking), and
      a step that preempted admits nothing.
 
+LoRA adapters (seq.lora): the running sequences use at most max_loras distinct ones, one device
+slot each. A waiting sequence of an adapter that is not running waits while max_loras are; behind
+it, the step admits no sequence of an adapter, not even of a running one (whose later arrivals
+would otherwise hold its slot forever and starve the waiting adapter), but base-model sequences
+and forks (their request runs) still join. Preemption only removes sequences: the bound holds.
+
 admission_eagerness e in [0, 1]: while any sequence is running (after step 1), the sequences
 admitted in this step together take at most floor(e * max_num_batched_tokens) tokens, and never
 more than step 1 left. With nothing running, admissions may use the whole budget. So e = 1.0
@@ -220,6 +226,8 @@ class Scheduler:
             return out
         cap = int(self.cfg.admission_eagerness * self.cfg.max_num_batched_tokens)
         admit_budget = min(budget, cap) if self.running else budget
+        loras = {s.lora for s in self.running if s.lora is not None} if self.cfg.serves_lora else set()
+        lora_waits = False   # a sequence waits for an adapter's slot (see LoRA adapters above)
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
@@ -236,11 +244,14 @@ class Scheduler:
                     break
                 out.page_copies += copies
             else:
+                if seq.lora is not None and (lora_waits or seq.lora not in loras and len(loras) >= self.cfg.lora_slots):
+                    lora_waits = True
+                    continue                                 # base-model sequences behind may still join
                 if admit_budget == 0 or out.num_prefill_seqs >= self.cfg.max_prefill_seqs:
                     continue                                 # forks behind may still join
                 # Cached pages have no hidden states to score the prompt with (its pages are
                 # still cached for others).
-                hit = (self.bm.match_prefix(seq.token_ids, seq.sampling.cache_salt, seq.sampling.lora_name)
+                hit = (self.bm.match_prefix(seq.token_ids, seq.sampling.cache_salt, seq.lora_id)
                        if seq.sampling.prompt_logprobs is None else ([], []))
                 n = min(seq.num_tokens - len(hit[0]) * self.bm.page_size, self.cfg.prefill_chunk_size, admit_budget)
                 if not self.bm.admit(seq, hit, n):
@@ -251,6 +262,8 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_order)
+            if seq.lora is not None:
+                loras.add(seq.lora)
             out.scheduled.append(ScheduledSeq(seq, n, int(seq.num_computed_tokens + n == seq.num_tokens),
                                               seq.num_computed_tokens))
             scheduled_ids.add(seq.seq_id)

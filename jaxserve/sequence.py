@@ -12,6 +12,7 @@ import numpy as np
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from jaxserve.lora import Adapter
     from jaxserve.structured.grammar import Matcher
 
 _seq_ids = itertools.count()
@@ -74,7 +75,8 @@ class Sequence:
     # With sampling.structured_output: its grammar matcher (jaxserve/structured/grammar.py), which
     # fills the sampler's mask and takes each output token.
     grammar: Matcher | None = None
-    lora_slot: int = 0                 # its LoRA adapter's slot, held while it runs (0: none; set by the engine)
+    lora: Adapter | None = None        # the LoRA adapter it runs on (None: the base model; set by the engine)
+    lora_slot: int = 0                 # that adapter's slot while it runs (0: none; set by Adapters.assign)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     # Guesses of the tokens after token_ids (speculative decoding). The next step that schedules
     # the sequence verifies them if all its tokens but the last are computed, and clears them.
@@ -93,6 +95,11 @@ class Sequence:
     # known_token_array's copy and how much of it is filled
     _known: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32), init=False, repr=False)
     _known_len: int = dataclasses.field(default=0, init=False, repr=False)
+
+    @property
+    def lora_id(self) -> int | None:
+        """Its adapter's id (the prefix cache's key), None on the base model."""
+        return None if self.lora is None else self.lora.id
 
     @property
     def token_ids(self) -> list[int]:

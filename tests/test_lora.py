@@ -1,15 +1,16 @@
 """Multi-LoRA serving (jaxserve/lora.py) against transformers + peft on a seeded tiny Llama and
 seeded PEFT adapters written by peft's save_pretrained: greedy tokens and logprobs of base and
-adapter rows mixed in one batch, adapters loaded on demand into the least recently used slot, no
-prefix-cache page shared across adapters, the OpenAI server selecting an adapter by model name,
-and adapters the engine cannot serve refused with clear errors."""
+adapter rows mixed in one batch, adapters loaded on demand into the least recently used slot,
+requests of more adapters than slots waiting for one, an adapter removed while its requests run,
+no prefix-cache page shared across adapters, and adapters the engine cannot serve refused with
+clear errors. The OpenAI server's adapters: tests/test_lora_server.py."""
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
 import numpy as np
-import openai
 import peft
 import pytest
 import torch
@@ -18,7 +19,6 @@ import transformers as tf
 from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.compilations import CompileCounter
 from jaxserve.sampling_params import InvalidRequest
-from tests import server_harness
 from tests.conftest import fake_devices_env
 from tests.hf_models import save_byte_tokenizer, save_hf_model
 
@@ -123,7 +123,6 @@ def test_mixed_batch_matches_peft_in_one_step_without_compiling(setup, llm):
     check(outs, names, index, expected)
     assert {0, 1, 2} in mixed
     assert CompileCounter.count == before
-    assert engine.loras.users == [0, 0, 0]   # every slot released
 
 
 def test_speculative_decoding_with_adapters(setup):
@@ -167,10 +166,66 @@ def test_adapter_loaded_on_demand_into_the_idle_slot(setup, llm):
     for name in ("a3", "a1"):
         outs = llm.generate(prompts, SAMPLING, use_tqdm=False, lora_request=request(dirs, name))
         check(outs, [name] * len(prompts), range(len(prompts)), expected)
-    assert adapters.slot_of == {"a1": 2, "a3": 1}
+    assert {a.name: slot for a, slot in adapters.slot_of.items()} == {"a1": 2, "a3": 1}
     assert CompileCounter.count == before
-    with pytest.raises(ValueError, match="3 LoRA adapters in one generate call, but max_loras is 2"):
-        llm.generate(prompts, SAMPLING, use_tqdm=False, lora_request=[request(dirs, n) for n in ("a1", "a2", "a3")])
+
+
+def test_more_adapters_than_slots_wait_for_one(setup, llm):
+    """Base, a1, a2 and a3 rows of every prompt in one generate call, 2 slots: no step runs more
+    than 2 adapters, every adapter runs, and every output equals peft's."""
+    _, dirs, prompts, expected = setup
+    names = [None, "a1", "a2", "a3"] * len(prompts)
+    index = [i for i in range(len(prompts)) for _ in range(4)]
+    engine, running = llm.llm_engine, []
+    step = engine.step
+
+    def watched():
+        outputs = step()
+        running.append({s.seq.lora.name for s in engine.last_schedule.scheduled if s.seq.lora})
+        return outputs
+
+    engine.step = watched
+    try:
+        outs = llm.generate([prompts[i] for i in index], SAMPLING, use_tqdm=False,
+                            lora_request=[request(dirs, n) for n in names])
+    finally:
+        del engine.step
+    check(outs, names, index, expected)
+    assert max(map(len, running)) == 2 and set().union(*running) == {"a1", "a2", "a3"}
+
+
+def test_removed_adapter_runs_on_for_its_requests(setup, llm):
+    """a1 (running) and a3 (waiting for a slot a1 and a2 hold) are removed: their requests finish
+    as peft's, new ones are refused. The name a1 then registered with a3's weights finds none of
+    the old a1's cached pages (the prefix cache keys on the adapter, not its name)."""
+    _, dirs, prompts, expected = setup
+    engine = llm.llm_engine
+    ids = {}
+    for name in ("a1", "a2", "a3"):
+        engine.loras.register(request(dirs, name))
+        ids[engine.add_request(prompts[1], dataclasses.replace(SAMPLING, lora_name=name))] = name
+    tokens = {request_id: [] for request_id in ids}
+
+    def step():
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+
+    while {s.lora.name for s in engine.scheduler.running} != {"a1", "a2"}:
+        step()
+    assert [s.lora.name for s in engine.scheduler.waiting] == ["a3"]
+    engine.loras.remove("a1")
+    engine.loras.remove("a3")
+    with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'a1'"):
+        engine.new_request(prompts[1], dataclasses.replace(SAMPLING, lora_name="a1"))
+    while engine.has_unfinished():
+        step()
+    assert {ids[r]: t for r, t in tokens.items()} == {n: expected[n][1][0] for n in ("a1", "a2", "a3")}
+
+    hits = engine.block_manager.prefix_hit_tokens
+    [out] = llm.generate(prompts[1], SAMPLING, use_tqdm=False, lora_request=LoRARequest("a1", 1, dirs["a3"]))
+    assert out.outputs[0].token_ids == expected["a3"][1][0]
+    assert engine.block_manager.prefix_hit_tokens == hits
+    engine.loras.remove("a1")   # the later tests' a1 is a1's
 
 
 def test_prefix_cache_never_shared_across_adapters(setup, llm):
@@ -224,31 +279,6 @@ def test_missing_files_and_unknown_names_are_refused(setup, llm, tmp_path):
         llm.generate(prompts[0], SamplingParams(lora_name="nope"), use_tqdm=False)
 
 
-@pytest.fixture(scope="module")
-def server(setup, tmp_path_factory):
-    base, dirs, _, _ = setup
-    yield from server_harness.serving(str(tmp_path_factory.mktemp("served")), base, "--served-model-name", "base",
-                                      lora_modules={"a1": dirs["a1"]})
-
-
-def test_served_adapter_by_model_name(setup, server):
-    """The OpenAI client's `model` picks the adapter (or the base model); /v1/models lists the
-    adapter with its parent; an unknown model is a 404 model_not_found."""
-    _, dirs, prompts, expected = setup
-    client = server_harness.openai_client(server)
-    cards = client.models.list().data
-    assert [(m.id, m.model_extra["parent"]) for m in cards] == [("base", None), ("a1", "base")]
-    assert client.models.retrieve("a1").model_extra["root"] == dirs["a1"]
-    for model, name in (("a1", "a1"), ("base", None)):
-        out = client.completions.create(model=model, prompt=prompts[1], max_tokens=NEW_TOKENS, temperature=0.0,
-                                        extra_body=dict(ignore_eos=True, return_token_ids=True))
-        assert out.model == model
-        assert out.choices[0].model_extra["token_ids"] == expected[name][1][0], model
-    with pytest.raises(openai.NotFoundError) as e:
-        client.completions.create(model="a2", prompt=prompts[1], max_tokens=2)
-    assert e.value.code == "model_not_found" and "'base', 'a1'" in e.value.message
-
-
 if __name__ == "__main__":   # test_tensor_parallel_and_multi_step's engine, on this process's fake devices
     base, dirs, prompts = json.loads(sys.argv[1])
     llm = LLM(model=base, lora_modules=dirs, mesh={"model": 2}, decode_steps=4, **ENGINE)
@@ -274,7 +304,10 @@ def test_settings_are_checked_and_reach_the_engine_config():
     assert (cfg.lora_modules, cfg.serves_lora, cfg.lora_slots) == ({}, True, 3)
     with pytest.raises(SystemExit, match="NAME=PATH"):
         cli.engine_config(cli.build_parser().parse_args(["serve", "--lora-modules", "sql"]))
-    with pytest.raises(ValueError, match="max_loras must be at least 1 and hold every lora_modules adapter"):
-        EngineConfig(lora_modules={"a": "/a", "b": "/b"}, max_loras=1)
+    with pytest.raises(ValueError, match="max_loras and max_lora_rank must be at least 1"):
+        EngineConfig(enable_lora=True, max_loras=0)
+    with pytest.raises(ValueError, match="multi-host engine loads LoRA adapters at start only"):
+        EngineConfig(lora_modules={"a": "/a", "b": "/b"}, max_loras=1,
+                     distributed=dict(coordinator_address="h:1", num_processes=2, process_id=0))
     with pytest.raises(ValueError, match="sequence-parallel prefill"):
         EngineConfig(enable_lora=True, mesh={"seq": 2})

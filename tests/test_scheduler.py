@@ -199,12 +199,14 @@ def workloads(draw):
         reqs.append(dict(rid=f"r{i}", prompt=prompt or [1], max_tokens=draw(st.integers(1, 8)),
                          n=draw(st.integers(1, 3)), priority=draw(st.integers(0, 1)),
                          arrive=draw(st.integers(0, 6)), abort=draw(st.none() | st.integers(0, 12)),
-                         stop=draw(st.lists(st.integers(0, VOCAB - 1), max_size=3)), min_tokens=draw(st.integers(0, 6))))
+                         stop=draw(st.lists(st.integers(0, VOCAB - 1), max_size=3)), min_tokens=draw(st.integers(0, 6)),
+                         lora=draw(st.sampled_from([None, 0, 1, 2]))))
     need = max(-(-(len(r["prompt"]) + r["max_tokens"] - 1) // page_size) for r in reqs)
     cfg = dict(num_pages=draw(st.integers(need, need + 4)), page_size=page_size,
                max_num_seqs=draw(st.integers(1, 6)), max_num_batched_tokens=draw(st.integers(1, 24)),
                prefill_chunk_size=draw(st.integers(1, 12)), enable_prefix_caching=draw(st.booleans()),
-               admission_eagerness=draw(st.sampled_from([0.0, 0.3, 1.0])))
+               admission_eagerness=draw(st.sampled_from([0.0, 0.3, 1.0])), enable_lora=True,
+               max_loras=draw(st.integers(1, 2)))
     spec = draw(st.none() | st.tuples(st.integers(1, 4), st.integers(0, 2**16)))   # (k, proposer seed)
     cfg["decode_steps"] = 1 if spec else draw(st.sampled_from([1, 2, 3, 5]))   # they do not combine
     return cfg, reqs, spec
@@ -229,15 +231,19 @@ def test_random_workloads_finish_with_reference_outputs_and_free_pages(workload)
     cfg, reqs, spec = workload
     sched, runner = make(**cfg)
     propose = proposer(*spec) if spec else None
-    seqs, t = {}, 0
+    seqs, t, adapters = {}, 0, [Adapter(i) for i in range(3)]
     while sched.has_work() or any(r["arrive"] >= t for r in reqs):
         for r in reqs:
             if r["arrive"] == t:
-                seqs[r["rid"]] = add(sched, request(r["rid"], r["prompt"], r["max_tokens"], r["n"], r["priority"], t,
-                                                    stop=r["stop"], min_tokens=r["min_tokens"]))
+                seqs[r["rid"]] = request(r["rid"], r["prompt"], r["max_tokens"], r["n"], r["priority"], t,
+                                         stop=r["stop"], min_tokens=r["min_tokens"])
+                for seq in seqs[r["rid"]]:
+                    seq.lora = None if r["lora"] is None else adapters[r["lora"]]
+                add(sched, seqs[r["rid"]])
             if r["abort"] == t and r["rid"] in seqs:
                 sched.abort(r["rid"])
         step(sched, runner, propose, cfg["decode_steps"])
+        assert len({s.lora for s in sched.running} - {None}) <= cfg["max_loras"]
         t += 1
         assert t < 5_000, "scheduler made no progress"
     for r in reqs:
@@ -319,3 +325,34 @@ def test_prefills_next_says_whether_the_next_step_computes_prompt_tokens():
         answers.append(expected)
         assert expected == any(s.is_prefill for s in out.scheduled), i
     assert True in answers and False in answers
+
+
+class Adapter:
+    """What the scheduler reads of a jaxserve.lora.Adapter: its identity, and its id (the prefix cache's key)."""
+
+    def __init__(self, id):
+        self.id = id
+
+
+def test_adapters_beyond_max_loras_wait_and_hold_back_adapter_rows_behind_them():
+    """max_loras 2: C's request waits while A and B run; base rows behind it are admitted, A's
+    newer request waits behind it (else A's arrivals could keep C out); C runs once A is done."""
+    sched, runner = make(enable_lora=True, max_loras=2, max_num_batched_tokens=64, prefill_chunk_size=16,
+                         max_prefill_seqs=8)
+    a, b, c = (Adapter(i) for i in range(3))
+    order = [("a1", a, 3), ("b1", b, 8), ("c1", c, 4), ("base", None, 4), ("a2", a, 4)]
+    seqs = {}
+    for t, (rid, adapter, max_tokens) in enumerate(order):
+        (seqs[rid],) = request(rid, [t + 1] * 5, max_tokens=max_tokens, arrival=t)
+        seqs[rid].lora = adapter
+        add(sched, [seqs[rid]])
+    admitted = [s.seq.request_id for s in step(sched, runner).scheduled]
+    assert admitted == ["a1", "b1", "base"]
+    while sched.has_work():
+        out = step(sched, runner)
+        admitted += [s.seq.request_id for s in out.scheduled if s.seq.request_id not in admitted]
+        assert len({s.lora for s in sched.running} - {None}) <= 2
+    assert admitted == ["a1", "b1", "base", "c1", "a2"]
+    for t, (rid, _, max_tokens) in enumerate(order):
+        assert seqs[rid].output_token_ids == reference([t + 1] * 5, max_tokens)
+    assert_all_pages_back(sched)

@@ -1,5 +1,5 @@
 """Flask app factory: the OpenAI routes plus /health, /metrics, /tokenize, /detokenize,
-/tokenizer_info, /version,
+/tokenizer_info, /version, vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter,
 optional Bearer-token auth (one key, or per-tenant keys whose tenant salts the prefix cache of
 every request), and JSON errors for everything."""
 from __future__ import annotations
@@ -119,7 +119,36 @@ def create_app(engine_cfg: EngineConfig, served_model_name: str | None = None, a
             raise APIError(400, "'tokens' is required", param="tokens")
         return jsonify({"prompt": engine.tokenizer.decode(tokens)})
 
+    @app.post("/v1/load_lora_adapter")
+    def load_lora_adapter():
+        """vLLM's: {"lora_name", "lora_path"} served from now on, its name a `model`."""
+        body = _lora_update()
+        name, path = (field(body, key, lambda v: isinstance(v, str) and v, "a non-empty string", None)
+                      for key in ("lora_name", "lora_path"))
+        if name is None or path is None:
+            raise APIError(400, "both 'lora_name' and 'lora_path' are required",
+                           param="lora_path" if name else "lora_name")
+        _host().load_lora(name, path)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", mimetype="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    def unload_lora_adapter():
+        """vLLM's: {"lora_name"} no longer served (requests already running on it finish)."""
+        name = field(_lora_update(), "lora_name", lambda v: isinstance(v, str) and v, "a non-empty string", None)
+        if name is None:
+            raise APIError(400, "'lora_name' is required", param="lora_name")
+        _host().unload_lora(name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", mimetype="text/plain")
+
     return app
+
+
+def _lora_update() -> dict:
+    """The body of a LoRA load or unload; 404 unless runtime updating is on (vLLM has no such routes then)."""
+    if not _host().engine_cfg.allow_runtime_lora_updating:
+        raise APIError(404, "runtime LoRA adapter loading is off: start the server with --allow-runtime-lora-updating "
+                            "(or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
+    return json_body()
 
 
 def _host() -> EngineHost:

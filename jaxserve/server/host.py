@@ -34,6 +34,10 @@ class EngineHost:
         self.system_fingerprint = "fp_" + hashlib.sha256(setup.encode()).hexdigest()[:12]
         self.metrics = Metrics()
         self.engine_thread = None          # the EngineClient (jaxserve.factory) once warm
+        # LoRA adapters served by name -> directory: lora_modules, then /v1/load_lora_adapter's. Replaced, never
+        # edited, so a route reads a consistent dict while another loads.
+        self.lora_modules = dict(engine_cfg.lora_modules)
+        self._lora_lock = threading.Lock()   # one load or unload at a time
         self.load_error: Exception | None = None
         self.draining = False
         self._on_load_error = on_load_error
@@ -133,6 +137,36 @@ class EngineHost:
                 if i not in finished:   # logged first: once aborted, the engine shows it at once
                     log.info("%s aborted (client gone, error or timeout)", stream.request_id)
                     stream.abort()
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve adapter `name` from PEFT directory `path` (read and checked once, for every
+        replica): 400 for a name in use or an adapter the engine cannot serve."""
+        engines = self.require_engine().engines
+        if engines[0].loras is None:
+            raise APIError(400, "LoRA is not enabled: start the server with --enable-lora", param="lora_name")
+        with self._lora_lock:
+            if name == self.model_name or name in self.lora_modules:
+                raise APIError(400, f"the LoRA adapter {name!r} has already been loaded", param="lora_name")
+            try:
+                adapter = engines[0].loras.read(name, path)
+            except ValueError as e:
+                raise APIError(400, str(e), param="lora_path") from None
+            for engine in engines:
+                engine.loras.add(adapter)
+            self.lora_modules = {**self.lora_modules, name: path}
+        log.info("loaded LoRA adapter %s from %s", name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (404 if not served); its requests in the engine run on."""
+        engines = self.require_engine().engines
+        with self._lora_lock:
+            if name not in self.lora_modules:
+                raise APIError(404, f"the LoRA adapter {name!r} cannot be found", param="lora_name",
+                               code="model_not_found")
+            self.lora_modules = {k: v for k, v in self.lora_modules.items() if k != name}
+            for engine in engines:
+                engine.loras.remove(name)
+        log.info("unloaded LoRA adapter %s", name)
 
     def begin_drain(self) -> None:
         """Refuse new requests (503); requests already accepted run to completion."""

@@ -41,9 +41,9 @@ def _host():
 
 def _check_model(body: dict, host) -> str:
     """The model the body names (default: the served model): the served model, or one of its LoRA
-    adapters (lora_modules, as vLLM's), whose name selects it; else 404."""
+    adapters (lora_modules and those loaded since, as vLLM's), whose name selects it; else 404."""
     model = field(body, "model", lambda v: isinstance(v, str), "a string", host.model_name)
-    served = [host.model_name, *host.engine_cfg.lora_modules]
+    served = [host.model_name, *host.lora_modules]
     if model not in served:
         raise APIError(404, f"model {model!r} does not exist; this server serves {', '.join(map(repr, served))}",
                        param="model", code="model_not_found")
@@ -56,17 +56,16 @@ def _lora_name(model: str, host) -> str | None:
 
 def _model_card(host, model: str) -> dict:
     """vLLM's card: a LoRA adapter's `root` is its directory, its `parent` the served model."""
-    adapter = _lora_name(model, host)
+    adapter = _lora_name(model, host)   # (.get below: it may have been unloaded meanwhile)
     return {"id": model, "object": "model", "created": host.created, "owned_by": "jaxserve",
-            "root": host.engine_cfg.lora_modules[adapter] if adapter else host.engine_cfg.model or model,
+            "root": host.lora_modules.get(adapter) if adapter else host.engine_cfg.model or model,
             "parent": adapter and host.model_name}
 
 
 @bp.get("/v1/models")
 def list_models():
     host = _host()
-    return jsonify({"object": "list", "data": [_model_card(host, m) for m in [host.model_name,
-                                                                              *host.engine_cfg.lora_modules]]})
+    return jsonify({"object": "list", "data": [_model_card(host, m) for m in [host.model_name, *host.lora_modules]]})
 
 
 @bp.get("/v1/models/<path:model>")
