@@ -1,24 +1,29 @@
-"""Hugging Face checkpoints saved already quantized, loaded as jaxserve's own int8 or int4 Linear
-(jaxserve/quantization.py) without going through full precision. Formats read (weight-only,
-symmetric, every Linear but the LM head quantized):
+"""Hugging Face checkpoints saved already quantized, loaded as jaxserve's own int8, int4 or
+int4_asym Linear (jaxserve/quantization.py) without going through full precision. Formats read
+(weight-only, every Linear but the LM head quantized):
 
   * compressed-tensors (LLM Compressor; e.g. RedHatAI's *-quantized.w8a16 and .w4a16):
-      - "int-quantized" (or "naive-quantized"), 8 bits per output channel -> int8:
+      - "int-quantized" (or "naive-quantized"), 8 bits symmetric per output channel -> int8:
         `<linear>.weight` int8 [out, in] and `.weight_scale` [out, 1], jaxserve's int8 as stored;
-      - "pack-quantized", 4 bits in groups of 128 inputs -> int4: `.weight_packed` int32
-        [out, in / 8] (input 8w + j in bits 4j..4j+3 of word w, stored plus 8) and
-        `.weight_scale` [out, in / 128].
-  * GPTQ (AutoGPTQ / GPTQModel; e.g. Qwen's *-GPTQ-Int4) with bits 4, sym, group_size 128 and
-    no act-order (desc_act false) -> int4: `.qweight` int32 [in / 8, out] (input 8w + j in bits
-    4j of row w, stored plus 8), `.scales` [in / 128, out], `.qzeros` int32 [in / 128, out / 8]
-    (packed as qweight along out; symmetric means every zero point is 8, written 7 by the
-    original "gptq" format, which adds 1 when reading, and 8 by "gptq_v2") and `.g_idx` [in]
-    (input i's group, i // 128 without act-order).
+      - "pack-quantized", 4 bits in groups of 128 inputs -> int4, or int4_asym when asymmetric:
+        `.weight_packed` int32 [out, in / 8] (input 8w + j in bits 4j..4j+3 of word w, stored
+        plus 8), `.weight_scale` [out, in / 128] and, asymmetric, `.weight_zero_point` int32
+        [out / 8, in / 128] (packed the same way along the outputs).
+  * GPTQ (AutoGPTQ / GPTQModel; e.g. Qwen's *-GPTQ-Int4), 4 bits in groups of 128 without
+    act-order (desc_act false) -> int4 when sym, else int4_asym: `.qweight` int32 [in / 8, out]
+    (input 8w + j in bits 4j of row w), `.scales` [in / 128, out], `.qzeros` int32
+    [in / 128, out / 8] (packed along out; the original "gptq" format stores each zero point
+    minus 1, modulo 16, "gptq_v2" as it is; sym means all are 8) and `.g_idx` [in] (input i's
+    group: i // 128 without act-order).
+  * AWQ (AutoAWQ's GEMM version; e.g. Qwen's *-AWQ), 4 bits in groups of 128 with zero points
+    -> int4_asym: `.qweight` int32 [in, out / 8] and `.qzeros` int32 [in / 128, out / 8], packed
+    along out with output 8w + AWQ_ORDER[j] in bits 4j of word w, and `.scales` [in / 128, out].
 
-The 4-bit codes are repacked on the host into int4's layout (quantization.pack_int4): the same
-codes and scales, so a tensor loads to exactly what the checkpoint stands for. Anything else
-(AWQ's per-group zero points, other group sizes, act-order, activation quantization, a quantized
-LM head) is refused, saying what is read.
+Each is weight = scale * (code - zero point) with codes and zero points 0..15; the codes are
+repacked on the host into int4's layout (quantization.pack_int4) and each zero point becomes the
+offset scale * (zero point - 8), so a tensor loads to what the checkpoint stands for. Anything
+else (act-order, other group sizes or bit widths, activation quantization, a quantized LM head)
+is refused, saying what is read.
 """
 from __future__ import annotations
 
@@ -28,20 +33,21 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from jaxserve.quantization import GROUP, pack_int4
+from jaxserve.quantization import GROUP, ZERO, pack_int4
 
 COMPRESSED_INT8 = ("int-quantized", "naive-quantized")
 COMPRESSED_INT4 = "pack-quantized"
 GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}   # checkpoint_format -> what reading adds to a stored zero point
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)       # AWQ's GEMM packing: bits 4j of a word hold output AWQ_ORDER[j]
 SUPPORTED = (f"compressed-tensors {' / '.join(COMPRESSED_INT8)} with 8-bit symmetric per-channel weights, "
-             f"compressed-tensors {COMPRESSED_INT4} or GPTQ with 4-bit symmetric weights in groups of {GROUP} "
-             f"(no act-order), the LM head unquantized")
+             f"compressed-tensors {COMPRESSED_INT4}, GPTQ (no act-order) or AWQ (GEMM) with 4-bit weights in "
+             f"groups of {GROUP}, the LM head unquantized")
 
 Tensor = Callable[[str], np.ndarray]   # a checkpoint tensor by name, whole, on the host
 
 
 class Stored(NamedTuple):
-    """How a checkpoint's Linear weights are stored: as jaxserve's `mode` ("int8" or "int4"),
+    """How a checkpoint's Linear weights are stored: as jaxserve's `mode` (int8, int4, int4_asym),
     read by `read(tensor, weight_name)` into that mode's {"qweight", "scale"} [out, ...], where
     weight_name is the unquantized weight's (`model.layers.0.mlp.down_proj.weight`)."""
     mode: str
@@ -67,11 +73,13 @@ def stored(model_dir: str) -> Stored | None:
         return _compressed_tensors(qc)
     if method == "gptq":
         return _gptq(qc)
+    if method == "awq":
+        return _awq(qc)
     raise _unsupported(f"quant_method {method!r}")
 
 
 def hf_quantization(model_dir: str) -> str | None:
-    """"int8" or "int4" for a supported pre-quantized checkpoint, None for an unquantized one."""
+    """The quantization mode of a supported pre-quantized checkpoint, None for an unquantized one."""
     s = stored(model_dir)
     return None if s is None else s.mode
 
@@ -88,8 +96,9 @@ def _compressed_tensors(qc: dict) -> Stored:
         scheme = (w.get("num_bits"), w.get("type"), w.get("symmetric"), w.get("strategy"), w.get("actorder"))
         if fmt in COMPRESSED_INT8 and scheme == (8, "int", True, "channel", None):
             modes.add("int8")
-        elif fmt == COMPRESSED_INT4 and scheme == (4, "int", True, "group", None) and w.get("group_size") == GROUP:
-            modes.add("int4")
+        elif (fmt == COMPRESSED_INT4 and scheme[:2] + scheme[3:] == (4, "int", "group", None)
+              and w.get("group_size") == GROUP):
+            modes.add("int4" if w.get("symmetric") else "int4_asym")
         else:
             raise _unsupported(f"format {fmt!r} with weights {w} in {name}")
     if len(modes) != 1:
@@ -98,33 +107,51 @@ def _compressed_tensors(qc: dict) -> Stored:
         raise _unsupported(f"layers left unquantized besides lm_head: {qc['ignore']}")
     if "lm_head" not in (qc.get("ignore") or []):
         raise _unsupported("a quantized lm_head")
-    return Stored("int8", _read_int8) if modes == {"int8"} else Stored("int4", _read_packed)
+    mode = modes.pop()
+    return Stored(mode, _read_int8 if mode == "int8" else lambda tensor, name: _read_packed(mode, tensor, name))
 
 
 def _gptq(qc: dict) -> Stored:
     fmt = qc.get("checkpoint_format", "gptq")
-    scheme = (qc.get("bits"), qc.get("group_size"), qc.get("sym"), bool(qc.get("desc_act")), fmt in GPTQ_FORMATS)
-    if scheme != (4, GROUP, True, False, True):
-        raise _unsupported(f"GPTQ bits={qc.get('bits')} group_size={qc.get('group_size')} sym={qc.get('sym')} "
+    scheme = (qc.get("bits"), qc.get("group_size"), bool(qc.get("desc_act")), fmt in GPTQ_FORMATS)
+    if scheme != (4, GROUP, False, True):
+        raise _unsupported(f"GPTQ bits={qc.get('bits')} group_size={qc.get('group_size')} "
                            f"desc_act={qc.get('desc_act')} checkpoint_format={fmt!r}")
     if qc.get("lm_head") or qc.get("dynamic"):
         raise _unsupported("GPTQ with a quantized lm_head or per-module (dynamic) settings")
+    mode = "int4" if qc.get("sym", True) else "int4_asym"
 
     def read(tensor: Tensor, weight_name: str) -> dict:
         base = weight_name.removesuffix("weight")
-        codes = _nibbles(tensor(base + "qweight"), axis=0).T.astype(np.int8) - 8   # [out, in]
-        zeros = _nibbles(tensor(base + "qzeros"), axis=1) + GPTQ_FORMATS[fmt]
-        if np.any(zeros != 8):
-            raise _unsupported(f"{base}qzeros holds zero points other than 8 (asymmetric weights)")
+        codes = _nibbles(tensor(base + "qweight"), axis=0).T   # [out, in]
         try:
             g_idx = tensor(base + "g_idx")
         except ValueError:   # optional without act-order
             g_idx = None
         if g_idx is not None and not np.array_equal(g_idx, np.arange(codes.shape[1]) // GROUP):
             raise _unsupported(f"{base}g_idx reorders the inputs' groups (act-order)")
-        scale = tensor(base + "scales").astype(np.float32).T
-        return {"qweight": pack_int4(codes), "scale": np.ascontiguousarray(scale)}
-    return Stored("int4", read)
+        zeros = (_nibbles(tensor(base + "qzeros"), axis=1) + GPTQ_FORMATS[fmt]) & 0xF
+        return _int4(mode, base + "qzeros", codes, tensor(base + "scales").T, zeros.T)
+    return Stored(mode, read)
+
+
+def _awq(qc: dict) -> Stored:
+    scheme = (qc.get("bits"), qc.get("group_size"), qc.get("zero_point"), str(qc.get("version")).lower())
+    if scheme != (4, GROUP, True, "gemm") or qc.get("modules_to_not_convert"):
+        raise _unsupported(f"AWQ bits={qc.get('bits')} group_size={qc.get('group_size')} zero_point="
+                           f"{qc.get('zero_point')} version={qc.get('version')!r} modules_to_not_convert="
+                           f"{qc.get('modules_to_not_convert')}")
+    undo = np.argsort(AWQ_ORDER)
+
+    def by_output(words: np.ndarray) -> np.ndarray:   # [rows, out / 8] AWQ-packed -> [rows, out]
+        values = _nibbles(words, axis=1)
+        return values.reshape(values.shape[0], -1, 8)[..., undo].reshape(values.shape[0], -1)
+
+    def read(tensor: Tensor, weight_name: str) -> dict:
+        base = weight_name.removesuffix("weight")
+        return _int4("int4_asym", base + "qzeros", by_output(tensor(base + "qweight")).T,
+                     tensor(base + "scales").T, by_output(tensor(base + "qzeros")).T)
+    return Stored("int4_asym", read)
 
 
 def _read_int8(tensor: Tensor, weight_name: str) -> dict:
@@ -132,9 +159,23 @@ def _read_int8(tensor: Tensor, weight_name: str) -> dict:
             "scale": tensor(weight_name + "_scale").astype(np.float32).reshape(-1)}
 
 
-def _read_packed(tensor: Tensor, weight_name: str) -> dict:
-    codes = _nibbles(tensor(weight_name + "_packed"), axis=1).astype(np.int8) - 8   # [out, in]
-    return {"qweight": pack_int4(codes), "scale": tensor(weight_name + "_scale").astype(np.float32)}
+def _read_packed(mode: str, tensor: Tensor, weight_name: str) -> dict:
+    codes = _nibbles(tensor(weight_name + "_packed"), axis=1)   # [out, in]
+    zeros = (np.full((codes.shape[0], 1), 8) if mode == "int4" else
+             _nibbles(tensor(weight_name + "_zero_point"), axis=0)[:codes.shape[0]])
+    return _int4(mode, weight_name + "_zero_point", codes, tensor(weight_name + "_scale"), zeros)
+
+
+def _int4(mode: str, zeros_name: str, codes: np.ndarray, scale: np.ndarray, zeros: np.ndarray) -> dict:
+    """jaxserve's leaves in `mode` for weight = scale * (codes - zeros): codes [out, in] and zero
+    points [out, in / 128] (or [out, 1]: all alike) 0..15, scale [out, in / 128]."""
+    scale = np.ascontiguousarray(scale, dtype=np.float32)
+    leaves = {"qweight": pack_int4(codes.astype(np.int8) - 8), "scale": scale}
+    if mode == "int4_asym":
+        leaves[ZERO] = (zeros.astype(np.float32) - 8) * scale
+    elif np.any(zeros != 8):
+        raise _unsupported(f"{zeros_name} holds zero points other than 8 in a symmetric checkpoint")
+    return leaves
 
 
 def _nibbles(words: np.ndarray, axis: int) -> np.ndarray:

@@ -6,6 +6,10 @@ A quantized Linear holds `qweight` and a scale in place of `weight` ([out, in] a
   * int8: qweight int8 [out, in], scale f32 [out];
   * int4: qweight uint8 [out, in / 2] (byte k of a group of 128 inputs: input k in the low
     nibble, input k + 64 in the high one), scale f32 [out, in / 128];
+  * int4_asym: int4's, and zero f32 [out, in / 128], each group's zero point as an offset:
+    weight = code * scale - zero. A group's 16 levels span its own minimum to maximum rather than
+    +-its largest magnitude (AWQ's and asymmetric GPTQ's checkpoints, jaxserve/prequantized.py);
+    the offsets cost one more small product per Linear, of each group's input sum;
   * w8a8: qweight int8 [out, in], channel_scale f32 [out] (the activations' scales, one per
     token, exist only inside the step).
 The mode is read from the scale's name and rank, so the params tree alone says how to multiply.
@@ -46,8 +50,9 @@ import jax.numpy as jnp
 from jaxserve.config import QUANTIZATION_MODES as MODES
 from jaxserve.matmul import matmul_t
 
-SCALES = {"int8": "scale", "int4": "scale", "w8a8": "channel_scale"}   # each mode's scale leaf
-LEAVES = ("qweight", "scale", "channel_scale")   # what a quantized Linear may hold instead of `weight`
+SCALES = {"int8": "scale", "int4": "scale", "int4_asym": "scale", "w8a8": "channel_scale"}   # each mode's scale leaf
+ZERO = "zero"                 # int4_asym's zero-point offsets
+LEAVES = ("qweight", "scale", "channel_scale", ZERO)   # what a quantized Linear may hold instead of `weight`
 GROUP = 128                   # int4: inputs per scale
 HEAD = "lm_head"              # the LM head's Linear, kept in the model dtype unless asked
 TIED_EMBEDDING = ("model", "embed_tokens", "embedding")   # every family's table, [vocab, hidden]
@@ -69,9 +74,17 @@ def quantize_weight(w, mode: str) -> dict:
     if inp % GROUP:
         raise ValueError(f"int4 quantization needs a weight's input size to be a multiple of {GROUP}, got {inp}")
     groups = w.reshape(out, inp // GROUP, GROUP)
-    scale = _nonzero(jnp.max(jnp.abs(groups), axis=2) / 7)
-    codes = jnp.clip(jnp.round(groups / scale[..., None]), -7, 7).astype(jnp.int8)
-    return {"qweight": pack_int4(codes.reshape(out, inp)), "scale": scale}
+    if mode == "int4":
+        scale = _nonzero(jnp.max(jnp.abs(groups), axis=2) / 7)
+        codes = jnp.clip(jnp.round(groups / scale[..., None]), -7, 7).astype(jnp.int8)
+        return {"qweight": pack_int4(codes.reshape(out, inp)), "scale": scale}
+    # int4_asym: the levels from the group's minimum to its maximum (0 among them, so zeros stay exact)
+    low, high = jnp.minimum(jnp.min(groups, axis=2), 0), jnp.maximum(jnp.max(groups, axis=2), 0)
+    scale = _nonzero((high - low) / 15)
+    point = jnp.round(-low / scale)                       # the level of 0, 0..15
+    codes = jnp.clip(jnp.round(groups / scale[..., None]) + point[..., None], 0, 15) - 8
+    return {"qweight": pack_int4(codes.astype(jnp.int8).reshape(out, inp)), "scale": scale,
+            ZERO: (point - 8) * scale}
 
 
 def pack_int4(codes):
@@ -116,25 +129,33 @@ def _int4_halves(qweight, scale, dtype):
     return half(as_int8(qweight << 4)), half(as_int8(qweight))
 
 
-def dequantize(qweight, scale, dtype=jnp.float32):
-    """The weight [out, in] that qweight and scale stand for."""
+def dequantize(qweight, scale, dtype=jnp.float32, zero=None):
+    """The weight [out, in] that qweight and scale (and int4_asym's zero) stand for."""
     if scale.ndim == 1:
         return (qweight.astype(jnp.float32) * scale[:, None]).astype(dtype)
     out = qweight.shape[0]
-    low, high = (h.reshape(out, -1, GROUP // 2) for h in _int4_halves(qweight, scale, dtype))
-    return jnp.concatenate([low, high], axis=-1).reshape(out, -1)
+    low, high = (h.reshape(out, -1, GROUP // 2) for h in _int4_halves(qweight, scale, jnp.float32))
+    w = jnp.concatenate([low, high], axis=-1)
+    if zero is not None:
+        w = w - zero[..., None]
+    return w.reshape(out, -1).astype(dtype)
 
 
-def _dot(x, qweight, scale, dtype):
+def _dot(x, qweight, scale, zero, dtype):
     """x @ W.T with W dequantized as an operand of the dot (fused on TPU and GPU). int8 scales
-    multiply the output; int4 is two dots, the inputs of each group's first and second halves."""
+    multiply the output; int4 is two dots, the inputs of each group's first and second halves,
+    and with zero points a third, of each group's input sum by its offsets."""
     def dot(a, w):
         return jax.lax.dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())))
     if scale.ndim == 1:
         return dot(x, qweight.astype(dtype)) * scale.astype(dtype)
     low, high = _int4_halves(qweight, scale, dtype)
     xg = x.reshape(*x.shape[:-1], -1, 2, GROUP // 2)
-    return dot(xg[..., 0, :].reshape(*x.shape[:-1], -1), low) + dot(xg[..., 1, :].reshape(*x.shape[:-1], -1), high)
+    y = dot(xg[..., 0, :].reshape(*x.shape[:-1], -1), low) + dot(xg[..., 1, :].reshape(*x.shape[:-1], -1), high)
+    if zero is not None:
+        sums = jnp.sum(xg.astype(jnp.float32), axis=(-2, -1))   # [..., in / 128]
+        y = y - dot(sums, zero).astype(dtype)
+    return y
 
 
 def num_blocks(out: int, inp: int) -> int:
@@ -147,23 +168,22 @@ def num_blocks(out: int, inp: int) -> int:
     return nb if out % nb == 0 else 1
 
 
-def _blocked_dot(x, qweight, scale, dtype):
+def _blocked_dot(x, qweight, scale, zero, dtype):
     """_dot over blocks of output rows in a loop. Block j holds rows j, j + nb, j + 2 nb, ...:
     the row dim splits as [rows / nb, nb], so a weight sharded over its rows keeps its shards."""
     out = qweight.shape[0]
     nb = num_blocks(out, qweight.shape[1] * (1 if scale.ndim == 1 else 2))
-    q3 = qweight.reshape(out // nb, nb, *qweight.shape[1:])
-    s3 = scale.reshape(out // nb, nb, *scale.shape[1:])
+    q3, s3, z3 = (None if a is None else a.reshape(out // nb, nb, *a.shape[1:]) for a in (qweight, scale, zero))
 
     def block(j):
         pick = functools.partial(jax.lax.dynamic_index_in_dim, index=j, axis=1, keepdims=False)
-        return _dot(x, pick(q3), pick(s3), dtype)
+        return _dot(x, pick(q3), pick(s3), None if z3 is None else pick(z3), dtype)
 
     y = jax.lax.map(block, jnp.arange(nb))               # [nb, ..., out / nb]
     return jnp.moveaxis(y, 0, -1).reshape(*x.shape[:-1], out)
 
 
-def _int8_dot(x, qweight, scale, dtype):
+def _int8_dot(x, qweight, scale, zero, dtype):
     """w8a8: x quantized per token, an int8 x int8 -> int32 dot (exact: |sum| <= 127^2 * in, under
     2^31 for up to 133,000 inputs; on CPU by columns for few rows, jaxserve/matmul.py), then the
     token's and the channel's scales."""
@@ -172,22 +192,23 @@ def _int8_dot(x, qweight, scale, dtype):
     return (acc.astype(jnp.float32) * x_scale[..., None] * scale).astype(dtype)
 
 
-def _int8_dot_two_rows(x, qweight, scale, dtype):
+def _int8_dot_two_rows(x, qweight, scale, zero, dtype):
     """CPU: _int8_dot with at least two rows. XLA CPU's int8 dot of a single row takes a path
     17x slower than two rows (measured on a [8192, 2048] weight), so one row is doubled."""
     if x.size != x.shape[-1]:
-        return _int8_dot(x, qweight, scale, dtype)
+        return _int8_dot(x, qweight, scale, zero, dtype)
     flat = x.reshape(1, -1)
-    return _int8_dot(jnp.concatenate([flat, flat]), qweight, scale, dtype)[:1].reshape(*x.shape[:-1], -1)
+    return _int8_dot(jnp.concatenate([flat, flat]), qweight, scale, zero, dtype)[:1].reshape(*x.shape[:-1], -1)
 
 
-def matmul(x, qweight, scale, dtype, int8_activations: bool = False):
+def matmul(x, qweight, scale, dtype, int8_activations: bool = False, zero=None):
     """x @ W.T for a quantized W, in `dtype`: weight-only (int8 or int4, told apart by the scale's
-    rank), or with int8_activations w8a8's int8 x int8 dot. The formulation is chosen by the
-    platform the program is lowered for (compile-only TPU devices on a CPU host included)."""
+    rank; int4_asym with its `zero` offsets), or with int8_activations w8a8's int8 x int8 dot. The
+    formulation is chosen by the platform the program is lowered for (compile-only TPU devices on
+    a CPU host included)."""
     x = x.astype(dtype)
     cpu, default = (_int8_dot_two_rows, _int8_dot) if int8_activations else (_blocked_dot, _dot)
-    return jax.lax.platform_dependent(x, qweight, scale, cpu=functools.partial(cpu, dtype=dtype),
+    return jax.lax.platform_dependent(x, qweight, scale, zero, cpu=functools.partial(cpu, dtype=dtype),
                                       default=functools.partial(default, dtype=dtype))
 
 
@@ -209,7 +230,7 @@ def set_path(tree: dict, keys: tuple[str, ...], value) -> None:
 
 def check_head(mode: str | None, lm_head: bool) -> None:
     if lm_head and mode is None:
-        raise ValueError("quantize_lm_head needs a quantization mode (int8, int4 or w8a8)")
+        raise ValueError(f"quantize_lm_head needs a quantization mode ({', '.join(MODES)})")
 
 
 def quantize_params(params, mode: str | None, shardings=None, lm_head: bool = False):
@@ -241,8 +262,8 @@ def tied_head(params: dict, mode: str, shardings=None) -> None:
 
 
 def quantize_placed(weight, mode: str, shardings: dict | None) -> dict:
-    """quantize_weight, its qweight and scale placed by `shardings` (None: where jit puts them)."""
-    out = None if shardings is None else (shardings["qweight"], shardings[SCALES[mode]])
+    """quantize_weight, its leaves placed by `shardings` (None: where jit puts them)."""
+    out = None if shardings is None else tuple(sorted((k, v) for k, v in shardings.items() if k in LEAVES))
     return _quantizer(mode, out)(weight)
 
 
@@ -250,8 +271,8 @@ def quantize_placed(weight, mode: str, shardings: dict | None) -> dict:
 def _quantizer(mode: str, out_shardings: tuple | None):
     """One jitted quantize_weight per mode and placement: a model's layers repeat a few weight
     shapes, so each compiles once (a jit made per weight compiled every weight again)."""
-    out = None if out_shardings is None else dict(zip(("qweight", SCALES[mode]), out_shardings))
-    return jax.jit(functools.partial(quantize_weight, mode=mode), out_shardings=out)
+    return jax.jit(functools.partial(quantize_weight, mode=mode),
+                   out_shardings=None if out_shardings is None else dict(out_shardings))
 
 
 def node(tree: dict, keys: tuple[str, ...]):

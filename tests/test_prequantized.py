@@ -3,6 +3,8 @@ written by the `compressed-tensors` package and read by transformers on CPU as t
 GPTQ int4 holding the W4A16 checkpoint's codes and scales (so the same reference)."""
 import json
 import os
+import pathlib
+import re
 import shutil
 
 import jax
@@ -24,9 +26,11 @@ PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 84, 104, 101, 32, 102, 111, 114]
 NEW_TOKENS = 16
 
 
-def save_compressed(d, weights, fmt, largest, **model):
-    """A random Llama, every Linear but lm_head quantized by `weights` (scale: each channel's or
-    group's largest magnitude / `largest`), saved by compressed-tensors in format `fmt`."""
+def save_compressed(d, weights, fmt, **model):
+    """A random Llama, every Linear but lm_head quantized by `weights` and saved by
+    compressed-tensors in format `fmt`. Symmetric scales: a channel's or group's largest magnitude
+    / 127 (8 bits) or / 7.5 (4 bits: codes from -8, where the most negative value rounds, to 7,
+    the largest clamped); asymmetric: 16 levels from the group's minimum to its maximum (or 0)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
 
@@ -37,7 +41,12 @@ def save_compressed(d, weights, fmt, largest, **model):
         for module in model.modules():
             if hasattr(module, "weight_scale"):
                 groups = module.weight.reshape(*module.weight_scale.shape, -1)
-                module.weight_scale.copy_(groups.abs().amax(dim=-1) / largest)
+                if weights.symmetric:
+                    module.weight_scale.copy_(groups.abs().amax(dim=-1) / (127 if weights.num_bits == 8 else 7.5))
+                    continue
+                low, high = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)
+                module.weight_scale.copy_((high - low) / 15)
+                module.weight_zero_point.copy_(torch.round(-low / module.weight_scale) - 8)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(d)
@@ -45,66 +54,127 @@ def save_compressed(d, weights, fmt, largest, **model):
     return d
 
 
+def int4_args(symmetric):
+    from compressed_tensors.quantization import QuantizationArgs
+    return QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=128)
+
+
 @pytest.fixture(scope="module")
 def compressed_dir(tmp_path_factory):
-    """int8 per channel (scale amax / 127), compressed-tensors' int-quantized format."""
+    """int8 per channel, compressed-tensors' int-quantized format."""
     from compressed_tensors.quantization import QuantizationArgs
     return save_compressed(str(tmp_path_factory.mktemp("w8a16")), QuantizationArgs(
-        num_bits=8, type="int", symmetric=True, strategy="channel"), "int-quantized", 127)
+        num_bits=8, type="int", symmetric=True, strategy="channel"), "int-quantized")
 
 
 @pytest.fixture(scope="module")
 def packed_dir(tmp_path_factory):
-    """int4 in groups of 128 inputs, compressed-tensors' pack-quantized format. Scales amax / 7.5
-    give codes from -8 (a group's most negative value rounds to it) to 7 (its largest, clamped)."""
-    from compressed_tensors.quantization import QuantizationArgs
-    return save_compressed(str(tmp_path_factory.mktemp("w4a16")), QuantizationArgs(
-        num_bits=4, type="int", symmetric=True, strategy="group", group_size=128), "pack-quantized", 7.5,
-        hidden_size=128, intermediate_size=256)
-
-
-def gptq_pack(values, axis):
-    """4-bit values 0..15 as GPTQ's int32 words: 8 consecutive values along `axis` per word,
-    value j of a word in bits 4j..4j+3 (AutoGPTQ's QuantLinear.pack)."""
-    v = np.moveaxis(values.astype(np.uint32), axis, -1)
-    v = v.reshape(*v.shape[:-1], -1, 8) << (4 * np.arange(8, dtype=np.uint32))
-    return np.ascontiguousarray(np.moveaxis(np.bitwise_or.reduce(v, axis=-1), -1, axis)).view(np.int32)
+    """int4 in groups of 128 inputs, symmetric, compressed-tensors' pack-quantized format."""
+    return save_compressed(str(tmp_path_factory.mktemp("w4a16")), int4_args(True), "pack-quantized",
+                           hidden_size=128, intermediate_size=256)
 
 
 @pytest.fixture(scope="module")
-def gptq_dir(packed_dir, tmp_path_factory):
-    """The W4A16 checkpoint's codes and scales as a GPTQ checkpoint (4 bits, sym, group 128, no
-    act-order, the original format: zero points stored as 8 - 1). Its codes are unpacked by
-    compressed-tensors itself."""
+def asym_dir(tmp_path_factory):
+    """int4 in groups of 128 inputs with zero points, compressed-tensors' pack-quantized format."""
+    return save_compressed(str(tmp_path_factory.mktemp("w4a16_asym")), int4_args(False), "pack-quantized",
+                           hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def asym_float_dir(asym_dir, tmp_path_factory):
+    """asym_dir's weights dequantized by compressed-tensors (its unpacking and `dequantize`), as a
+    full-precision checkpoint: the reference for the asymmetric ones, since transformers does not
+    load compressed-tensors' packed zero points (it expects them unpacked: a size mismatch)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
+    from safetensors.torch import load_file
+
+    d = str(tmp_path_factory.mktemp("w4a16_asym_float"))
+    model = save_engine_model(d, seed=3, hidden_size=128, intermediate_size=256)
+    stored, state = load_file(os.path.join(asym_dir, "model.safetensors")), {}
+    for name, x in stored.items():
+        base = name.removesuffix("weight_packed")
+        if name.endswith("weight_packed"):
+            out, inp = stored[base + "weight_shape"].tolist()
+            zeros = unpack_from_int32(stored[base + "weight_zero_point"], 4, torch.Size([out, inp // 128]), packed_dim=0)
+            state[base + "weight"] = ct_dequantize(unpack_from_int32(x, 4, torch.Size([out, inp])),
+                                                   stored[base + "weight_scale"], zeros, int4_args(False))
+        elif not re.search(r"weight_(scale|shape|zero_point)$", name):
+            state[name] = x
+    model.load_state_dict(state, strict=False)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    model.save_pretrained(d)
+    return d
+
+
+def pack_words(values, axis, order=range(8)):
+    """4-bit values 0..15 as int32 words of 8 consecutive values along `axis`, bits 4j..4j+3 of
+    a word holding its value order[j]: GPTQ's packing (AutoGPTQ's QuantLinear.pack), and AWQ's with
+    its order (0, 2, 4, 6, 1, 3, 5, 7) (AutoAWQ's GEMM WQLinear)."""
+    v = np.moveaxis(values.astype(np.uint32), axis, -1)
+    v = v.reshape(*v.shape[:-1], -1, 8)[..., list(order)] << (4 * np.arange(8, dtype=np.uint32))
+    return np.ascontiguousarray(np.moveaxis(np.bitwise_or.reduce(v, axis=-1), -1, axis)).view(np.int32)
+
+
+def gptq(codes, scale, zeros):
+    """GPTQ's tensors (the original "gptq" format: zero points stored minus 1, modulo 16)."""
+    return {"qweight": pack_words(codes.T, axis=0), "scales": scale.T, "qzeros": pack_words((zeros.T - 1) % 16, axis=1),
+            "g_idx": (np.arange(codes.shape[1]) // 128).astype(np.int32)}
+
+
+def awq(codes, scale, zeros):
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+    return {"qweight": pack_words(codes.T, axis=1, order=order), "scales": scale.T,
+            "qzeros": pack_words(zeros.T, axis=1, order=order)}
+
+
+def repack(src, d, write, quantization_config):
+    """The pack-quantized checkpoint `src`'s codes, scales and zero points (unpacked by
+    compressed-tensors itself: codes and zero points 0..15, weight = scale * (code - zero point))
+    written to `d` by `write` as another format's tensors."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors.numpy import save_file
     from safetensors.torch import load_file
 
-    d = tmp_path_factory.mktemp("gptq")
-    tensors = {}
-    for name, x in load_file(os.path.join(packed_dir, "model.safetensors")).items():
-        if not name.endswith("weight_packed"):
-            if not name.endswith(("weight_scale", "weight_shape")):
-                tensors[name] = x.numpy()
-            continue
-        base = name.removesuffix("weight_packed")
-        shape = load_file(os.path.join(packed_dir, "model.safetensors"))[base + "weight_shape"]
-        codes = unpack_from_int32(x, 4, torch.Size(shape.tolist())).numpy()   # [out, in], -8..7
-        scale = load_file(os.path.join(packed_dir, "model.safetensors"))[base + "weight_scale"].numpy()
-        out, inp = codes.shape
-        tensors[base + "qweight"] = gptq_pack(codes.T + 8, axis=0)
-        tensors[base + "scales"] = np.ascontiguousarray(scale.T)
-        tensors[base + "qzeros"] = gptq_pack(np.full((inp // 128, out), 7), axis=1)
-        tensors[base + "g_idx"] = (np.arange(inp) // 128).astype(np.int32)
-    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads(open(os.path.join(packed_dir, "config.json")).read())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
-                                     "sym": True, "checkpoint_format": "gptq"}
-    (d / "config.json").write_text(json.dumps(config))
-    for fn in os.listdir(packed_dir):
-        if fn.startswith("tokenizer") or fn.endswith(".model"):
-            shutil.copy(os.path.join(packed_dir, fn), d / fn)
-    return str(d)
+    stored = load_file(os.path.join(src, "model.safetensors"))
+    tensors = {name: x.numpy() for name, x in stored.items() if not re.search(r"weight_(packed|scale|shape|zero_point)$", name)}
+    for name in stored:
+        if name.endswith("weight_packed"):
+            base = name.removesuffix("weight_packed")
+            out, inp = stored[base + "weight_shape"].tolist()
+            codes = unpack_from_int32(stored[name], 4, torch.Size([out, inp])).numpy() + 8
+            zp = stored.get(base + "weight_zero_point")
+            zeros = (np.full((out, inp // 128), 8) if zp is None else
+                     unpack_from_int32(zp, 4, torch.Size([out, inp // 128]), packed_dim=0).numpy() + 8)
+            scale = stored[base + "weight_scale"].numpy()
+            tensors.update({base + k: np.ascontiguousarray(x) for k, x in write(codes, scale, zeros).items()})
+    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads(open(os.path.join(src, "config.json")).read())
+    (pathlib.Path(d) / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    for fn in os.listdir(src):
+        if fn.startswith("tokenizer"):
+            shutil.copy(os.path.join(src, fn), d)
+    return d
+
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "checkpoint_format": "gptq"}
+
+
+@pytest.fixture(scope="module")
+def gptq_dir(packed_dir, tmp_path_factory):
+    return repack(packed_dir, str(tmp_path_factory.mktemp("gptq")), gptq, {**GPTQ, "sym": True})
+
+
+@pytest.fixture(scope="module")
+def gptq_asym_dir(asym_dir, tmp_path_factory):
+    return repack(asym_dir, str(tmp_path_factory.mktemp("gptq_asym")), gptq, {**GPTQ, "sym": False})
+
+
+@pytest.fixture(scope="module")
+def awq_dir(asym_dir, tmp_path_factory):
+    return repack(asym_dir, str(tmp_path_factory.mktemp("awq")), awq, {
+        "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"})
 
 
 def reference(model_dir):
@@ -125,21 +195,24 @@ def test_loads_int8_as_stored_and_logits_match_transformers(compressed_dir):
     np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fixture", ["packed_dir", "gptq_dir"])
-def test_int4_loads_as_stored_and_logits_match_transformers(fixture, packed_dir, request):
-    d = request.getfixturevalue(fixture)
+@pytest.mark.parametrize("fixture, same_weights", [
+    ("packed_dir", "packed_dir"), ("gptq_dir", "packed_dir"),
+    ("asym_dir", "asym_float_dir"), ("gptq_asym_dir", "asym_float_dir"), ("awq_dir", "asym_float_dir")])
+def test_int4_loads_as_stored_and_logits_match_transformers(fixture, same_weights, request):
+    d, reference_dir = request.getfixturevalue(fixture), request.getfixturevalue(same_weights)
     cfg = ModelConfig.from_pretrained(d)
     params = load_params(d, cfg)
     proj = params["model"]["layers_0"]["mlp"]["down_proj"]
     assert proj["qweight"].shape == (cfg.hidden_size, cfg.intermediate_size // 2) and proj["qweight"].dtype == np.uint8
     assert proj["scale"].shape == (cfg.hidden_size, cfg.intermediate_size // 128)
+    assert ("zero" in proj) == (same_weights == "asym_float_dir")
     codes = np.asarray(dequantize(proj["qweight"], np.ones_like(proj["scale"])))
     assert codes.min() == -8 and codes.max() == 7
     ids = np.asarray([PROMPTS[1]])
     model = build_model(cfg)
     ours = model.apply({"params": params}, ids, np.arange(ids.shape[1])[None], method=model.forward_logits)
     with torch.no_grad():
-        expected = reference(packed_dir)(torch.tensor(ids)).logits.numpy()
+        expected = reference(reference_dir)(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4, rtol=1e-4)
 
 
@@ -158,8 +231,8 @@ def engine_greedy(model_dir):
         [{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)]
 
 
-def test_engine_serves_gptq_int4_as_transformers_the_same_weights(gptq_dir, packed_dir):
-    assert engine_greedy(gptq_dir) == hf_greedy(packed_dir)
+def test_engine_serves_awq_as_transformers_the_same_weights(awq_dir, asym_float_dir):
+    assert engine_greedy(awq_dir) == hf_greedy(asym_float_dir)
 
 
 def test_engine_greedy_matches_transformers_and_survives_convert(compressed_dir, tmp_path):
@@ -185,7 +258,7 @@ def test_unsupported_schemes_are_refused(compressed_dir, tmp_path):
         load_params(compressed_dir, ModelConfig.from_pretrained(compressed_dir), quantization="int4")
 
 
-def test_gptq_variants_not_read_are_refused(gptq_dir, tmp_path):
+def test_gptq_and_awq_variants_not_read_are_refused(gptq_dir, tmp_path):
     from safetensors.numpy import load_file, save_file
 
     def variant(name, tensors=None, **qc):
@@ -198,10 +271,12 @@ def test_gptq_variants_not_read_are_refused(gptq_dir, tmp_path):
             save_file({**load_file(str(d / "model.safetensors")), **tensors}, str(d / "model.safetensors"))
         return str(d)
 
-    cases = [(variant("awq", quant_method="awq"), "quant_method 'awq'"),
+    cases = [(variant("bnb", quant_method="bitsandbytes"), "quant_method 'bitsandbytes'"),
              (variant("act_order", desc_act=True), "desc_act=True"),
              (variant("group_64", group_size=64), "group_size=64"),
-             (variant("asym", sym=False), "sym=False"),
+             (variant("bits_8", bits=8), "bits=8"),
+             (variant("awq_gemv", quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemv"),
+              "version='gemv'"),
              # zero points of 6 written as symmetric: asymmetric weights in disguise
              (variant("zeros", {"model.layers.1.mlp.up_proj.qzeros": np.full((1, 256 // 8), 0x55555555, np.int32)}),
               "up_proj.qzeros holds zero points other than 8")]

@@ -17,15 +17,30 @@ from jaxserve.models.layers import Linear
 
 
 def oracle(w: np.ndarray, mode: str) -> np.ndarray:
-    """The dequantized weight, by numpy: symmetric round-to-nearest, int8 per output row
-    (levels +-127; w8a8's weights too), int4 per 128 inputs (levels +-7)."""
+    """The dequantized weight, by numpy: round-to-nearest, int8 per output row (levels +-127;
+    w8a8's weights too), int4 per 128 inputs (levels +-7), int4_asym per 128 inputs (16 levels from
+    the group's minimum to its maximum, or to 0 if 0 is not between them, one level at 0)."""
     w = w.astype(np.float64)
     if mode in ("int8", "w8a8"):
         s = np.abs(w).max(axis=1, keepdims=True) / 127
         return np.clip(np.round(w / s), -127, 127) * s
     g = w.reshape(w.shape[0], -1, 128)
-    s = np.abs(g).max(axis=2, keepdims=True) / 7
-    return (np.clip(np.round(g / s), -7, 7) * s).reshape(w.shape)
+    if mode == "int4":
+        s = np.abs(g).max(axis=2, keepdims=True) / 7
+        return (np.clip(np.round(g / s), -7, 7) * s).reshape(w.shape)
+    low, high = np.minimum(g.min(axis=2, keepdims=True), 0), np.maximum(g.max(axis=2, keepdims=True), 0)
+    s = (high - low) / 15
+    zero = np.round(-low / s)
+    return ((np.clip(np.round(g / s) + zero, 0, 15) - zero) * s).reshape(w.shape)
+
+
+def leaves(mode):
+    """The leaves a quantized Linear holds in `mode`."""
+    return {"qweight", quantization.SCALES[mode]} | ({quantization.ZERO} if mode == "int4_asym" else set())
+
+
+def dequantized(q, mode):
+    return np.asarray(quantization.dequantize(q["qweight"], q[quantization.SCALES[mode]], zero=q.get(quantization.ZERO)))
 
 
 def random_weight(out=256, inp=384, seed=0):
@@ -36,11 +51,10 @@ def random_weight(out=256, inp=384, seed=0):
 def test_dequantized_weight_matches_numpy_oracle(mode):
     w = random_weight()
     q = quantization.quantize_weight(w, mode)
-    bits = 4 if mode == "int4" else 8
+    bits = 4 if mode.startswith("int4") else 8
     assert q["qweight"].size * q["qweight"].dtype.itemsize * 8 == w.size * bits   # int4: two per byte
-    assert set(q) == {"qweight", quantization.SCALES[mode]}
-    np.testing.assert_allclose(np.asarray(quantization.dequantize(q["qweight"], q[quantization.SCALES[mode]])), oracle(w, mode),
-                               rtol=1e-6, atol=1e-6)
+    assert set(q) == leaves(mode)
+    np.testing.assert_allclose(dequantized(q, mode), oracle(w, mode), rtol=1e-5, atol=1e-5)
 
 
 def test_int4_rejects_inputs_not_in_groups_of_128():
@@ -54,7 +68,7 @@ def test_linear_multiplies_by_the_dequantized_weight(mode, lead):
     w, bias = random_weight(), np.linspace(-1, 1, 256).astype(np.float32)
     x = np.random.default_rng(1).normal(size=(*lead, 384)).astype(np.float32)
     params = quantization.quantize_params({"proj": {"weight": w, "bias": bias}}, mode)["proj"]
-    assert set(params) == {"qweight", quantization.SCALES[mode], "bias"}
+    assert set(params) == leaves(mode) | {"bias"}
     y = Linear(256, True).apply({"params": params}, x)
     if mode == "w8a8":   # each token's activations rounded to +-127 levels of their largest magnitude
         s = np.abs(x).max(axis=-1, keepdims=True) / 127
@@ -80,13 +94,12 @@ def test_quantize_lm_head_quantizes_an_untied_head_and_copies_a_tied_one(mode):
                                            "lm_head": {"weight": head}}, mode, lm_head=True)
     tied = quantization.quantize_params({"model": {"embed_tokens": {"embedding": embedding},
                                                    "up_proj": {"weight": up}}}, mode, lm_head=True)
-    scale = quantization.SCALES[mode]
     for q, w in ((untied, head), (tied, embedding)):   # quantized as any Linear weight (the oracle test above)
         expected = quantization.quantize_weight(w, mode)
-        assert q["lm_head"].keys() == expected.keys() == {"qweight", scale}
+        assert q["lm_head"].keys() == expected.keys() == leaves(mode)
         assert all(np.array_equal(q["lm_head"][k], expected[k]) for k in expected)
         assert q["model"]["embed_tokens"]["embedding"] is embedding   # the lookups' table stays as it is
-    assert set(tied["model"]["up_proj"]) == {"qweight", scale}
+    assert set(tied["model"]["up_proj"]) == leaves(mode)
     with pytest.raises(ValueError, match="quantize_lm_head needs a quantization mode"):
         quantization.quantize_params({"lm_head": {"weight": head}}, None, lm_head=True)
 
@@ -112,8 +125,8 @@ def test_tied_model_logits_through_the_quantized_head(mode):
     logits = np.asarray(model.apply({"params": q}, x, method=model.logits))
     w = table
     if mode is not None:
-        w = np.asarray(quantization.dequantize(q["lm_head"]["qweight"], q["lm_head"][quantization.SCALES[mode]]))
-        expected, step = oracle(table, mode), np.abs(table).max() / (7 if mode == "int4" else 127)
+        w = dequantized(q["lm_head"], mode)
+        expected, step = oracle(table, mode), np.abs(table).max() / {"int4": 7, "int4_asym": 7.5}.get(mode, 127)
         off = np.abs(w - expected) > 1e-6
         assert off.sum() <= 1e-5 * table.size and np.all(np.abs(w - expected)[off] < 1.01 * step), off.sum()
     if mode == "w8a8":
@@ -156,7 +169,9 @@ def compiled_linear(mode, device, matmul=quantization.matmul, dtype=jnp.float32,
     on = SingleDeviceSharding(device)
     args = [jax.ShapeDtypeStruct((tokens, IN), dtype, sharding=on)] + [
         jax.ShapeDtypeStruct(q[k].shape, q[k].dtype, sharding=on) for k in ("qweight", quantization.SCALES[mode])]
-    return jax.jit(lambda x, qw, s: matmul(x, qw, s, dtype, mode == "w8a8")).lower(*args).compile()
+    zero = q.get(quantization.ZERO)
+    zero = None if zero is None else jax.ShapeDtypeStruct(zero.shape, zero.dtype, sharding=on)
+    return jax.jit(lambda x, qw, s, z: matmul(x, qw, s, dtype, mode == "w8a8", zero=z)).lower(*args, zero).compile()
 
 
 def assert_no_weight_copy(compiled, dtype):
@@ -174,7 +189,8 @@ def test_cpu_step_dequantizes_in_blocks_not_a_weight_copy(mode):
 def test_cpu_plain_formulation_would_copy_the_weight():
     """Why CPU has its own formulation, and that the check above can fail: XLA CPU converts the
     whole int8 weight to f32 before the dot."""
-    compiled = compiled_linear("int8", jax.devices("cpu")[0], matmul=lambda x, qw, s, dtype, _: quantization._dot(x, qw, s, dtype))
+    compiled = compiled_linear("int8", jax.devices("cpu")[0],
+                               matmul=lambda x, qw, s, dtype, _, zero: quantization._dot(x, qw, s, zero, dtype))
     assert max(materialized_float_sizes(compiled.as_text())) == OUT * IN
 
 

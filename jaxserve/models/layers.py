@@ -44,7 +44,7 @@ class Linear(nn.Module):
             w8a8 = self.has_variable("params", quantization.SCALES["w8a8"])
             y = quantization.matmul(x, self.get_variable("params", "qweight"),
                                     self.get_variable("params", quantization.SCALES["w8a8" if w8a8 else "int8"]),
-                                    self.dtype, int8_activations=w8a8)
+                                    self.dtype, int8_activations=w8a8, zero=self.get_variable("params", quantization.ZERO))
         else:
             w = self.param("weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2),
                            (self.features, x.shape[-1]), self.dtype)
