@@ -104,16 +104,25 @@ def test_mixed_batch_matches_peft_in_one_step_without_compiling(setup, llm):
     alone; decode steps ran rows of all three at once; nothing compiled after warm-up."""
     _, dirs, prompts, expected = setup
     names = [None, "a1", "a2"] * len(prompts)
-    index = [i for i in range(len(prompts)) for _ in range(3)]
-    engine, mixed = llm.llm_engine, []
+    before = CompileCounter.count
+    mixed = generate_each_adapter(llm, setup, names, lambda s: s.seq.lora_slot)
+    assert {0, 1, 2} in mixed
+    assert CompileCounter.count == before
+
+
+def generate_each_adapter(llm, setup, names, what):
+    """Every prompt once per adapter in `names` (None: the base model) in one generate call, each
+    output checked against peft's; returns, for each engine step, {what(row)} of its rows."""
+    _, dirs, prompts, expected = setup
+    index = [i for i in range(len(prompts)) for _ in range(len(names) // len(prompts))]
+    engine, seen = llm.llm_engine, []
     step = engine.step
 
     def watched():
         outputs = step()
-        mixed.append({s.seq.lora_slot for s in engine.last_schedule.scheduled})
+        seen.append({what(s) for s in engine.last_schedule.scheduled} - {None})
         return outputs
 
-    before = CompileCounter.count
     engine.step = watched
     try:
         outs = llm.generate([prompts[i] for i in index], SAMPLING, use_tqdm=False,
@@ -121,8 +130,7 @@ def test_mixed_batch_matches_peft_in_one_step_without_compiling(setup, llm):
     finally:
         del engine.step
     check(outs, names, index, expected)
-    assert {0, 1, 2} in mixed
-    assert CompileCounter.count == before
+    return seen
 
 
 def test_speculative_decoding_with_adapters(setup):
@@ -173,24 +181,9 @@ def test_adapter_loaded_on_demand_into_the_idle_slot(setup, llm):
 def test_more_adapters_than_slots_wait_for_one(setup, llm):
     """Base, a1, a2 and a3 rows of every prompt in one generate call, 2 slots: no step runs more
     than 2 adapters, every adapter runs, and every output equals peft's."""
-    _, dirs, prompts, expected = setup
-    names = [None, "a1", "a2", "a3"] * len(prompts)
-    index = [i for i in range(len(prompts)) for _ in range(4)]
-    engine, running = llm.llm_engine, []
-    step = engine.step
-
-    def watched():
-        outputs = step()
-        running.append({s.seq.lora.name for s in engine.last_schedule.scheduled if s.seq.lora})
-        return outputs
-
-    engine.step = watched
-    try:
-        outs = llm.generate([prompts[i] for i in index], SAMPLING, use_tqdm=False,
-                            lora_request=[request(dirs, n) for n in names])
-    finally:
-        del engine.step
-    check(outs, names, index, expected)
+    prompts = setup[2]
+    running = generate_each_adapter(llm, setup, [None, "a1", "a2", "a3"] * len(prompts),
+                                    lambda s: s.seq.lora and s.seq.lora.name)
     assert max(map(len, running)) == 2 and set().union(*running) == {"a1", "a2", "a3"}
 
 

@@ -187,11 +187,16 @@ def test_loads_int8_as_stored_and_logits_match_transformers(compressed_dir):
     proj = params["model"]["layers_0"]["mlp"]["down_proj"]
     assert proj["qweight"].dtype == np.int8 and proj["scale"].shape == (cfg.hidden_size,)
     assert "weight" in params["lm_head"]
+    assert_logits_match(cfg, params, compressed_dir)
+
+
+def assert_logits_match(cfg, params, reference_dir):
+    """Our logits of a prompt with `params` are transformers' with `reference_dir`'s model."""
     ids = np.asarray([PROMPTS[1]])
     model = build_model(cfg)
     ours = model.apply({"params": params}, ids, np.arange(ids.shape[1])[None], method=model.forward_logits)
     with torch.no_grad():
-        expected = reference(compressed_dir)(torch.tensor(ids)).logits.numpy()
+        expected = reference(reference_dir)(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4, rtol=1e-4)
 
 
@@ -208,12 +213,7 @@ def test_int4_loads_as_stored_and_logits_match_transformers(fixture, same_weight
     assert ("zero" in proj) == (same_weights == "asym_float_dir")
     codes = np.asarray(dequantize(proj["qweight"], np.ones_like(proj["scale"])))
     assert codes.min() == -8 and codes.max() == 7
-    ids = np.asarray([PROMPTS[1]])
-    model = build_model(cfg)
-    ours = model.apply({"params": params}, ids, np.arange(ids.shape[1])[None], method=model.forward_logits)
-    with torch.no_grad():
-        expected = reference(reference_dir)(torch.tensor(ids)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4, rtol=1e-4)
+    assert_logits_match(cfg, params, reference_dir)
 
 
 def hf_greedy(model_dir):
