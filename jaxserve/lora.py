@@ -204,6 +204,8 @@ class Adapters:
         self._clock = itertools.count(1)
         for slot, adapter in enumerate(list(self.known.values())[:self.max_loras], 1):
             self._load(adapter, slot)
+        if not self.slot_of:   # compile the store now (zeros into slot 1), not at the first load while serving
+            self.weights = self._store(self.weights, np.int32(0), self._padded({}))
 
     def read(self, name: str, path: str) -> Adapter:
         """Adapter `name` from PEFT directory `path`, read and checked (ValueError naming what the
@@ -260,14 +262,19 @@ class Adapters:
         return Adapter(name, path, {p: (a.astype(self.dtype), b.astype(self.dtype)) for p, (a, b) in weights.items()})
 
     def _load(self, adapter: Adapter, slot: int) -> None:
+        self.weights = self._store(self.weights, np.int32(slot - 1), self._padded(adapter.weights))
+        self.slot_of[adapter] = slot
+
+    def _padded(self, weights: dict) -> dict:
+        """An adapter's {module path: (A, B)} for every target, ranks zero-padded to max_rank;
+        zeros where it has none."""
         new = {}
-        for path in self.targets:   # ranks zero-padded to max_rank; zeros where this adapter has none
+        for path in self.targets:
             out, inp = self.linears[path][2]
-            a, b = adapter.weights.get(path, (np.zeros((0, inp), self.dtype), np.zeros((out, 0), self.dtype)))
+            a, b = weights.get(path, (np.zeros((0, inp), self.dtype), np.zeros((out, 0), self.dtype)))
             pad = self.max_rank - a.shape[0]
             new[path] = (np.pad(a, ((0, pad), (0, 0))), np.pad(b, ((0, 0), (0, pad))))
-        self.weights = self._store(self.weights, np.int32(slot - 1), new)
-        self.slot_of[adapter] = slot
+        return new
 
 
 def _store(weights: dict, index, adapter: dict) -> dict:

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import peft
 import pytest
@@ -176,6 +177,33 @@ def test_adapter_loaded_on_demand_into_the_idle_slot(setup, llm):
         check(outs, [name] * len(prompts), range(len(prompts)), expected)
     assert {a.name: slot for a, slot in adapters.slot_of.items()} == {"a1": 2, "a3": 1}
     assert CompileCounter.count == before
+
+
+def test_an_engine_without_start_up_adapters_compiles_its_slot_store_at_start(setup):
+    """enable_lora without lora_modules: the program that stores an adapter into a slot compiles
+    as the Adapters are built (zeros into slot 1), so the first request's load compiles nothing."""
+    from types import SimpleNamespace
+
+    from jaxserve import lora, parallel
+    from jaxserve.config import EngineConfig, ModelConfig
+
+    base, dirs, _, _ = setup
+    CompileCounter.install()
+    adapters = lora.Adapters(ModelConfig.from_pretrained(base), EngineConfig(model=base, enable_lora=True, max_loras=1),
+                             parallel.make_mesh(devices=jax.devices()[:1]), np.float32)
+    before = CompileCounter.count
+    adapters.register(request(dirs, "a3"))
+    adapters.assign([SimpleNamespace(lora=adapters.known["a3"], lora_slot=None)])
+    assert CompileCounter.count == before
+    path, (a, _) = next(iter(adapters.known["a3"].weights.items()))
+    np.testing.assert_array_equal(np.asarray(lora_weights(adapters, path)["a"][0, :a.shape[0]]), a)
+
+
+def lora_weights(adapters, path):
+    node = adapters.weights
+    for key in path:
+        node = node[key]
+    return node
 
 
 def test_more_adapters_than_slots_wait_for_one(setup, llm):
