@@ -152,10 +152,13 @@ def _dot(x, qweight, scale, zero, dtype):
     low, high = _int4_halves(qweight, scale, dtype)
     xg = x.reshape(*x.shape[:-1], -1, 2, GROUP // 2)
     y = dot(xg[..., 0, :].reshape(*x.shape[:-1], -1), low) + dot(xg[..., 1, :].reshape(*x.shape[:-1], -1), high)
-    if zero is not None:
-        sums = jnp.sum(xg.astype(jnp.float32), axis=(-2, -1))   # [..., in / 128]
-        y = y - dot(sums, zero).astype(dtype)
-    return y
+    return y if zero is None else y - _zero_product(x, zero, dtype)
+
+
+def _zero_product(x, zero, dtype):
+    """int4_asym: what the zero points take off x @ W.T, each group's input sum times its offsets."""
+    sums = jnp.sum(x.reshape(*x.shape[:-1], -1, GROUP).astype(jnp.float32), axis=-1)   # [..., in / 128]
+    return jax.lax.dot_general(sums, zero, (((sums.ndim - 1,), (1,)), ((), ()))).astype(dtype)
 
 
 def num_blocks(out: int, inp: int) -> int:
@@ -173,14 +176,16 @@ def _blocked_dot(x, qweight, scale, zero, dtype):
     the row dim splits as [rows / nb, nb], so a weight sharded over its rows keeps its shards."""
     out = qweight.shape[0]
     nb = num_blocks(out, qweight.shape[1] * (1 if scale.ndim == 1 else 2))
-    q3, s3, z3 = (None if a is None else a.reshape(out // nb, nb, *a.shape[1:]) for a in (qweight, scale, zero))
+    q3 = qweight.reshape(out // nb, nb, *qweight.shape[1:])
+    s3 = scale.reshape(out // nb, nb, *scale.shape[1:])
 
     def block(j):
         pick = functools.partial(jax.lax.dynamic_index_in_dim, index=j, axis=1, keepdims=False)
-        return _dot(x, pick(q3), pick(s3), None if z3 is None else pick(z3), dtype)
+        return _dot(x, pick(q3), pick(s3), None, dtype)
 
     y = jax.lax.map(block, jnp.arange(nb))               # [nb, ..., out / nb]
-    return jnp.moveaxis(y, 0, -1).reshape(*x.shape[:-1], out)
+    y = jnp.moveaxis(y, 0, -1).reshape(*x.shape[:-1], out)
+    return y if zero is None else y - _zero_product(x, zero, dtype)   # small: outside the loop, once
 
 
 def _int8_dot(x, qweight, scale, zero, dtype):
