@@ -206,6 +206,29 @@ def lora_weights(adapters, path):
     return node
 
 
+def test_adapters_over_int8_weights(setup):
+    """Adapters on a quantized base (as on a pre-quantized checkpoint; int8: this model's inputs of
+    64 are too few for int4's groups of 128): each output equals peft's
+    over the base model whose Linear weights are the quantized ones, dequantized (by
+    jaxserve.quantization, whose rounding tests/test_quantization.py checks against numpy)."""
+    from jaxserve import quantization
+
+    base, dirs, prompts, _ = setup
+    hf = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                q = quantization.quantize_weight(module.weight.numpy(), "int8")
+                module.weight.copy_(torch.tensor(np.asarray(quantization.dequantize(q["qweight"], q["scale"]))))
+    expected = {None: [reference(hf, p) for p in prompts]}
+    expected["a1"] = [reference(peft.PeftModel.from_pretrained(hf, dirs["a1"]).eval(), p) for p in prompts]
+    llm = LLM(model=base, quantization="int8", lora_modules={"a1": dirs["a1"]}, **ENGINE)
+    names = [None, "a1"] * len(prompts)
+    index = [i for i in range(len(prompts)) for _ in range(2)]
+    check(llm.generate([prompts[i] for i in index], SAMPLING, use_tqdm=False,
+                       lora_request=[request(dirs, n) for n in names]), names, index, expected)
+
+
 def test_more_adapters_than_slots_wait_for_one(setup, llm):
     """Base, a1, a2 and a3 rows of every prompt in one generate call, 2 slots: no step runs more
     than 2 adapters, every adapter runs, and every output equals peft's."""
