@@ -159,8 +159,8 @@ def soak(server: Server, args) -> dict:
         while not done.wait(1.0):
             samples.append({**server.sample(), "t": time.monotonic() - t0})
 
-    def client(seed: int):
-        c = Client(server.url, VOCAB_SIZE, seed, t0)
+    def client(i: int):
+        c = Client(server.url, VOCAB_SIZE, args.seed * 1000 + i, t0, first=2 * i)
         while time.monotonic() < end:
             results.append(c.one())
 
@@ -168,7 +168,7 @@ def soak(server: Server, args) -> dict:
     watcher = threading.Thread(target=sampler, daemon=True)
     watcher.start()
     with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
-        list(pool.map(client, [args.seed * 1000 + i for i in range(args.clients)]))
+        list(pool.map(client, range(args.clients)))
     # Settle: requests of clients that left are aborted at the server's next look.
     settle_end = time.monotonic() + 30
     while time.monotonic() < settle_end and (samples[-1]["running"] or samples[-1]["waiting"]):
