@@ -123,7 +123,7 @@ def leaves(params):
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-@pytest.mark.parametrize("config", ["int8", "int4", "w8a8", "w8a8+head"])
+@pytest.mark.parametrize("config", ["int8", "int4_asym", "w8a8", "w8a8+head"])   # int4_asym: int4's leaves and more
 def test_convert_quantized_reloads_exactly(tmp_path, config):
     s = bench.settings(config)
     mode, head = s["quantization"], s["quantize_lm_head"]
@@ -136,7 +136,7 @@ def test_convert_quantized_reloads_exactly(tmp_path, config):
     assert any(k.startswith("['lm_head']") for k in expected) == head
     for k in expected:
         assert expected[k].dtype == reloaded[k].dtype and np.array_equal(expected[k], reloaded[k]), k
-    if config in ("int4", "w8a8+head"):   # the engine's restore of packed nibbles and of a head copy
+    if config in ("int4_asym", "w8a8+head"):   # the engine's restore of packed nibbles and of a head copy
         assert greedy(LLM(model=dst, **ENGINE)) == quantized_greedy(config)   # (int8 and w8a8: as their leaves)
     other = "int4" if mode == "int8" else "int8"
     with pytest.raises(ValueError, match=f"holds {mode} weights"):
@@ -189,9 +189,9 @@ KV_INT8 = dict(kv_cache_dtype="int8", page_size=32)
 
 # Each weight mode and each KV cache dtype once (w8a8 with the head: its Linears as without it).
 @pytest.mark.parametrize("quantized", [{**KV_INT8, "quantization": "int8", "kv_cache_dtype": "fp8"},
-                                       dict(quantization="int4", **KV_INT8),
+                                       dict(quantization="int4_asym", **KV_INT8),
                                        dict(quantization="w8a8", quantize_lm_head=True)],
-                         ids=["int8-kv-fp8", "int4-kv-int8", "w8a8+head"])
+                         ids=["int8-kv-fp8", "int4_asym-kv-int8", "w8a8+head"])
 def test_quantized_engine_step_compiles_for_tpu(quantized):
     """configs/tiny-cpu.yaml's largest decode step and largest prefill step with quantized
     weights or KV cache, bf16 and the Pallas kernels, for one v5e chip (what `jaxserve check`
