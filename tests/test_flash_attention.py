@@ -46,7 +46,7 @@ def attention_cases(draw, max_len):
 
 def make_inputs(case):
     b, t, g, d = case["batch"], case["seq_len"], case["group"], case["head_dim"]
-    kvh = 2 if g == 1 else 1  # few q heads: interpret mode pays for every one
+    kvh = case.get("kv_heads", 2 if g == 1 else 1)  # few q heads: interpret mode pays for every one
     kq, kk, kv, ks, ka = jax.random.split(jax.random.key(case["seed"]), 5)
     dtype = jnp.dtype(case["dtype"])
     q = jax.random.normal(kq, (b, t, kvh * g, d), dtype)
@@ -82,6 +82,9 @@ BIDIRECTIONAL = dict(batch=2, seq_len=50, group=4, head_dim=64, dtype="float32",
                      sliding_window=None, soft_cap=None, alibi=True, segments="shuffled", seed=2)
 PLAIN_CAUSAL = dict(batch=1, seq_len=128, group=1, head_dim=64, dtype="float32", causal=True,
                     sliding_window=None, soft_cap=None, alibi=False, segments=None, seed=3)
+# Groups of 2 q heads on each of 2 KV heads (per-head ALiBi slopes): q head h must read KV head
+# h // group, which cases with one KV head or groups of one cannot tell from another mapping.
+GQA_TWO_KV_HEADS = dict(PLAIN_CAUSAL, seq_len=64, group=2, kv_heads=2, alibi=True, seed=4)
 # Without segment ids the GPU kernel reads none, unless a bidirectional mask must hide padding.
 NO_SEGMENTS = [dict(PLAIN_CAUSAL, seq_len=100, soft_cap=5.0),   # causal, padded: hidden by the mask
                dict(BIDIRECTIONAL, batch=1, seq_len=50, segments=None),    # padded: segments needed
@@ -92,6 +95,7 @@ NO_SEGMENTS = [dict(PLAIN_CAUSAL, seq_len=100, soft_cap=5.0),   # causal, padded
 @example(ALL_FEATURES)
 @example(BIDIRECTIONAL)
 @example(PLAIN_CAUSAL)
+@example(GQA_TWO_KV_HEADS)
 @given(attention_cases(max_len=96))
 def test_tpu_kernel_matches_reference(case):
     check_against_reference(tpu, case, block_q=32, block_kv=32)
@@ -101,6 +105,7 @@ def test_tpu_kernel_matches_reference(case):
 @example(ALL_FEATURES)
 @example(BIDIRECTIONAL)
 @example(PLAIN_CAUSAL)
+@example(GQA_TWO_KV_HEADS)
 @example(NO_SEGMENTS[0])
 @example(NO_SEGMENTS[1])
 @example(NO_SEGMENTS[2])
