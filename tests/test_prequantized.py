@@ -1,6 +1,7 @@
 """Pre-quantized Hugging Face checkpoints: compressed-tensors int8 (W8A16) and packed int4 (W4A16),
 written by the `compressed-tensors` package and read by transformers on CPU as the reference, and
 GPTQ int4 holding the W4A16 checkpoint's codes and scales (so the same reference)."""
+import functools
 import json
 import os
 import pathlib
@@ -117,9 +118,11 @@ def pack_words(values, axis, order=range(8)):
     return np.ascontiguousarray(np.moveaxis(np.bitwise_or.reduce(v, axis=-1), -1, axis)).view(np.int32)
 
 
-def gptq(codes, scale, zeros):
-    """GPTQ's tensors (the original "gptq" format: zero points stored minus 1, modulo 16)."""
-    return {"qweight": pack_words(codes.T, axis=0), "scales": scale.T, "qzeros": pack_words((zeros.T - 1) % 16, axis=1),
+def gptq(codes, scale, zeros, stored_minus=1):
+    """GPTQ's tensors; the original "gptq" format stores zero points minus 1, modulo 16
+    ("gptq_v2": stored_minus 0)."""
+    return {"qweight": pack_words(codes.T, axis=0), "scales": scale.T,
+            "qzeros": pack_words((zeros.T - stored_minus) % 16, axis=1),
             "g_idx": (np.arange(codes.shape[1]) // 128).astype(np.int32)}
 
 
@@ -172,6 +175,12 @@ def gptq_asym_dir(asym_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def gptq_v2_asym_dir(asym_dir, tmp_path_factory):
+    return repack(asym_dir, str(tmp_path_factory.mktemp("gptq_v2_asym")), functools.partial(gptq, stored_minus=0),
+                  {**GPTQ, "sym": False, "checkpoint_format": "gptq_v2"})
+
+
+@pytest.fixture(scope="module")
 def awq_dir(asym_dir, tmp_path_factory):
     return repack(asym_dir, str(tmp_path_factory.mktemp("awq")), awq, {
         "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"})
@@ -202,7 +211,8 @@ def assert_logits_match(cfg, params, reference_dir):
 
 @pytest.mark.parametrize("fixture, same_weights", [
     ("packed_dir", "packed_dir"), ("gptq_dir", "packed_dir"),
-    ("asym_dir", "asym_float_dir"), ("gptq_asym_dir", "asym_float_dir"), ("awq_dir", "asym_float_dir")])
+    ("asym_dir", "asym_float_dir"), ("gptq_asym_dir", "asym_float_dir"), ("gptq_v2_asym_dir", "asym_float_dir"),
+    ("awq_dir", "asym_float_dir")])
 def test_int4_loads_as_stored_and_logits_match_transformers(fixture, same_weights, request):
     d, reference_dir = request.getfixturevalue(fixture), request.getfixturevalue(same_weights)
     cfg = ModelConfig.from_pretrained(d)
