@@ -93,11 +93,10 @@ def _compressed_tensors(qc: dict) -> Stored:
             raise _unsupported(f"activation quantization in {name}")
         if group.get("targets") != ["Linear"]:
             raise _unsupported(f"targets {group.get('targets')} in {name}")
-        scheme = (w.get("num_bits"), w.get("type"), w.get("symmetric"), w.get("strategy"), w.get("actorder"))
-        if fmt in COMPRESSED_INT8 and scheme == (8, "int", True, "channel", None):
+        scheme = (w.get("num_bits"), w.get("type"), w.get("strategy"), w.get("actorder"))
+        if fmt in COMPRESSED_INT8 and scheme == (8, "int", "channel", None) and w.get("symmetric"):
             modes.add("int8")
-        elif (fmt == COMPRESSED_INT4 and scheme[:2] + scheme[3:] == (4, "int", "group", None)
-              and w.get("group_size") == GROUP):
+        elif fmt == COMPRESSED_INT4 and scheme == (4, "int", "group", None) and w.get("group_size") == GROUP:
             modes.add("int4" if w.get("symmetric") else "int4_asym")
         else:
             raise _unsupported(f"format {fmt!r} with weights {w} in {name}")
