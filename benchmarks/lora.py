@@ -25,7 +25,7 @@ from safetensors.numpy import save_file
 
 from benchmarks.common import (command_line, load_average, machine_info, machine_line, make_workload, markdown_table,
                                model_summary, prepare_model, write_keeping_notes)
-from benchmarks.offline_throughput import engine_config, workload_args
+from benchmarks.offline_throughput import engine_config, workload_args, workload_text
 from jaxserve import lora
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine
@@ -107,9 +107,7 @@ def main(argv=None) -> str:
         f"Command: `{command_line('lora', argv)}`  ", machine_line(machine_info()), "",
         f"Model: {model_summary(model_dir)}. {args.adapters} random adapters of rank {args.rank} on every projection "
         f"(max_loras {args.adapters}: {args.adapters * args.rank} LoRA columns a Linear, {lora_flops / base_flops:.1%} "
-        f"of the decoder's Linear FLOPs). {args.num_prompts} prompts of seeded random ids, input "
-        f"{args.min_input}-{args.max_input}, output {args.min_output}-{args.max_output} tokens (ignore_eos), greedy, "
-        f"all submitted at once; max_num_seqs {args.max_num_seqs}. Load average {load[0]:.1f} -> {load[1]:.1f} "
+        f"of the decoder's Linear FLOPs). {workload_text(args)}. Load average {load[0]:.1f} -> {load[1]:.1f} "
         f"(a busy neighbour slows some rounds: compare rounds, not only the best).", "",
         *markdown_table(["rows", "output tok/s per round", "best / no LoRA", "best ms per decode step"], rows), ""])
     print(text)

@@ -21,7 +21,7 @@ import time
 
 from benchmarks.common import (command_line, machine_info, machine_line, make_workload, markdown_table,
                                model_summary, prepare_model, write_keeping_notes)
-from benchmarks.offline_throughput import engine_config, run_engine, workload_args
+from benchmarks.offline_throughput import engine_config, run_engine, workload_args, workload_text
 from jaxserve.engine import LLMEngine
 
 
@@ -59,9 +59,7 @@ def main(argv=None) -> str:
     text = "\n".join([
         "# Multi-step decoding", "",
         f"Command: `{command_line('multi_step', argv)}`  ", machine_line(machine_info()), "",
-        f"Model: {model_summary(model_dir)}. {args.num_prompts} prompts of seeded random ids, input "
-        f"{args.min_input}-{args.max_input}, output {args.min_output}-{args.max_output} tokens (ignore_eos), greedy, "
-        f"all submitted at once; max_num_seqs {args.max_num_seqs}, {args.max_num_batched_tokens} tokens a step.", "",
+        f"Model: {model_summary(model_dir)}. {workload_text(args)}, {args.max_num_batched_tokens} tokens a step.", "",
         *markdown_table(["decode_steps", "warm-up s (compilations)", "output tok/s per round", "best / decode_steps "
                          f"{settings[0]}", "host ms per decode token step", f"outputs equal decode_steps {settings[0]}'s"],
                         rows), ""])

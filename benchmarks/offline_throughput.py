@@ -339,6 +339,13 @@ def _kv_table(r: dict) -> list[str]:
           kv.running * kv.max_model_len, f"{kv.contiguous_share:.1%}"]])
 
 
+def workload_text(args) -> str:
+    """The workload of workload_args' arguments, in words, as the results files give it."""
+    return (f"{args.num_prompts} prompts of seeded random ids, input {args.min_input}-{args.max_input}, output "
+            f"{args.min_output}-{args.max_output} tokens (ignore_eos), greedy, all submitted at once; "
+            f"max_num_seqs {args.max_num_seqs}")
+
+
 def workload_args(p: argparse.ArgumentParser, num_prompts: int = 256, inputs=(16, 512), outputs=(16, 256)) -> None:
     """The workload's and the engine's arguments (engine_config, make_workload), with these defaults."""
     p.add_argument("--num-prompts", type=int, default=num_prompts)
