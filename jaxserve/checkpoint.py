@@ -100,7 +100,6 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
             keys = tuple(k.key for k in path)
             name, rows = hf_tensor(keys, cfg)
             quantize = (quantization or stored) is not None and quant.quantizable(keys, spec, lm_head)
-            where = _read_sharding(shardings, keys, quantize)
             if quantize and stored:   # read as stored, in jaxserve's layout
                 quant.set_path(params, keys[:-1], _place_stored(stored, lambda n: lazy(n)[:], name, rows, spec,
                                                                 None if shardings is None else quant.node(shardings, keys[:-1])))
@@ -112,7 +111,7 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
             if not fits:
                 raise ValueError(f"tensor {name!r} has shape {hf_shape} in the checkpoint, expected "
                                  f"{tuple(spec.shape)}" + ("" if rows is None else f" at rows {rows[0]}:{rows[1]}"))
-            leaf = _place(tensor, spec, where, None if rows is None else rows[0])
+            leaf = _place(tensor, spec, _read_sharding(shardings, keys, quantize), None if rows is None else rows[0])
             if quantize:
                 leaf = quant.quantize_placed(leaf, quantization, None if shardings is None else quant.node(shardings, keys[:-1]))
             quant.set_path(params, keys[:-1] if quantize else keys, leaf)
