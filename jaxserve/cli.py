@@ -71,7 +71,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sp", type=int, help="sequence-parallel degree (mesh 'seq' axis)")
     p.add_argument("--dp", type=int, help="data-parallel replicas (mesh 'data' axis; `serve` only)")
     p.add_argument("--quantization", choices=QUANTIZATION_MODES,
-                   help="quantize the Linear weights at load time: int8 / int4 / int4_asym (zero points) weight-only, or w8a8 (int8 weights and per-token int8 activations); overrides the config")
+                   help="quantize the Linear weights at load time: int8 / int4 / int4_asym (zero points) / fp8 (e4m3, a scale per 128 inputs) weight-only, or w8a8 (int8 weights and per-token int8 activations); overrides the config")
     p.add_argument("--quantize-lm-head", action="store_true", help=QUANTIZE_LM_HEAD_HELP)
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3) with per-token scales")

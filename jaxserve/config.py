@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import yaml
 
 
-QUANTIZATION_MODES = ("int8", "int4", "int4_asym", "w8a8")   # weight-only, int4_asym with zero points; w8a8 int8 x int8 (jaxserve/quantization.py)
+QUANTIZATION_MODES = ("int8", "int4", "int4_asym", "fp8", "w8a8")   # weight-only, int4_asym with zero points; w8a8 int8 x int8 (jaxserve/quantization.py)
 QUANTIZE_LM_HEAD_HELP = ("quantize the LM head too, as --quantization says (a tied head: a quantized copy of "
                          "the embedding table; lookups keep the table)")   # the CLI flags' help
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")   # KV cache storage (jaxserve/kv_cache.py)
@@ -213,7 +213,7 @@ class EngineConfig:
     # Speculative decoding (None: off); a dict (YAML, `LLM(speculative={...})`) becomes a SpeculativeConfig.
     speculative: SpeculativeConfig | None = None
     # Quantization of the Linear weights at load time (jaxserve/quantization.py): None | int8 |
-    # int4 | int4_asym (weight-only; int4_asym with per-group zero points) | w8a8 (int8 weights and
+    # int4 | int4_asym | fp8 (weight-only; int4_asym with per-group zero points) | w8a8 (int8 weights and
     # per-token int8 activations). An orbax checkpoint written quantized (`jaxserve convert --quantization`) loads as it is.
     quantization: str | None = None
     # Quantize the LM head too, in the same mode (default: it stays in the model dtype). A head tied

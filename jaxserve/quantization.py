@@ -1,6 +1,7 @@
-"""Quantized Linear weights: weight-only int8 (one scale per output channel) and int4 (one scale
-per group of 128 inputs, two values packed per byte), and w8a8: int8 weights as int8's, with the
-activations quantized to int8 per token at run time, so the matmul is an int8 x int8 -> int32 dot.
+"""Quantized Linear weights: weight-only int8 (one scale per output channel), int4 (one scale
+per group of 128 inputs, two values packed per byte) and fp8 (float8 e4m3, a scale per group of
+128 inputs), and w8a8: int8 weights as int8's, with the activations quantized to int8 per token
+at run time, so the matmul is an int8 x int8 -> int32 dot.
 
 A quantized Linear holds `qweight` and a scale in place of `weight` ([out, in] as before):
   * int8: qweight int8 [out, in], scale f32 [out];
@@ -10,15 +11,27 @@ A quantized Linear holds `qweight` and a scale in place of `weight` ([out, in] a
     weight = code * scale - zero. A group's 16 levels span its own minimum to maximum rather than
     +-its largest magnitude (AWQ's and asymmetric GPTQ's checkpoints, jaxserve/prequantized.py);
     the offsets cost one more small product per Linear, of each group's input sum;
+  * fp8: qweight float8_e4m3fn [out, in], scale f32 [out, in / 128], int4's scale layout. It
+    holds exactly each scale an FP8 checkpoint may store (jaxserve/prequantized.py): a 128x128
+    block's (DeepSeek's and Qwen's -FP8, `weight_block_size` [128, 128]) is its 128 output rows'
+    scale for one group of inputs, a channel's or the tensor's is the same in every group. One
+    layout for all three costs 4 bytes per 128 weights (3% of the fp8 bytes) where a per-channel
+    [out] would do, and keeps one mode with one params tree. Load-time `fp8` scales each group of
+    128 inputs of a row by its largest magnitude / 448 (e4m3's largest value);
   * w8a8: qweight int8 [out, in], channel_scale f32 [out] (the activations' scales, one per
     token, exist only inside the step).
-The mode is read from the scale's name and rank, so the params tree alone says how to multiply.
+The mode is read from the scale's name and rank and the qweight's dtype (int4: uint8, fp8:
+float8_e4m3fn), so the params tree alone says how to multiply.
 
 w8a8 is the CPU's fast int8 path: XLA CPU has an int8 x int8 dot (2.5x the f32 dot at 16 rows of
 a [8192, 2048] weight, 1.7x at one row: benchmarks/results/quantization.md), and none that takes
 int8 weights with float activations. Its cost is accuracy: each token's activations are rounded
 to 255 levels of their largest magnitude, which models with outlier activation channels (large
 LLMs) feel; the held-out perplexity of tests/test_quantized_engine.py bounds it on the tiny model.
+fp8 is weight-only too (W8A16): activations stay in the model dtype and the weight is converted
+to it inside the dot, as vLLM serves FP8 checkpoints on GPUs without fp8 arithmetic; TPU v5e has
+no fp8 matrix unit, and on every backend this keeps one formulation (an fp8 x fp8 dot with scaled
+activations would be a w8a8-like mode of its own).
 int4 is packed into uint8 by hand rather than held as jnp.int4: on XLA CPU a jnp.int4 array
 takes one byte per value on device (`on_device_size_in_bytes`), and orbax stores uint8 as
 any other dtype; the unpacking (two shifts) fuses into the dequantization on every backend.
@@ -50,10 +63,10 @@ import jax.numpy as jnp
 from jaxserve.config import QUANTIZATION_MODES as MODES
 from jaxserve.matmul import matmul_t
 
-SCALES = {"int8": "scale", "int4": "scale", "int4_asym": "scale", "w8a8": "channel_scale"}   # each mode's scale leaf
+SCALES = {"int8": "scale", "int4": "scale", "int4_asym": "scale", "fp8": "scale", "w8a8": "channel_scale"}   # each mode's scale leaf
 ZERO = "zero"                 # int4_asym's zero-point offsets
 LEAVES = ("qweight", "scale", "channel_scale", ZERO)   # what a quantized Linear may hold instead of `weight`
-GROUP = 128                   # int4: inputs per scale
+GROUP = 128                   # int4, fp8: inputs per scale
 HEAD = "lm_head"              # the LM head's Linear, kept in the model dtype unless asked
 TIED_EMBEDDING = ("model", "embed_tokens", "embedding")   # every family's table, [vocab, hidden]
 BLOCK_ELEMENTS = 1 << 15      # CPU: weight elements dequantized at once (128 KiB in f32)
@@ -72,8 +85,11 @@ def quantize_weight(w, mode: str) -> dict:
         q, scale = quantize_rows(w, jnp.int8)
         return {"qweight": q, SCALES[mode]: scale}
     if inp % GROUP:
-        raise ValueError(f"int4 quantization needs a weight's input size to be a multiple of {GROUP}, got {inp}")
+        raise ValueError(f"{mode} quantization needs a weight's input size to be a multiple of {GROUP}, got {inp}")
     groups = w.reshape(out, inp // GROUP, GROUP)
+    if mode == "fp8":
+        q, scale = quantize_rows(groups, jnp.float8_e4m3fn)
+        return {"qweight": q.reshape(out, inp), "scale": scale}
     if mode == "int4":
         scale = _nonzero(jnp.max(jnp.abs(groups), axis=2) / 7)
         codes = jnp.clip(jnp.round(groups / scale[..., None]), -7, 7).astype(jnp.int8)
@@ -102,7 +118,8 @@ _LARGEST = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 def quantize_rows(x, dtype):
     """x [..., n] -> (x in `dtype` (int8 or fp8), float32 [...] scales) with x ~= stored * scale:
     each row's largest magnitude maps to the dtype's largest value (an all-zero row: scale 1).
-    Rows: a KV cache's head vectors (kv_cache.py), int8 weights' output channels, w8a8's tokens."""
+    Rows: a KV cache's head vectors (kv_cache.py), int8 weights' output channels, w8a8's tokens,
+    fp8 weights' groups of 128 inputs."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
     scale = jnp.where(amax > 0, amax / _LARGEST[jnp.dtype(dtype)], 1.0)
     scaled = x.astype(jnp.float32) / scale[..., None]
@@ -115,27 +132,29 @@ def _nonzero(scale):
     return jnp.where(scale == 0, 1.0, scale)   # an all-zero row quantizes to zeros with any scale
 
 
-def _int4_halves(qweight, scale, dtype):
-    """The dequantized first and second halves of every group, each [out, in / 2]: byte k of a
-    group holds input k in its low nibble and input k + 64 in its high one, so unpacking is two
-    shifts and no interleaving (which XLA CPU runs several times slower)."""
+def _grouped_parts(qweight, scale, dtype):
+    """A weight with a scale per group of 128 inputs (int4, fp8) dequantized in parts, each
+    [out, in / parts], part p holding the p-th slice of every group: fp8's whole weight; int4's
+    two halves, since byte k of a group holds input k in its low nibble and input k + 64 in its
+    high one, so unpacking is two shifts and no interleaving (which XLA CPU runs several times slower)."""
     out = qweight.shape[0]
-    as_int8 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int8)
-    s = scale[..., None]
 
-    def half(nibble_high):   # sign-extending shifts: the nibble to the top, then back down
-        q = jax.lax.shift_right_arithmetic(nibble_high, jnp.int8(4)).reshape(out, -1, GROUP // 2)
-        return (q.astype(jnp.float32) * s).reshape(out, -1).astype(dtype)
-    return half(as_int8(qweight << 4)), half(as_int8(qweight))
+    def scaled(q):   # [out, in / parts] times its groups' scales
+        q = q.reshape(out, scale.shape[1], -1)
+        return (q.astype(jnp.float32) * scale[..., None]).reshape(out, -1).astype(dtype)
+    if qweight.dtype != jnp.uint8:
+        return [scaled(qweight)]
+    as_int8 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int8)
+    # sign-extending shifts: the nibble to the top, then back down
+    return [scaled(jax.lax.shift_right_arithmetic(as_int8(high), jnp.int8(4))) for high in (qweight << 4, qweight)]
 
 
 def dequantize(qweight, scale, dtype=jnp.float32, zero=None):
     """The weight [out, in] that qweight and scale (and int4_asym's zero) stand for."""
     if scale.ndim == 1:
         return (qweight.astype(jnp.float32) * scale[:, None]).astype(dtype)
-    out = qweight.shape[0]
-    low, high = (h.reshape(out, -1, GROUP // 2) for h in _int4_halves(qweight, scale, jnp.float32))
-    w = jnp.concatenate([low, high], axis=-1)
+    out, groups = scale.shape
+    w = jnp.concatenate([p.reshape(out, groups, -1) for p in _grouped_parts(qweight, scale, jnp.float32)], axis=-1)
     if zero is not None:
         w = w - zero[..., None]
     return w.reshape(out, -1).astype(dtype)
@@ -143,15 +162,15 @@ def dequantize(qweight, scale, dtype=jnp.float32, zero=None):
 
 def _dot(x, qweight, scale, zero, dtype):
     """x @ W.T with W dequantized as an operand of the dot (fused on TPU and GPU). int8 scales
-    multiply the output; int4 is two dots, the inputs of each group's first and second halves,
-    and with zero points a third, of each group's input sum by its offsets."""
+    multiply the output; grouped weights are a dot per part (int4: the inputs of each group's
+    first and second halves), and with zero points one more, of each group's input sum by its offsets."""
     def dot(a, w):
         return jax.lax.dot_general(a, w, (((a.ndim - 1,), (1,)), ((), ())))
     if scale.ndim == 1:
         return dot(x, qweight.astype(dtype)) * scale.astype(dtype)
-    low, high = _int4_halves(qweight, scale, dtype)
-    xg = x.reshape(*x.shape[:-1], -1, 2, GROUP // 2)
-    y = dot(xg[..., 0, :].reshape(*x.shape[:-1], -1), low) + dot(xg[..., 1, :].reshape(*x.shape[:-1], -1), high)
+    parts = _grouped_parts(qweight, scale, dtype)
+    xg = x.reshape(*x.shape[:-1], -1, len(parts), GROUP // len(parts))
+    y = sum(dot(xg[..., p, :].reshape(*x.shape[:-1], -1), w) for p, w in enumerate(parts))
     return y if zero is None else y - _zero_product(x, zero, dtype)
 
 
@@ -173,19 +192,28 @@ def num_blocks(out: int, inp: int) -> int:
 
 def _blocked_dot(x, qweight, scale, zero, dtype):
     """_dot over blocks of output rows in a loop. Block j holds rows j, j + nb, j + 2 nb, ...:
-    the row dim splits as [rows / nb, nb], so a weight sharded over its rows keeps its shards."""
-    out = qweight.shape[0]
-    nb = num_blocks(out, qweight.shape[1] * (1 if scale.ndim == 1 else 2))
-    q3 = qweight.reshape(out // nb, nb, *qweight.shape[1:])
+    the row dim splits as [rows / nb, nb], so a weight sharded over its rows keeps its shards.
+    fp8 goes into the loop as its bytes: XLA CPU has no fp8 arithmetic and, given an fp8 array
+    to slice, converts all of it to f16 before the loop. The bytes are a copy too (XLA CPU does
+    not take the bitcast for a view; it tried u8 and u32 views, sliced inside or outside the
+    loop): one byte a weight written per step, where int8 slices its weight in place."""
+    out, stored = qweight.shape[0], qweight.dtype
+    nb = num_blocks(out, x.shape[-1])
+    q3 = _bytes(qweight).reshape(out // nb, nb, *qweight.shape[1:])
     s3 = scale.reshape(out // nb, nb, *scale.shape[1:])
 
     def block(j):
         pick = functools.partial(jax.lax.dynamic_index_in_dim, index=j, axis=1, keepdims=False)
-        return _dot(x, pick(q3), pick(s3), None, dtype)
+        return _dot(x, jax.lax.bitcast_convert_type(pick(q3), stored), pick(s3), None, dtype)
 
     y = jax.lax.map(block, jnp.arange(nb))               # [nb, ..., out / nb]
     y = jnp.moveaxis(y, 0, -1).reshape(*x.shape[:-1], out)
     return y if zero is None else y - _zero_product(x, zero, dtype)   # small: outside the loop, once
+
+
+def _bytes(q):
+    """A 1-byte float array's bits as uint8 (others as they are)."""
+    return jax.lax.bitcast_convert_type(q, jnp.uint8) if jnp.issubdtype(q.dtype, jnp.floating) else q
 
 
 def _int8_dot(x, qweight, scale, zero, dtype):
@@ -207,8 +235,8 @@ def _int8_dot_two_rows(x, qweight, scale, zero, dtype):
 
 
 def matmul(x, qweight, scale, dtype, int8_activations: bool = False, zero=None):
-    """x @ W.T for a quantized W, in `dtype`: weight-only (int8 or int4, told apart by the scale's
-    rank; int4_asym with its `zero` offsets), or with int8_activations w8a8's int8 x int8 dot. The
+    """x @ W.T for a quantized W, in `dtype`: weight-only (int8 by its scale's rank, int4 and fp8
+    by the qweight's dtype; int4_asym with its `zero` offsets), or with int8_activations w8a8's int8 x int8 dot. The
     formulation is chosen by the platform the program is lowered for (compile-only TPU devices on
     a CPU host included)."""
     x = x.astype(dtype)
@@ -288,7 +316,7 @@ def node(tree: dict, keys: tuple[str, ...]):
 
 def logical_axes(name: str, weight_axes: tuple[str, ...], ndim: int) -> tuple[str, ...]:
     """Logical axes of a quantized leaf, from its weight's: qweight as the weight, a scale as the
-    weight's first `ndim` axes (int8: the output channel; int4: output and input groups)."""
+    weight's first `ndim` axes (int8: the output channel; int4, fp8: output and input groups)."""
     return weight_axes if name == "qweight" else weight_axes[:ndim]
 
 

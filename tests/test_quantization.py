@@ -7,6 +7,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # xdist workers each 
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.experimental import topologies
@@ -19,12 +20,16 @@ from jaxserve.models.layers import Linear
 def oracle(w: np.ndarray, mode: str) -> np.ndarray:
     """The dequantized weight, by numpy: round-to-nearest, int8 per output row (levels +-127;
     w8a8's weights too), int4 per 128 inputs (levels +-7), int4_asym per 128 inputs (16 levels from
-    the group's minimum to its maximum, or to 0 if 0 is not between them, one level at 0)."""
+    the group's minimum to its maximum, or to 0 if 0 is not between them, one level at 0), fp8 per
+    128 inputs (e4m3 of the group over its largest magnitude / 448, by ml_dtypes)."""
     w = w.astype(np.float64)
     if mode in ("int8", "w8a8"):
         s = np.abs(w).max(axis=1, keepdims=True) / 127
         return np.clip(np.round(w / s), -127, 127) * s
     g = w.reshape(w.shape[0], -1, 128)
+    if mode == "fp8":
+        s = np.abs(g).max(axis=2, keepdims=True) / 448
+        return ((g / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * s).reshape(w.shape)
     if mode == "int4":
         s = np.abs(g).max(axis=2, keepdims=True) / 7
         return (np.clip(np.round(g / s), -7, 7) * s).reshape(w.shape)
@@ -126,7 +131,8 @@ def test_tied_model_logits_through_the_quantized_head(mode):
     w = table
     if mode is not None:
         w = dequantized(q["lm_head"], mode)
-        expected, step = oracle(table, mode), np.abs(table).max() / {"int4": 7, "int4_asym": 7.5}.get(mode, 127)
+        # fp8's widest step: 32 (between e4m3's 416 and 448) of 448
+        expected, step = oracle(table, mode), np.abs(table).max() / {"int4": 7, "int4_asym": 7.5, "fp8": 14}.get(mode, 127)
         off = np.abs(w - expected) > 1e-6
         assert off.sum() <= 1e-5 * table.size and np.all(np.abs(w - expected)[off] < 1.01 * step), off.sum()
     if mode == "w8a8":
