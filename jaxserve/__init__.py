@@ -1,11 +1,12 @@
 """jaxserve: a JAX/XLA engine that serves large language models.
 
 The offline API, as vLLM users write it: `from jaxserve import LLM, SamplingParams` (and
-`LoRARequest`, an adapter for LLM.generate). Importing jaxserve starts no JAX: `LLM` builds its
+`LoRARequest`, an adapter for LLM.generate; `PoolingParams` for LLM.embed). Importing jaxserve starts no JAX: `LLM` builds its
 engine when called.
 """
 from jaxserve.config import EngineConfig
-from jaxserve.llm import LLM, CompletionOutput, Logprob, RequestOutput
-from jaxserve.sampling_params import LoRARequest, SamplingParams
+from jaxserve.llm import LLM, CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from jaxserve.sampling_params import LoRARequest, PoolingParams, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig", "LoRARequest"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig", "LoRARequest",
+           "PoolingParams", "EmbeddingRequestOutput"]

@@ -16,7 +16,8 @@ import sys
 import yaml
 
 from jaxserve import check_cli
-from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, QUANTIZE_LM_HEAD_HELP, DistributedConfig, EngineConfig
+from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_MODES, QUANTIZE_LM_HEAD_HELP, RUNNERS, DistributedConfig,
+                             EngineConfig)
 from jaxserve.server.reasoning import PARSERS as REASONING_PARSERS
 from jaxserve.server.tool_parsers import PARSERS
 
@@ -27,7 +28,7 @@ TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 def engine_config(args) -> EngineConfig:
     """--config YAML (with --model, --tp/--sp/--dp, --quantization, --quantize-lm-head, --kv-cache-dtype,
-    --decode-steps, --generation-config and the LoRA flags on top); with neither, configs/tiny-cpu.yaml
+    --decode-steps, --generation-config, --runner and the LoRA flags on top); with neither, configs/tiny-cpu.yaml
     when present."""
     path = args.config or (TINY_CPU_CONFIG if args.model is None and os.path.exists(TINY_CPU_CONFIG) else None)
     cfg = EngineConfig.from_yaml(path, model=args.model) if path else EngineConfig(model=args.model)
@@ -35,16 +36,10 @@ def engine_config(args) -> EngineConfig:
     cfg = dataclasses.replace(cfg, mesh={**cfg.mesh, **{axis: n for axis, n in axes.items() if n is not None}})
     if args.speculative_config:
         cfg = dataclasses.replace(cfg, speculative=json.loads(args.speculative_config))
-    if args.quantization:
-        cfg = dataclasses.replace(cfg, quantization=args.quantization)
-    if args.quantize_lm_head:
-        cfg = dataclasses.replace(cfg, quantize_lm_head=True)
-    if args.kv_cache_dtype:
-        cfg = dataclasses.replace(cfg, kv_cache_dtype=args.kv_cache_dtype)
-    if args.decode_steps:
-        cfg = dataclasses.replace(cfg, decode_steps=args.decode_steps)
-    if args.generation_config:
-        cfg = dataclasses.replace(cfg, generation_config=args.generation_config)
+    flags = {"quantization": args.quantization, "quantize_lm_head": args.quantize_lm_head or None,
+             "kv_cache_dtype": args.kv_cache_dtype, "decode_steps": args.decode_steps,
+             "generation_config": args.generation_config, "runner": args.runner}
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in flags.items() if v is not None})
     modules = args.lora_modules and {**cfg.lora_modules, **dict(map(_lora_module, args.lora_modules))}
     # vLLM's switch for the same routes too, so its deployment scripts work unchanged
     runtime = args.allow_runtime_lora_updating or os.environ.get(
@@ -81,6 +76,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): the model's generation_config.json sampling settings (temperature, top_p, "
                         "top_k, min_p, repetition_penalty) are the defaults of requests that leave them out, as "
                         "in vLLM; none: OpenAI's defaults")
+    p.add_argument("--runner", choices=RUNNERS, help="what the engine serves, as vLLM's: generate (text), pooling "
+                   "(embeddings, /v1/embeddings), auto (default: pooling for a sentence-transformers model)")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
     p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                    help="PEFT LoRA adapters to serve beside the model, loaded at start; a request's 'model' "

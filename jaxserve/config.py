@@ -13,6 +13,7 @@ import yaml
 QUANTIZATION_MODES = ("int8", "int4", "int4_asym", "fp8", "w8a8")   # weight-only, int4_asym with zero points; w8a8 int8 x int8 (jaxserve/quantization.py)
 QUANTIZE_LM_HEAD_HELP = ("quantize the LM head too, as --quantization says (a tied head: a quantized copy of "
                          "the embedding table; lookups keep the table)")   # the CLI flags' help
+RUNNERS = ("auto", "generate", "pooling")   # what an engine serves (jaxserve/pooling.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")   # KV cache storage (jaxserve/kv_cache.py)
 
 
@@ -236,6 +237,9 @@ class EngineConfig:
     max_loras: int | None = None
     max_lora_rank: int = 16
     allow_runtime_lora_updating: bool = False
+    # What it serves, as vLLM's `runner`: generate (text) | pooling (embeddings, jaxserve/pooling.py) |
+    # auto (pooling for a sentence-transformers model directory or a base-model architecture, else generate).
+    runner: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.distributed, dict):
@@ -264,6 +268,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"engine config: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"engine config: runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"engine config: generation_config must be auto or none, got {self.generation_config!r}")
         if self.decode_steps > 1 and self.speculative is not None:

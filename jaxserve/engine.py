@@ -23,7 +23,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import lora, parallel
+from jaxserve import lora, parallel, pooling
 from jaxserve import quantization as quant
 from jaxserve.block_manager import BlockManager
 from jaxserve.checkpoint import load_for_mesh, resolve_dtype, saved_lm_head, saved_quantization
@@ -31,7 +31,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
 from jaxserve.runner import Launched, ModelRunner, SampleResult
 from jaxserve.sampling import reads_outputs, samples_ahead
-from jaxserve.sampling_params import InvalidRequest, SamplingParams
+from jaxserve.sampling_params import InvalidRequest, PoolingParams, SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence
 from jaxserve.spec_decode import ngram
@@ -58,9 +58,10 @@ class StepError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, engine_cfg: EngineConfig | None = None, *, params=None, mesh=None):
-        self.ecfg = engine_cfg or EngineConfig()
-        self.model_dir = model_dir = self.ecfg.model or TINY_MODEL_DIR
-        self.model_cfg = ModelConfig.from_pretrained(model_dir)
+        self.model_dir = model_dir = (engine_cfg or EngineConfig()).model or TINY_MODEL_DIR
+        # runner auto resolved; an embedding engine's pooling (None: text generation)
+        self.ecfg, self.model_cfg, self.pooler = pooling.configure(engine_cfg or EngineConfig(),
+                                                                   ModelConfig.from_pretrained(model_dir), model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.dtype = resolve_dtype(self.ecfg.dtype)
         mesh = mesh if mesh is not None else parallel.make_mesh(self.ecfg.mesh)
@@ -106,11 +107,14 @@ class LLMEngine:
         return self.runner.warmup(background) + (self.draft.warmup() if self.draft is not None else 0)
 
     # ---- requests ----
-    def new_request(self, prompt_token_ids: list[int], params: SamplingParams,
+    def new_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
         """The one check of a request, at the edge (LLM.generate, EngineThread.submit): raises
         InvalidRequest on a prompt the engine cannot serve. Safe to call from any thread.
-        The prompt is first cut to params.truncate_prompt_tokens (SamplingParams.resolve)."""
+        The prompt is first cut to params.truncate_prompt_tokens (SamplingParams.resolve).
+        PoolingParams make an embedding request (an engine with runner pooling): its prompt runs
+        as a prefill whose one sampled token is dropped (jaxserve/pooling.py)."""
+        params, pooled = pooling.served(self.pooler, params, self.model_cfg.hidden_size)
         prompt_token_ids, params = params.resolve(prompt_token_ids, self.max_model_len)
         if not prompt_token_ids:
             raise InvalidRequest("prompt is empty", param="prompt")
@@ -125,11 +129,11 @@ class LLMEngine:
             if bad := [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]:
                 raise InvalidRequest(f"{name} token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}",
                                      param=name)
-        total = len(prompt_token_ids) + params.max_tokens
+        total = len(prompt_token_ids) + (params.max_tokens if pooled is None else 0)
         if total > self.max_model_len:
-            raise InvalidRequest(f"this model's maximum context length is {self.max_model_len} tokens; "
-                                 f"the prompt has {len(prompt_token_ids)} tokens and max_tokens is "
-                                 f"{params.max_tokens} ({total} in total)", param="prompt")
+            tokens = "" if pooled else f" and max_tokens is {params.max_tokens} ({total} in total)"
+            raise InvalidRequest(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                                 f"has {len(prompt_token_ids)} tokens{tokens}", param="prompt")
         # The last sampled token is never written to the cache (max_tokens 0 samples one, dropped).
         pages = self.block_manager.pages_for(len(prompt_token_ids) + max(params.max_tokens, 1) - 1)
         if pages > self.block_manager.num_pages:
@@ -142,7 +146,8 @@ class LLMEngine:
         ends = tuple(dict.fromkeys(params.stop_token_ids + ([] if params.ignore_eos else sorted(self.eos_token_ids))))
         grammars = self.grammars.matchers(params.structured_output, params.n)
         seqs = [Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=params,
-                         arrival_time=arrival, index=i, end_token_ids=ends, grammar=grammars[i], lora=adapter)
+                         arrival_time=arrival, index=i, end_token_ids=ends, grammar=grammars[i], lora=adapter,
+                         pooling=pooled)
                 for i in range(params.n)]
         return Request(request_id, list(prompt_token_ids), params, arrival, seqs)
 
@@ -278,8 +283,8 @@ class LLMEngine:
         for s in live:
             seq, tokens = s.seq, accepted[s.seq.seq_id]
             req = self._requests[seq.request_id]
-            if req.params.max_tokens == 0:   # the prompt is scored: its sampled token is dropped
-                self.scheduler.finish(seq, "length")
+            if req.params.max_tokens == 0 or seq.pooling is not None:   # the prompt is scored or pooled:
+                self.scheduler.finish(seq, "length")                         # its sampled token is dropped
                 deltas.setdefault(seq.request_id, []).append(CompletionOutput(seq.index, "", [], None, "length"))
                 continue
             if req.first_token_time is None:
@@ -302,6 +307,8 @@ class LLMEngine:
             if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 # choice 0 scored the whole prompt before any choice sampled
                 outputs[-1].prompt_logprobs, req.prompt_logprobs_sent = req.seqs[0].prompt_logprobs, True
+            if finished and req.seqs[0].pooling is not None:
+                outputs[-1].embedding = req.seqs[0].pooling.embedding(len(req.prompt_token_ids))
             if finished:
                 del self._requests[req.request_id]
                 self.stats["requests_finished"] += 1

@@ -14,8 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Union
 
 from jaxserve.config import EngineConfig
-
-from jaxserve.sampling_params import InvalidRequest, LoRARequest, SamplingParams, sampling_defaults
+from jaxserve.sampling_params import InvalidRequest, LoRARequest, PoolingParams, SamplingParams, sampling_defaults
 
 if TYPE_CHECKING:
     from jaxserve.runner import SampleResult
@@ -58,6 +57,20 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """vLLM's: `outputs.embedding` is the prompt's pooled (and by default normalized) hidden state."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
 class LLM:
     """`LLM(model=DIR, **EngineConfig fields)`; model None is the embedded tiny model."""
 
@@ -86,18 +99,36 @@ class LLM:
         """One prompt or a list; one SamplingParams for all, or one per prompt; one LoRA adapter
         for all, or one (or None: the base model) per prompt. Every request is checked before any
         runs (InvalidRequest names the prompt at fault)."""
-        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
-                                                      and all(isinstance(t, int) for t in prompts))
-        prompts = [prompts] if single else list(prompts)
-        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        if isinstance(params, list):
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        else:
-            params = [params] * len(prompts)
+        prompts, params = self._per_prompt(prompts, sampling_params if sampling_params is not None
+                                           else self.get_default_sampling_params())
         params = self._with_loras(params, lora_request)
         parsed = [self._parse(p, i) for i, p in enumerate(prompts)]
         return self._run([text for text, _ in parsed], [ids for _, ids in parsed], params, use_tqdm)
+
+    def embed(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (an engine with runner pooling: jaxserve/pooling.py); prompts and
+        params as generate's."""
+        prompts, params = self._per_prompt(prompts, pooling_params or PoolingParams())
+        requests = self._requests([self._parse(p, i)[1] for i, p in enumerate(prompts)], params)
+        results = {}
+        for delta in self._step_all(requests, "embed", use_tqdm):
+            if delta.embedding is not None:
+                results[delta.request_id] = EmbeddingRequestOutput(delta.request_id, delta.prompt_token_ids,
+                                                                   EmbeddingOutput(delta.embedding))
+        return [results[req.request_id] for req in requests]
+
+    @staticmethod
+    def _per_prompt(prompts, params) -> tuple[list, list]:
+        """One prompt or a list, and params for all or one per prompt: as lists of equal length."""
+        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
+                                                      and all(isinstance(t, int) for t in prompts))
+        prompts = [prompts] if single else list(prompts)
+        if not isinstance(params, list):
+            return prompts, [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        return prompts, params
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -145,40 +176,49 @@ class LLM:
         raise InvalidRequest(f"prompt {i}: expected a string, a list of token ids, {{'prompt_token_ids': "
                              f"[...]}} or {{'prompt': '...'}}, got {type(prompt).__name__}", param="prompt")
 
-    def _run(self, texts: list[str | None], ids: list[list[int]], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
-        from tqdm import tqdm
-
-        engine = self.llm_engine
-        decode = self.get_tokenizer().decode
+    def _requests(self, ids: list[list[int]], params: list) -> list:
+        """The engine's checked requests (InvalidRequest names the prompt at fault), none added yet."""
         requests = []
         for i, (p, sp) in enumerate(zip(ids, params)):
             try:
-                requests.append(engine.new_request(p, sp))
+                requests.append(self.llm_engine.new_request(p, sp))
             except InvalidRequest as e:
                 raise InvalidRequest(f"prompt {i}: {e}", param=e.param) from None
+        return requests
+
+    def _step_all(self, requests: list, desc: str, use_tqdm: bool):
+        """Add `requests` and step the engine until all have finished, yielding each output delta."""
+        from tqdm import tqdm
+
+        engine = self.llm_engine
+        for req in requests:
+            engine.add(req)
+        with tqdm(total=len(requests), desc=desc, disable=not use_tqdm, unit="req") as bar:
+            while engine.has_unfinished():
+                for delta in engine.step():
+                    yield delta
+                    bar.update(int(delta.finished))
+
+    def _run(self, texts: list[str | None], ids: list[list[int]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        decode = self.get_tokenizer().decode
+        requests = self._requests(ids, params)
         results = {req.request_id: RequestOutput(
             req.request_id, text, req.prompt_token_ids,
             [CompletionOutput(c, "", [], [] if req.params.logprobs is not None else None, None)
              for c in range(req.params.n)], False) for req, text in zip(requests, texts)}
-        for req in requests:
-            engine.add(req)
-        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req") as bar:
-            while engine.has_unfinished():
-                for delta in engine.step():
-                    final = results[delta.request_id]
-                    if delta.prompt_logprobs is not None:
-                        final.prompt_logprobs = [None] + [logprob_dict(r, decode) for r in delta.prompt_logprobs]
-                    for c in delta.outputs:
-                        acc = final.outputs[c.index]
-                        acc.text += c.text
-                        acc.token_ids += c.token_ids
-                        if acc.logprobs is not None:
-                            acc.logprobs += [logprob_dict(r, decode) for r in c.logprobs[:len(c.token_ids)]]
-                        acc.finish_reason = c.finish_reason or acc.finish_reason
-                    if delta.finished:
-                        final.finished = True
-                        bar.update(1)
+        for delta in self._step_all(requests, "generate", use_tqdm):
+            final = results[delta.request_id]
+            if delta.prompt_logprobs is not None:
+                final.prompt_logprobs = [None] + [logprob_dict(r, decode) for r in delta.prompt_logprobs]
+            for c in delta.outputs:
+                acc = final.outputs[c.index]
+                acc.text += c.text
+                acc.token_ids += c.token_ids
+                if acc.logprobs is not None:
+                    acc.logprobs += [logprob_dict(r, decode) for r in c.logprobs[:len(c.token_ids)]]
+                acc.finish_reason = c.finish_reason or acc.finish_reason
+            final.finished = final.finished or delta.finished
         return [results[req.request_id] for req in requests]
 
 

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxserve import prompt_logprobs
+from jaxserve import pooling, prompt_logprobs
 from jaxserve.buckets import Buckets, StepShape, bucket, cover
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence import PENDING
@@ -20,6 +20,7 @@ class Batch(NamedTuple):
     max_q: int
     decode_q: int
     prompt_logprobs: tuple | None   # prompt_logprobs.pack's (seqs, counts, arrays), None: no row asks
+    pooling: tuple | None           # pooling.pack's (seqs, arrays), None: no row pools
     pending: list                   # (position in tokens, sequence) of each PENDING input token
     lora_slots: np.ndarray          # each token's LoRA adapter slot (0: none; jaxserve/lora.py)
 
@@ -91,7 +92,8 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     pending = [(end, s.seq) for (_, s), query, end in zip(real, queries, ends) if query[-1] == PENDING]
     first_tokens = [(s, c) for (_, s), c in zip(real, cursors.tolist())]
     arrays = (tokens, positions, slots, page_table, seq_lens, qsl, logits_index)
-    return Batch(arrays, sampling_seqs, sp, max_q, dq, prompt_logprobs.pack(first_tokens, t), pending, lora_slots)
+    return Batch(arrays, sampling_seqs, sp, max_q, dq, prompt_logprobs.pack(first_tokens, t),
+                 pooling.pack(first_tokens, t, buckets.ecfg.max_num_seqs), pending, lora_slots)
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import multihost, parallel, prompt_logprobs, sizing, warmup
+from jaxserve import multihost, parallel, pooling, prompt_logprobs, sizing, warmup
 from jaxserve.attention import resolve_backend
 from jaxserve.buckets import Buckets, bucket
 from jaxserve.compilations import CompileCounter
@@ -161,6 +161,8 @@ class ModelRunner:
             if batch.prompt_logprobs is not None:   # scored from that step's hidden states
                 plp_seqs, plp_counts, plp_arrays = batch.prompt_logprobs
                 ops.append(_Op([_PROMPT_LOGPROBS], plp_arrays, plp_seqs, None))
+            if batch.pooling is not None:   # pooled from that step's hidden states
+                ops.append(_Op([_POOL], batch.pooling[1], batch.pooling[0], None))
         message = [np.asarray(out.page_copies, np.int32).reshape(-1, 2)]
         for op in ops:
             message += op.message()
@@ -192,6 +194,9 @@ class ModelRunner:
             if op.static[0] == _PROMPT_LOGPROBS:
                 prompt_logprobs.accumulate(op.seqs, launched.prompt_logprob_counts, op.arrays[1],
                                            multihost.local_value(sampled), SampleResult)
+                continue
+            if op.static[0] == _POOL:
+                pooling.accumulate(op.seqs, jax.device_get(multihost.local_value(sampled)))
                 continue
             res: SampleOutput = jax.device_get(multihost.local_value(sampled))
             if op.static[0] == _MULTI_STEP:   # [steps, rows]; row i ran op.arrays[-2][i] steps
@@ -233,6 +238,9 @@ class ModelRunner:
             arrays, md, rest = rest[:num_arrays], rest[num_arrays:num_arrays + num_md], rest[num_arrays + num_md:]
             if kind == _PROMPT_LOGPROBS:   # over the hidden states of the step just before
                 sampled.append(self._prompt_logprobs(hidden, *arrays))
+                continue
+            if kind == _POOL:   # likewise
+                sampled.append(self._pool(hidden, *arrays))
                 continue
             lora = ()
             if self.lora is not None and kind in (_STEP, _MULTI_STEP):   # the tokens' adapter slots come first
@@ -278,6 +286,18 @@ class ModelRunner:
 
     def _prompt_logprobs(self, hidden, index, targets):
         return self._run("prompt_logprobs", self._scorer, (self.params,), (hidden, index, targets))
+
+    def _pool(self, hidden, index, segments):
+        return self._run("pool", self._pooler, (), (hidden, index, segments))
+
+    @property
+    def pools(self) -> bool:
+        """An embedding engine's runner: warm-up builds the pooling sums, not the prompt-logprobs scorer."""
+        return self.ecfg.runner == "pooling"
+
+    @property
+    def _pooler(self):
+        return functools.partial(pooling.compute, num_segments=self.ecfg.max_num_seqs)
 
     @property
     def _sp_prefill(self):
@@ -338,21 +358,21 @@ class ModelRunner:
             self.background_warmup.stop()
 
 
-_STEP, _SEQUENCE_PARALLEL, _PROMPT_LOGPROBS, _SAMPLE, _MULTI_STEP = 0, 1, 2, 3, 4
+_STEP, _SEQUENCE_PARALLEL, _PROMPT_LOGPROBS, _SAMPLE, _MULTI_STEP, _POOL = 0, 1, 2, 3, 4, 5
 
 
 class Launched(NamedTuple):
     """A batch on its way (ModelRunner.launch): its computations and their device outputs."""
     ops: list
-    sampled: list                       # per op: its SampleOutput, prompt logprobs or None, on device
+    sampled: list                       # per op: its SampleOutput, prompt logprobs, pooling sums or None, on device
     prompt_logprob_counts: list | None
     sampler_arrays: Callable[[], SamplingMetadata] | None = None   # the batched step's sampler waits for `sample`
 
 
 class _Op(NamedTuple):
     """One computation of a step (the batched step, a sequence-parallel prefill, the prompt
-    logprobs of the batched step just before, the batched step's deferred sampler, or a
-    multi-step decode) and its sampler."""
+    logprobs or the pooling sums of the batched step just before, the batched step's deferred
+    sampler, or a multi-step decode) and its sampler."""
     static: list            # kind, then the static args (step: num_prefill_rows, max_q, decode_q, sample
                             # later; multi-step: steps, filters)
     arrays: tuple           # the computation's host arrays (the step's: then where PENDING tokens are read)

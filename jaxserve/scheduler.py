@@ -249,10 +249,10 @@ class Scheduler:
                     continue                                 # base-model sequences behind may still join
                 if admit_budget == 0 or out.num_prefill_seqs >= self.cfg.max_prefill_seqs:
                     continue                                 # forks behind may still join
-                # Cached pages have no hidden states to score the prompt with (its pages are
-                # still cached for others).
+                # Cached pages have no hidden states to score or pool the prompt with (its pages
+                # are still cached for others).
                 hit = (self.bm.match_prefix(seq.token_ids, seq.sampling.cache_salt, seq.lora_id)
-                       if seq.sampling.prompt_logprobs is None else ([], []))
+                       if not seq.needs_prompt_hidden_states else ([], []))
                 n = min(seq.num_tokens - len(hit[0]) * self.bm.page_size, self.cfg.prefill_chunk_size, admit_budget)
                 if not self.bm.admit(seq, hit, n):
                     break

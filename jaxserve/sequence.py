@@ -13,6 +13,7 @@ from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxserve.lora import Adapter
+    from jaxserve.pooling import Pooled
     from jaxserve.structured.grammar import Matcher
 
 _seq_ids = itertools.count()
@@ -86,6 +87,8 @@ class Sequence:
     # With sampling.prompt_logprobs: entry k for prompt token k + 1 (filled by the runner, see
     # jaxserve/prompt_logprobs.py).
     prompt_logprobs: list = dataclasses.field(default_factory=list)
+    # An embedding request's pooling of its prompt's hidden states (jaxserve/pooling.py; set by the engine).
+    pooling: Pooled | None = None
     # Owned by the BlockManager: physical pages, and the chained prefix-cache keys of the
     # sequence's first len(page_hashes) full pages.
     page_table: PageTable = dataclasses.field(default_factory=PageTable)
@@ -141,6 +144,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def needs_prompt_hidden_states(self) -> bool:
+        """Whether it reads the hidden states of prompt positions before its last (prompt
+        logprobs, MEAN or CLS pooling): cached prefix pages have none."""
+        return self.sampling.prompt_logprobs is not None or (self.pooling is not None and self.pooling.type != "LAST")
 
     @property
     def priority(self) -> int:

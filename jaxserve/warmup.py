@@ -9,7 +9,7 @@ only what serves every batch: the largest decode shape and the largest prefill s
 are built, a batch pads up into the smallest shape built that holds it (buckets.cover over
 `runner.ready_shapes`), so serving never compiles. A thread then builds the other step shapes a
 few at a time, each joining `runner.ready_shapes` once its step, sampler variants and
-prompt-logprobs scorer (and, for a decode shape with decode_steps > 1, its multi-step decode) are
+prompt-logprobs scorer (an embedding engine's: pooling sums; and, for a decode shape with decode_steps > 1, its multi-step decode) are
 all built (and, on a CPU, run once on a scratch
 KV pool of its own: serving holds the real one; an accelerator's pool fills its memory, so there
 the first request of a shape pays its first run).
@@ -116,7 +116,7 @@ class Background:
 
 def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
     """Build the executables of `shapes`: each step and the sampler variants of its logit rows,
-    then the prompt-logprobs scorer of its token count, lowered for the step's hidden states'
+    then the prompt-logprobs scorer (pooling: the pooling sums) of its token count, lowered for the step's hidden states'
     sharding. `beside`: also the page copy and the sequence-parallel prefills (and the samplers
     of their one row)."""
     rows = [s.logit_rows for s in shapes] + ([1] if beside and runner.prefills_sequence_parallel else [])
@@ -143,12 +143,13 @@ def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
     for shape in shapes:
         args, static = _step_args(runner, shape)
         hidden = _outputs(runner.executables.get(key("step", args, **static)))[2]
-        work.append(_lowering("prompt_logprobs", runner._scorer, (runner.params,), (hidden, args[0], args[0])))
+        work.append(_lowering("pool", runner._pooler, (), (hidden, args[0], args[0])) if runner.pools else
+                    _lowering("prompt_logprobs", runner._scorer, (runner.params,), (hidden, args[0], args[0])))
     runner.executables.build(dict(work))
 
 
 def _run_once(runner, shapes: list[StepShape], kv_cache):
-    """Run each step shape once on `kv_cache` (writing nothing), and its prompt-logprobs scorer,
+    """Run each step shape once on `kv_cache` (writing nothing), and its prompt-logprobs scorer (or pooling sums),
     on the arrays serving gives them; returns the pool."""
     for shape in shapes:
         args, static = _step_args(runner, shape)
@@ -156,7 +157,8 @@ def _run_once(runner, shapes: list[StepShape], kv_cache):
         # Prompt logprobs: one scorer per step token count (a 1-token prompt chunk, cut by the
         # token budget, rides in a decode-shaped step).
         empty = np.zeros(shape.tokens, np.int32)
-        jax.block_until_ready(runner._prompt_logprobs(hidden, empty, empty))
+        jax.block_until_ready(runner._pool(hidden, empty, empty) if runner.pools else
+                              runner._prompt_logprobs(hidden, empty, empty))
     for args, filters in _multi_steps(runner, shapes):
         kv_cache = runner._run("multi_step", runner._multi_step, (runner.params, kv_cache), args,
                                steps=runner.ecfg.decode_steps, filters=filters)[1]

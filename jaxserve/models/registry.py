@@ -53,9 +53,16 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+def causal_lm(name: str) -> str:
+    """A family's base-model name (LlamaModel, Qwen2Model, MistralModel: its transformer without the
+    LM head, as embedding models ship) as its causal LM's; any other name as it is."""
+    causal = name.removesuffix("Model") + "ForCausalLM"
+    return causal if name.endswith("Model") and causal in ARCHITECTURES else name
+
+
 def architecture(name: str) -> Architecture:
     try:
-        return ARCHITECTURES[name]
+        return ARCHITECTURES[causal_lm(name)]
     except KeyError:
         raise ValueError(f"unsupported architecture {name!r}; supported: "
                          f"{', '.join(sorted(ARCHITECTURES))}") from None

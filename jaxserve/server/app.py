@@ -1,4 +1,4 @@
-"""Flask app factory: the OpenAI routes plus /health, /metrics, /tokenize, /detokenize,
+"""Flask app factory: the OpenAI routes (embeddings among them) plus /health, /metrics, /tokenize, /detokenize,
 /tokenizer_info, /version, vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter,
 optional Bearer-token auth (one key, or per-tenant keys whose tenant salts the prefix cache of
 every request), and JSON errors for everything."""
@@ -11,6 +11,7 @@ import yaml
 from flask import Flask, Response, current_app, g, jsonify, request
 
 from jaxserve.config import EngineConfig
+from jaxserve.server.embeddings_api import bp as embeddings_bp
 from jaxserve.server.errors import APIError, register_error_handlers
 from jaxserve.server.host import EngineHost, version
 from jaxserve.server.openai_api import bp as openai_bp, chat_prompt
@@ -55,6 +56,7 @@ def create_app(engine_cfg: EngineConfig, served_model_name: str | None = None, a
     register_error_handlers(app)
     app.register_blueprint(openai_bp)
     app.register_blueprint(responses_bp)
+    app.register_blueprint(embeddings_bp)
 
     # key -> tenant. A lone --api-key has none (no salt); beside tenants' keys it is tenant "", so
     # no request goes unsalted, whose client could then pick another tenant's salt itself.

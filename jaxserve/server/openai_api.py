@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models (/v1/embeddings:
+embeddings_api.py).
 
 A request with several prompts (completions) or n > 1 becomes one engine request per prompt with
 n choices each; choice index = prompt index * n + choice. Streaming follows OpenAI: one chunk per
@@ -39,7 +40,7 @@ def _host():
     return current_app.extensions["jaxserve"]
 
 
-def _check_model(body: dict, host) -> str:
+def check_model(body: dict, host) -> str:
     """The model the body names (default: the served model): the served model, or one of its LoRA
     adapters (lora_modules and those loaded since, as vLLM's), whose name selects it; else 404."""
     model = field(body, "model", lambda v: isinstance(v, str), "a string", host.model_name)
@@ -71,14 +72,14 @@ def list_models():
 @bp.get("/v1/models/<path:model>")
 def retrieve_model(model: str):
     host = _host()
-    return jsonify(_model_card(host, _check_model({"model": model}, host)))
+    return jsonify(_model_card(host, check_model({"model": model}, host)))
 
 
 @bp.post("/v1/completions")
 def completions():
     host = _host()
     body = json_body()
-    model = _check_model(body, host)
+    model = check_model(body, host)
     engine = host.require_engine().engine
     params = sampling_params(body, chat=False, max_tokens=16, tenant=g.get("tenant"), defaults=_defaults(engine),
                              lora_name=_lora_name(model, host))
@@ -87,7 +88,7 @@ def completions():
     items = prompts(body, engine.tokenizer.encode)
     ids = [i for _, i in items]
     echoes = [t if t is not None else engine.tokenizer.decode(i) for t, i in items] if echo else None
-    timeout = _timeout(body)
+    timeout = request_timeout(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = host.submit(ids, params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes, return_ids=_return_ids(body))
@@ -117,7 +118,7 @@ class Submitted(NamedTuple):
 
 def submit_chat(host, body: dict, request_id: str | None = None) -> Submitted:
     """Checks a chat request's body (400 naming the field) and submits it to the engine."""
-    model = _check_model(body, host)
+    model = check_model(body, host)
     engine = host.require_engine().engine
     tools = tool_calls(body, current_app.config["TOOL_CALL_PARSER"])   # checked before the template sees them
     text, ids = chat_prompt(engine.tokenizer, body)
@@ -128,7 +129,7 @@ def submit_chat(host, body: dict, request_id: str | None = None) -> Submitted:
                              grammar_after=reasoning.grammar_after if reasoning is not None else "",
                              keep_special_tokens=tools is not None and tools.parser.keeps_special_tokens,
                              lora_name=_lora_name(model, host))
-    timeout = _timeout(body)
+    timeout = request_timeout(body)
     request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
     streams = host.submit([ids], params, request_id)
     choices = _Choices(engine.tokenizer, params.n, chat=True, tools=tools, token_bytes=engine.grammars.token_bytes,
@@ -143,7 +144,7 @@ def _return_ids(body: dict) -> bool:
     return field(body, "return_token_ids", lambda v: isinstance(v, bool), "a boolean", False)
 
 
-def _timeout(body: dict) -> float | None:
+def request_timeout(body: dict) -> float | None:
     return field(body, "timeout", lambda v: is_number(v) and v > 0, "a positive number of seconds", None)
 
 
@@ -160,7 +161,7 @@ def _respond(host, submitted: Submitted, obj: str, stream: bool, usage_flags: li
 
 def follow(host, submitted: Submitted):
     """The submitted requests' outputs as they come, ended early by the client leaving or the timeout."""
-    return host.follow(submitted.streams, alive=_client_connected(request.environ), timeout=submitted.timeout)
+    return host.follow(submitted.streams, alive=client_connected(request.environ), timeout=submitted.timeout)
 
 
 def _defaults(engine) -> dict:
@@ -273,7 +274,7 @@ class _Choices:
                 "top_logprobs": tops, "text_offset": offsets}
 
 
-def _client_connected(environ) -> Callable[[], bool]:
+def client_connected(environ) -> Callable[[], bool]:
     """Whether the request's client still holds its connection: the HTTP server says when it
     leaves (a streaming client that leaves would otherwise only be found when its stream ends)."""
     gone = client_gone(environ)

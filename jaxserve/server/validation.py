@@ -237,9 +237,10 @@ def stream_flags(body: dict) -> tuple[bool, bool, bool]:
     return stream, include_usage, continuous
 
 
-def prompts(body: dict, encode) -> list[tuple[str | None, list[int]]]:
-    """`prompt` as a string, strings, token ids or lists of token ids -> [(text or None, ids)]."""
-    p = body.get("prompt")
+def prompts(body: dict, encode, name: str = "prompt", limit: int = MAX_PROMPTS) -> list[tuple[str | None, list[int]]]:
+    """body[name] (`prompt`; embeddings' `input`) as a string, strings, token ids or lists of token
+    ids -> [(text or None, ids)], at most `limit` of them."""
+    p = body.get(name)
     what = "a string, a list of strings, a list of token ids or a list of token id lists"
     if isinstance(p, str):
         items = [p]
@@ -248,9 +249,9 @@ def prompts(body: dict, encode) -> list[tuple[str | None, list[int]]]:
     elif is_token_ids(p):
         items = [p]
     else:
-        raise APIError(400, f"'prompt' must be {what} (non-empty)", param="prompt")
-    if len(items) > MAX_PROMPTS:
-        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+        raise APIError(400, f"'{name}' must be {what} (non-empty)", param=name)
+    if len(items) > limit:
+        raise APIError(400, f"at most {limit} prompts per request", param=name)
     return [(x, encode(x)) if isinstance(x, str) else (None, list(x)) for x in items]
 
 
