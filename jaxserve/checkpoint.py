@@ -42,8 +42,33 @@ def param_shapes(cfg: ModelConfig, dtype=jnp.float32, quantization: str | None =
                  lm_head: bool = False) -> dict:
     """The params pytree of `cfg` as ShapeDtypeStructs (no memory allocated), quantized or not
     (`lm_head`: the LM head too)."""
+    _check_quantizable(cfg, quantization)
     return jax.eval_shape(lambda key: quant.quantize_params(init_params(cfg, key, dtype), quantization,
                                                             lm_head=lm_head), jax.random.key(0))
+
+
+def _check_quantizable(cfg: ModelConfig, mode: str | None) -> None:
+    """Quantization covers 2-D Linear weights: the stacked expert weights of a mixture of experts
+    would stay in full precision beside quantized attention, so MoE models are refused."""
+    if mode is not None and cfg.num_experts:
+        raise ValueError(f"{cfg.architecture} is a mixture-of-experts model: quantized weights ({mode}, given or "
+                         "pre-quantized in the checkpoint) are not supported for it; serve it unquantized "
+                         "(float32 or bfloat16). Quantization is supported for the dense families.")
+
+
+class _Stacked:
+    """Several same-shaped lazy safetensors slices read as one tensor stacked along a new first
+    axis (a param that hf_tensor names as a tuple: MoE experts); indexing reads only what it selects."""
+
+    def __init__(self, slices: list):
+        self.slices = slices
+
+    def get_shape(self) -> tuple[int, ...]:
+        shapes = {tuple(t.get_shape()) for t in self.slices}
+        return (len(self.slices), *shapes.pop()) if len(shapes) == 1 else tuple(sorted(shapes))
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        return np.stack([t[index[1:]] for t in self.slices[index[0]]])
 
 
 def _tensor_index(model_dir: str) -> dict[str, str]:
@@ -85,12 +110,15 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
     if stored is not None and lm_head:
         raise ValueError(f"{model_dir} holds {stored.mode} weights: its LM head is loaded as stored")
     quant.check_head(quantization, lm_head)
+    _check_quantizable(cfg, quantization or (stored and stored.mode))
     shapes = param_shapes(cfg, dtype)
     index = _tensor_index(model_dir)
     hf_tensor = architecture(cfg.architecture).hf_tensor
     open_files: dict[str, Any] = {}
 
-    def lazy(name: str, shape: tuple[int, ...] | None = None):   # the tensor `name` as a lazy safetensors slice
+    def lazy(name: str | tuple[str, ...], shape: tuple[int, ...] | None = None):   # as a lazy safetensors slice
+        if isinstance(name, tuple):
+            return _Stacked([lazy(n, None if shape is None else shape[1:]) for n in name])
         name = _as_in_checkpoint(name, index)
         if name not in index:
             raise ValueError(f"checkpoint {model_dir} is missing tensor {name!r}"
@@ -268,8 +296,9 @@ def save_pretrained(params: dict, hf_config: dict, out_dir: str, dtype=None) -> 
     parts: dict[str, list] = {}   # HF name -> [(first row, array)]: fused tensors in row order
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name, rows = hf_tensor(tuple(k.key for k in path), cfg)
-        x = np.asarray(leaf)
-        parts.setdefault(name, []).append((0 if rows is None else rows[0], x if dtype is None else x.astype(dtype)))
+        x = np.asarray(leaf) if dtype is None else np.asarray(leaf).astype(dtype)
+        for one, y in zip(name, x) if isinstance(name, tuple) else [(name, x)]:   # a stack: a tensor each
+            parts.setdefault(one, []).append((0 if rows is None else rows[0], y))
     tensors = {name: np.ascontiguousarray(np.concatenate([x for _, x in sorted(p, key=lambda r: r[0])]))
                for name, p in parts.items()}
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

@@ -84,6 +84,15 @@ class ModelConfig:
     clip_qkv: float | None = None
     # Per-layer sliding window (None = full attention); a tuple so the config stays hashable.
     sliding_windows: tuple[int | None, ...] = ()
+    # Mixture of experts (models/moe.py): the layers whose MLP is `num_experts` SwiGLU experts of
+    # width moe_intermediate_size, each token routed to `num_experts_per_tok` of them (the other
+    # layers keep the dense intermediate_size MLP); norm_topk_prob: the top-k routing weights are
+    # divided by their sum. num_experts 0: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
@@ -100,6 +109,13 @@ class ModelConfig:
         from jaxserve.checkpoint import param_shapes
 
         return sum(math.prod(s.shape) for s in jax.tree.leaves(param_shapes(self)))
+
+    @property
+    def num_active_params(self) -> int:
+        """The parameters a token is multiplied by: all of them less, in each MoE layer, the
+        gate, up and down weights of the experts it is not routed to."""
+        unused = self.num_experts - self.num_experts_per_tok
+        return self.num_params - len(self.moe_layers) * unused * 3 * self.hidden_size * self.moe_intermediate_size
 
     def serving(self, max_model_len: int) -> "ModelConfig":
         """This config as an engine serving sequences of up to max_model_len tokens runs it: the

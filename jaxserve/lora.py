@@ -64,6 +64,9 @@ def linear_modules(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, tuple[i
     from jaxserve.checkpoint import param_shapes   # the models import layers, which imports this module
     from jaxserve.models.registry import architecture
 
+    if cfg.num_experts:   # PEFT's per-expert adapters would need stacked slots; the router is no target
+        raise ValueError(f"LoRA is not supported on mixture-of-experts models ({cfg.architecture}); "
+                         "it is supported on the dense families")
     hf_tensor = architecture(cfg.architecture).hf_tensor
     found = {}
     for path, spec in traverse_util.flatten_dict(param_shapes(cfg)).items():

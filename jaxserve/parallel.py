@@ -43,6 +43,7 @@ LOGICAL_RULES = {
     "heads": "model",
     "kv_heads": "model",
     "mlp": "model",
+    "experts": None,      # MoE: every device holds every expert, its share of each one's "mlp" dim
     "head_dim": None,
     "pages": None,
     "page_slots": None,

@@ -89,9 +89,10 @@ class CostModel:
         self.cfg = cfg
         self.head_params = cfg.vocab_size * h
         # Every weight besides the embedding table(s) multiplies each new token once (norm scales
-        # and biases are counted as if they did: a rounding error).
-        self.token_params = n - self.head_params * (1 if cfg.tie_word_embeddings else 2)
-        # An untied embedding table is only gathered from (a few rows); the LM head is read in full.
+        # and biases are counted as if they did: a rounding error), but the experts it is not routed to.
+        self.token_params = cfg.num_active_params - self.head_params * (1 if cfg.tie_word_embeddings else 2)
+        # An untied embedding table is only gathered from (a few rows); the LM head is read in full,
+        # and every expert (a batch's tokens route to most of them).
         read_params = n - (0 if cfg.tie_word_embeddings else self.head_params)
         self.weight_bytes = read_params * itemsize
         self.kv_bytes_per_token = 2 * cfg.num_kv_heads * d * itemsize    # K and V, one layer

@@ -57,10 +57,22 @@ CONFIGS = {
                                        attention_bias=True)),
 }
 
+# Mixtures of experts (tests/test_moe.py): 4 experts, 2 a token, a 48-wide expert MLP.
+# Qwen3-MoE: experts on layer 1 only (layer 0 in mlp_only_layers keeps a dense MLP), routing
+# weights renormalized; Mixtral: experts on every layer, a 12-token sliding window.
+MOE_CONFIGS = {
+    "qwen3_moe": (tf.Qwen3MoeConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0])),
+    "mixtral": (tf.MixtralConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=48, sliding_window=12)),
+}
+
 
 def save_hf_model(name: str, out_dir: str, seed: int = 0):
     """Build the named config with seeded random weights, save_pretrained it, return the model."""
-    cls, extra = CONFIGS[name]
+    cls, extra = {**CONFIGS, **MOE_CONFIGS}[name]
     torch.manual_seed(seed)
     if "text" in extra:   # a multimodal model: BASE shapes its language model
         extra = dict(extra)

@@ -52,25 +52,42 @@ def engine_tokens(model_dir: str, **engine) -> tuple[list[list[int]], float]:
     return [o.outputs[0].token_ids for o in outs], llm.llm_engine.block_manager.prefix_hit_rate
 
 
+def save_with_greedy(name: str, d: str) -> list[list[int]]:
+    """Save the named seeded checkpoint (tests/hf_models.py) and a byte tokenizer in `d`; return
+    transformers' greedy tokens for the prompts."""
+    hf = save_hf_model(name, d)
+    save_byte_tokenizer(d)
+    # No eos: like ignore_eos, generation runs through it (min_new_tokens would ban it instead).
+    hf.generation_config.eos_token_id = None
+    greedy = tf.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    expected = []
+    for p in _prompts(hf.config.get_text_config().vocab_size):
+        ids = torch.tensor([p])   # the mask is explicit: generate would mask a prompt's pad-id tokens
+        with torch.no_grad():
+            expected.append(hf.generate(ids, attention_mask=torch.ones_like(ids),
+                                        generation_config=greedy)[0, len(p):].tolist())
+    assert len({tuple(e) for e in expected}) == len(expected), name  # continuations differ
+    return expected
+
+
+def tensor_parallel_tokens(dirs: dict[str, str]) -> dict[str, list[list[int]]]:
+    """"name@mesh" -> the engine's greedy tokens at the name's tp_meshes mesh, on fake CPU devices
+    in a subprocess (this file's main)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.test_family_engine", json.dumps(dirs)], cwd=ROOT,
+                          capture_output=True, text=True, env=fake_devices_env(4), timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == len(dirs)
+    return results
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
     """name -> (model dir, transformers' greedy tokens for the prompts)."""
     out = {}
     for name in sorted(CONFIGS):
         d = str(tmp_path_factory.mktemp(name))
-        hf = save_hf_model(name, d)
-        save_byte_tokenizer(d)
-        # No eos: like ignore_eos, generation runs through it (min_new_tokens would ban it instead).
-        hf.generation_config.eos_token_id = None
-        greedy = tf.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        expected = []
-        for p in _prompts(hf.config.get_text_config().vocab_size):
-            ids = torch.tensor([p])   # the mask is explicit: generate would mask a prompt's pad-id tokens
-            with torch.no_grad():
-                expected.append(hf.generate(ids, attention_mask=torch.ones_like(ids),
-                                            generation_config=greedy)[0, len(p):].tolist())
-        assert len({tuple(e) for e in expected}) == len(expected), name  # continuations differ
-        out[name] = (d, expected)
+        out[name] = (d, save_with_greedy(name, d))
     return out
 
 
@@ -84,15 +101,9 @@ def test_engine_greedy_matches_transformers(name, checkpoints):
 
 def test_tensor_parallel_matches_transformers(checkpoints):
     """Every family at TP 2 or TP 4 (4 heads, 2 kv heads: K/V replicated at TP 4)."""
-    env = fake_devices_env(4)
     dirs = {name: d for name, (d, _) in checkpoints.items() if name not in TP_SKIP}
     assert {mesh["model"] for mesh in tp_meshes(dirs).values()} == {2, 4}
-    proc = subprocess.run([sys.executable, "-m", "tests.test_family_engine", json.dumps(dirs)], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(dirs)
-    for case, tokens in results.items():
+    for case, tokens in tensor_parallel_tokens(dirs).items():
         assert tokens == checkpoints[case.split("@")[0]][1], case
 
 

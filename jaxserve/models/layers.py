@@ -1,4 +1,5 @@
-"""Layers shared by the model families: Linear, RMSNorm, LayerNorm, rotary embeddings, the gated MLP.
+"""Layers shared by the model families: Linear, RMSNorm, LayerNorm, rotary embeddings, the gated MLP
+and its mixture of experts.
 
 Parameter names and layouts follow Hugging Face's (a Linear weight is [out, in], a norm scale is
 `weight`), so a family whose modules are named as its HF modules loads by renaming alone.
@@ -106,6 +107,65 @@ class GatedMLP(nn.Module):
         h = self.activation(dense(self.intermediate_size, "gate_proj")(x)) * \
             dense(self.intermediate_size, "up_proj")(x)
         return dense(self.hidden_size, "down_proj")(h)
+
+
+# A grouped product of rows sorted by group with each group's weight [out, in] (Linear's layout,
+# contracting the weight's last dim): rows [M, in] x weights [G, out, in] -> [M, out].
+_GROUPED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+class Experts(nn.Module):
+    """Every expert's gated MLP, weights stacked [experts, out, in] under HF's per-expert names
+    (gate_proj, up_proj, down_proj), applied to rows sorted by expert, group_sizes[e] rows each:
+    each projection is one grouped product (jax.lax.ragged_dot)."""
+    num_experts: int
+    intermediate_size: int
+    activation: Callable[[Any], Any] = nn.silu
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, rows, group_sizes):
+        init = nn.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
+        wide = (self.num_experts, self.intermediate_size, rows.shape[-1])
+        gate, up = (self.param(name, init, wide, self.dtype) for name in ("gate_proj", "up_proj"))
+        down = self.param("down_proj", init, (self.num_experts, rows.shape[-1], self.intermediate_size), self.dtype)
+
+        def grouped(x, w):
+            return jax.lax.ragged_dot_general(x, w, group_sizes, _GROUPED)
+        return grouped(self.activation(grouped(rows, gate)) * grouped(rows, up), down)
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP (Qwen3-MoE, Mixtral), named as Qwen3-MoE's HF modules: the router
+    `gate` and the `experts`. Routing as transformers': softmax over all experts in float32, the
+    top k, divided by their sum with `norm_topk_prob`. The tokens' T x k assignments are sorted by
+    expert, run as [T * k, hidden] rows through the experts and put back in token order, each
+    token's k outputs summed by their weights. Shapes are static whatever the routing; a padding
+    token only costs its own k rows."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    activation: Callable[[Any], Any] = nn.silu
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        lead, hidden = x.shape[:-1], x.shape[-1]
+        x = x.reshape(-1, hidden).astype(self.dtype)
+        logits = Linear(self.num_experts, False, self.dtype, name="gate")(x)
+        weights, chosen = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), self.top_k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        chosen = chosen.reshape(-1)                  # [T * k], token t's at t * k ...
+        order = jnp.argsort(chosen)                  # stable: each expert's rows in token order
+        sizes = jnp.bincount(chosen, length=self.num_experts).astype(jnp.int32)
+        out = Experts(self.num_experts, self.intermediate_size, self.activation, self.dtype, name="experts")(
+            x[order // self.top_k], sizes)
+        out = out[jnp.argsort(order)].reshape(-1, self.top_k, hidden)   # back in token order
+        out = jnp.einsum("tkh,tk->th", out.astype(jnp.float32), weights)
+        return out.astype(self.dtype).reshape(*lead, hidden)
 
 
 def rope_from_hf(hf: dict[str, Any], rope: dict[str, Any] | None = None) -> tuple[float, RopeScaling]:

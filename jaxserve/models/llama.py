@@ -19,7 +19,7 @@ from jaxserve import attention
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache
 from jaxserve.matmul import matmul_t
-from jaxserve.models.layers import (ACTIVATIONS, GatedMLP, Linear, RMSNorm, apply_rope, rope_frequencies,
+from jaxserve.models.layers import (ACTIVATIONS, GatedMLP, Linear, RMSNorm, SparseMoE, apply_rope, rope_frequencies,
                                     rope_from_hf)
 
 
@@ -170,8 +170,12 @@ class DecoderLayer(nn.Module):
             return RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name=name)
         h, layer_kv = Attention(c, self.layer, self.dtype, name="self_attn")(
             norm("input_layernorm")(x), positions, layer_kv, meta)
-        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, ACTIVATIONS[c.hidden_act], self.dtype,
-                       name="mlp")
+        if self.layer in c.moe_layers:   # Qwen3-MoE, Mixtral (models/moe.py)
+            mlp = SparseMoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
+                            ACTIVATIONS[c.hidden_act], self.dtype, name="mlp")
+        else:
+            mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, ACTIVATIONS[c.hidden_act], self.dtype,
+                           name="mlp")
         if c.sandwich_norms:   # Gemma: each branch's output normed too (HF names these four)
             x = x + norm("post_attention_layernorm")(h)
             return x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x))), layer_kv

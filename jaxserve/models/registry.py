@@ -5,7 +5,8 @@ A family lives in one file of `jaxserve/models/` and brings four things, gathere
   * `module`: the Flax module class, built as `module(cfg, dtype)`;
   * `hf_tensor`: (Flax param path, ModelConfig) -> (HF tensor name, rows), rows (start, stop)
     along the HF tensor's first axis when the param is part of a fused tensor (Phi-3's qkv_proj
-    and MPT's Wqkv hold q, k and v), else None (checkpoint loading and save_pretrained);
+    and MPT's Wqkv hold q, k and v), else None (checkpoint loading and save_pretrained); a tuple
+    of names for a param stacked from several tensors along its first axis (MoE experts);
   * `param_axes`: param path suffix -> logical axes (parallel.py maps them to mesh axes).
 Adding a family is one file in `models/` and its entries below; nothing outside `models/` changes.
 """
@@ -17,7 +18,7 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import bloom, gemma, llama, mpt, phi3
+from jaxserve.models import bloom, gemma, llama, moe, mpt, phi3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,7 @@ class Architecture:
     # (config.json dict, the fields every HF config spells alike) -> ModelConfig
     parse_config: Callable[[dict[str, Any], dict[str, Any]], ModelConfig]
     module: type[nn.Module]
-    hf_tensor: Callable[[tuple[str, ...], ModelConfig], tuple[str, tuple[int, int] | None]]
+    hf_tensor: Callable[[tuple[str, ...], ModelConfig], tuple[str | tuple[str, ...], tuple[int, int] | None]]
     param_axes: dict[tuple[str, ...], tuple[str, ...]]
 
 
@@ -46,10 +47,14 @@ ARCHITECTURES: dict[str, Architecture] = {
                                        llama.PARAM_AXES),
     "Qwen2ForCausalLM": Architecture(llama.qwen2_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                      llama.PARAM_AXES),
+    "MixtralForCausalLM": Architecture(moe.mixtral_config, llama.LlamaForCausalLM, moe.mixtral_hf_tensor,
+                                       moe.PARAM_AXES),
     "MptForCausalLM": Architecture(mpt.mpt_config, bloom.AlibiForCausalLM, mpt.hf_tensor, bloom.PARAM_AXES),
     "Phi3ForCausalLM": Architecture(phi3.phi3_config, llama.LlamaForCausalLM, phi3.hf_tensor, llama.PARAM_AXES),
     "Qwen3ForCausalLM": Architecture(llama.qwen3_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                      llama.PARAM_AXES),
+    "Qwen3MoeForCausalLM": Architecture(moe.qwen3_moe_config, llama.LlamaForCausalLM, moe.qwen3_moe_hf_tensor,
+                                        moe.PARAM_AXES),
 }
 
 

@@ -1,0 +1,71 @@
+"""Mixture-of-experts families: Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B) and Mixtral (8x7B, 8x22B).
+
+Both are the Llama module (models/llama.py) with a layers.SparseMoE in place of the dense MLP of
+their MoE layers. Their checkpoints hold one tensor per expert, as on the Hub and as
+transformers 5's save_pretrained writes them (it fuses the experts only in memory):
+`mlp.experts.E.{gate,up,down}_proj.weight` (Qwen3-MoE) and `block_sparse_moe.experts.E.w1/w3/w2.weight`
+(Mixtral: w1 gate, w3 up, w2 down); `hf_tensor` names each stacked [experts, ...] param's tensors
+in expert order. Tensor parallelism splits each expert's intermediate dim (every device holds
+1/TP of every expert); the router is replicated.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxserve.config import ModelConfig
+from jaxserve.models import llama
+
+MIXTRAL_NAMES = {"mlp": "block_sparse_moe", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def qwen3_moe_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Qwen3 attention (q/k norms; with use_sliding_window one window on every layer, as
+    transformers' Qwen3-MoE); MoE layers every `decoder_sparse_step`-th, but those in
+    `mlp_only_layers`, which keep a dense MLP of intermediate_size."""
+    layers = hf["num_hidden_layers"]
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    experts = hf.get("num_experts", hf.get("num_local_experts"))   # transformers 5 writes the latter
+    return dataclasses.replace(
+        llama.qwen3_config(hf, common), sliding_windows=(window,) * layers,
+        **_moe(hf, experts, hf["moe_intermediate_size"], hf.get("norm_topk_prob", False),
+               tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)))
+
+
+def mixtral_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Mistral attention; every layer's MLP is experts of intermediate_size, top-k renormalized."""
+    return dataclasses.replace(llama.mistral_config(hf, common), **_moe(
+        hf, hf["num_local_experts"], hf["intermediate_size"], True, tuple(range(hf["num_hidden_layers"]))))
+
+
+def _moe(hf: dict[str, Any], experts: int, width: int, renormalize: bool, layers: tuple[int, ...]) -> dict:
+    top_k = hf["num_experts_per_tok"]
+    if not 0 < top_k <= experts:
+        raise ValueError(f"num_experts_per_tok must be in [1, {experts}] (the number of experts), got {top_k}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+                norm_topk_prob=bool(renormalize), moe_layers=layers)
+
+
+def qwen3_moe_hf_tensor(path: tuple[str, ...], cfg: ModelConfig) -> tuple[str | tuple[str, ...], None]:
+    """As Llama's; a stacked expert param (`.../mlp/experts/gate_proj`) -> its experts' tensors."""
+    name, _ = llama.hf_tensor(path, cfg)
+    if len(path) < 2 or path[-2] != "experts":
+        return name, None
+    prefix = name.rsplit(".", 1)[0]
+    return tuple(f"{prefix}.{e}.{path[-1]}.weight" for e in range(cfg.num_experts)), None
+
+
+def mixtral_hf_tensor(path: tuple[str, ...], cfg: ModelConfig) -> tuple[str | tuple[str, ...], None]:
+    """Qwen3-MoE's names with Mixtral's module names (every Mixtral MLP is experts)."""
+    return qwen3_moe_hf_tensor(tuple(MIXTRAL_NAMES.get(p, p) for p in path), cfg)
+
+
+# Llama's rules, and the experts' stacked weights split as a dense MLP's, each expert alike.
+PARAM_AXES = {
+    ("experts", "gate_proj"): ("experts", "mlp", "embed"),
+    ("experts", "up_proj"): ("experts", "mlp", "embed"),
+    ("experts", "down_proj"): ("experts", "embed", "mlp"),
+    ("gate", "weight"): ("experts", "embed"),   # the router
+    **llama.PARAM_AXES,
+}

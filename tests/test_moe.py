@@ -1,0 +1,128 @@
+"""Mixture-of-experts families (Qwen3-MoE, Mixtral) against transformers on seeded checkpoints
+written by its save_pretrained (per-expert tensors, as on the Hub): full-sequence logits, the
+engine's greedy tokens on one device and under tensor parallelism (fake CPU devices), the
+checkpoint written back, the FLOP estimate, what is refused, and an engine step of
+Qwen3-30B-A3B's shapes compiled for a TPU through libtpu."""
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+from jaxserve import check, lora, roofline
+from jaxserve.buckets import Buckets
+from jaxserve.checkpoint import load_params, param_shapes, save_pretrained
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.models import build_model
+from tests.hf_models import MOE_CONFIGS
+from tests.test_family_engine import engine_tokens, save_with_greedy, tensor_parallel_tokens, tp_meshes
+from tests.test_tpu_compile import CI_LAYERS, ROOT, assert_serves, with_ci_layers
+
+# Qwen3-30B-A3B's config.json as on the Hub (the keys the parser reads).
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+                     hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+                     moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                     torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
+    """name -> (model dir, transformers' greedy tokens for test_family_engine's prompts)."""
+    out = {}
+    for name in sorted(MOE_CONFIGS):
+        d = str(tmp_path_factory.mktemp(name))
+        out[name] = (d, save_with_greedy(name, d))
+    return out
+
+
+def hf_logits(model_dir: str, tokens: np.ndarray) -> np.ndarray:
+    hf = tf.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return hf(torch.tensor(tokens)).logits.numpy()
+
+
+@pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
+def test_logits_match_transformers_and_the_saved_checkpoint_loads_back(name, checkpoints, tmp_path):
+    """f32 logits of two 40-token rows within 1e-4 of transformers'; save_pretrained of the loaded
+    params writes the per-expert tensors transformers reads back to the same logits."""
+    model_dir = checkpoints[name][0]
+    cfg = ModelConfig.from_pretrained(model_dir)
+    params = load_params(model_dir, cfg)
+    tokens = np.random.RandomState(2).randint(0, cfg.vocab_size, (2, 40))
+    ref = hf_logits(model_dir, tokens)
+    model = build_model(cfg)
+    ours = np.asarray(model.apply({"params": params}, tokens, np.broadcast_to(np.arange(40), tokens.shape),
+                                  method=model.forward_logits))
+    assert np.abs(ours - ref).max() < 1e-4, name
+    assert np.abs(ref).max() > 0.1
+    with open(os.path.join(model_dir, "config.json")) as f:
+        save_pretrained(params, json.load(f), str(tmp_path))
+    assert np.abs(hf_logits(str(tmp_path), tokens) - ref).max() < 1e-6
+
+
+def test_config_reads_moe_layers():
+    c = ModelConfig.from_hf_dict({**QWEN3_30B_A3B, "num_hidden_layers": 6, "decoder_sparse_step": 2,
+                                  "mlp_only_layers": [3]})
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob) == (128, 8, 768, True)
+    assert c.moe_layers == (1, 5) and c.qk_norm   # every 2nd layer, not 3
+
+
+@pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
+def test_engine_greedy_matches_transformers(name, checkpoints):
+    model_dir, expected = checkpoints[name]
+    tokens, hit_rate = engine_tokens(model_dir)
+    assert tokens == expected, name
+    assert hit_rate > 0
+
+
+def test_tensor_parallel_matches_transformers(checkpoints):
+    """Qwen3-MoE (a dense layer, an MoE layer) at TP 2: each expert's 48 intermediate columns
+    split, the router replicated. One family (suite time: each engine here is ~15 s); Mixtral's
+    experts load and run through the same code."""
+    model_dir, expected = checkpoints["qwen3_moe"]
+    assert list(tp_meshes(["qwen3_moe"]).values()) == [{"model": 2}]
+    assert tensor_parallel_tokens({"qwen3_moe": model_dir}) == {'qwen3_moe@{"model": 2}': expected}
+
+
+def test_flops_count_active_experts_and_bytes_all(checkpoints):
+    """The roofline's per-token FLOPs from the parameters a token meets in transformers' model
+    (each MoE layer's experts by the share it is routed to); weight bytes: every parameter."""
+    model_dir = checkpoints["qwen3_moe"][0]
+    hf = tf.AutoModelForCausalLM.from_pretrained(model_dir)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    share = cfg.num_experts_per_tok / cfg.num_experts
+    met = sum(p.numel() * (share if ".experts." in n else 1) for n, p in hf.named_parameters()
+              if "embed_tokens" not in n and "lm_head" not in n)
+    cost = roofline.CostModel(cfg, 4)
+    assert cost.token_params == met
+    assert cost.weight_bytes == 4 * sum(p.numel() for n, p in hf.named_parameters() if "embed_tokens" not in n)
+
+
+def test_quantization_and_lora_are_refused(checkpoints):
+    model_dir = checkpoints["mixtral"][0]
+    cfg = ModelConfig.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match="mixture-of-experts model: quantized weights .int8"):
+        param_shapes(cfg, quantization="int8")
+    with pytest.raises(ValueError, match="mixture-of-experts model: quantized weights .int4"):
+        load_params(model_dir, cfg, quantization="int4")
+    with pytest.raises(ValueError, match="LoRA is not supported on mixture-of-experts models"):
+        lora.linear_modules(cfg)
+
+
+def test_qwen3_30b_a3b_steps_compile_for_tpu():
+    """Qwen3-30B-A3B bf16 at TP 4 on v6e-4 (its 61 GB of weights need 4 chips), cut to CI_LAYERS
+    layers with the KV pool sized for all 48: the smallest decode step (ragged_dot through
+    XLA:TPU's grouped-matmul kernels, each expert's intermediate dim split 4 ways) compiles and
+    fits, no whole-pool copies. One shape (suite time): the prefill step compiles too (15 s)."""
+    ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "tiny-cpu.yaml"), mesh={"model": 4})
+    tpu = check.tpu_slice("v6e-4")
+    cfg = with_ci_layers(ModelConfig.from_hf_dict(QWEN3_30B_A3B), ecfg, tpu, 4, "qwen3-30b-a3b")
+    shapes = check.quick_shapes(Buckets(ecfg, platform="tpu").warmup_shapes(False))[1:2]
+    report = check.check(ecfg, cfg, tpu, model_name="qwen3-30b-a3b", dtype=jnp.bfloat16, shapes=shapes,
+                         samplers=False)
+    assert_serves(report, f"qwen3-30b-a3b ({CI_LAYERS} layers) on v6e-4")
