@@ -33,8 +33,10 @@ PROMPTS = ["The for statement is used to", "A function definition defines", "The
 # (weight quantization, kv_cache_dtype, mesh)
 # w8a8's Linears shard as in w8a8+head, which adds the tied head's int8 copy; int8's hold the same
 # int8 weights with per-channel scales, sharded alike (their `scale` leaf's rule: int4's).
-# int4_asym's Linears hold int4's leaves and zero-point offsets sharded as their scales.
-TP_CASES = [("int4_asym", "auto", {"model": 4}), ("w8a8+head", "int8", {"model": 2})]
+# int4_asym's Linears hold int4's leaves and zero-point offsets sharded as their scales. fp8's hold
+# e4m3 weights and int4's grouped scales, at TP 2 split over the input groups where the inputs are
+# (o_proj's 2, down_proj's 6: at TP 4 the 6 stay whole).
+TP_CASES = [("int4_asym", "auto", {"model": 4}), ("fp8", "auto", {"model": 2}), ("w8a8+head", "int8", {"model": 2})]
 NEW_TOKENS = 32
 
 
@@ -91,10 +93,10 @@ def test_cli_flag_reaches_the_engine_config():
 
 
 def test_heldout_perplexity_within_thresholds():
-    """int8 and w8a8 within 1% of unquantized, int4 and int4_asym within 5%, on the first 16 held-out windows
-    (benchmarks/quantization.py measures all of them)."""
+    """int8, fp8 and w8a8 within 1% of unquantized, int4 and int4_asym within 5%, on the first 16 held-out
+    windows (benchmarks/quantization.py measures all of them)."""
     ppl = bench.heldout_perplexities(max_windows=16)
-    for config in ("int8", "w8a8", "int8+head", "w8a8+head"):
+    for config in ("int8", "fp8", "w8a8", "int8+head", "w8a8+head"):
         assert abs(ppl[config] / ppl[None] - 1) < 0.01, (config, ppl)
     assert abs(ppl["int4"] / ppl[None] - 1) < 0.05 and abs(ppl["int4_asym"] / ppl[None] - 1) < 0.05, ppl
 
@@ -159,9 +161,9 @@ def test_unquantized_orbax_checkpoint_quantizes_as_it_loads(tmp_path):
 
 
 def test_tensor_parallel_greedy_matches_one_device():
-    """int4_asym weights at TP 4 and w8a8+head with an int8 KV cache at TP 2, on fake CPU devices
-    (tiny model: 8 heads, 2 kv heads, so K/V replicated at TP 4; int4 o_proj has 2 input groups, so
-    its scales and zero-point offsets are replicated at TP 4). One mesh each: the other pairs add engines to compile, not
+    """int4_asym weights at TP 4, fp8 weights at TP 2 and w8a8+head with an int8 KV cache at TP 2, on
+    fake CPU devices (tiny model: 8 heads, 2 kv heads, so K/V replicated at TP 4; int4 o_proj has 2
+    input groups, so its scales and zero-point offsets are replicated at TP 4; fp8's are split at TP 2). One mesh each: the other pairs add engines to compile, not
     layouts. The one-device tokens come from this process (the subprocess keeps its XLA flags,
     adding the fake devices). The int8 cache's scales are split over the KV heads like its pages:
     each device holds its one KV head's pages and scales."""
