@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -27,6 +28,8 @@ from jaxserve.models import init_params
 from jaxserve.models.registry import architecture
 
 ORBAX_DIR = "orbax"
+# safetensors dtypes that its numpy reader cannot return (numpy has no such dtype): read from the bytes
+NUMPY_LACKS = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 # beside ORBAX_DIR: {"quantization": null | a mode, "quantize_lm_head": whether the LM head is too}
 QUANTIZATION_FILE = "quantization.json"
 
@@ -69,6 +72,26 @@ class _Stacked:
 
     def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
         return np.stack([t[index[1:]] for t in self.slices[index[0]]])
+
+
+class _BytesSlice:
+    """A safetensors tensor of a dtype in NUMPY_LACKS (bf16 checkpoints, fp8 weights), used as
+    safe_open's lazy slices are (get_shape, [index]): a memory map of its bytes in the file, so
+    indexing reads only what it selects."""
+
+    def __init__(self, filename: str, name: str):
+        with open(filename, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")   # the JSON header's, which the data follows
+            entry = json.loads(f.read(size))[name]
+        begin, end = entry["data_offsets"]
+        self.array = np.memmap(filename, np.uint8, "r", 8 + size + begin, (end - begin,)).view(
+            NUMPY_LACKS[entry["dtype"]]).reshape(entry["shape"])
+
+    def get_shape(self) -> list[int]:
+        return list(self.array.shape)
+
+    def __getitem__(self, index) -> np.ndarray:
+        return np.asarray(self.array[index])
 
 
 def _tensor_index(model_dir: str) -> dict[str, str]:
@@ -125,7 +148,8 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
                              + ("" if shape is None else f" (expected shape {tuple(shape)})"))
         if index[name] not in open_files:
             open_files[index[name]] = safe_open(index[name], framework="np")
-        return open_files[index[name]].get_slice(name)
+        tensor = open_files[index[name]].get_slice(name)
+        return _BytesSlice(index[name], name) if tensor.get_dtype() in NUMPY_LACKS else tensor
 
     params: dict = {}
     try:
@@ -225,7 +249,12 @@ def _place(tensor, spec, sharding, row_offset: int | None) -> jax.Array:
             first = slice((index[0].start or 0) + row_offset,
                           (spec.shape[0] if index[0].stop is None else index[0].stop) + row_offset)
             index = (first, *index[1:])
-        return tensor[index].astype(spec.dtype)
+        x = tensor[index]
+        if x.dtype.itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != spec.dtype:
+            raise ValueError(f"a float8 tensor of shape {tensor.get_shape()} in the checkpoint where {spec.dtype} "
+                             "is read: fp8 weights are read only with their scales, as the quantized Linear "
+                             "weights of a pre-quantized checkpoint (jaxserve/prequantized.py)")
+        return x.astype(spec.dtype)
 
     if sharding is None:
         return jnp.asarray(read())

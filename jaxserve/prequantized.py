@@ -1,6 +1,6 @@
-"""Hugging Face checkpoints saved already quantized, loaded as jaxserve's own int8, int4 or
-int4_asym Linear (jaxserve/quantization.py) without going through full precision. Formats read
-(weight-only, every Linear but the LM head quantized):
+"""Hugging Face checkpoints saved already quantized, loaded as jaxserve's own int8, int4,
+int4_asym or fp8 Linear (jaxserve/quantization.py) without going through full precision. Formats
+read (weight-only, every Linear but the LM head quantized):
 
   * compressed-tensors (LLM Compressor; e.g. RedHatAI's *-quantized.w8a16 and .w4a16):
       - "int-quantized" (or "naive-quantized"), 8 bits symmetric per output channel -> int8:
@@ -8,7 +8,15 @@ int4_asym Linear (jaxserve/quantization.py) without going through full precision
       - "pack-quantized", 4 bits in groups of 128 inputs -> int4, or int4_asym when asymmetric:
         `.weight_packed` int32 [out, in / 8] (input 8w + j in bits 4j..4j+3 of word w, stored
         plus 8), `.weight_scale` [out, in / 128] and, asymmetric, `.weight_zero_point` int32
-        [out / 8, in / 128] (packed the same way along the outputs).
+        [out / 8, in / 128] (packed the same way along the outputs);
+      - "float-quantized", 8-bit float (e4m3) weights per channel, per tensor or in 128x128
+        blocks -> fp8 (RedHatAI's *-FP8-dynamic, LLM Compressor's FP8 schemes): `.weight`
+        float8_e4m3fn [out, in] and `.weight_scale` [out, 1], [1] or [out / 128, in / 128]
+        (weight = fp8 * scale).
+  * FP8 (quant_method "fp8": transformers' FineGrainedFP8, DeepSeek's and Qwen's *-FP8), e4m3
+    -> fp8: with `weight_block_size` [128, 128], `.weight` float8_e4m3fn [out, in] and
+    `.weight_scale_inv` [ceil(out / 128), in / 128] (weight = fp8 * scale_inv, the "inverse" of
+    the quantizing scale); without it (AutoFP8), a per-tensor `.weight_scale`.
   * GPTQ (AutoGPTQ / GPTQModel; e.g. Qwen's *-GPTQ-Int4), 4 bits in groups of 128 without
     act-order (desc_act false) -> int4 when sym, else int4_asym: `.qweight` int32 [in / 8, out]
     (input 8w + j in bits 4j of row w), `.scales` [in / 128, out], `.qzeros` int32
@@ -19,29 +27,42 @@ int4_asym Linear (jaxserve/quantization.py) without going through full precision
     -> int4_asym: `.qweight` int32 [in, out / 8] and `.qzeros` int32 [in / 128, out / 8], packed
     along out with output 8w + AWQ_ORDER[j] in bits 4j of word w, and `.scales` [in / 128, out].
 
-Each is weight = scale * (code - zero point) with codes and zero points 0..15; the codes are
-repacked on the host into int4's layout (quantization.pack_int4) and each zero point becomes the
-offset scale * (zero point - 8), so a tensor loads to what the checkpoint stands for. Anything
-else (act-order, other group sizes or bit widths, activation quantization, a quantized LM head)
-is refused, saying what is read.
+Each 4-bit one is weight = scale * (code - zero point) with codes and zero points 0..15; the
+codes are repacked on the host into int4's layout (quantization.pack_int4) and each zero point
+becomes the offset scale * (zero point - 8), so a tensor loads to what the checkpoint stands for.
+An FP8 weight loads as stored, its scale repeated into fp8's per row and 128 inputs.
+
+FP8 checkpoints that quantize activations too (W8A8: dynamic per token, or static with an
+`input_scale` per tensor) are served weight-only, their activations left in the model dtype,
+and say so in the log: what vLLM does on GPUs without fp8 arithmetic. The weights are the
+checkpoint's exactly; the products differ from a W8A8 engine's only by the activation rounding
+it would add (more precise, not the same numbers). int8 activation quantization is refused.
+Anything else (act-order, other group or block sizes, bit widths or fp8 formats, a quantized LM
+head, modules left unquantized besides it) is refused, saying what is read.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Callable, NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 from jaxserve.quantization import GROUP, ZERO, pack_int4
 
 COMPRESSED_INT8 = ("int-quantized", "naive-quantized")
 COMPRESSED_INT4 = "pack-quantized"
+COMPRESSED_FP8 = "float-quantized"
+FP8_SCHEMES = tuple((8, "float", strategy, None) for strategy in ("channel", "tensor", "block"))
 GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}   # checkpoint_format -> what reading adds to a stored zero point
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)       # AWQ's GEMM packing: bits 4j of a word hold output AWQ_ORDER[j]
 SUPPORTED = (f"compressed-tensors {' / '.join(COMPRESSED_INT8)} with 8-bit symmetric per-channel weights, "
              f"compressed-tensors {COMPRESSED_INT4}, GPTQ (no act-order) or AWQ (GEMM) with 4-bit weights in "
-             f"groups of {GROUP}, the LM head unquantized")
+             f"groups of {GROUP}, compressed-tensors {COMPRESSED_FP8} or quant_method fp8 with e4m3 weights per "
+             f"channel, per tensor or in {GROUP}x{GROUP} blocks, the LM head unquantized")
+log = logging.getLogger(__name__)
 
 Tensor = Callable[[str], np.ndarray]   # a checkpoint tensor by name, whole, on the host
 
@@ -75,6 +96,8 @@ def stored(model_dir: str) -> Stored | None:
         return _gptq(qc)
     if method == "awq":
         return _awq(qc)
+    if method == "fp8":
+        return _fp8(qc)
     raise _unsupported(f"quant_method {method!r}")
 
 
@@ -85,29 +108,74 @@ def hf_quantization(model_dir: str) -> str | None:
 
 
 def _compressed_tensors(qc: dict) -> Stored:
-    modes = set()
+    schemes = set()   # (jaxserve mode, the weights' strategy)
     for name, group in (qc.get("config_groups") or {}).items():
         w = group.get("weights") or {}
         fmt = group.get("format") or qc.get("format")
-        if group.get("input_activations") or group.get("output_activations"):
-            raise _unsupported(f"activation quantization in {name}")
+        activations = group.get("input_activations") or group.get("output_activations")
         if group.get("targets") != ["Linear"]:
             raise _unsupported(f"targets {group.get('targets')} in {name}")
         scheme = (w.get("num_bits"), w.get("type"), w.get("strategy"), w.get("actorder"))
+        if activations and (fmt != COMPRESSED_FP8 or group.get("output_activations")):
+            raise _unsupported(f"activation quantization in {name}")
         if fmt in COMPRESSED_INT8 and scheme == (8, "int", "channel", None) and w.get("symmetric"):
-            modes.add("int8")
+            schemes.add(("int8", "channel"))
         elif fmt == COMPRESSED_INT4 and scheme == (4, "int", "group", None) and w.get("group_size") == GROUP:
-            modes.add("int4" if w.get("symmetric") else "int4_asym")
+            schemes.add(("int4" if w.get("symmetric") else "int4_asym", "group"))
+        elif (fmt == COMPRESSED_FP8 and scheme in FP8_SCHEMES and w.get("symmetric")
+              and w.get("block_structure") == ([GROUP, GROUP] if scheme[2] == "block" else None)):
+            schemes.add(("fp8", scheme[2]))
+            if activations:
+                _weight_only(f"{'dynamic' if activations.get('dynamic') else 'static'} fp8 activations")
         else:
             raise _unsupported(f"format {fmt!r} with weights {w} in {name}")
-    if len(modes) != 1:
-        raise _unsupported(f"{'no' if not modes else 'mixed'} weight schemes")
-    if set(qc.get("ignore") or []) - {"lm_head"}:
-        raise _unsupported(f"layers left unquantized besides lm_head: {qc['ignore']}")
-    if "lm_head" not in (qc.get("ignore") or []):
-        raise _unsupported("a quantized lm_head")
-    mode = modes.pop()
+    if len(schemes) != 1:
+        raise _unsupported(f"{'no' if not schemes else 'mixed'} weight schemes")
+    _lm_head_alone(qc.get("ignore"), "ignore")
+    (mode, strategy), = schemes
+    if mode == "fp8":
+        return Stored(mode, lambda tensor, name: _fp8_leaves(name, tensor(name), tensor(name + "_scale"),
+                                                             block=strategy == "block"))
     return Stored(mode, _read_int8 if mode == "int8" else lambda tensor, name: _read_packed(mode, tensor, name))
+
+
+def _lm_head_alone(unquantized: list | None, key: str) -> None:
+    """The modules a checkpoint leaves unquantized (its `key`) are the LM head alone, as read."""
+    if set(unquantized or []) - {"lm_head"}:
+        raise _unsupported(f"layers left unquantized besides lm_head: {key} {unquantized}")
+    if "lm_head" not in (unquantized or []):
+        raise _unsupported("a quantized lm_head")
+
+
+def _weight_only(what: str) -> None:
+    log.warning("pre-quantized checkpoint with %s: served weight-only, the activations left in the model "
+                "dtype (the fp8 weights are used exactly; no activation rounding)", what)
+
+
+def _fp8(qc: dict) -> Stored:
+    """quant_method "fp8": 128x128 blocks with `weight_block_size` (scales `.weight_scale_inv`),
+    else AutoFP8's one scale per tensor (`.weight_scale`). transformers never quantizes lm_head
+    here (an fp8 one would be refused as it is read: checkpoint._place); `modules_to_not_convert`
+    says what else it left."""
+    block = qc.get("weight_block_size")
+    if qc.get("fmt", "e4m3") != "e4m3" or block not in (None, [GROUP, GROUP]):
+        raise _unsupported(f"fp8 fmt={qc.get('fmt')!r} weight_block_size={block}")
+    _lm_head_alone([*(qc.get("modules_to_not_convert") or []), "lm_head"], "modules_to_not_convert")
+    _weight_only(f"{qc.get('activation_scheme', 'dynamic')} fp8 activations")
+    suffix = "_scale_inv" if block else "_scale"
+    return Stored("fp8", lambda tensor, name: _fp8_leaves(name, tensor(name), tensor(name + suffix), block=bool(block)))
+
+
+def _fp8_leaves(name: str, weight: np.ndarray, scale: np.ndarray, block: bool) -> dict:
+    """fp8's leaves of an e4m3 weight [out, in] and its scale: per 128x128 block (block:
+    [ceil(out / 128), in / 128], each repeated over its 128 rows), per output channel ([out, 1])
+    or per tensor ([1] or []), as one scale per output row and 128 inputs."""
+    if weight.dtype != ml_dtypes.float8_e4m3fn:
+        raise _unsupported(f"{name} is {weight.dtype}, not float8_e4m3fn")
+    out, inp = weight.shape
+    scale = np.asarray(scale, np.float32)
+    rows = np.repeat(scale, GROUP, axis=0)[:out] if block else scale.reshape(-1, 1)
+    return {"qweight": weight, "scale": np.ascontiguousarray(np.broadcast_to(rows, (out, -(-inp // GROUP))))}
 
 
 def _gptq(qc: dict) -> Stored:

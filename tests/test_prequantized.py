@@ -1,6 +1,9 @@
 """Pre-quantized Hugging Face checkpoints: compressed-tensors int8 (W8A16) and packed int4 (W4A16),
 written by the `compressed-tensors` package and read by transformers on CPU as the reference, and
-GPTQ int4 holding the W4A16 checkpoint's codes and scales (so the same reference)."""
+GPTQ int4 holding the W4A16 checkpoint's codes and scales (so the same reference); FP8: a
+Qwen-FP8-style block-wise checkpoint written with numpy and ml_dtypes, read by transformers (which
+dequantizes it on CPU), and compressed-tensors' float-quantized ones against their weights
+dequantized by compressed-tensors."""
 import functools
 import json
 import os
@@ -9,6 +12,7 @@ import re
 import shutil
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -27,23 +31,28 @@ PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 84, 104, 101, 32, 102, 111, 114]
 NEW_TOKENS = 16
 
 
-def save_compressed(d, weights, fmt, **model):
-    """A random Llama, every Linear but lm_head quantized by `weights` and saved by
-    compressed-tensors in format `fmt`. Symmetric scales: a channel's or group's largest magnitude
-    / 127 (8 bits) or / 7.5 (4 bits: codes from -8, where the most negative value rounds, to 7,
-    the largest clamped); asymmetric: 16 levels from the group's minimum to its maximum (or 0)."""
+def save_compressed(d, weights, fmt, activations=None, **model):
+    """A random Llama, every Linear but lm_head quantized by `weights` (and its inputs by
+    `activations`) and saved by compressed-tensors in format `fmt`. Symmetric scales: a channel's,
+    group's, 128x128 block's or the tensor's largest magnitude / 127 (8-bit int), / 448 (e4m3) or
+    / 7.5 (4 bits: codes from -8, where the most negative value rounds, to 7, the largest
+    clamped); asymmetric: 16 levels from the group's minimum to its maximum (or 0)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
 
     model = save_engine_model(d, seed=3, **model)
     apply_quantization_config(model, QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}, ignore=["lm_head"]))
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)},
+        ignore=["lm_head"]))
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "weight_scale"):
-                groups = module.weight.reshape(*module.weight_scale.shape, -1)
+                groups = scale_groups(module.weight, module.weight_scale.shape, weights.strategy)
                 if weights.symmetric:
-                    module.weight_scale.copy_(groups.abs().amax(dim=-1) / (127 if weights.num_bits == 8 else 7.5))
+                    largest = {(8, "int"): 127, (8, "float"): 448, (4, "int"): 7.5}[weights.num_bits, weights.type]
+                    module.weight_scale.copy_(groups.abs().amax(dim=-1) / largest)
+                    if activations and not activations.dynamic:   # any static scale: jaxserve leaves it aside
+                        module.input_scale.fill_(0.05)
                     continue
                 low, high = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)
                 module.weight_scale.copy_((high - low) / 15)
@@ -53,6 +62,15 @@ def save_compressed(d, weights, fmt, **model):
     model.save_pretrained(d)
     compressor.update_config(d)
     return d
+
+
+def scale_groups(weight, scale_shape, strategy):
+    """The weights each scale stands for, [*scale_shape, n]: a 128x128 block's (the weight padded
+    with zeros to whole blocks), else a channel's, a group's or the tensor's."""
+    if strategy != "block":
+        return weight.reshape(*scale_shape, -1)
+    padded = torch.nn.functional.pad(weight, (0, -weight.shape[1] % 128, 0, -weight.shape[0] % 128))
+    return padded.reshape(scale_shape[0], 128, scale_shape[1], 128).transpose(1, 2).reshape(*scale_shape, -1)
 
 
 def int4_args(symmetric):
@@ -82,30 +100,94 @@ def asym_dir(tmp_path_factory):
                            hidden_size=128, intermediate_size=256)
 
 
-@pytest.fixture(scope="module")
-def asym_float_dir(asym_dir, tmp_path_factory):
-    """asym_dir's weights dequantized by compressed-tensors (its unpacking and `dequantize`), as a
-    full-precision checkpoint: the reference for the asymmetric ones, since transformers does not
-    load compressed-tensors' packed zero points (it expects them unpacked: a size mismatch)."""
+def dequantized_copy(src, d, args):
+    """src's weights dequantized by compressed-tensors (its unpacking and `dequantize`), as a
+    full-precision checkpoint in d: the reference where transformers does not load src as it is
+    (packed zero points: it expects them unpacked, a size mismatch) or not weight-only (fp8
+    activations, which jaxserve leaves unquantized)."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
     from safetensors.torch import load_file
 
-    d = str(tmp_path_factory.mktemp("w4a16_asym_float"))
     model = save_engine_model(d, seed=3, hidden_size=128, intermediate_size=256)
-    stored, state = load_file(os.path.join(asym_dir, "model.safetensors")), {}
+    stored, state = load_file(os.path.join(src, "model.safetensors")), {}
     for name, x in stored.items():
-        base = name.removesuffix("weight_packed")
         if name.endswith("weight_packed"):
+            base = name.removesuffix("weight_packed")
             out, inp = stored[base + "weight_shape"].tolist()
             zeros = unpack_from_int32(stored[base + "weight_zero_point"], 4, torch.Size([out, inp // 128]), packed_dim=0)
             state[base + "weight"] = ct_dequantize(unpack_from_int32(x, 4, torch.Size([out, inp])),
-                                                   stored[base + "weight_scale"], zeros, int4_args(False))
-        elif not re.search(r"weight_(scale|shape|zero_point)$", name):
+                                                   stored[base + "weight_scale"], zeros, args)
+        elif x.dtype == torch.float8_e4m3fn:
+            state[name] = ct_dequantize(x, stored[name + "_scale"], None, args)
+        elif not re.search(r"(weight_(scale|shape|zero_point)|input_scale)$", name):
             state[name] = x
     model.load_state_dict(state, strict=False)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     model.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def asym_float_dir(asym_dir, tmp_path_factory):
+    return dequantized_copy(asym_dir, str(tmp_path_factory.mktemp("w4a16_asym_float")), int4_args(False))
+
+
+def fp8_args(strategy, **kw):
+    from compressed_tensors.quantization import QuantizationArgs
+    return QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy, **kw)
+
+
+# compressed-tensors' FP8 schemes: (weights' strategy, input activations)
+FP8_COMPRESSED = {"fp8_dynamic": ("channel", dict(strategy="token", dynamic=True)),   # RedHatAI's *-FP8-dynamic
+                  "fp8_static": ("tensor", dict(strategy="tensor", dynamic=False)),   # input_scale per tensor
+                  "fp8_block": ("block", None)}
+
+
+@pytest.fixture(scope="module")
+def fp8_compressed(tmp_path_factory):
+    """name -> (a float-quantized checkpoint of the FP8_COMPRESSED scheme, its weights
+    dequantized by compressed-tensors), made on first use."""
+    @functools.cache
+    def make(name):
+        strategy, activations = FP8_COMPRESSED[name]
+        weights = fp8_args(strategy, **({"block_structure": [128, 128]} if strategy == "block" else {}))
+        d = save_compressed(str(tmp_path_factory.mktemp(name)), weights, "float-quantized",
+                            activations and fp8_args(**activations), hidden_size=128, intermediate_size=256)
+        return d, dequantized_copy(d, str(tmp_path_factory.mktemp(name + "_float")), weights)
+    return make
+
+
+def fp8_blocks(w):
+    """w [out, in] as e4m3 in 128x128 blocks, each over its largest magnitude / 448, and the
+    blocks' scale_inv [ceil(out / 128), in / 128] (DeepSeek's and Qwen's FP8 layout)."""
+    out, inp = w.shape
+    blocks = np.pad(w, ((0, -out % 128), (0, 0))).reshape(-1, 128, inp // 128, 128)
+    scale_inv = np.abs(blocks).max(axis=(1, 3)) / 448
+    q = (blocks / scale_inv[:, None, :, None]).reshape(-1, inp)[:out].astype(ml_dtypes.float8_e4m3fn)
+    return q, scale_inv.astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def qwen_fp8_dir(tmp_path_factory):
+    """A checkpoint as Qwen's *-FP8 (quant_method fp8, e4m3 in 128x128 blocks, dynamic activations):
+    every Linear but lm_head as fp8_blocks writes it, everything else in bf16. transformers reads
+    it on CPU (FineGrainedFP8 without a GPU: each weight dequantized, fp8 times its block's
+    scale_inv, here in float32), so it is its own reference."""
+    from safetensors.torch import save_file
+
+    d = str(tmp_path_factory.mktemp("qwen_fp8"))
+    tensors = {}
+    for name, x in save_engine_model(d, seed=3, hidden_size=128, intermediate_size=256).state_dict().items():
+        tensors[name] = x.to(torch.bfloat16)
+        if name.endswith("proj.weight"):
+            q, scale_inv = fp8_blocks(tensors[name].float().numpy())
+            tensors[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+            tensors[name + "_scale_inv"] = torch.from_numpy(scale_inv)
+    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads(pathlib.Path(d, "config.json").read_text())
+    pathlib.Path(d, "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}))
     return d
 
 
@@ -226,6 +308,27 @@ def test_int4_loads_as_stored_and_logits_match_transformers(fixture, same_weight
     assert_logits_match(cfg, params, reference_dir)
 
 
+@pytest.mark.parametrize("scheme", ["qwen_fp8", *FP8_COMPRESSED, "autofp8"])
+def test_fp8_loads_as_stored_and_logits_match_transformers(scheme, request, fp8_compressed, caplog, tmp_path):
+    """Each FP8 format; autofp8: fp8_static's tensors (a weight_scale and an input_scale per
+    tensor) as AutoFP8 (quant_method fp8 without weight_block_size) describes them."""
+    if scheme == "qwen_fp8":
+        d = reference_dir = request.getfixturevalue("qwen_fp8_dir")
+    elif scheme == "autofp8":
+        static_dir, reference_dir = fp8_compressed("fp8_static")
+        d = variant(static_dir, tmp_path / scheme, quant_method="fp8", activation_scheme="static")
+    else:
+        d, reference_dir = fp8_compressed(scheme)
+    cfg = ModelConfig.from_pretrained(d)
+    params = load_params(d, cfg)
+    proj = params["model"]["layers_0"]["mlp"]["down_proj"]
+    assert proj["qweight"].dtype == ml_dtypes.float8_e4m3fn and proj["scale"].shape == (cfg.hidden_size, 2)
+    assert "weight" in params["lm_head"]
+    # activations quantized in the checkpoint: said, and served weight-only
+    assert ("served weight-only" in caplog.text) == (scheme != "fp8_block"), caplog.text
+    assert_logits_match(cfg, params, reference_dir)
+
+
 def hf_greedy(model_dir):
     hf = reference(model_dir)
     hf.generation_config.eos_token_id = None
@@ -241,8 +344,9 @@ def engine_greedy(model_dir):
         [{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)]
 
 
-def test_engine_serves_awq_as_transformers_the_same_weights(awq_dir, asym_float_dir):
-    assert engine_greedy(awq_dir) == hf_greedy(asym_float_dir)
+@pytest.mark.parametrize("fixture, same_weights", [("awq_dir", "asym_float_dir"), ("qwen_fp8_dir", "qwen_fp8_dir")])
+def test_engine_serves_as_transformers_the_same_weights(fixture, same_weights, request):
+    assert engine_greedy(request.getfixturevalue(fixture)) == hf_greedy(request.getfixturevalue(same_weights))
 
 
 def test_engine_greedy_matches_transformers_and_survives_convert(compressed_dir, tmp_path):
@@ -268,28 +372,57 @@ def test_unsupported_schemes_are_refused(compressed_dir, tmp_path):
         load_params(compressed_dir, ModelConfig.from_pretrained(compressed_dir), quantization="int4")
 
 
-def test_gptq_and_awq_variants_not_read_are_refused(gptq_dir, tmp_path):
-    from safetensors.numpy import load_file, save_file
+def variant(src, d, tensors=None, **qc):
+    """A copy of checkpoint `src` in d, its quantization_config updated by qc, `tensors` (torch)
+    added to or replacing its own."""
+    from safetensors.torch import load_file, save_file
 
-    def variant(name, tensors=None, **qc):
-        d = tmp_path / name
-        shutil.copytree(gptq_dir, d)
-        config = json.loads((d / "config.json").read_text())
-        config["quantization_config"].update(qc)
-        (d / "config.json").write_text(json.dumps(config))
-        if tensors:
-            save_file({**load_file(str(d / "model.safetensors")), **tensors}, str(d / "model.safetensors"))
-        return str(d)
+    shutil.copytree(src, d)
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"].update(qc)
+    (d / "config.json").write_text(json.dumps(config))
+    if tensors:
+        save_file({**load_file(str(d / "model.safetensors")), **tensors}, str(d / "model.safetensors"))
+    return str(d)
 
-    cases = [(variant("bnb", quant_method="bitsandbytes"), "quant_method 'bitsandbytes'"),
-             (variant("act_order", desc_act=True), "desc_act=True"),
-             (variant("group_64", group_size=64), "group_size=64"),
-             (variant("bits_8", bits=8), "bits=8"),
-             (variant("awq_gemv", quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemv"),
-              "version='gemv'"),
-             # zero points of 6 written as symmetric: asymmetric weights in disguise
-             (variant("zeros", {"model.layers.1.mlp.up_proj.qzeros": np.full((1, 256 // 8), 0x55555555, np.int32)}),
-              "up_proj.qzeros holds zero points other than 8")]
+
+def assert_refused(cases):
     for d, match in cases:
         with pytest.raises(ValueError, match=match):
             load_params(d, ModelConfig.from_pretrained(d))
+
+
+def test_gptq_and_awq_variants_not_read_are_refused(gptq_dir, tmp_path):
+    def v(name, tensors=None, **qc):
+        return variant(gptq_dir, tmp_path / name, tensors, **qc)
+
+    cases = [(v("bnb", quant_method="bitsandbytes"), "quant_method 'bitsandbytes'"),
+             (v("act_order", desc_act=True), "desc_act=True"),
+             (v("group_64", group_size=64), "group_size=64"),
+             (v("bits_8", bits=8), "bits=8"),
+             (v("awq_gemv", quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemv"),
+              "version='gemv'"),
+             # zero points of 6 written as symmetric: asymmetric weights in disguise
+             (v("zeros", {"model.layers.1.mlp.up_proj.qzeros": torch.full((1, 256 // 8), 0x55555555, dtype=torch.int32)}),
+              "up_proj.qzeros holds zero points other than 8")]
+    assert_refused(cases)
+
+
+def test_fp8_variants_not_read_are_refused(qwen_fp8_dir, tmp_path):
+    def v(name, tensors=None, **qc):
+        return variant(qwen_fp8_dir, tmp_path / name, tensors, **qc)
+
+    e5m2 = torch.zeros(256, 128, dtype=torch.float8_e5m2)
+    float_group = {"format": "float-quantized", "targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 128}}
+    cases = [(v("e5m2", fmt="e5m2"), "fp8 fmt='e5m2'"),
+             (v("block_64", weight_block_size=[64, 64]), r"weight_block_size=\[64, 64\]"),
+             (v("unconverted", modules_to_not_convert=["model.layers.0.mlp.down_proj"]),
+              "left unquantized besides lm_head: modules_to_not_convert"),
+             (v("stored_e5m2", {"model.layers.0.mlp.up_proj.weight": e5m2}), "up_proj.weight is float8_e5m2"),
+             # a head in fp8 where transformers leaves it unquantized: its scale would be lost
+             (v("fp8_head", {"lm_head.weight": torch.zeros(258, 128, dtype=torch.float8_e4m3fn)}),
+              "a float8 tensor of shape \\[258, 128\\] in the checkpoint where float32 is read"),
+             (v("ct_float_group", quant_method="compressed-tensors", config_groups={"group_0": float_group},
+                ignore=["lm_head"]), "format 'float-quantized' with weights")]
+    assert_refused(cases)
