@@ -28,8 +28,9 @@ from jaxserve.models import init_params
 from jaxserve.models.registry import architecture
 
 ORBAX_DIR = "orbax"
-# safetensors dtypes that its numpy reader cannot return (numpy has no such dtype): read from the bytes
-NUMPY_LACKS = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+# safetensors dtypes that its numpy reader cannot return ("module 'numpy' has no attribute
+# 'float8_e4m3fn'"; bf16 it returns once ml_dtypes is imported): read from the bytes
+FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 # beside ORBAX_DIR: {"quantization": null | a mode, "quantize_lm_head": whether the LM head is too}
 QUANTIZATION_FILE = "quantization.json"
 
@@ -75,9 +76,8 @@ class _Stacked:
 
 
 class _BytesSlice:
-    """A safetensors tensor of a dtype in NUMPY_LACKS (bf16 checkpoints, fp8 weights), used as
-    safe_open's lazy slices are (get_shape, [index]): a memory map of its bytes in the file, so
-    indexing reads only what it selects."""
+    """A float8 safetensors tensor (FP8 checkpoints' weights), used as safe_open's lazy slices are
+    (get_shape, [index]): a memory map of its bytes in the file, so indexing reads only what it selects."""
 
     def __init__(self, filename: str, name: str):
         with open(filename, "rb") as f:
@@ -85,7 +85,7 @@ class _BytesSlice:
             entry = json.loads(f.read(size))[name]
         begin, end = entry["data_offsets"]
         self.array = np.memmap(filename, np.uint8, "r", 8 + size + begin, (end - begin,)).view(
-            NUMPY_LACKS[entry["dtype"]]).reshape(entry["shape"])
+            FLOAT8[entry["dtype"]]).reshape(entry["shape"])
 
     def get_shape(self) -> list[int]:
         return list(self.array.shape)
@@ -149,7 +149,7 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
         if index[name] not in open_files:
             open_files[index[name]] = safe_open(index[name], framework="np")
         tensor = open_files[index[name]].get_slice(name)
-        return _BytesSlice(index[name], name) if tensor.get_dtype() in NUMPY_LACKS else tensor
+        return _BytesSlice(index[name], name) if tensor.get_dtype() in FLOAT8 else tensor
 
     params: dict = {}
     try:
