@@ -15,8 +15,8 @@ read (weight-only, every Linear but the LM head quantized):
         (weight = fp8 * scale).
   * FP8 (quant_method "fp8": transformers' FineGrainedFP8, DeepSeek's and Qwen's *-FP8), e4m3
     -> fp8: with `weight_block_size` [128, 128], `.weight` float8_e4m3fn [out, in] and
-    `.weight_scale_inv` [ceil(out / 128), in / 128] (weight = fp8 * scale_inv, the "inverse" of
-    the quantizing scale); without it (AutoFP8), a per-tensor `.weight_scale`.
+    `.weight_scale_inv` f32 or bf16 [ceil(out / 128), in / 128] (weight = fp8 * scale_inv, the
+    "inverse" of the quantizing scale); without it (AutoFP8), a per-tensor `.weight_scale`.
   * GPTQ (AutoGPTQ / GPTQModel; e.g. Qwen's *-GPTQ-Int4), 4 bits in groups of 128 without
     act-order (desc_act false) -> int4 when sym, else int4_asym: `.qweight` int32 [in / 8, out]
     (input 8w + j in bits 4j of row w), `.scales` [in / 128, out], `.qzeros` int32
@@ -134,8 +134,7 @@ def _compressed_tensors(qc: dict) -> Stored:
     _lm_head_alone(qc.get("ignore"), "ignore")
     (mode, strategy), = schemes
     if mode == "fp8":
-        return Stored(mode, lambda tensor, name: _fp8_leaves(name, tensor(name), tensor(name + "_scale"),
-                                                             block=strategy == "block"))
+        return Stored(mode, lambda tensor, name: _fp8_leaves(name, tensor, "_scale", block=strategy == "block"))
     return Stored(mode, _read_int8 if mode == "int8" else lambda tensor, name: _read_packed(mode, tensor, name))
 
 
@@ -154,26 +153,27 @@ def _weight_only(what: str) -> None:
 
 def _fp8(qc: dict) -> Stored:
     """quant_method "fp8": 128x128 blocks with `weight_block_size` (scales `.weight_scale_inv`),
-    else AutoFP8's one scale per tensor (`.weight_scale`). transformers never quantizes lm_head
-    here (an fp8 one would be refused as it is read: checkpoint._place); `modules_to_not_convert`
-    says what else it left."""
+    else AutoFP8's one scale per tensor (`.weight_scale`). `modules_to_not_convert` is not read:
+    Qwen's lists norms and embeddings beside lm_head, so each Linear is checked as it is read
+    instead (_fp8_leaves), and an fp8 lm_head, which transformers never writes, is refused there
+    too (checkpoint._place)."""
     block = qc.get("weight_block_size")
     if qc.get("fmt", "e4m3") != "e4m3" or block not in (None, [GROUP, GROUP]):
         raise _unsupported(f"fp8 fmt={qc.get('fmt')!r} weight_block_size={block}")
-    _lm_head_alone([*(qc.get("modules_to_not_convert") or []), "lm_head"], "modules_to_not_convert")
     _weight_only(f"{qc.get('activation_scheme', 'dynamic')} fp8 activations")
     suffix = "_scale_inv" if block else "_scale"
-    return Stored("fp8", lambda tensor, name: _fp8_leaves(name, tensor(name), tensor(name + suffix), block=bool(block)))
+    return Stored("fp8", lambda tensor, name: _fp8_leaves(name, tensor, suffix, block=bool(block)))
 
 
-def _fp8_leaves(name: str, weight: np.ndarray, scale: np.ndarray, block: bool) -> dict:
-    """fp8's leaves of an e4m3 weight [out, in] and its scale: per 128x128 block (block:
-    [ceil(out / 128), in / 128], each repeated over its 128 rows), per output channel ([out, 1])
-    or per tensor ([1] or []), as one scale per output row and 128 inputs."""
-    if weight.dtype != ml_dtypes.float8_e4m3fn:
+def _fp8_leaves(name: str, tensor: Tensor, scale_suffix: str, block: bool) -> dict:
+    """fp8's leaves of the e4m3 weight `name` [out, in] and its scale (name + scale_suffix): per
+    128x128 block (block: [ceil(out / 128), in / 128], each repeated over its 128 rows), per
+    output channel ([out, 1]) or per tensor ([1] or []), as one scale per output row and 128 inputs."""
+    weight = tensor(name)
+    if weight.dtype != ml_dtypes.float8_e4m3fn:   # e5m2, or a Linear left unquantized
         raise _unsupported(f"{name} is {weight.dtype}, not float8_e4m3fn")
     out, inp = weight.shape
-    scale = np.asarray(scale, np.float32)
+    scale = np.asarray(tensor(name + scale_suffix), np.float32)   # f32 or bf16 in the checkpoint
     rows = np.repeat(scale, GROUP, axis=0)[:out] if block else scale.reshape(-1, 1)
     return {"qweight": weight, "scale": np.ascontiguousarray(np.broadcast_to(rows, (out, -(-inp // GROUP))))}
 

@@ -171,9 +171,9 @@ def fp8_blocks(w):
 @pytest.fixture(scope="module")
 def qwen_fp8_dir(tmp_path_factory):
     """A checkpoint as Qwen's *-FP8 (quant_method fp8, e4m3 in 128x128 blocks, dynamic activations):
-    every Linear but lm_head as fp8_blocks writes it, everything else in bf16. transformers reads
-    it on CPU (FineGrainedFP8 without a GPU: each weight dequantized, fp8 times its block's
-    scale_inv, here in float32), so it is its own reference."""
+    every Linear but lm_head as fp8_blocks writes it (scale_inv stored in bf16), everything else
+    in bf16. transformers reads it on CPU (FineGrainedFP8 without a GPU: each weight dequantized,
+    fp8 times its block's scale_inv, here in float32), so it is its own reference."""
     from safetensors.torch import save_file
 
     d = str(tmp_path_factory.mktemp("qwen_fp8"))
@@ -183,7 +183,7 @@ def qwen_fp8_dir(tmp_path_factory):
         if name.endswith("proj.weight"):
             q, scale_inv = fp8_blocks(tensors[name].float().numpy())
             tensors[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
-            tensors[name + "_scale_inv"] = torch.from_numpy(scale_inv)
+            tensors[name + "_scale_inv"] = torch.from_numpy(scale_inv).to(torch.bfloat16)   # as Qwen3.5's
     save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     config = json.loads(pathlib.Path(d, "config.json").read_text())
     pathlib.Path(d, "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "quantization_config": {
@@ -417,8 +417,10 @@ def test_fp8_variants_not_read_are_refused(qwen_fp8_dir, tmp_path):
         "num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 128}}
     cases = [(v("e5m2", fmt="e5m2"), "fp8 fmt='e5m2'"),
              (v("block_64", weight_block_size=[64, 64]), r"weight_block_size=\[64, 64\]"),
-             (v("unconverted", modules_to_not_convert=["model.layers.0.mlp.down_proj"]),
-              "left unquantized besides lm_head: modules_to_not_convert"),
+             # a Linear left in bf16 (as Qwen's modules_to_not_convert may say of norms and embeddings)
+             (v("unconverted", {"model.layers.0.mlp.down_proj.weight": torch.zeros(128, 256, dtype=torch.bfloat16)},
+                modules_to_not_convert=["lm_head", "model.norm", "model.layers.0.mlp.down_proj"]),
+              "down_proj.weight is bfloat16, not float8_e4m3fn"),
              (v("stored_e5m2", {"model.layers.0.mlp.up_proj.weight": e5m2}), "up_proj.weight is float8_e5m2"),
              # a head in fp8 where transformers leaves it unquantized: its scale would be lost
              (v("fp8_head", {"lm_head.weight": torch.zeros(258, 128, dtype=torch.float8_e4m3fn)}),
