@@ -1,4 +1,4 @@
-"""Quantized weights (int8 and int4 weight-only, w8a8; int8 and w8a8 with the LM head quantized
+"""Quantized weights (int8, int4, int4_asym and fp8 weight-only, w8a8; int8 and w8a8 with the LM head quantized
 too, "+head") against unquantized, on the embedded tiny model and a 100M model, in one process.
 
   * perplexity on the model's held-out text (the split of scripts/train_tiny_model.py),
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         "over the first 32 greedy tokens of the training script's sample prompts, through the engine.", "",
         *tiny_table(configs, args.rounds, args.max_windows or None), ""]
     text = "\n".join([
-        "# Quantized weights: int8 and int4 weight-only, and w8a8 (+head: the LM head too), against unquantized", "",
+        "# Quantized weights: int8, int4 and fp8 weight-only, and w8a8 (+head: the LM head too), against unquantized", "",
         f"Command: `{command_line('quantization', argv)}`. Machine: {MACHINE} (shared with other jobs: "
         f"absolute times are noisy; each model's engines take decode steps in {args.rounds} "
         "alternating rounds per batch size in one process, and the speed ratios are of the medians).", "",
