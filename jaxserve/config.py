@@ -286,6 +286,9 @@ class EngineConfig:
                              f"got {self.kv_cache_dtype!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"engine config: runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.runner == "pooling" and self.mesh.get("seq", 1) > 1:
+            raise ValueError("engine config: the sequence-parallel prefill (mesh seq > 1) keeps no hidden states "
+                             "to pool; serve embeddings (runner pooling) without it")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"engine config: generation_config must be auto or none, got {self.generation_config!r}")
         if self.decode_steps > 1 and self.speculative is not None:

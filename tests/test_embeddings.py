@@ -154,6 +154,8 @@ def test_runners_refuse_each_others_requests(mean_llm):
         llm.generate([1, 2], SamplingParams(max_tokens=1), use_tqdm=False)
     with pytest.raises(InvalidRequest, match="Matryoshka"):
         llm.embed([1, 2], PoolingParams(dimensions=8), use_tqdm=False)
+    with pytest.raises(ValueError, match="sequence-parallel prefill"):
+        EngineConfig(runner="pooling", mesh={"data": 1, "model": 1, "seq": 2})
     with pytest.raises(InvalidRequest, match="does not serve embeddings"):
         LLM(None, runner="generate", max_model_len=64, max_num_seqs=2, compilation_cache_dir=None,
             max_num_batched_tokens=16).embed([1, 2], use_tqdm=False)
