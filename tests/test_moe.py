@@ -16,7 +16,7 @@ from jaxserve import check, lora, roofline
 from jaxserve.buckets import Buckets
 from jaxserve.checkpoint import load_params, param_shapes, save_pretrained
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.models import build_model
+from jaxserve.models import build_model, layers
 from tests.hf_models import MOE_CONFIGS
 from tests.test_family_engine import engine_tokens, save_with_greedy, tensor_parallel_tokens, tp_meshes
 from tests.test_tpu_compile import CI_LAYERS, ROOT, assert_serves, with_ci_layers
@@ -46,10 +46,14 @@ def hf_logits(model_dir: str, tokens: np.ndarray) -> np.ndarray:
         return hf(torch.tensor(tokens)).logits.numpy()
 
 
+@pytest.mark.parametrize("path", ["every_expert", "grouped_experts"])
 @pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
-def test_logits_match_transformers_and_the_saved_checkpoint_loads_back(name, checkpoints, tmp_path):
-    """f32 logits of two 40-token rows within 1e-4 of transformers'; save_pretrained of the loaded
-    params writes the per-expert tensors transformers reads back to the same logits."""
+def test_logits_match_transformers_and_the_saved_checkpoint_loads_back(name, path, checkpoints, tmp_path, monkeypatch):
+    """f32 logits of two 40-token rows within 1e-4 of transformers', through CPU's path (every
+    expert) and the accelerators' (grouped ragged_dot, put in CPU's place: XLA:CPU runs it too);
+    save_pretrained of the loaded params writes the per-expert tensors transformers reads back to
+    the same logits."""
+    monkeypatch.setattr(layers, "every_expert", getattr(layers, path))
     model_dir = checkpoints[name][0]
     cfg = ModelConfig.from_pretrained(model_dir)
     params = load_params(model_dir, cfg)

@@ -109,40 +109,72 @@ class GatedMLP(nn.Module):
         return dense(self.hidden_size, "down_proj")(h)
 
 
-# A grouped product of rows sorted by group with each group's weight [out, in] (Linear's layout,
-# contracting the weight's last dim): rows [M, in] x weights [G, out, in] -> [M, out].
+class Experts(nn.Module):
+    """Every expert's gated-MLP weights stacked [experts, out, in] (Linear's layout) under HF's
+    per-expert names: gate_proj, up_proj, down_proj. Returns them, for grouped_experts or every_expert."""
+    num_experts: int
+    intermediate_size: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, hidden_size: int):
+        init = nn.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
+        wide = (self.num_experts, self.intermediate_size, hidden_size)
+        narrow = (self.num_experts, hidden_size, self.intermediate_size)
+        return (self.param("gate_proj", init, wide, self.dtype), self.param("up_proj", init, wide, self.dtype),
+                self.param("down_proj", init, narrow, self.dtype))
+
+
+# rows [M, in] sorted by group x weights [G, out, in] -> [M, out], each row by its group's weight
 _GROUPED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
                                              lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
-class Experts(nn.Module):
-    """Every expert's gated MLP, weights stacked [experts, out, in] under HF's per-expert names
-    (gate_proj, up_proj, down_proj), applied to rows sorted by expert, group_sizes[e] rows each:
-    each projection is one grouped product (jax.lax.ragged_dot)."""
-    num_experts: int
-    intermediate_size: int
-    activation: Callable[[Any], Any] = nn.silu
-    dtype: jnp.dtype = jnp.float32
+def grouped_experts(x, weights, chosen, gate, up, down, activation):
+    """sum_j weights[t, j] * expert chosen[t, j](x[t]) for tokens x [T, hidden]: the T x k
+    (token, expert) rows sorted by expert, each projection one grouped product over them
+    (jax.lax.ragged_dot: XLA:TPU's grouped-matmul kernels; XLA:GPU in jax 0.10.2 expands it to
+    dense products masked by group), then put back in token order."""
+    k = chosen.shape[-1]
+    chosen = chosen.reshape(-1)                  # token t's at t * k ...
+    order = jnp.argsort(chosen)                  # stable: each expert's rows in token order
+    sizes = jnp.bincount(chosen, length=gate.shape[0]).astype(jnp.int32)
+    rows = x[order // k]
 
-    @nn.compact
-    def __call__(self, rows, group_sizes):
-        init = nn.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
-        wide = (self.num_experts, self.intermediate_size, rows.shape[-1])
-        gate, up = (self.param(name, init, wide, self.dtype) for name in ("gate_proj", "up_proj"))
-        down = self.param("down_proj", init, (self.num_experts, rows.shape[-1], self.intermediate_size), self.dtype)
+    def grouped(a, w):
+        return jax.lax.ragged_dot_general(a, w, sizes, _GROUPED)
+    h = activation(grouped(rows, gate)) * grouped(rows, up) * weights.reshape(-1)[order][:, None]
+    return grouped(h, down)[jnp.argsort(order)].reshape(-1, k, x.shape[-1]).sum(axis=1)
 
-        def grouped(x, w):
-            return jax.lax.ragged_dot_general(x, w, group_sizes, _GROUPED)
-        return grouped(self.activation(grouped(rows, gate)) * grouped(rows, up), down)
+
+def every_expert(x, weights, chosen, gate, up, down, activation):
+    """grouped_experts' sum through every expert for every token, the experts a token is not
+    routed to weighted zero. XLA:CPU has no grouped matmul: jax lowers ragged_dot there to this
+    times k, and XLA transposes the weights for it every call (benchmarks/results/moe_cpu.md:
+    ragged_dot 3-17x slower than this on 8 experts of 1024). Gate and up are one product with
+    all experts' rows (matmul_t's contiguous contraction), down one per expert."""
+    experts, tokens = gate.shape[0], x.shape[0]
+    by_expert = (jax.nn.one_hot(chosen, experts, dtype=x.dtype) * weights[..., None]).sum(axis=1)   # [T, E]
+
+    def wide(w):   # [E, I, H] -> x's [T, E, I]
+        return matmul_t(x, w.reshape(-1, w.shape[-1])).reshape(tokens, experts, -1)
+    h = activation(wide(gate)) * wide(up) * by_expert[..., None]
+    return jax.lax.dot_general(h, down, (((2,), (2,)), ((1,), (0,)))).sum(axis=0)   # [E, T, H] summed
+
+
+def route(logits, top_k: int, renormalize: bool):
+    """(weights, experts) [T, top_k] of router logits [T, E], as transformers routes: softmax
+    over all experts in float32, the top k, divided by their sum with `renormalize`."""
+    weights, chosen = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k)
+    return (weights / weights.sum(axis=-1, keepdims=True) if renormalize else weights), chosen
 
 
 class SparseMoE(nn.Module):
     """A mixture-of-experts MLP (Qwen3-MoE, Mixtral), named as Qwen3-MoE's HF modules: the router
-    `gate` and the `experts`. Routing as transformers': softmax over all experts in float32, the
-    top k, divided by their sum with `norm_topk_prob`. The tokens' T x k assignments are sorted by
-    expert, run as [T * k, hidden] rows through the experts and put back in token order, each
-    token's k outputs summed by their weights. Shapes are static whatever the routing; a padding
-    token only costs its own k rows."""
+    `gate` and the `experts` (`route` with `norm_topk_prob`). The routing weights are rounded to
+    the model dtype (as Qwen3-MoE's) and applied before each expert's down projection. Shapes are
+    static whatever the routing, and each token's output depends on its own row only (padding
+    rows change nothing). Grouped products on accelerators, every expert on CPU (every_expert)."""
     num_experts: int
     top_k: int
     intermediate_size: int
@@ -154,18 +186,13 @@ class SparseMoE(nn.Module):
     def __call__(self, x):
         lead, hidden = x.shape[:-1], x.shape[-1]
         x = x.reshape(-1, hidden).astype(self.dtype)
-        logits = Linear(self.num_experts, False, self.dtype, name="gate")(x)
-        weights, chosen = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), self.top_k)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
-        chosen = chosen.reshape(-1)                  # [T * k], token t's at t * k ...
-        order = jnp.argsort(chosen)                  # stable: each expert's rows in token order
-        sizes = jnp.bincount(chosen, length=self.num_experts).astype(jnp.int32)
-        out = Experts(self.num_experts, self.intermediate_size, self.activation, self.dtype, name="experts")(
-            x[order // self.top_k], sizes)
-        out = out[jnp.argsort(order)].reshape(-1, self.top_k, hidden)   # back in token order
-        out = jnp.einsum("tkh,tk->th", out.astype(jnp.float32), weights)
-        return out.astype(self.dtype).reshape(*lead, hidden)
+        weights, chosen = route(Linear(self.num_experts, False, self.dtype, name="gate")(x), self.top_k,
+                                self.norm_topk_prob)
+        experts = Experts(self.num_experts, self.intermediate_size, self.dtype, name="experts")(hidden)
+        out = jax.lax.platform_dependent(x, weights.astype(self.dtype), chosen, *experts,
+                                         cpu=functools.partial(every_expert, activation=self.activation),
+                                         default=functools.partial(grouped_experts, activation=self.activation))
+        return out.reshape(*lead, hidden)
 
 
 def rope_from_hf(hf: dict[str, Any], rope: dict[str, Any] | None = None) -> tuple[float, RopeScaling]:
