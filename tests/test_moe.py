@@ -5,14 +5,16 @@ checkpoint written back, the FLOP estimate, what is refused, and an engine step 
 Qwen3-30B-A3B's shapes compiled for a TPU through libtpu."""
 import json
 import os
+import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers as tf
 
-from jaxserve import check, lora, roofline
+from jaxserve import check, lora, parallel, roofline
 from jaxserve.buckets import Buckets
 from jaxserve.checkpoint import load_params, param_shapes, save_pretrained
 from jaxserve.config import EngineConfig, ModelConfig
@@ -130,3 +132,20 @@ def test_qwen3_30b_a3b_steps_compile_for_tpu():
     report = check.check(ecfg, cfg, tpu, model_name="qwen3-30b-a3b", dtype=jnp.bfloat16, shapes=shapes,
                          samplers=False)
     assert_serves(report, f"qwen3-30b-a3b ({CI_LAYERS} layers) on v6e-4")
+
+
+def test_tensor_parallel_moe_all_reduces_tokens_not_their_k_rows():
+    """Under TP each device's share of every expert gives partial sums: the one all-reduce of an
+    MoE layer compiled for v6e-4 moves [tokens, hidden], not the grouped product's [tokens * k,
+    hidden] rows (what XLA chose when it partitioned the layer itself)."""
+    tokens, hidden, top_k = 64, 256, 4
+    mesh = parallel.make_mesh({"model": 4}, check.tpu_slice("v6e-4").devices)
+    moe = layers.SparseMoE(16, top_k, 128, True, dtype=jnp.bfloat16, mesh=mesh)
+    shapes = jax.eval_shape(moe.init, jax.random.key(0), jnp.zeros((tokens, hidden), jnp.bfloat16))
+    cfg = ModelConfig.from_hf_dict(QWEN3_30B_A3B)
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                          {"params": parallel.param_shardings(shapes["params"], mesh, cfg)})
+    x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16, sharding=parallel.replicated(mesh))
+    hlo = jax.jit(moe.apply).lower(params, x).compile().as_text()
+    assert "ragged-dot" in hlo   # XLA:TPU's grouped kernels
+    assert re.findall(r"= (\w+\[[\d,]*\])\S* all-reduce\(", hlo) == [f"bf16[{tokens},{hidden}]"]

@@ -171,8 +171,9 @@ class DecoderLayer(nn.Module):
         h, layer_kv = Attention(c, self.layer, self.dtype, name="self_attn")(
             norm("input_layernorm")(x), positions, layer_kv, meta)
         if self.layer in c.moe_layers:   # Qwen3-MoE, Mixtral (models/moe.py)
+            mesh = getattr(meta and meta.kv_sharding, "mesh", None)   # None inside sequence-parallel shard_map
             mlp = SparseMoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
-                            ACTIVATIONS[c.hidden_act], self.dtype, name="mlp")
+                            ACTIVATIONS[c.hidden_act], self.dtype, mesh, name="mlp")
         else:
             mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, ACTIVATIONS[c.hidden_act], self.dtype,
                            name="mlp")
