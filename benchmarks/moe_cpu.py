@@ -1,7 +1,7 @@
 """Mixture of experts on CPU, side by side in one run:
   * one MoE layer (top-2 of 8 SwiGLU experts) at 1, 16 and 128 token rows: the path jaxserve takes
     on CPU (every expert for every token, zero-weighted where not routed), the grouped ragged_dot
-    path the accelerators take (as XLA:CPU lowers it), and dense SwiGLU MLPs of the same active
+    path TPUs take (as XLA:CPU lowers it), and dense SwiGLU MLPs of the same active
     width (2 experts') and of the same total width (8 experts');
   * engine decode steps (median ms, batch 1 and 16) of a small Mixtral and of a Mistral with the
     same active parameter count (its MLP as wide as two experts), random weights written with
@@ -58,8 +58,8 @@ def layer_rows() -> dict[str, list[float]]:
         mlp = GatedMLP(HIDDEN, width, False)
         return jax.jit(mlp.apply), mlp.init(jax.random.key(1), x0)
 
-    variants = {"MoE, every expert (jaxserve on CPU)": moe_through(every_expert),
-                "MoE, grouped ragged_dot (accelerators' path)": moe_through(grouped_experts),
+    variants = {"MoE, every expert (jaxserve on CPU and GPU)": moe_through(every_expert),
+                "MoE, grouped ragged_dot (TPU's path)": moe_through(grouped_experts),
                 f"dense MLP {TOP_K * EXPERT_WIDTH} (same active)": dense(TOP_K * EXPERT_WIDTH),
                 f"dense MLP {EXPERTS * EXPERT_WIDTH} (same total)": dense(EXPERTS * EXPERT_WIDTH)}
     out = {}

@@ -134,8 +134,7 @@ _GROUPED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), 
 def grouped_experts(x, weights, chosen, gate, up, down, activation):
     """sum_j weights[t, j] * expert chosen[t, j](x[t]) for tokens x [T, hidden]: the T x k
     (token, expert) rows sorted by expert, each projection one grouped product over them
-    (jax.lax.ragged_dot: XLA:TPU's grouped-matmul kernels; XLA:GPU in jax 0.10.2 expands it to
-    dense products masked by group), then put back in token order."""
+    (jax.lax.ragged_dot: XLA:TPU's grouped-matmul kernels), then put back in token order."""
     k = chosen.shape[-1]
     chosen = chosen.reshape(-1)                  # token t's at t * k ...
     order = jnp.argsort(chosen)                  # stable: each expert's rows in token order
@@ -150,10 +149,13 @@ def grouped_experts(x, weights, chosen, gate, up, down, activation):
 
 def every_expert(x, weights, chosen, gate, up, down, activation):
     """grouped_experts' sum through every expert for every token, the experts a token is not
-    routed to weighted zero. XLA:CPU has no grouped matmul: jax lowers ragged_dot there to this
-    times k, and XLA transposes the weights for it every call (benchmarks/results/moe_cpu.md:
-    ragged_dot 3-17x slower than this on 8 experts of 1024). Gate and up are one product with
-    all experts' rows (matmul_t's contiguous contraction), down one per expert."""
+    routed to weighted zero: E / k times the routed FLOPs, but where XLA has no grouped matmul
+    it beats ragged_dot, which then becomes a dense product over the T * k rows masked by expert
+    (k times these FLOPs). XLA:CPU also transposes the weights for it every call
+    (benchmarks/results/moe_cpu.md: 2.6-19x slower than this on 8 experts of 1024); XLA:GPU (jax
+    0.10.2, compile-only H100, Qwen3-30B-A3B's layer) needs 664 MiB / 2.4 GiB of temporaries
+    at 64 / 512 tokens where this needs 44 / 352 MiB. Gate and up are one product with all
+    experts' rows (matmul_t's contiguous contraction), down one per expert."""
     experts, tokens = gate.shape[0], x.shape[0]
     by_expert = (jax.nn.one_hot(chosen, experts, dtype=x.dtype) * weights[..., None]).sum(axis=1)   # [T, E]
 
@@ -175,7 +177,7 @@ class SparseMoE(nn.Module):
     `gate` and the `experts` (`route` with `norm_topk_prob`). The routing weights are rounded to
     the model dtype (as Qwen3-MoE's) and applied before each expert's down projection. Shapes are
     static whatever the routing, and each token's output depends on its own row only (padding
-    rows change nothing). Grouped products on accelerators, every expert on CPU (every_expert)."""
+    rows change nothing). Grouped products on TPU, every expert on CPU and GPU (every_expert)."""
     num_experts: int
     top_k: int
     intermediate_size: int
@@ -193,7 +195,8 @@ class SparseMoE(nn.Module):
         experts = Experts(self.num_experts, self.intermediate_size, self.dtype, name="experts")(hidden)
 
         def run(*args):
-            return jax.lax.platform_dependent(*args, cpu=functools.partial(every_expert, activation=self.activation),
+            every = functools.partial(every_expert, activation=self.activation)
+            return jax.lax.platform_dependent(*args, cpu=every, cuda=every,
                                               default=functools.partial(grouped_experts, activation=self.activation))
         tp = 1 if self.mesh is None else self.mesh.shape["model"]
         if tp > 1 and self.intermediate_size % tp == 0:   # split as parallel.LOGICAL_RULES splits "mlp"
