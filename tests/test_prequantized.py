@@ -1,9 +1,7 @@
 """Pre-quantized Hugging Face checkpoints: compressed-tensors int8 (W8A16) and packed int4 (W4A16),
 written by the `compressed-tensors` package and read by transformers on CPU as the reference, and
-GPTQ int4 holding the W4A16 checkpoint's codes and scales (so the same reference); FP8: a
-Qwen-FP8-style block-wise checkpoint written with numpy and ml_dtypes, read by transformers (which
-dequantizes it on CPU), and compressed-tensors' float-quantized ones against their weights
-dequantized by compressed-tensors."""
+GPTQ int4 holding the W4A16 checkpoint's codes and scales (so the same reference). FP8:
+tests/test_prequantized_fp8.py, with the checkpoint writers and comparisons here."""
 import functools
 import json
 import os
@@ -12,7 +10,6 @@ import re
 import shutil
 
 import jax
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -133,64 +130,6 @@ def asym_float_dir(asym_dir, tmp_path_factory):
     return dequantized_copy(asym_dir, str(tmp_path_factory.mktemp("w4a16_asym_float")), int4_args(False))
 
 
-def fp8_args(strategy, **kw):
-    from compressed_tensors.quantization import QuantizationArgs
-    return QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy, **kw)
-
-
-# compressed-tensors' FP8 schemes: (weights' strategy, input activations)
-FP8_COMPRESSED = {"fp8_dynamic": ("channel", dict(strategy="token", dynamic=True)),   # RedHatAI's *-FP8-dynamic
-                  "fp8_static": ("tensor", dict(strategy="tensor", dynamic=False)),   # input_scale per tensor
-                  "fp8_block": ("block", None)}
-
-
-@pytest.fixture(scope="module")
-def fp8_compressed(tmp_path_factory):
-    """name -> (a float-quantized checkpoint of the FP8_COMPRESSED scheme, its weights
-    dequantized by compressed-tensors), made on first use."""
-    @functools.cache
-    def make(name):
-        strategy, activations = FP8_COMPRESSED[name]
-        weights = fp8_args(strategy, **({"block_structure": [128, 128]} if strategy == "block" else {}))
-        d = save_compressed(str(tmp_path_factory.mktemp(name)), weights, "float-quantized",
-                            activations and fp8_args(**activations), hidden_size=128, intermediate_size=256)
-        return d, dequantized_copy(d, str(tmp_path_factory.mktemp(name + "_float")), weights)
-    return make
-
-
-def fp8_blocks(w):
-    """w [out, in] as e4m3 in 128x128 blocks, each over its largest magnitude / 448, and the
-    blocks' scale_inv [ceil(out / 128), in / 128] (DeepSeek's and Qwen's FP8 layout)."""
-    out, inp = w.shape
-    blocks = np.pad(w, ((0, -out % 128), (0, 0))).reshape(-1, 128, inp // 128, 128)
-    scale_inv = np.abs(blocks).max(axis=(1, 3)) / 448
-    q = (blocks / scale_inv[:, None, :, None]).reshape(-1, inp)[:out].astype(ml_dtypes.float8_e4m3fn)
-    return q, scale_inv.astype(np.float32)
-
-
-@pytest.fixture(scope="module")
-def qwen_fp8_dir(tmp_path_factory):
-    """A checkpoint as Qwen's *-FP8 (quant_method fp8, e4m3 in 128x128 blocks, dynamic activations):
-    every Linear but lm_head as fp8_blocks writes it (scale_inv stored in bf16), everything else
-    in bf16. transformers reads it on CPU (FineGrainedFP8 without a GPU: each weight dequantized,
-    fp8 times its block's scale_inv, here in float32), so it is its own reference."""
-    from safetensors.torch import save_file
-
-    d = str(tmp_path_factory.mktemp("qwen_fp8"))
-    tensors = {}
-    for name, x in save_engine_model(d, seed=3, hidden_size=128, intermediate_size=256).state_dict().items():
-        tensors[name] = x.to(torch.bfloat16)
-        if name.endswith("proj.weight"):
-            q, scale_inv = fp8_blocks(tensors[name].float().numpy())
-            tensors[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
-            tensors[name + "_scale_inv"] = torch.from_numpy(scale_inv).to(torch.bfloat16)   # as Qwen3.5's
-    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads(pathlib.Path(d, "config.json").read_text())
-    pathlib.Path(d, "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "quantization_config": {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}))
-    return d
-
-
 def pack_words(values, axis, order=range(8)):
     """4-bit values 0..15 as int32 words of 8 consecutive values along `axis`, bits 4j..4j+3 of
     a word holding its value order[j]: GPTQ's packing (AutoGPTQ's QuantLinear.pack), and AWQ's with
@@ -308,27 +247,6 @@ def test_int4_loads_as_stored_and_logits_match_transformers(fixture, same_weight
     assert_logits_match(cfg, params, reference_dir)
 
 
-@pytest.mark.parametrize("scheme", ["qwen_fp8", *FP8_COMPRESSED, "autofp8"])
-def test_fp8_loads_as_stored_and_logits_match_transformers(scheme, request, fp8_compressed, caplog, tmp_path):
-    """Each FP8 format; autofp8: fp8_static's tensors (a weight_scale and an input_scale per
-    tensor) as AutoFP8 (quant_method fp8 without weight_block_size) describes them."""
-    if scheme == "qwen_fp8":
-        d = reference_dir = request.getfixturevalue("qwen_fp8_dir")
-    elif scheme == "autofp8":
-        static_dir, reference_dir = fp8_compressed("fp8_static")
-        d = variant(static_dir, tmp_path / scheme, quant_method="fp8", activation_scheme="static")
-    else:
-        d, reference_dir = fp8_compressed(scheme)
-    cfg = ModelConfig.from_pretrained(d)
-    params = load_params(d, cfg)
-    proj = params["model"]["layers_0"]["mlp"]["down_proj"]
-    assert proj["qweight"].dtype == ml_dtypes.float8_e4m3fn and proj["scale"].shape == (cfg.hidden_size, 2)
-    assert "weight" in params["lm_head"]
-    # activations quantized in the checkpoint: said, and served weight-only
-    assert ("served weight-only" in caplog.text) == (scheme != "fp8_block"), caplog.text
-    assert_logits_match(cfg, params, reference_dir)
-
-
 def hf_greedy(model_dir):
     hf = reference(model_dir)
     hf.generation_config.eos_token_id = None
@@ -344,9 +262,8 @@ def engine_greedy(model_dir):
         [{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("fixture, same_weights", [("awq_dir", "asym_float_dir"), ("qwen_fp8_dir", "qwen_fp8_dir")])
-def test_engine_serves_as_transformers_the_same_weights(fixture, same_weights, request):
-    assert engine_greedy(request.getfixturevalue(fixture)) == hf_greedy(request.getfixturevalue(same_weights))
+def test_engine_serves_awq_as_transformers_the_same_weights(awq_dir, asym_float_dir):
+    assert engine_greedy(awq_dir) == hf_greedy(asym_float_dir)
 
 
 def test_engine_greedy_matches_transformers_and_survives_convert(compressed_dir, tmp_path):
@@ -405,26 +322,4 @@ def test_gptq_and_awq_variants_not_read_are_refused(gptq_dir, tmp_path):
              # zero points of 6 written as symmetric: asymmetric weights in disguise
              (v("zeros", {"model.layers.1.mlp.up_proj.qzeros": torch.full((1, 256 // 8), 0x55555555, dtype=torch.int32)}),
               "up_proj.qzeros holds zero points other than 8")]
-    assert_refused(cases)
-
-
-def test_fp8_variants_not_read_are_refused(qwen_fp8_dir, tmp_path):
-    def v(name, tensors=None, **qc):
-        return variant(qwen_fp8_dir, tmp_path / name, tensors, **qc)
-
-    e5m2 = torch.zeros(256, 128, dtype=torch.float8_e5m2)
-    float_group = {"format": "float-quantized", "targets": ["Linear"], "weights": {
-        "num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 128}}
-    cases = [(v("e5m2", fmt="e5m2"), "fp8 fmt='e5m2'"),
-             (v("block_64", weight_block_size=[64, 64]), r"weight_block_size=\[64, 64\]"),
-             # a Linear left in bf16 (as Qwen's modules_to_not_convert may say of norms and embeddings)
-             (v("unconverted", {"model.layers.0.mlp.down_proj.weight": torch.zeros(128, 256, dtype=torch.bfloat16)},
-                modules_to_not_convert=["lm_head", "model.norm", "model.layers.0.mlp.down_proj"]),
-              "down_proj.weight is bfloat16, not float8_e4m3fn"),
-             (v("stored_e5m2", {"model.layers.0.mlp.up_proj.weight": e5m2}), "up_proj.weight is float8_e5m2"),
-             # a head in fp8 where transformers leaves it unquantized: its scale would be lost
-             (v("fp8_head", {"lm_head.weight": torch.zeros(258, 128, dtype=torch.float8_e4m3fn)}),
-              "a float8 tensor of shape \\[258, 128\\] in the checkpoint where float32 is read"),
-             (v("ct_float_group", quant_method="compressed-tensors", config_groups={"group_0": float_group},
-                ignore=["lm_head"]), "format 'float-quantized' with weights")]
     assert_refused(cases)
