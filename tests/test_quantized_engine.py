@@ -125,7 +125,8 @@ def leaves(params):
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-@pytest.mark.parametrize("config", ["int8", "int4_asym", "w8a8", "w8a8+head"])   # int4_asym: int4's leaves and more
+# int4_asym: int4's leaves and more; fp8: float8 leaves through orbax
+@pytest.mark.parametrize("config", ["int8", "int4_asym", "fp8", "w8a8", "w8a8+head"])
 def test_convert_quantized_reloads_exactly(tmp_path, config):
     s = bench.settings(config)
     mode, head = s["quantization"], s["quantize_lm_head"]
