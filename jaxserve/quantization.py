@@ -46,8 +46,10 @@ with 32000 tokens the f32 table is most of the bytes a w8a8 decode step reads
 (benchmarks/results/quantization.md).
 
 Dequantization happens inside the fused computation. On TPU and GPU XLA fuses the convert
-and the scaling into the dot's operand (int4 on TPU still relays out the packed bytes and
-broadcasts its scales: benchmarks/results/quantization.md). XLA CPU does not: it converts the whole weight to a
+and the scaling into the dot's operand (int4 on TPU still relays out the packed bytes:
+benchmarks/results/quantization.md; and XLA TPU broadcasts int4's and fp8's grouped scales to the
+weight's shape in VMEM first, the costliest part of their dots by its estimate:
+benchmarks/results/quantization_fp8.md). XLA CPU does not: it converts the whole weight to a
 temporary f32 buffer before every dot (a full-precision copy per step, and 2-11x slower than
 f32). On CPU the matmul therefore runs over blocks of output rows in a loop, each block
 dequantized into a small buffer that stays in cache (tests/test_quantization.py checks the
