@@ -234,6 +234,17 @@ def write_report(out: str, report: dict, markdown, plot) -> None:
     plot(report, out + ".png")
 
 
+def publish(title: str, module: str, argv: list[str] | None, out: str | None, *body: str) -> str:
+    """A results file's text: the title, the command and the machine, then `body`'s paragraphs and
+    tables (lines); printed, and written to `out` (notes below the marker kept) when given."""
+    text = "\n".join([f"# {title}", "", f"Command: `{command_line(module, argv)}`  ", machine_line(machine_info()), "",
+                      *body, ""])
+    print(text)
+    if out:
+        write_keeping_notes(out, text)
+    return text
+
+
 def write_keeping_notes(path: str, text: str) -> None:
     """Rewrites a results file, keeping what stands from NOTES_MARKER on (notes written by hand)."""
     write_text(path, text + "\n" + kept_notes(path))

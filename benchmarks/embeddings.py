@@ -17,8 +17,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import (command_line, load_average, machine_info, machine_line, make_workload,
-                               markdown_table, model_summary, prepare_model, write_keeping_notes)
+from benchmarks.common import load_average, make_workload, markdown_table, model_summary, prepare_model, publish
 from benchmarks.offline_throughput import engine_config, workload_args
 from jaxserve import LLM
 
@@ -81,19 +80,14 @@ def main(argv=None) -> str:
     best = {s: max(v) for s, v in rates.items()}
     peer_best = list(best.values())[1]
     rows = [[s, ", ".join(f"{x:.0f}" for x in rates[s]), f"{best[s] / peer_best:.2f}x"] for s in rates]
-    text = "\n".join([
-        "# Embedding throughput: jaxserve's pooling runner vs transformers", "",
-        f"Command: `{command_line('embeddings', argv)}`  ", machine_line(machine_info()), "",
+    return publish(
+        "Embedding throughput: jaxserve's pooling runner vs transformers", "embeddings", argv, args.out,
         f"Model: {model_summary(model_dir)}; LAST-token pooling, normalized, float32 on both sides. "
         f"{args.num_prompts} prompts of seeded random ids, {args.min_input}-{args.max_input} tokens ({tokens:,} in all), "
         f"all submitted at once; jaxserve max_num_seqs {args.max_num_seqs}, {args.max_num_batched_tokens}-token steps, "
         f"chunks of {args.prefill_chunk_size}. Load average {load[0]:.1f} -> {load[1]:.1f}. Largest difference "
         f"between the two systems' embeddings: {diff:.1e}.", "",
-        *markdown_table(["system", "prompt tokens/s per round", "best / transformers"], rows, (1, 2)), ""])
-    print(text)
-    if args.out:
-        write_keeping_notes(args.out, text)
-    return text
+        *markdown_table(["system", "prompt tokens/s per round", "best / transformers"], rows, (1, 2)))
 
 
 if __name__ == "__main__":

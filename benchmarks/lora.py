@@ -23,8 +23,7 @@ import time
 import numpy as np
 from safetensors.numpy import save_file
 
-from benchmarks.common import (command_line, load_average, machine_info, machine_line, make_workload, markdown_table,
-                               model_summary, prepare_model, write_keeping_notes)
+from benchmarks.common import load_average, make_workload, markdown_table, model_summary, prepare_model, publish
 from benchmarks.offline_throughput import engine_config, workload_args, workload_text
 from jaxserve import lora
 from jaxserve.config import ModelConfig
@@ -102,18 +101,13 @@ def main(argv=None) -> str:
     first = max(t for t, _ in runs["no LoRA engine"])
     rows = [[case, ", ".join(f"{t:.0f}" for t, _ in runs[case]), f"{max(t for t, _ in runs[case]) / first:.2f}x",
              f"{min(ms for _, ms in runs[case]):.2f}"] for case in cases]
-    text = "\n".join([
-        "# Multi-LoRA decode throughput", "",
-        f"Command: `{command_line('lora', argv)}`  ", machine_line(machine_info()), "",
+    return publish(
+        "Multi-LoRA decode throughput", "lora", argv, args.out,
         f"Model: {model_summary(model_dir)}. {args.adapters} random adapters of rank {args.rank} on every projection "
         f"(max_loras {args.adapters}: {args.adapters * args.rank} LoRA columns a Linear, {lora_flops / base_flops:.1%} "
         f"of the decoder's Linear FLOPs). {workload_text(args)}. Load average {load[0]:.1f} -> {load[1]:.1f} "
         f"(a busy neighbour slows some rounds: compare rounds, not only the best).", "",
-        *markdown_table(["rows", "output tok/s per round", "best / no LoRA", "best ms per decode step"], rows), ""])
-    print(text)
-    if args.out:
-        write_keeping_notes(args.out, text)
-    return text
+        *markdown_table(["rows", "output tok/s per round", "best / no LoRA", "best ms per decode step"], rows))
 
 
 if __name__ == "__main__":

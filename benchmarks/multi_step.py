@@ -19,8 +19,7 @@ import argparse
 import dataclasses
 import time
 
-from benchmarks.common import (command_line, machine_info, machine_line, make_workload, markdown_table,
-                               model_summary, prepare_model, write_keeping_notes)
+from benchmarks.common import make_workload, markdown_table, model_summary, prepare_model, publish
 from benchmarks.offline_throughput import engine_config, run_engine, workload_args, workload_text
 from jaxserve.engine import LLMEngine
 
@@ -56,17 +55,12 @@ def main(argv=None) -> str:
                      f"{best.tokens_per_s / max(r.tokens_per_s for r in runs[settings[0]]):.2f}x",
                      f"{best.profile.summary(best.seconds)['decode_step_ms']:.2f}",
                      "yes" if best.outputs == first else f"{sum(a == b for a, b in zip(best.outputs, first))} of {len(first)}"])
-    text = "\n".join([
-        "# Multi-step decoding", "",
-        f"Command: `{command_line('multi_step', argv)}`  ", machine_line(machine_info()), "",
+    return publish(
+        "Multi-step decoding", "multi_step", argv, args.out,
         f"Model: {model_summary(model_dir)}. {workload_text(args)}, {args.max_num_batched_tokens} tokens a step.", "",
         *markdown_table(["decode_steps", "warm-up s (compilations)", "output tok/s per round", "best / decode_steps "
                          f"{settings[0]}", "host ms per decode token step", f"outputs equal decode_steps {settings[0]}'s"],
-                        rows), ""])
-    print(text)
-    if args.out:
-        write_keeping_notes(args.out, text)
-    return text
+                        rows))
 
 
 if __name__ == "__main__":
