@@ -7,6 +7,7 @@ and the writing of reports (markdown tables, JSON, PNG plots, hand-written notes
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import datetime
@@ -70,6 +71,27 @@ def make_workload(num_prompts: int, input_range: tuple[int, int], output_range: 
     ins = rng.integers(input_range[0], input_range[1] + 1, num_prompts)
     outs = rng.integers(output_range[0], output_range[1] + 1, num_prompts)
     return [Request(rng.integers(3, vocab_size, n).tolist(), int(m)) for n, m in zip(ins, outs)]
+
+
+def workload_text(args) -> str:
+    """The workload of workload_args' arguments, in words, as the results files give it."""
+    return (f"{args.num_prompts} prompts of seeded random ids, input {args.min_input}-{args.max_input}, output "
+            f"{args.min_output}-{args.max_output} tokens (ignore_eos), greedy, all submitted at once; "
+            f"max_num_seqs {args.max_num_seqs}")
+
+
+def workload_args(p: argparse.ArgumentParser, num_prompts: int = 256, inputs=(16, 512), outputs=(16, 256)) -> None:
+    """The workload's and the engine's arguments (engine_config, make_workload), with these defaults."""
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--min-input", type=int, default=inputs[0])
+    p.add_argument("--max-input", type=int, default=inputs[1])
+    p.add_argument("--min-output", type=int, default=outputs[0])
+    p.add_argument("--max-output", type=int, default=outputs[1])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--prefill-chunk-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", default="/tmp/jaxserve_bench", help="where the 100m model is built")
 
 
 def prepare_model(name: str, work_dir: str) -> str:

@@ -17,8 +17,9 @@ import time
 
 import numpy as np
 
-from benchmarks.common import load_average, make_workload, markdown_table, model_summary, prepare_model, publish
-from benchmarks.offline_throughput import engine_config, workload_args
+from benchmarks.common import (load_average, make_workload, markdown_table, model_summary, prepare_model, publish,
+                               workload_args)
+from benchmarks.offline_throughput import engine_config
 from jaxserve import LLM
 
 

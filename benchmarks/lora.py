@@ -23,8 +23,9 @@ import time
 import numpy as np
 from safetensors.numpy import save_file
 
-from benchmarks.common import load_average, make_workload, markdown_table, model_summary, prepare_model, publish
-from benchmarks.offline_throughput import engine_config, workload_args, workload_text
+from benchmarks.common import (load_average, make_workload, markdown_table, model_summary, prepare_model, publish,
+                               workload_args, workload_text)
+from benchmarks.offline_throughput import engine_config
 from jaxserve import lora
 from jaxserve.config import ModelConfig
 from jaxserve.engine import LLMEngine

@@ -19,8 +19,9 @@ import argparse
 import dataclasses
 import time
 
-from benchmarks.common import make_workload, markdown_table, model_summary, prepare_model, publish
-from benchmarks.offline_throughput import engine_config, run_engine, workload_args, workload_text
+from benchmarks.common import (make_workload, markdown_table, model_summary, prepare_model, publish, workload_args,
+                               workload_text)
+from benchmarks.offline_throughput import engine_config, run_engine
 from jaxserve.engine import LLMEngine
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from benchmarks.common import (MODEL_NAMES, RESULTS_DIR, Request, Run, check_lengths, command_line, load_average,
                                load_hf_model, machine_info, machine_line, make_workload, markdown_table,
-                               model_summary, prepare_model, write_keeping_notes)
+                               model_summary, prepare_model, workload_args, write_keeping_notes)
 from benchmarks.transformers_peers import ContinuousPeer, run_generate
 from jaxserve import roofline
 from jaxserve.compilations import CompileCounter
@@ -337,27 +337,6 @@ def _kv_table(r: dict) -> list[str]:
          "contiguous (max_model_len each): slots", "contiguous: live share"],
         [[kv.running, kv.live_tokens, kv.pages * kv.page_size, f"{kv.paged_share:.1%}",
           kv.running * kv.max_model_len, f"{kv.contiguous_share:.1%}"]])
-
-
-def workload_text(args) -> str:
-    """The workload of workload_args' arguments, in words, as the results files give it."""
-    return (f"{args.num_prompts} prompts of seeded random ids, input {args.min_input}-{args.max_input}, output "
-            f"{args.min_output}-{args.max_output} tokens (ignore_eos), greedy, all submitted at once; "
-            f"max_num_seqs {args.max_num_seqs}")
-
-
-def workload_args(p: argparse.ArgumentParser, num_prompts: int = 256, inputs=(16, 512), outputs=(16, 256)) -> None:
-    """The workload's and the engine's arguments (engine_config, make_workload), with these defaults."""
-    p.add_argument("--num-prompts", type=int, default=num_prompts)
-    p.add_argument("--min-input", type=int, default=inputs[0])
-    p.add_argument("--max-input", type=int, default=inputs[1])
-    p.add_argument("--min-output", type=int, default=outputs[0])
-    p.add_argument("--max-output", type=int, default=outputs[1])
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--prefill-chunk-size", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work-dir", default="/tmp/jaxserve_bench", help="where the 100m model is built")
 
 
 def parse_args(argv=None):
