@@ -16,15 +16,17 @@ from jaxserve import checkpoint, parallel
 from jaxserve.config import ModelConfig
 from jaxserve.models import build_model
 from jaxserve.models.registry import ARCHITECTURES
-from tests.hf_models import CONFIGS, save_hf_model
+from tests.hf_models import CONFIGS, MOE_CONFIGS, save_hf_model
+
+ALL_CONFIGS = {**CONFIGS, **MOE_CONFIGS}   # the mixtures of experts' parity checks: tests/test_moe.py
 
 
 def hf_architecture(config_name: str) -> str:
-    return tf.MODEL_FOR_CAUSAL_LM_MAPPING[CONFIGS[config_name][0]].__name__
+    return tf.MODEL_FOR_CAUSAL_LM_MAPPING[ALL_CONFIGS[config_name][0]].__name__
 
 
 def test_every_architecture_has_a_parity_checkpoint():
-    assert {hf_architecture(name) for name in CONFIGS} == set(ARCHITECTURES)
+    assert {hf_architecture(name) for name in ALL_CONFIGS} == set(ARCHITECTURES)
 
 
 def _tensors(model_dir):
@@ -34,7 +36,7 @@ def _tensors(model_dir):
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_save_pretrained_round_trips_through_transformers(arch, tmp_path):
-    name = next(n for n in sorted(CONFIGS) if hf_architecture(n) == arch)
+    name = next(n for n in sorted(ALL_CONFIGS) if hf_architecture(n) == arch)
     src, dst = str(tmp_path / "hf"), str(tmp_path / "ours")
     hf = save_hf_model(name, src)
     with open(os.path.join(src, "config.json")) as f:
