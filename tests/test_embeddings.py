@@ -5,6 +5,8 @@ base64), what each runner refuses, and the pooling sums over chunks and a preemp
 import base64
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import openai
@@ -18,6 +20,7 @@ from jaxserve.sampling_params import InvalidRequest
 from jaxserve.scheduler import ScheduledSeq
 from jaxserve.sequence import Sequence
 from tests import server_harness
+from tests.conftest import fake_devices_env
 from tests.hf_models import save_byte_tokenizer, save_hf_model
 
 RNG = np.random.default_rng(0)
@@ -113,6 +116,11 @@ def base_model_dir(path: str, model) -> str:
     return path
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE = dict(max_model_len=128, page_size=8, max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=16,
+              max_prefill_seqs=2, compilation_cache_dir=None)
+
+
 @pytest.fixture(scope="module")
 def mean_llm(tmp_path_factory):
     """A base Mistral (12-token window) with MEAN pooling and no Normalize; chunks of 16 tokens,
@@ -120,9 +128,7 @@ def mean_llm(tmp_path_factory):
     model = save_hf_model("mistral_window", str(tmp_path_factory.mktemp("mistral"))).eval()
     path = base_model_dir(str(tmp_path_factory.mktemp("mistral_mean")), model)
     sentence_transformers_dir(path, "pooling_mode_mean_tokens", normalize=False)
-    llm = LLM(path, max_model_len=128, page_size=8, max_num_seqs=4, max_num_batched_tokens=32,
-              prefill_chunk_size=16, max_prefill_seqs=2, compilation_cache_dir=None)
-    return llm, model
+    return LLM(path, **ENGINE), model
 
 
 def test_base_model_defaults_to_last_token_pooling(mean_llm, tmp_path):
@@ -146,6 +152,16 @@ def test_mean_pooling_over_chunks_matches_transformers(mean_llm):
     normalized = llm.embed(PROMPTS[0], PoolingParams(normalize=True, truncate_prompt_tokens=20), use_tqdm=False)
     np.testing.assert_allclose(normalized[0].outputs.embedding, unit(hidden_states(model, PROMPTS[0][-20:]).mean(0)),
                                atol=2e-4)
+
+
+def test_tensor_parallel_embeddings_match_one_device(mean_llm):
+    """MEAN embeddings at TP 2 (fake CPU devices, in a subprocess: this file's main) equal one device's."""
+    llm, _ = mean_llm
+    proc = subprocess.run([sys.executable, "-m", "tests.test_embeddings", llm.llm_engine.model_dir], cwd=ROOT,
+                          capture_output=True, text=True, env=fake_devices_env(2), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    one_device = [o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)]
+    np.testing.assert_allclose(json.loads(proc.stdout.strip().splitlines()[-1]), one_device, atol=1e-5)
 
 
 def test_runners_refuse_each_others_requests(mean_llm):
@@ -183,3 +199,8 @@ def test_pooling_sums_over_chunks_and_a_preemption(kind):
     for n, h in hidden.items():
         want = {"LAST": h[-1], "MEAN": h.mean(0), "CLS": h[0]}[kind]
         np.testing.assert_allclose(seqs[n].pooling.embedding(n), want, atol=1e-5)
+
+
+if __name__ == "__main__":   # the TP 2 run, on the fake devices of this process
+    tp = LLM(sys.argv[1], mesh={"data": 1, "model": 2, "seq": 1}, **ENGINE)
+    print(json.dumps([o.outputs.embedding for o in tp.embed(PROMPTS, use_tqdm=False)]))
