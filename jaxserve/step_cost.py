@@ -4,8 +4,11 @@
 came out negative, and "bytes accessed" counts the whole aliased pool). What does work:
   * whole-pool copies: ops outside fusions that produce a buffer the size of one layer's K or
     V pool (or up to a quarter more: padded), other than the in-place KV update (a scatter or
-    dynamic-update-slice, bare or fused). Layouts the tiles refuse and flat views of the pool show up as such copies, each a
-    pass over the pool's HBM per step (or per loop iteration). An async start's result tuple
+    dynamic-update-slice, bare or fused) and broadcasts (made from a smaller array: XLA:TPU
+    broadcasts int4's and fp8's grouped weight scales to the weight's shape in VMEM, which
+    matched the pool's size for Qwen3-8B's MLP weights on v5e). Layouts the tiles refuse and
+    flat views of the pool show up as such copies, each a pass over the pool's HBM per step (or
+    per loop iteration). An async start's result tuple
     also names its operand: only its new buffer counts. (Seen on Llama-3-70B at v6e-8:
     memory-space assignment moves one layer's pool into another memory space in 4 MiB
     slices, joins them, updates it there and copies it back: two passes, not 23 slices);
@@ -38,6 +41,7 @@ _SLICE_STARTS = re.compile(r"slice=\{([^}]*)\}")
 _NO_NEW_BUFFER = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
                   "call", "copy-done", "opt-barrier", "constant", "after-all", "add-dependency"}
 _IN_PLACE_UPDATES = {"scatter", "dynamic-update-slice"}
+_FROM_SMALLER = {"broadcast"}   # a new buffer, but no pass over one the size of the pool
 # Async starts: (result tuple element that is the new buffer); the others alias the operand
 # (copy-start: (destination, source, context); slice-start: ((operand), slice, context)).
 _ASYNC_NEW_BUFFER = {"copy-start": 0, "slice-start": 1}
@@ -122,7 +126,8 @@ def step_cost(hlo_text: str, pool_bytes: int) -> StepCost:
         return any(pool_bytes <= b <= pool_bytes * 5 // 4 for b in i.result_bytes)
 
     copies = tuple(f"{i.opcode} {i.name}" for name, ops in computations.items() if name not in fused
-                   for i in ops if pool_sized(i) and i.opcode not in _NO_NEW_BUFFER and not updates_in_place(i))
+                   for i in ops if pool_sized(i) and i.opcode not in _NO_NEW_BUFFER | _FROM_SMALLER
+                   and not updates_in_place(i))
     bodies = {m.group(1) for ops in computations.values() for i in ops if i.opcode == "while"
               for m in [_BODY.search(i.line)] if m}
     cycles = [sum(int(c) for i in computations.get(body, []) for c in _CYCLES.findall(i.line)) for body in bodies]

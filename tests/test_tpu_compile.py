@@ -324,3 +324,17 @@ def test_step_cost_counts_only_the_new_buffer_of_async_starts():
         "  ROOT %copy-done = bf16[64,8]{1,0} copy-done(%copy-start)",
         "}"])
     assert check.step_cost(hlo, 64 * 8 * 2).copies == ("custom-call join", "copy-start copy-start")
+
+
+def test_step_cost_counts_no_broadcast_as_a_pool_copy():
+    """XLA:TPU broadcasts an fp8 weight's grouped scales to the weight's shape in VMEM (the
+    instruction below is from one [12288, 4096] Linear compiled for v5e): 96 MiB, a Qwen3-8B K
+    pool's size on one v5e, but made from 0.4 MiB of scales, not a pass over a pool. A copy of
+    the same size still counts."""
+    hlo = "\n".join([
+        "ENTRY %main (s: bf16[12288,32]) -> bf16[12288,32,128] {",
+        "  %s = bf16[12288,32]{1,0} parameter(0)",
+        "  %broadcast = bf16[12288,32,128]{2,1,0:T(8,128)(2,1)S(1)} broadcast(%s), dimensions={0,1}",
+        "  ROOT %copy = bf16[12288,32,128]{1,2,0:T(8,128)(2,1)} copy(%broadcast)",
+        "}"])
+    assert check.step_cost(hlo, 12288 * 4096 * 2).copies == ("copy copy",)
