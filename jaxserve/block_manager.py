@@ -211,6 +211,19 @@ class BlockManager:
                 self.cached_page[key] = page
                 self.page_key[page] = key
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached page (as vLLM's: after new weights, or to benchmark cold); False,
+        and nothing forgotten, while any page is in use (its sequence's keys would outlive it)."""
+        if any(self.ref_counts):
+            return False
+        for page in self.evictable:
+            self.free_pages.append(page)
+            self._stale(page)
+        self.evictable.clear()
+        self.cached_page.clear()
+        self.page_key.clear()
+        return True
+
     def drain_stale_pages(self) -> list[int]:
         """The stale pages recorded since the last call (see the module docstring), each once."""
         pages = sorted(set(self.stale_pages))

@@ -1,0 +1,119 @@
+"""New weights into a running engine, in place: what an RL trainer does between rollouts (vLLM's
+`model.load_weights(iterable of (name, tensor))`, sglang's update_weights_from_tensor).
+
+Tensors come by their Hugging Face names, as a checkpoint holds them, and are mapped onto the
+params tree by the family's own name map (`hf_tensor`, as checkpoint.load_params reads): a
+fused tensor (Phi-3's qkv_proj) fills each param it feeds, a stacked param (a mixture's experts)
+takes each expert's tensor in its slice. Any subset may come; the rest stay. Each new leaf is
+cast to the engine's dtype, quantized as the engine quantizes (a tied head's quantized copy
+follows the embeddings) and placed with the sharding of the leaf it replaces, so every compiled
+step takes it as it is: no recompilation.
+
+Everything is checked (names, shapes) before anything is replaced, so a bad update leaves the
+engine as it was. Leaves are then replaced one at a time, each old array dropped as its new one is
+placed: the update needs room for one tensor beside the model, not a second model.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxserve import quantization as quant
+from jaxserve.checkpoint import param_shapes, saved_quantization
+from jaxserve.config import ModelConfig
+from jaxserve.models.registry import architecture
+
+
+class Target(NamedTuple):
+    keys: tuple[str, ...]                  # the param's path in the full-precision tree
+    rows: tuple[int, int] | None           # its rows of a fused tensor
+    expert: int | None                     # its slice of a stacked param
+    shape: tuple[int | None, ...]          # the tensor's (a fused one's first dim: None, at least rows[1])
+    dtype: Any
+
+
+def targets(cfg: ModelConfig, dtype) -> dict[str, list[Target]]:
+    """HF tensor name -> the params it fills (the full-precision tree, as checkpoint.load_params reads)."""
+    hf_tensor = architecture(cfg.architecture).hf_tensor
+    # A tied model's state dict names its head too (the table again, as transformers ties it)
+    out: dict[str, list[Target]] = {"lm_head.weight": []} if cfg.tie_word_embeddings else {}
+    for path, spec in jax.tree_util.tree_flatten_with_path(param_shapes(cfg, dtype))[0]:
+        keys = tuple(k.key for k in path)
+        name, rows = hf_tensor(keys, cfg)
+        stacked = isinstance(name, tuple)
+        shape = tuple(spec.shape[1:] if stacked else spec.shape)
+        shape = shape if rows is None else (None, *shape[1:])
+        for e, n in enumerate(name if stacked else (name,)):
+            out.setdefault(n, []).append(Target(keys, rows, e if stacked else None, shape, spec.dtype))
+    return out
+
+
+def host_array(tensor) -> np.ndarray:
+    """A numpy, JAX or torch tensor as a numpy array (torch's bfloat16 has no numpy type: as f32)."""
+    if hasattr(tensor, "detach"):
+        tensor = tensor.detach().cpu()
+        return (tensor.float() if str(tensor.dtype) == "torch.bfloat16" else tensor).numpy()
+    return np.asarray(tensor)
+
+
+def check(weights: list[tuple[str, Any]], by_name: dict[str, list[Target]]) -> None:
+    for name, tensor in weights:
+        if name not in by_name:
+            raise ValueError(f"no parameter of this model is loaded from a tensor named {name!r}")
+        shape = tuple(np.shape(tensor))
+        for t in by_name[name]:
+            fits = (shape == t.shape if t.rows is None
+                    else len(shape) == len(t.shape) and shape[0] >= t.rows[1] and shape[1:] == t.shape[1:])
+            if not fits:
+                want = t.shape if t.rows is None else f"(at least {t.rows[1]}, {', '.join(map(str, t.shape[1:]))})"
+                raise ValueError(f"tensor {name!r} has shape {shape}, expected {want}")
+
+
+def load_weights(params: dict, weights: Iterable[tuple[str, Any]], cfg: ModelConfig, dtype,
+                 quantization: str | None) -> int:
+    """Replace, in place, the leaves of the engine's `params` (quantized Linears as `quantization`)
+    that `weights` name; the number of tensors loaded."""
+    weights = list(weights)
+    by_name = targets(cfg, dtype)
+    check(weights, by_name)
+    tied_head = isinstance(params.get(quant.HEAD), dict) and cfg.tie_word_embeddings
+    for name, tensor in weights:
+        x = host_array(tensor)
+        for t in by_name[name]:
+            _put(params, t, (x if t.rows is None else x[t.rows[0]:t.rows[1]]).astype(t.dtype), quantization)
+            if tied_head and t.keys == quant.TIED_EMBEDDING:   # the head is a quantized copy of the table
+                _quantize(params, (quant.HEAD, "weight"), quant.node(params, quant.TIED_EMBEDDING), quantization)
+    return len(weights)
+
+
+def _put(params: dict, t: Target, value: np.ndarray, quantization: str | None) -> None:
+    parent = quant.node(params, t.keys[:-1])
+    if t.keys[-1] == "weight" and "qweight" in parent:   # a quantized Linear (its bias stays beside it)
+        _quantize(params, t.keys, jax.device_put(value, parent["qweight"].sharding), quantization)
+        return
+    old = parent[t.keys[-1]]
+    new = jax.device_put(value, old.sharding) if t.expert is None else old.at[t.expert].set(value)
+    quant.set_path(params, t.keys, jax.device_put(new, old.sharding))
+
+
+def _quantize(params: dict, keys: tuple[str, ...], weight, quantization: str) -> None:
+    """The quantized Linear at keys[:-1] made from `weight`, placed as the one it replaces."""
+    parent = quant.node(params, keys[:-1])
+    quant.set_path(params, keys[:-1], quant.quantize_placed(weight, quantization,
+                                                            {k: v.sharding for k, v in parent.items()}))
+
+
+def update_engine(engine, weights: Iterable[tuple[str, Any]]) -> int:
+    """`load_weights` into an idle LLMEngine's model, then the prefix cache forgotten: its pages
+    hold K/V the old weights computed. Refused while requests are in flight (they would finish on
+    a mix of both) and across processes (each host would need the tensors)."""
+    if engine.has_unfinished():
+        raise RuntimeError(f"{engine.num_requests} request(s) in flight: load weights between batches")
+    if jax.process_count() > 1:
+        raise ValueError("loading weights into a running engine is for one process; restart a multi-host engine")
+    mode = engine.ecfg.quantization or saved_quantization(engine.model_dir)
+    loaded = load_weights(engine.runner.params, weights, engine.model_cfg, engine.dtype, mode)
+    assert engine.block_manager.reset_prefix_cache()
+    return loaded
