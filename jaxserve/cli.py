@@ -38,7 +38,8 @@ def engine_config(args) -> EngineConfig:
         cfg = dataclasses.replace(cfg, speculative=json.loads(args.speculative_config))
     flags = {"quantization": args.quantization, "quantize_lm_head": args.quantize_lm_head or None,
              "kv_cache_dtype": args.kv_cache_dtype, "decode_steps": args.decode_steps,
-             "generation_config": args.generation_config, "runner": args.runner}
+             "generation_config": args.generation_config, "runner": args.runner,
+             "allow_weight_updates": args.allow_weight_updates or None}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in flags.items() if v is not None})
     modules = args.lora_modules and {**cfg.lora_modules, **dict(map(_lora_module, args.lora_modules))}
     # vLLM's switch for the same routes too, so its deployment scripts work unchanged
@@ -89,6 +90,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve: POST /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM with "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (also honoured)")
+    p.add_argument("--allow-weight-updates", action="store_true",
+                   help="serve: POST /update_weights_from_disk {\"model_path\": DIR} loads new weights of the "
+                        "served model between requests, without recompiling (as sglang's)")
     p.add_argument("--speculative-config", help='speculative decoding as JSON (the engine config key '
                                                 '`speculative`), e.g. \'{"method": "ngram", "num_tokens": 4}\' or '
                                                 '\'{"method": "draft", "model": DIR, "num_tokens": 4}\'')

@@ -253,6 +253,10 @@ class EngineConfig:
     max_loras: int | None = None
     max_lora_rank: int = 16
     allow_runtime_lora_updating: bool = False
+    # The server's POST /update_weights_from_disk (sglang's): new weights of the served model from a
+    # checkpoint directory, in place, between requests (jaxserve/weight_update.py). Off by default: it
+    # reads any path the server can.
+    allow_weight_updates: bool = False
     # What it serves, as vLLM's `runner`: generate (text) | pooling (embeddings, jaxserve/pooling.py) |
     # auto (pooling for a sentence-transformers model directory or a base-model architecture, else generate).
     runner: str = "auto"
@@ -326,7 +330,8 @@ class EngineConfig:
     # adapters' targets as their stacks: see ModelRunner's executables).
     HOST_ONLY = ("model", "kv_cache_mb", "kv_memory_fraction", "enable_prefix_caching", "admission_eagerness",
                  "max_queue_size", "max_failed_steps", "request_timeout_s", "compilation_cache_dir", "seed",
-                 "poison_freed_pages", "generation_config", "lora_modules", "allow_runtime_lora_updating")
+                 "poison_freed_pages", "generation_config", "lora_modules", "allow_runtime_lora_updating",
+                 "allow_weight_updates")
 
     def program_settings(self) -> dict[str, Any]:
         """The settings that may decide a compiled program: what the executable store is keyed on,

@@ -42,6 +42,9 @@ class DataParallelEngine:
         for t in self.threads:  # an unknown id is a no-op in a replica
             t.abort(request_id)
 
+    def when_idle(self, fn, timeout: float | None = None):
+        return [t.when_idle(fn, timeout) for t in self.threads][0]   # one replica at a time: the others serve
+
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         for t in self.threads:
             t.shutdown(drain, timeout)

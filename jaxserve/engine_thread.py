@@ -2,12 +2,16 @@
 per request, and a bounded queue (QueueFullError past it) for the server and other callers that
 do not step the engine themselves.
 
+`call_when_idle(fn)` runs fn(engine) on the engine thread once no request is in flight, holding
+the requests submitted after it until it returns (new weights: jaxserve/weight_update.py).
+
 A failed step fails the requests it ran (their streams raise RequestFailed; their pages are
 freed) and the engine goes on. After `max_failed_steps` failed steps in a row the device is
 taken for lost: every request fails, `lost` says why, the loop stops and submit refuses.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -101,6 +105,8 @@ class EngineThread:
         self._failed_steps = 0   # in a row
         self.lost: StepError | None = None   # set when the engine is given up for lost
         self.step_listeners = []   # called with (RequestOutput list, step seconds) after each step
+        self._idle_calls: list[tuple[Callable, concurrent.futures.Future]] = []   # waiting for no request in flight
+        self._held: list[Request] = []   # submitted while an idle call waits: added after it
         self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
 
     def start(self, warmup: bool = True) -> "EngineThread":
@@ -139,6 +145,19 @@ class EngineThread:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def call_when_idle(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread once the requests submitted before this call have
+        finished; the ones submitted after it wait until it returns. Its result (or exception)."""
+        if self._stop:
+            raise EngineStoppedError("the engine has stopped")
+        done = concurrent.futures.Future()
+        self._inbox.put(("idle", fn, done))
+        self._wake.set()
+        return done
+
+    def when_idle(self, fn: Callable[[LLMEngine], object], timeout: float | None = None):
+        return self.call_when_idle(fn).result(timeout)
+
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting; with drain, finish what was accepted first."""
         with self._lock:
@@ -160,6 +179,9 @@ class EngineThread:
     def _loop(self) -> None:
         while not self._stop:
             self._drain_inbox()
+            if self._idle_calls and not self.engine.has_unfinished():
+                self._run_idle_calls()
+                continue
             if not self.engine.has_unfinished():
                 self.engine.runner.pause_followers()   # multi-host: park the other processes
                 self._wake.wait(0.05)
@@ -183,6 +205,20 @@ class EngineThread:
             for listener in self.step_listeners:
                 listener(outputs, dt)
         self.engine.runner.stop_followers()
+        for _, done in self._idle_calls:
+            done.set_exception(EngineStoppedError("the engine stopped before it was idle"))
+
+    def _run_idle_calls(self) -> None:
+        for fn, done in self._idle_calls:
+            try:
+                done.set_result(fn(self.engine))
+            except Exception as e:
+                done.set_exception(e)
+        self._idle_calls.clear()
+        for req in self._held:
+            if req.request_id in self._streams:   # else aborted while held
+                self.engine.add(req)
+        self._held.clear()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -190,15 +226,19 @@ class EngineThread:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if msg[0] == "add":
+            if msg[0] == "idle":
+                self._idle_calls.append(msg[1:])
+            elif msg[0] == "add":
                 req: Request = msg[1]
-                if req.request_id in self._streams:   # else aborted before it was added
+                if self._idle_calls:
+                    self._held.append(req)
+                elif req.request_id in self._streams:   # else aborted before it was added
                     self.engine.add(req)
             else:
                 out = self.engine.abort(msg[1])
                 if out is not None:
                     self._deliver(out)
-                elif msg[1] in self._streams:       # still in the inbox: drop it there
+                elif msg[1] in self._streams:       # still in the inbox or held: drop it there
                     self._finish_stream(msg[1], None)
 
     def _deliver(self, out: RequestOutput) -> None:

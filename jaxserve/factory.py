@@ -40,6 +40,10 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def when_idle(self, fn, timeout: float | None = None):
+        """fn(engine) on every replica once its requests in flight have finished, holding the
+        ones submitted meanwhile (EngineThread.when_idle); the first replica's result."""
+
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting; with drain, finish what was accepted first."""
 
@@ -78,6 +82,9 @@ class Follower:
 
     def abort(self, request_id: str) -> None:
         pass   # it holds no requests
+
+    def when_idle(self, fn, timeout: float | None = None):
+        raise EngineStoppedError("this process follows process 0 of a multi-host engine")
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         if drain:

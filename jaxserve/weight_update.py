@@ -15,10 +15,13 @@ placed: the update needs room for one tensor beside the model, not a second mode
 """
 from __future__ import annotations
 
+import glob
+import os
 from typing import Any, Iterable, NamedTuple
 
 import jax
 import numpy as np
+from safetensors.numpy import load_file
 
 from jaxserve import quantization as quant
 from jaxserve.checkpoint import param_shapes, saved_quantization
@@ -47,7 +50,20 @@ def targets(cfg: ModelConfig, dtype) -> dict[str, list[Target]]:
         shape = shape if rows is None else (None, *shape[1:])
         for e, n in enumerate(name if stacked else (name,)):
             out.setdefault(n, []).append(Target(keys, rows, e if stacked else None, shape, spec.dtype))
-    return out
+    # A base model's names lack the first component (BLOOM's "transformer."), as the loader allows
+    bare = {n.split(".", 1)[1]: t for n, t in out.items() if "." in n}
+    return {**{n: t for n, t in bare.items() if n not in out}, **out}
+
+
+def checkpoint_tensors(model_dir: str) -> list[tuple[str, np.ndarray]]:
+    """Every tensor of a Hugging Face safetensors directory, read on the host."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir!r}")
+    try:
+        return [item for f in files for item in load_file(f).items()]
+    except Exception as e:   # safetensors' own errors: a corrupt file, float8 tensors numpy cannot hold
+        raise ValueError(f"cannot read the tensors of {model_dir!r}: {e}") from None
 
 
 def host_array(tensor) -> np.ndarray:

@@ -5,12 +5,15 @@ The oracles: transformers' greedy tokens on the new checkpoint (through the engi
 recompilation, its prefix cache forgotten), and the params the checkpoint loader reads from the
 new checkpoint (leaf for leaf, fused tensors, stacked experts, quantized Linears and a quantized
 tied head among them)."""
+import concurrent.futures
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
+import requests
 import torch
 from safetensors.numpy import load_file
 
@@ -20,8 +23,10 @@ from jaxserve.block_manager import BlockManager
 from jaxserve.checkpoint import load_for_mesh, resolve_dtype
 from jaxserve.compilations import CompileCounter
 from jaxserve.config import ModelConfig
+from jaxserve.engine_thread import EngineThread
 from jaxserve.parallel import make_mesh
 from jaxserve.sequence import Sequence
+from tests import server_harness
 from tests.conftest import fake_devices_env
 from tests.hf_models import hf_greedy, save_engine_model, save_hf_model
 
@@ -60,6 +65,18 @@ def test_engine_serves_the_new_weights_without_recompiling(tmp_path):
     with pytest.raises(RuntimeError, match="1 request"):
         weight_update.update_engine(llm.llm_engine, _state(b))
     llm.llm_engine.abort(running)
+
+    # As the server updates: on the engine thread once the requests before are done, the ones after held.
+    thread, finished = EngineThread(llm.llm_engine).start(warmup=False), []
+    thread.step_listeners.append(lambda outs, _: finished.extend(o.request_id for o in outs if o.finished))
+    try:
+        before = thread.submit(prompts[0], sp)
+        update = thread.call_when_idle(lambda engine: finished.append(weight_update.update_engine(engine, _state(b))))
+        after = thread.submit(prompts[1], sp)
+        assert [len(list(s)) > 0 for s in (before, after)] == [True, True] and update.result() is None
+        assert finished == [before.request_id, len(b.state_dict()), after.request_id]
+    finally:
+        thread.shutdown()
 
 
 CASES = [("phi3_fused", "int8", False),       # qkv_proj and gate_up_proj feed three and two params
@@ -131,3 +148,54 @@ def test_reset_prefix_cache_forgets_cached_pages_only_when_none_is_in_use():
 if __name__ == "__main__":   # the TP run, on the fake devices of this process
     for case in CASES:
         compare_with_the_loader(sys.argv[1], *case, {"model": 2})
+
+
+def test_server_loads_a_checkpoint_between_requests(tmp_path):
+    """`--allow-weight-updates`: POST /update_weights_from_disk (sglang's) with checkpoint B while
+    a request runs on A. The running request finishes with A's tokens, later ones get B's
+    (transformers on each); checkpoints that do not fit are 400s naming `model_path`, after which
+    the server still serves B."""
+    a, b = (save_engine_model(str(tmp_path / name), seed=seed) for seed, name in enumerate("ab"))
+    save_engine_model(str(tmp_path / "narrow"), hidden_size=32)
+    prompt = np.random.default_rng(1).integers(0, 256, 9).tolist()
+    server = server_harness.start(str(tmp_path), str(tmp_path / "a"), "--allow-weight-updates",
+                                  **server_harness.TEST_ENGINE)
+    try:
+        client = server_harness.openai_client(server)
+
+        def complete(max_tokens: int = NEW_TOKENS):
+            return client.completions.create(model="a", prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                             extra_body=dict(ignore_eos=True, return_token_ids=True))
+
+        def tokens(out) -> list[int]:
+            return out.choices[0].model_extra["token_ids"]
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(complete, 96)
+            time.sleep(0.5)
+            r = requests.post(server.url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "b")})
+            assert r.status_code == 200 and r.json()["num_tensors"] == len(b.state_dict()), r.text
+            assert tokens(running.result()) == hf_greedy(a, prompt, 96)[0]
+        assert tokens(complete()) == hf_greedy(b, prompt, NEW_TOKENS)[0]
+        with open(server.log_path) as f:
+            log = f.read()
+        assert log.index(f"{running.result().id}-0 prompt_tokens=") < log.index(f"loaded {len(b.state_dict())} tensors")
+
+        for body, message in [({"model_path": str(tmp_path / "missing")}, "no *.safetensors files"),
+                              ({"model_path": str(tmp_path / "narrow")}, "has shape (258, 32), expected (258, 64)"),
+                              ({}, "'model_path' is required")]:
+            r = requests.post(server.url + "/update_weights_from_disk", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model_path", r.text
+            assert message in r.json()["error"]["message"]
+        assert tokens(complete()) == hf_greedy(b, prompt, NEW_TOKENS)[0]
+    finally:
+        assert server.stop() == 0, server.log_tail()
+
+
+def test_weight_updates_are_off_unless_asked_for(tmp_path):
+    from jaxserve.config import EngineConfig
+    from jaxserve.server.app import create_app
+
+    app = create_app(EngineConfig(model=str(tmp_path)))   # no model there: it never loads
+    r = app.test_client().post("/update_weights_from_disk", json={"model_path": str(tmp_path)})
+    assert r.status_code == 404 and "--allow-weight-updates" in r.get_json()["error"]["message"]

@@ -142,6 +142,17 @@ def create_app(engine_cfg: EngineConfig, served_model_name: str | None = None, a
         _host().unload_lora(name)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", mimetype="text/plain")
 
+    @app.post("/update_weights_from_disk")
+    def update_weights_from_disk():
+        """sglang's: {"model_path"}, a checkpoint of the served model whose weights serve from now on."""
+        if not _host().engine_cfg.allow_weight_updates:
+            raise APIError(404, "weight updates are off: start the server with --allow-weight-updates")
+        path = field(json_body(), "model_path", lambda v: isinstance(v, str) and v, "a non-empty string", None)
+        if path is None:
+            raise APIError(400, "'model_path' is required", param="model_path")
+        loaded = _host().update_weights(path)
+        return jsonify({"success": True, "message": f"loaded {loaded} tensors from {path}", "num_tensors": loaded})
+
     return app
 
 

@@ -168,6 +168,24 @@ class EngineHost:
                 engine.loras.remove(name)
         log.info("unloaded LoRA adapter %s", name)
 
+    def update_weights(self, path: str) -> int:
+        """Serve the weights of the full-precision safetensors checkpoint at `path` (the served
+        model's architecture and shapes; any subset of its tensors) from now on, without
+        recompiling: the requests in flight finish on the old weights, the ones that arrive
+        meanwhile wait, then run on the new. The number of tensors loaded; 400 for a checkpoint
+        that does not fit the model (checked before anything waits)."""
+        from jaxserve import weight_update   # JAX: imported once the engine is up
+
+        client = self.require_engine()
+        try:
+            weights = weight_update.checkpoint_tensors(path)
+            weight_update.check(weights, weight_update.targets(client.engine.model_cfg, client.engine.dtype))
+            loaded = client.when_idle(lambda engine: weight_update.update_engine(engine, weights))
+        except ValueError as e:
+            raise APIError(400, str(e), param="model_path") from None
+        log.info("loaded %d tensors from %s", loaded, path)
+        return loaded
+
     def begin_drain(self) -> None:
         """Refuse new requests (503); requests already accepted run to completion."""
         self.draining = True
