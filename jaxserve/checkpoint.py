@@ -116,6 +116,15 @@ def has_tensor(model_dir: str, name: str) -> bool:
     return is_orbax_checkpoint(model_dir) or name in _tensor_index(model_dir)
 
 
+def read_tensor(model_dir: str, name: str) -> np.ndarray:
+    """One whole tensor of an HF checkpoint in f32 (a sequence classifier's score head, read on the host)."""
+    index = {} if is_orbax_checkpoint(model_dir) else _tensor_index(model_dir)
+    if name not in index:
+        raise ValueError(f"{model_dir} has no tensor {name!r} in its safetensors files")
+    with safe_open(index[name], framework="np") as f:
+        return f.get_tensor(name).astype(np.float32)
+
+
 def is_orbax_checkpoint(model_dir: str) -> bool:
     return os.path.isdir(os.path.join(model_dir, ORBAX_DIR))
 

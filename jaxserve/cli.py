@@ -78,7 +78,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "top_k, min_p, repetition_penalty) are the defaults of requests that leave them out, as "
                         "in vLLM; none: OpenAI's defaults")
     p.add_argument("--runner", choices=RUNNERS, help="what the engine serves, as vLLM's: generate (text), pooling "
-                   "(embeddings, /v1/embeddings), auto (default: pooling for a sentence-transformers model)")
+                   "(embeddings, classes, scores: /v1/embeddings, /classify, /score, /rerank), auto (default: "
+                   "pooling for a sentence-transformers model, a base model or a sequence classifier)")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
     p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                    help="PEFT LoRA adapters to serve beside the model, loaded at start; a request's 'model' "

@@ -257,8 +257,9 @@ class EngineConfig:
     # checkpoint directory, in place, between requests (jaxserve/weight_update.py). Off by default: it
     # reads any path the server can.
     allow_weight_updates: bool = False
-    # What it serves, as vLLM's `runner`: generate (text) | pooling (embeddings, jaxserve/pooling.py) |
-    # auto (pooling for a sentence-transformers model directory or a base-model architecture, else generate).
+    # What it serves, as vLLM's `runner`: generate (text) | pooling (embeddings, classes and scores,
+    # jaxserve/pooling.py) | auto (pooling for a sentence-transformers model directory, a base-model or a
+    # sequence-classifier architecture, else generate).
     runner: str = "auto"
 
     def __post_init__(self):

@@ -308,7 +308,7 @@ class LLMEngine:
                 # choice 0 scored the whole prompt before any choice sampled
                 outputs[-1].prompt_logprobs, req.prompt_logprobs_sent = req.seqs[0].prompt_logprobs, True
             if finished and req.seqs[0].pooling is not None:
-                outputs[-1].embedding = req.seqs[0].pooling.embedding(len(req.prompt_token_ids))
+                outputs[-1].pooled = req.seqs[0].pooling.result(len(req.prompt_token_ids))
             if finished:
                 del self._requests[req.request_id]
                 self.stats["requests_finished"] += 1

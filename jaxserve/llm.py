@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Union
 
+from jaxserve import scoring
 from jaxserve.config import EngineConfig
 from jaxserve.sampling_params import InvalidRequest, LoRARequest, PoolingParams, SamplingParams, sampling_defaults
 
@@ -71,6 +72,39 @@ class EmbeddingRequestOutput:
     finished: bool = True
 
 
+@dataclasses.dataclass
+class ClassificationOutput:
+    probs: list[float]   # one per label (config.json's id2label order)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput:
+    """vLLM's: `outputs.probs`, the softmax of a sequence classifier's label logits (one label: its sigmoid)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """vLLM's: `outputs.score` of one pair (jaxserve/scoring.py); prompt_token_ids the pair's prompt
+    (a cross-encoder's) or its two texts' prompts one after the other (an embedding model's)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
 class LLM:
     """`LLM(model=DIR, **EngineConfig fields)`; model None is the embedded tiny model."""
 
@@ -110,13 +144,33 @@ class LLM:
         """Each prompt's embedding (an engine with runner pooling: jaxserve/pooling.py); prompts and
         params as generate's."""
         prompts, params = self._per_prompt(prompts, pooling_params or PoolingParams())
-        requests = self._requests([self._parse(p, i)[1] for i, p in enumerate(prompts)], params)
-        results = {}
-        for delta in self._step_all(requests, "embed", use_tqdm):
-            if delta.embedding is not None:
-                results[delta.request_id] = EmbeddingRequestOutput(delta.request_id, delta.prompt_token_ids,
-                                                                   EmbeddingOutput(delta.embedding))
-        return [results[req.request_id] for req in requests]
+        ids = [self._parse(p, i)[1] for i, p in enumerate(prompts)]
+        return [EmbeddingRequestOutput(req.request_id, req.prompt_token_ids, EmbeddingOutput(v))
+                for req, v in self._pool(ids, params, "embed", use_tqdm)]
+
+    def classify(self, prompts: Prompt | list[Prompt],
+                 pooling_params: PoolingParams | list[PoolingParams] | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities (a sequence classifier: jaxserve/pooling.py); prompts and
+        params as generate's, the params' task set to classify."""
+        prompts, params = self._per_prompt(prompts, pooling_params or PoolingParams())
+        params = [dataclasses.replace(p, task="classify") for p in params]
+        ids = [self._parse(p, i)[1] for i, p in enumerate(prompts)]
+        return [ClassificationRequestOutput(req.request_id, req.prompt_token_ids,
+                                            ClassificationOutput(scoring.probabilities(logits)))
+                for req, logits in self._pool(ids, params, "classify", use_tqdm)]
+
+    def score(self, data_1: str | list[str], data_2: str | list[str], truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """data_1's texts scored against data_2's, 1:1, 1:N or N:N (jaxserve/scoring.py): a
+        cross-encoder's sigmoid of each pair's logit, or an embedding model's cosine similarities."""
+        text_1, text_2 = ([d] if isinstance(d, str) else list(d) for d in (data_1, data_2))
+        run = scoring.score_run(self.llm_engine.pooler, self.get_tokenizer(), text_1, text_2)
+        params = PoolingParams(task=run.task, truncate_prompt_tokens=truncate_prompt_tokens)
+        pooled = self._pool(run.prompts, [params] * len(run.prompts), "score", use_tqdm)
+        return [ScoringRequestOutput("_".join(pooled[i][0].request_id for i in read),
+                                     [t for i in read for t in pooled[i][0].prompt_token_ids], ScoringOutput(score))
+                for read, score in zip(run.scored, run.scores([v for _, v in pooled]))]
 
     @staticmethod
     def _per_prompt(prompts, params) -> tuple[list, list]:
@@ -185,6 +239,13 @@ class LLM:
             except InvalidRequest as e:
                 raise InvalidRequest(f"prompt {i}: {e}", param=e.param) from None
         return requests
+
+    def _pool(self, ids: list[list[int]], params: list[PoolingParams], desc: str, use_tqdm: bool) -> list[tuple]:
+        """(request, its pooled output: an embedding or label logits) for each prompt, in order."""
+        requests = self._requests(ids, params)
+        pooled = {delta.request_id: delta.pooled for delta in self._step_all(requests, desc, use_tqdm)
+                  if delta.pooled is not None}
+        return [(req, pooled[req.request_id]) for req in requests]
 
     def _step_all(self, requests: list, desc: str, use_tqdm: bool):
         """Add `requests` and step the engine until all have finished, yielding each output delta."""

@@ -34,7 +34,7 @@ class RequestOutput:
     num_cached_tokens: int = 0         # prompt tokens found in the prefix cache
     # With params.prompt_logprobs, on the request's first output: per prompt token but the first.
     prompt_logprobs: list[SampleResult] | None = None
-    embedding: list[float] | None = None   # an embedding request's, on its (only) output
+    pooled: list[float] | None = None   # a pooling request's embedding or label logits, on its (only) output
 
 
 @dataclasses.dataclass

@@ -8,6 +8,12 @@ pooling_mode_lasttoken / _mean_tokens / _cls_token (LAST, MEAN, CLS) and whether
 follows; without them LAST, normalized (vLLM's default for decoder models). A Matryoshka model
 (config.json `is_matryoshka` or `matryoshka_dimensions`) may be asked for fewer `dimensions`.
 
+A sequence classifier (XForSequenceClassification: `score`, a Linear [num_labels, hidden] without
+bias, on the last token's final hidden state; config.json's id2label names the labels) runs on the
+same runner, LAST pooling, unnormalized: the head is applied on the host to the one pooled vector
+per sequence (a tiny matmul), and a "classify" request gets the label logits (the activation, softmax or
+sigmoid, is the caller's: jaxserve/scoring.py). Runner auto picks pooling for it too.
+
 The hidden states are those the prefill steps compute anyway, as prompt logprobs' are: `pack` lists
 the hidden rows of a step that each pooling sequence needs (LAST: its last prompt position, MEAN:
 each position of the chunk, CLS: position 0) and the sequence's segment, `compute` sums them per
@@ -29,9 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.checkpoint import has_tensor
+from jaxserve.checkpoint import has_tensor, read_tensor
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.models.registry import causal_lm
+from jaxserve.models.registry import causal_lm, is_classifier
 from jaxserve.sampling_params import InvalidRequest, PoolingParams, SamplingParams
 
 POOLING_TYPES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
@@ -41,14 +47,22 @@ ST_MODULE = "sentence_transformers.models."
 
 @dataclasses.dataclass(frozen=True)
 class Pooler:
-    """A model's pooling: its type (LAST, MEAN, CLS), whether it normalizes, and the Matryoshka
-    dimensions it may be cut to (None: none; (): any)."""
+    """A model's pooling: its type (LAST, MEAN, CLS), whether it normalizes, the Matryoshka
+    dimensions it may be cut to (None: none; (): any) and a sequence classifier's score head (f32
+    [num_labels, hidden]) and label names (None, (): an embedding model)."""
     type: str = "LAST"
     normalize: bool = True
     matryoshka: tuple[int, ...] | None = None
+    classifier: np.ndarray | None = dataclasses.field(default=None, compare=False)
+    labels: tuple[str, ...] = ()
 
     def check(self, params: PoolingParams, hidden_size: int) -> None:
-        """Raises InvalidRequest for dimensions the model cannot give."""
+        """Raises InvalidRequest for a task or dimensions the model cannot give."""
+        if params.task == "embed" and self.classifier is not None:
+            raise InvalidRequest("this model is a sequence classifier: it serves classify, score and rerank, "
+                                 "not embeddings", param="model")
+        if params.task == "classify" and self.classifier is None:
+            raise InvalidRequest("this model serves embeddings: it has no classification head", param="model")
         d = params.dimensions
         if d is None:
             return
@@ -62,23 +76,28 @@ class Pooler:
 
 def configure(ecfg: EngineConfig, cfg: ModelConfig, model_dir: str) -> tuple[EngineConfig, ModelConfig, Pooler | None]:
     """The engine config with its `runner` resolved (auto: pooling for a sentence-transformers
-    directory or a base-model architecture, LlamaModel and the like), the model config, and the
-    model's pooling (None: runner generate). An embedding checkpoint may lack the LM head
-    (Qwen3-Embedding-8B, base models): the head is then tied to the embeddings, for the logits of
-    the one token an embedding request samples and drops."""
+    directory or a base-model or sequence-classifier architecture, LlamaModel and the like), the
+    model config, and the model's pooling (None: runner generate). A pooling checkpoint may lack
+    the LM head (Qwen3-Embedding-8B, base models, classifiers): the head is then tied to the
+    embeddings, for the logits of the one token a pooling request samples and drops."""
     kind = ecfg.runner
     if kind == "auto":
-        base_model = causal_lm(cfg.architecture) != cfg.architecture
-        kind = "pooling" if base_model or os.path.exists(os.path.join(model_dir, ST_MODULES)) else "generate"
+        no_lm_head = causal_lm(cfg.architecture) != cfg.architecture
+        kind = "pooling" if no_lm_head or os.path.exists(os.path.join(model_dir, ST_MODULES)) else "generate"
+    if kind == "generate" and is_classifier(cfg.architecture):
+        raise ValueError(f"{model_dir} is a sequence classifier ({cfg.architecture}): serve it with runner pooling")
     if kind == "pooling" and not has_tensor(model_dir, "lm_head.weight"):
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     return dataclasses.replace(ecfg, runner=kind), cfg, load_pooler(model_dir) if kind == "pooling" else None
 
 
 def load_pooler(model_dir: str) -> Pooler:
-    """The model's pooling, from its sentence-transformers files (see the module docstring)."""
+    """The model's pooling, from its classifier head or its sentence-transformers files (see the
+    module docstring)."""
     with open(os.path.join(model_dir, "config.json")) as f:
         hf = json.load(f)
+    if is_classifier((hf.get("architectures") or [""])[0]):
+        return classifier_pooler(model_dir, hf)
     matryoshka = hf.get("matryoshka_dimensions")
     matryoshka = tuple(matryoshka) if matryoshka else (() if hf.get("is_matryoshka") else None)
     path = os.path.join(model_dir, ST_MODULES)
@@ -100,12 +119,24 @@ def load_pooler(model_dir: str) -> Pooler:
     return Pooler(kind, "Normalize" in modules, matryoshka)
 
 
+def classifier_pooler(model_dir: str, hf: dict) -> Pooler:
+    """A sequence classifier's pooling: LAST, unnormalized, its score head and labels (id2label)."""
+    score = read_tensor(model_dir, "score.weight")
+    id2label = hf.get("id2label") or {str(i): f"LABEL_{i}" for i in range(len(score))}
+    labels = tuple(id2label[str(i)] for i in range(len(id2label)))
+    if len(labels) != len(score):
+        raise ValueError(f"{model_dir}: config.json names {len(labels)} labels (id2label), its score head "
+                         f"has {len(score)}")
+    return Pooler("LAST", normalize=False, classifier=score, labels=labels)
+
+
 @dataclasses.dataclass
 class Pooled:
     """One sequence's pooling while its prompt runs (Sequence.pooling)."""
     type: str
     params: PoolingParams
     normalize: bool
+    classifier: np.ndarray | None = None   # Pooler.classifier's, for a "classify" request
     upto: int = 0                          # prompt positions packed so far
     total: np.ndarray | None = None        # f32 [hidden]: the sum of the pooled hidden states
 
@@ -118,8 +149,11 @@ class Pooled:
             return range(0, 1) if first == 0 < end else range(0)
         return range(first, end)
 
-    def embedding(self, prompt_len: int) -> list[float]:
+    def result(self, prompt_len: int) -> list[float]:
+        """The embedding, or a classifier's label logits."""
         v = self.total / (prompt_len if self.type == "MEAN" else 1)
+        if self.classifier is not None:
+            return (self.classifier @ v).tolist()
         v = v[:self.params.dimensions]
         if self.normalize:
             v = v / max(float(np.linalg.norm(v)), 1e-12)
@@ -128,16 +162,18 @@ class Pooled:
 
 def served(pooler: Pooler | None, params: SamplingParams | PoolingParams,
            hidden_size: int) -> tuple[SamplingParams, Pooled | None]:
-    """The sampling params an engine runs a request with and, for an embedding request (an engine
+    """The sampling params an engine runs a request with and, for a pooling request (an engine
     with a pooler), its pooling: the prompt runs as a prefill whose one sampled token is dropped.
     Raises InvalidRequest for a request the engine does not serve."""
     if (pooler is not None) != isinstance(params, PoolingParams):
-        raise InvalidRequest("this model serves embeddings (runner pooling), not text generation" if pooler
-                             else "this model does not serve embeddings: start it with runner pooling", param="model")
+        raise InvalidRequest("this model serves embeddings or classes (runner pooling), not text generation"
+                             if pooler else "this model does not serve embeddings, classes or scores: start it "
+                             "with runner pooling", param="model")
     if pooler is None:
         return params, None
     pooler.check(params, hidden_size)
-    pooled = Pooled(pooler.type, params, pooler.normalize if params.normalize is None else params.normalize)
+    pooled = Pooled(pooler.type, params, pooler.normalize if params.normalize is None else params.normalize,
+                    pooler.classifier)
     return SamplingParams(max_tokens=1, temperature=0.0, truncate_prompt_tokens=params.truncate_prompt_tokens), pooled
 
 

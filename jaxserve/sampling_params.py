@@ -1,4 +1,4 @@
-"""Per-request sampling settings (SamplingParams, checked when built; an embedding request's:
+"""Per-request sampling settings (SamplingParams, checked when built; a pooling request's:
 PoolingParams), their limits, the request error the engine raises (InvalidRequest), the defaults a
 model recommends (generation_config.json), and the offline API's choice of LoRA adapter (LoRARequest)."""
 from __future__ import annotations
@@ -122,14 +122,21 @@ class SamplingParams:
         return ids, dataclasses.replace(self, max_tokens=max(1, max_model_len - len(ids)))
 
 
+POOLING_TASKS = ("embed", "classify")
+
+
 @dataclasses.dataclass(frozen=True)
 class PoolingParams:
-    """vLLM's: an embedding request's settings (jaxserve/pooling.py), in place of a SamplingParams."""
+    """vLLM's: a pooling request's settings (jaxserve/pooling.py), in place of a SamplingParams."""
     dimensions: int | None = None          # keep the first N (Matryoshka models only), then normalize
     normalize: bool | None = None          # None: as the model does
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last N tokens (-1: max_model_len)
+    task: str = "embed"                    # what the engine returns: "embed" (the pooled hidden state)
+                                           # or "classify" (a sequence classifier's label logits)
 
     def __post_init__(self):
+        if self.task not in POOLING_TASKS:
+            raise InvalidRequest(f"task must be one of {', '.join(POOLING_TASKS)} (got {self.task!r})", param="task")
         if self.truncate_prompt_tokens not in (None, -1) and self.truncate_prompt_tokens < 1:
             raise InvalidRequest(f"truncate_prompt_tokens must be at least 1, or -1 (the model's context length) "
                                  f"(got {self.truncate_prompt_tokens!r})", param="truncate_prompt_tokens")

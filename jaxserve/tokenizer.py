@@ -46,6 +46,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
 
+    def encode_pair(self, text_1: str, text_2: str, add_special_tokens: bool = True) -> list[int]:
+        """Two texts as one prompt (a cross-encoder's), as `tokenizer(text_1, text_2)` does: here each
+        encoded with its special tokens, one after the other, as transformers' sentencepiece Llama
+        tokenizer builds a pair."""
+        return self.encode(text_1, add_special_tokens) + self.encode(text_2, add_special_tokens)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
 
@@ -126,6 +132,10 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text, add_special_tokens=True):
         return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_pair(self, text_1, text_2, add_special_tokens=True):
+        # tokenizer.json's post-processor lays out the pair ("[CLS] A [SEP] B [SEP]", or A B)
+        return self.tk.encode(text_1, text_2, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens=True):
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)

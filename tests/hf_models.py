@@ -70,16 +70,17 @@ MOE_CONFIGS = {
 }
 
 
-def save_hf_model(name: str, out_dir: str, seed: int = 0):
-    """Build the named config with seeded random weights, save_pretrained it, return the model."""
+def save_hf_model(name: str, out_dir: str, seed: int = 0, auto_class=tf.AutoModelForCausalLM, **config):
+    """Build the named config (with `config`'s overrides) with seeded random weights, as `auto_class`
+    (e.g. AutoModelForSequenceClassification), save_pretrained it, return the model."""
     cls, extra = {**CONFIGS, **MOE_CONFIGS}[name]
     torch.manual_seed(seed)
     if "text" in extra:   # a multimodal model: BASE shapes its language model
         extra = dict(extra)
-        cfg = cls(text_config={**BASE, **extra.pop("text")}, **extra)
+        cfg = cls(text_config={**BASE, **extra.pop("text")}, **extra, **config)
     else:
-        cfg = cls(**{**BASE, **extra})
-    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+        cfg = cls(**{**BASE, **extra, **config})
+    model = auto_class.from_config(cfg, attn_implementation="eager").eval()
     if name == "qwen2_bias_tied":  # biases are zero-initialised: make them matter
         with torch.no_grad():
             for layer in model.model.layers:

@@ -198,7 +198,7 @@ def test_pooling_sums_over_chunks_and_a_preemption(kind):
             pooling.accumulate(packed[0], pooling.compute(step_hidden, *packed[1], num_segments=4))
     for n, h in hidden.items():
         want = {"LAST": h[-1], "MEAN": h.mean(0), "CLS": h[0]}[kind]
-        np.testing.assert_allclose(seqs[n].pooling.embedding(n), want, atol=1e-5)
+        np.testing.assert_allclose(seqs[n].pooling.result(n), want, atol=1e-5)
 
 
 if __name__ == "__main__":   # the TP 2 run, on the fake devices of this process

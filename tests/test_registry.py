@@ -2,7 +2,8 @@
 parity checkpoint (tests/test_models.py runs it against transformers), and its name map and
 sharding rules cover its parameters, and its name map works both ways: our save_pretrained
 writes the very tensors transformers wrote, transformers loads them to the same logits, and
-our load of them gives those logits too."""
+our load of them gives those logits too. A family's sequence classifier is its transformer and a
+score head."""
 import json
 import os
 
@@ -12,8 +13,8 @@ import pytest
 import torch
 import transformers as tf
 
-from jaxserve import checkpoint, parallel
-from jaxserve.config import ModelConfig
+from jaxserve import checkpoint, parallel, pooling
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models import build_model
 from jaxserve.models.registry import ARCHITECTURES
 from tests.hf_models import CONFIGS, MOE_CONFIGS, save_hf_model
@@ -93,3 +94,24 @@ def test_gemma3_multimodal_text_config_as_published(tmp_path):
     assert (cfg.rope_scaling.kind, cfg.rope_scaling.factor) == ("linear", 8.0)
     assert cfg.max_position_embeddings == text.max_position_embeddings and cfg.tie_word_embeddings
     assert cfg.eos_token_ids == (1, 106)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_sequence_classifiers_are_their_transformer_and_a_score_head(arch, tmp_path):
+    """transformers' XForSequenceClassification of each family that has one: runner auto pools it,
+    its transformer loads through the family's name map, and the score head (jaxserve/pooling.py)
+    on our last final hidden state gives transformers' logits."""
+    name = next(n for n in sorted(ALL_CONFIGS) if hf_architecture(n) == arch)
+    hf_config = ALL_CONFIGS[name][0]
+    if hf_config not in tf.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+        pytest.skip(f"transformers has no sequence classifier for {hf_config.__name__}")
+    path = str(tmp_path)
+    hf = save_hf_model(name, path, auto_class=tf.AutoModelForSequenceClassification, num_labels=3, pad_token_id=None)
+    ecfg, cfg, pooler = pooling.configure(EngineConfig(), ModelConfig.from_pretrained(path), path)
+    assert ecfg.runner == "pooling" and pooler.labels == ("LABEL_0", "LABEL_1", "LABEL_2")
+    model = build_model(cfg)
+    tokens = np.random.RandomState(0).randint(1, cfg.vocab_size, (1, 12))
+    hidden, _ = model.apply({"params": checkpoint.load_params(path, cfg)}, tokens, np.arange(12)[None])
+    with torch.no_grad():
+        want = hf(torch.tensor(tokens)).logits[0].numpy()
+    np.testing.assert_allclose(pooler.classifier @ np.asarray(hidden[0, -1]), want, atol=1e-4)

@@ -58,11 +58,32 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+# The heads besides the LM head that a family's transformer may carry, as the causal LM's
+# architecture serves them: none (XModel, as embedding models ship) and a sequence classifier
+# (XForSequenceClassification: a `score` Linear on the last token's final hidden state,
+# jaxserve/pooling.py). Both run on the pooling runner.
+POOLING_SUFFIXES = ("Model", "ForSequenceClassification")
+# The classifiers whose transformer is another architecture's than their name says: Gemma 3's
+# (multimodal) holds Gemma3ForConditionalGeneration's tensors, its text-only one Gemma3ForCausalLM's.
+CLASSIFIER_TRANSFORMERS = {"Gemma3ForSequenceClassification": "Gemma3ForConditionalGeneration",
+                           "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
+
+
 def causal_lm(name: str) -> str:
-    """A family's base-model name (LlamaModel, Qwen2Model, MistralModel: its transformer without the
-    LM head, as embedding models ship) as its causal LM's; any other name as it is."""
-    causal = name.removesuffix("Model") + "ForCausalLM"
-    return causal if name.endswith("Model") and causal in ARCHITECTURES else name
+    """A family's base-model or sequence-classifier name (LlamaModel, Qwen3ForSequenceClassification)
+    as the registered architecture with its transformer (its causal LM); any other name as it is."""
+    if name in CLASSIFIER_TRANSFORMERS:
+        return CLASSIFIER_TRANSFORMERS[name]
+    for suffix in POOLING_SUFFIXES:
+        causal = name.removesuffix(suffix) + "ForCausalLM"
+        if name.endswith(suffix) and causal in ARCHITECTURES:
+            return causal
+    return name
+
+
+def is_classifier(name: str) -> bool:
+    """Whether `name` is a registered family's sequence classifier."""
+    return name.endswith("ForSequenceClassification") and causal_lm(name) != name
 
 
 def architecture(name: str) -> Architecture:

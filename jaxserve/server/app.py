@@ -1,7 +1,7 @@
-"""Flask app factory: the OpenAI routes (embeddings among them) plus /health, /metrics, /tokenize, /detokenize,
-/tokenizer_info, /version, vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter,
-optional Bearer-token auth (one key, or per-tenant keys whose tenant salts the prefix cache of
-every request), and JSON errors for everything."""
+"""Flask app factory: the OpenAI routes (embeddings among them), vLLM's classify, score and rerank,
+plus /health, /metrics, /tokenize, /detokenize, /tokenizer_info, /version, vLLM's
+/v1/load_lora_adapter and /v1/unload_lora_adapter, optional Bearer-token auth (one key, or
+per-tenant keys whose tenant salts the prefix cache of every request), and JSON errors for everything."""
 from __future__ import annotations
 
 import hmac
@@ -16,6 +16,7 @@ from jaxserve.server.errors import APIError, register_error_handlers
 from jaxserve.server.host import EngineHost, version
 from jaxserve.server.openai_api import bp as openai_bp, chat_prompt
 from jaxserve.server.responses_api import bp as responses_bp
+from jaxserve.server.score_api import bp as score_bp
 from jaxserve.server.validation import field, is_int, json_body
 
 TINY_MODEL_NAME = "jaxserve-tiny"
@@ -57,6 +58,7 @@ def create_app(engine_cfg: EngineConfig, served_model_name: str | None = None, a
     app.register_blueprint(openai_bp)
     app.register_blueprint(responses_bp)
     app.register_blueprint(embeddings_bp)
+    app.register_blueprint(score_bp)
 
     # key -> tenant. A lone --api-key has none (no salt); beside tenants' keys it is tenant "", so
     # no request goes unsalted, whose client could then pick another tenant's salt itself.

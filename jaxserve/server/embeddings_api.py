@@ -4,8 +4,9 @@
 `encoding_format` "float" (the default) or "base64" (the little-endian float32 bytes, what the
 openai client asks for); `dimensions` for a Matryoshka model. vLLM's extras: `truncate_prompt_tokens`,
 `add_special_tokens` (default true: the tokenizer's bos/eos, which embedding models are trained
-with), `normalize`, `timeout`. A long list runs max_num_seqs inputs at a time, so it never
-overflows the server's queue (whose bound is per request).
+with), `normalize`, `timeout`. The pieces every pooling route shares (score_api.py's classify,
+score and rerank too) are here: the engine and model, the pooling params, and `pool`, which runs
+the prompts max_num_seqs at a time.
 """
 from __future__ import annotations
 
@@ -22,46 +23,72 @@ from jaxserve.server.openai_api import check_model, client_connected, request_ti
 from jaxserve.server.validation import field, is_int, json_body, prompts
 
 bp = Blueprint("embeddings", __name__)
-MAX_INPUTS = 2048   # OpenAI's
+MAX_INPUTS = 2048   # OpenAI's (also the most texts a classify, score or rerank request may hold)
+
+
+def pooling_engine(body: dict):
+    """(host, model name, engine) of a pooling route's request: the served model (no LoRA adapter)."""
+    host = current_app.extensions["jaxserve"]
+    model = check_model(body, host)
+    if model != host.model_name:
+        raise APIError(400, f"pooling requests run on the served model {host.model_name!r}, not on a LoRA adapter",
+                       param="model")
+    return host, model, host.require_engine().engine
+
+
+def inputs(body: dict, engine) -> list[list[int]]:
+    """body["input"]: a string, strings, token ids or lists of token ids, the strings tokenized
+    with `add_special_tokens` (default true: the tokenizer's bos/eos, which pooling models are trained with)."""
+    special = field(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean", True)
+    items = prompts(body, lambda text: engine.tokenizer.encode(text, add_special_tokens=special), "input", MAX_INPUTS)
+    return [ids for _, ids in items]
+
+
+def pooling_params(body: dict, task: str, **fields) -> PoolingParams:
+    """The body's vLLM pooling extras (truncate_prompt_tokens) and `fields`, for `task`."""
+    try:
+        return PoolingParams(task=task, truncate_prompt_tokens=field(body, "truncate_prompt_tokens", is_int,
+                                                                      "an integer"), **fields)
+    except InvalidRequest as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
+def pool(host, ids: list[list[int]], params: PoolingParams, request_id: str, timeout: float | None,
+         prompt_field: str) -> list:
+    """Each prompt's final output (RequestOutput.pooled), in order. max_num_seqs prompts run at a
+    time, so a long list never overflows the server's queue (whose bound is per request); a prompt
+    the engine refuses is named as the body's `prompt_field`."""
+    deadline = timeout and time.monotonic() + timeout
+    outputs, window = [], host.require_engine().engine.ecfg.max_num_seqs
+    for start in range(0, len(ids), window):
+        try:
+            streams = host.submit(ids[start:start + window], params, f"{request_id}-{start}")
+        except APIError as e:
+            e.param = prompt_field if e.param == "prompt" else e.param
+            raise
+        left = deadline and max(deadline - time.monotonic(), 1e-3)
+        outputs += [out for _, out in host.follow(streams, alive=client_connected(request.environ), timeout=left)
+                    if out.finished]
+    return outputs
 
 
 @bp.post("/v1/embeddings")
 def embeddings():
-    host = current_app.extensions["jaxserve"]
     body = json_body()
-    model = check_model(body, host)
-    if model != host.model_name:
-        raise APIError(400, f"embeddings run on the served model {host.model_name!r}, not on a LoRA adapter",
-                       param="model")
-    engine = host.require_engine().engine
+    host, model, engine = pooling_engine(body)
     fmt = field(body, "encoding_format", lambda v: v in ("float", "base64"), '"float" or "base64"', "float")
-    special = field(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean", True)
-    items = prompts(body, lambda text: engine.tokenizer.encode(text, add_special_tokens=special), "input", MAX_INPUTS)
-    try:
-        params = PoolingParams(
-            dimensions=field(body, "dimensions", lambda v: is_int(v) and v >= 1, "a positive integer"),
-            normalize=field(body, "normalize", lambda v: isinstance(v, bool), "a boolean"),
-            truncate_prompt_tokens=field(body, "truncate_prompt_tokens", is_int, "an integer"))
-    except InvalidRequest as e:
-        raise APIError(400, str(e), param=e.param) from None
-    timeout = request_timeout(body)
-    deadline = timeout and time.monotonic() + timeout
+    ids = inputs(body, engine)
+    params = pooling_params(
+        body, "embed", dimensions=field(body, "dimensions", lambda v: is_int(v) and v >= 1, "a positive integer"),
+        normalize=field(body, "normalize", lambda v: isinstance(v, bool), "a boolean"))
     request_id = f"embd-{uuid.uuid4().hex}"
-    data, prompt_tokens, window = [], 0, engine.ecfg.max_num_seqs
-    for start in range(0, len(items), window):
-        ids = [i for _, i in items[start:start + window]]
-        try:
-            streams = host.submit(ids, params, f"{request_id}-{start}")
-        except APIError as e:   # the engine names the prompt what this API calls `input`
-            e.param = "input" if e.param == "prompt" else e.param
-            raise
-        left = deadline and max(deadline - time.monotonic(), 1e-3)
-        for i, out in host.follow(streams, alive=client_connected(request.environ), timeout=left):
-            if out.finished:
-                vector = np.asarray(out.embedding, np.float32)
-                data.append({"index": start + i, "object": "embedding",
-                             "embedding": base64.b64encode(vector.astype("<f4").tobytes()).decode()
-                             if fmt == "base64" else vector.tolist()})
-                prompt_tokens += len(out.prompt_token_ids)
+    outputs = pool(host, ids, params, request_id, request_timeout(body), "input")
+    data = []
+    for i, out in enumerate(outputs):
+        vector = np.asarray(out.pooled, np.float32)
+        data.append({"index": i, "object": "embedding",
+                     "embedding": base64.b64encode(vector.astype("<f4").tobytes()).decode()
+                     if fmt == "base64" else vector.tolist()})
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     return jsonify({"id": request_id, "object": "list", "created": int(time.time()), "model": model, "data": data,
                     "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})

@@ -66,6 +66,14 @@ def field(body: dict, name: str, check, what: str, default=None):
     return value
 
 
+def required(body: dict, name: str, check, what: str):
+    """body[name], which must be there and pass `check`."""
+    value = field(body, name, check, what)
+    if value is None:
+        raise APIError(400, f"'{name}' is required: {what}", param=name)
+    return value
+
+
 def reject_unsupported(body: dict) -> None:
     for name, off in UNSUPPORTED.items():
         if name in body and body[name] not in off:
