@@ -66,8 +66,12 @@ def checkpoint_tensors(model_dir: str) -> list[tuple[str, np.ndarray]]:
         raise ValueError(f"cannot read the tensors of {model_dir!r}: {e}") from None
 
 
-def host_array(tensor) -> np.ndarray:
-    """A numpy, JAX or torch tensor as a numpy array (torch's bfloat16 has no numpy type: as f32)."""
+def as_array(tensor):
+    """A JAX array as it is (a trainer's, already on the devices: resharded device to device), a
+    torch tensor as a numpy array (torch's bfloat16 has no numpy type: as f32), anything else as
+    numpy reads it."""
+    if isinstance(tensor, jax.Array):
+        return tensor
     if hasattr(tensor, "detach"):
         tensor = tensor.detach().cpu()
         return (tensor.float() if str(tensor.dtype) == "torch.bfloat16" else tensor).numpy()
@@ -96,7 +100,7 @@ def load_weights(params: dict, weights: Iterable[tuple[str, Any]], cfg: ModelCon
     check(weights, by_name)
     tied_head = isinstance(params.get(quant.HEAD), dict) and cfg.tie_word_embeddings
     for name, tensor in weights:
-        x = host_array(tensor)
+        x = as_array(tensor)
         for t in by_name[name]:
             _put(params, t, (x if t.rows is None else x[t.rows[0]:t.rows[1]]).astype(t.dtype), quantization)
             if tied_head and t.keys == quant.TIED_EMBEDDING:   # the head is a quantized copy of the table
@@ -104,7 +108,7 @@ def load_weights(params: dict, weights: Iterable[tuple[str, Any]], cfg: ModelCon
     return len(weights)
 
 
-def _put(params: dict, t: Target, value: np.ndarray, quantization: str | None) -> None:
+def _put(params: dict, t: Target, value, quantization: str | None) -> None:
     parent = quant.node(params, t.keys[:-1])
     if t.keys[-1] == "weight" and "qweight" in parent:   # a quantized Linear (its bias stays beside it)
         _quantize(params, t.keys, jax.device_put(value, parent["qweight"].sharding), quantization)

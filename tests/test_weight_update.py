@@ -84,9 +84,11 @@ CASES = [("phi3_fused", "int8", False),       # qkv_proj and gate_up_proj feed t
          ("qwen3_moe", None, False)]          # each expert's tensors into its slice of the stacked params
 
 
-def compare_with_the_loader(tmp: str, name: str, quantization: str | None, lm_head: bool, mesh_shape: dict) -> None:
-    """Params of checkpoint A given B's tensors (numpy, read from its safetensors file) equal the
-    loader's params of B, leaf for leaf and placement for placement."""
+def compare_with_the_loader(tmp: str, name: str, quantization: str | None, lm_head: bool, mesh_shape: dict,
+                            jax_arrays: bool = False) -> None:
+    """Params of checkpoint A given B's tensors (read from its safetensors file; numpy, or JAX
+    arrays on the first device as a trainer's would be) equal the loader's params of B, leaf for
+    leaf and placement for placement."""
     dirs = [os.path.join(tmp, f"{name}-{s}") for s in "ab"]
     for seed, d in enumerate(dirs):
         save_hf_model(name, d, seed=seed)
@@ -95,6 +97,7 @@ def compare_with_the_loader(tmp: str, name: str, quantization: str | None, lm_he
     params = load_for_mesh(dirs[0], cfg, dtype, quantization, mesh, lm_head)
     want = load_for_mesh(dirs[1], cfg, dtype, quantization, mesh, lm_head)
     weights = list(load_file(os.path.join(dirs[1], "model.safetensors")).items())   # as the checkpoint names them
+    weights = [(k, jax.device_put(v) if jax_arrays else v) for k, v in weights]
     weight_update.load_weights(params, weights, cfg, dtype, quantization)
 
     got, expected = jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_flatten_with_path(want)[0]
@@ -110,7 +113,8 @@ def test_loaded_params_equal_the_loaders(tmp_path, name, quantization, lm_head):
 
 
 def test_loaded_params_equal_the_loaders_under_tensor_parallelism(tmp_path):
-    """The same at TP 2 (fake CPU devices, in a subprocess): each new leaf split as the one it replaces."""
+    """The same at TP 2 (fake CPU devices, in a subprocess), from JAX arrays: each new leaf split
+    as the one it replaces."""
     subprocess.run([sys.executable, "-m", "tests.test_weight_update", str(tmp_path)], check=True, cwd=ROOT,
                    env=fake_devices_env(2), timeout=300)
 
@@ -147,7 +151,7 @@ def test_reset_prefix_cache_forgets_cached_pages_only_when_none_is_in_use():
 
 if __name__ == "__main__":   # the TP run, on the fake devices of this process
     for case in CASES:
-        compare_with_the_loader(sys.argv[1], *case, {"model": 2})
+        compare_with_the_loader(sys.argv[1], *case, {"model": 2}, jax_arrays=True)
 
 
 def test_server_loads_a_checkpoint_between_requests(tmp_path):
