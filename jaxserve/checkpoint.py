@@ -116,13 +116,18 @@ def has_tensor(model_dir: str, name: str) -> bool:
     return is_orbax_checkpoint(model_dir) or name in _tensor_index(model_dir)
 
 
-def read_tensor(model_dir: str, name: str) -> np.ndarray:
-    """One whole tensor of an HF checkpoint in f32 (a sequence classifier's score head, read on the host)."""
+def read_tensor(model_dir: str, name: str, rows: list[int] | None = None) -> np.ndarray:
+    """A tensor of an HF checkpoint in f32, whole or only `rows` of it (a sequence classifier's
+    score head, or the LM head's rows of a few tokens, read on the host)."""
     index = {} if is_orbax_checkpoint(model_dir) else _tensor_index(model_dir)
+    name = _as_in_checkpoint(name, index)
     if name not in index:
         raise ValueError(f"{model_dir} has no tensor {name!r} in its safetensors files")
     with safe_open(index[name], framework="np") as f:
-        return f.get_tensor(name).astype(np.float32)
+        if rows is None:
+            return f.get_tensor(name).astype(np.float32)
+        tensor = f.get_slice(name)
+        return np.concatenate([tensor[r:r + 1] for r in rows]).astype(np.float32)
 
 
 def is_orbax_checkpoint(model_dir: str) -> bool:

@@ -36,6 +36,8 @@ def engine_config(args) -> EngineConfig:
     cfg = dataclasses.replace(cfg, mesh={**cfg.mesh, **{axis: n for axis, n in axes.items() if n is not None}})
     if args.speculative_config:
         cfg = dataclasses.replace(cfg, speculative=json.loads(args.speculative_config))
+    if args.hf_overrides:
+        cfg = dataclasses.replace(cfg, hf_overrides=json.loads(args.hf_overrides))
     flags = {"quantization": args.quantization, "quantize_lm_head": args.quantize_lm_head or None,
              "kv_cache_dtype": args.kv_cache_dtype, "decode_steps": args.decode_steps,
              "generation_config": args.generation_config, "runner": args.runner,
@@ -80,6 +82,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runner", choices=RUNNERS, help="what the engine serves, as vLLM's: generate (text), pooling "
                    "(embeddings, classes, scores: /v1/embeddings, /classify, /score, /rerank), auto (default: "
                    "pooling for a sentence-transformers model, a base model or a sequence classifier)")
+    p.add_argument("--hf-overrides", help="keys over the model's config.json as JSON (vLLM's), e.g. a Qwen3-Reranker "
+                   "as a cross-encoder: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                   "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
     p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                    help="PEFT LoRA adapters to serve beside the model, loaded at start; a request's 'model' "

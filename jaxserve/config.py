@@ -132,11 +132,16 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no config.json in {model_dir}")
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f))
+        return cls.from_hf_dict(read_hf_config(model_dir))
+
+
+def read_hf_config(model_dir: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A model directory's config.json, `overrides` (vLLM's hf_overrides) over its keys."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    with open(path) as f:
+        return {**json.load(f), **(overrides or {})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +266,10 @@ class EngineConfig:
     # jaxserve/pooling.py) | auto (pooling for a sentence-transformers model directory, a base-model or a
     # sequence-classifier architecture, else generate).
     runner: str = "auto"
+    # vLLM's hf_overrides: keys over the model's config.json, e.g. a Qwen3-Reranker (a causal LM)
+    # served as a cross-encoder: {"architectures": ["Qwen3ForSequenceClassification"],
+    # "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true} (jaxserve/pooling.py).
+    hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self):
         if isinstance(self.distributed, dict):
@@ -289,6 +298,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"engine config: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"engine config: hf_overrides must be a mapping of config.json keys, got "
+                             f"{self.hf_overrides!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"engine config: runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.runner == "pooling" and self.mesh.get("seq", 1) > 1:

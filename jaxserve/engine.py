@@ -27,7 +27,7 @@ from jaxserve import lora, parallel, pooling
 from jaxserve import quantization as quant
 from jaxserve.block_manager import BlockManager
 from jaxserve.checkpoint import load_for_mesh, resolve_dtype, saved_lm_head, saved_quantization
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
 from jaxserve.runner import Launched, ModelRunner, SampleResult
 from jaxserve.sampling import reads_outputs, samples_ahead
@@ -60,8 +60,7 @@ class LLMEngine:
     def __init__(self, engine_cfg: EngineConfig | None = None, *, params=None, mesh=None):
         self.model_dir = model_dir = (engine_cfg or EngineConfig()).model or TINY_MODEL_DIR
         # runner auto resolved; an embedding engine's pooling (None: text generation)
-        self.ecfg, self.model_cfg, self.pooler = pooling.configure(engine_cfg or EngineConfig(),
-                                                                   ModelConfig.from_pretrained(model_dir), model_dir)
+        self.ecfg, self.model_cfg, self.pooler = pooling.configure(engine_cfg or EngineConfig(), model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.dtype = resolve_dtype(self.ecfg.dtype)
         mesh = mesh if mesh is not None else parallel.make_mesh(self.ecfg.mesh)

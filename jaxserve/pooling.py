@@ -12,7 +12,11 @@ A sequence classifier (XForSequenceClassification: `score`, a Linear [num_labels
 bias, on the last token's final hidden state; config.json's id2label names the labels) runs on the
 same runner, LAST pooling, unnormalized: the head is applied on the host to the one pooled vector
 per sequence (a tiny matmul), and a "classify" request gets the label logits (the activation, softmax or
-sigmoid, is the caller's: jaxserve/scoring.py). Runner auto picks pooling for it too.
+sigmoid, is the caller's: jaxserve/scoring.py). Runner auto picks pooling for it too. A causal LM
+becomes one through vLLM's hf_overrides (EngineConfig.hf_overrides), as the Qwen3-Reranker is
+served: `classifier_from_token` names tokens whose LM-head rows are the head, one label each; with
+`method` "from_2_way_softmax" (or `is_original_qwen3_reranker`) two tokens make one label, the
+second's row minus the first's (the sigmoid of logit("yes") - logit("no") is the softmax's "yes").
 
 The hidden states are those the prefill steps compute anyway, as prompt logprobs' are: `pack` lists
 the hidden rows of a step that each pooling sequence needs (LAST: its last prompt position, MEAN:
@@ -36,9 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint import has_tensor, read_tensor
-from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.models.registry import causal_lm, is_classifier
+from jaxserve.config import EngineConfig, ModelConfig, read_hf_config
+from jaxserve.models.registry import architecture, causal_lm, is_classifier
 from jaxserve.sampling_params import InvalidRequest, PoolingParams, SamplingParams
+from jaxserve.tokenizer import load_tokenizer
 
 POOLING_TYPES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 ST_MODULES = "modules.json"   # sentence-transformers' list of modules after the transformer
@@ -74,12 +79,15 @@ class Pooler:
             raise InvalidRequest(f"dimensions must be one of {allowed}, got {d}", param="dimensions")
 
 
-def configure(ecfg: EngineConfig, cfg: ModelConfig, model_dir: str) -> tuple[EngineConfig, ModelConfig, Pooler | None]:
+def configure(ecfg: EngineConfig, model_dir: str) -> tuple[EngineConfig, ModelConfig, Pooler | None]:
     """The engine config with its `runner` resolved (auto: pooling for a sentence-transformers
     directory or a base-model or sequence-classifier architecture, LlamaModel and the like), the
-    model config, and the model's pooling (None: runner generate). A pooling checkpoint may lack
-    the LM head (Qwen3-Embedding-8B, base models, classifiers): the head is then tied to the
-    embeddings, for the logits of the one token a pooling request samples and drops."""
+    model config (config.json, the engine's hf_overrides over it), and the model's pooling (None:
+    runner generate). A pooling checkpoint may lack the LM head (Qwen3-Embedding-8B, base models,
+    classifiers): the head is then tied to the embeddings, for the logits of the one token a
+    pooling request samples and drops."""
+    hf = read_hf_config(model_dir, ecfg.hf_overrides)
+    cfg = ModelConfig.from_hf_dict(hf)
     kind = ecfg.runner
     if kind == "auto":
         no_lm_head = causal_lm(cfg.architecture) != cfg.architecture
@@ -88,16 +96,14 @@ def configure(ecfg: EngineConfig, cfg: ModelConfig, model_dir: str) -> tuple[Eng
         raise ValueError(f"{model_dir} is a sequence classifier ({cfg.architecture}): serve it with runner pooling")
     if kind == "pooling" and not has_tensor(model_dir, "lm_head.weight"):
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
-    return dataclasses.replace(ecfg, runner=kind), cfg, load_pooler(model_dir) if kind == "pooling" else None
+    return dataclasses.replace(ecfg, runner=kind), cfg, load_pooler(model_dir, hf, cfg) if kind == "pooling" else None
 
 
-def load_pooler(model_dir: str) -> Pooler:
+def load_pooler(model_dir: str, hf: dict, cfg: ModelConfig) -> Pooler:
     """The model's pooling, from its classifier head or its sentence-transformers files (see the
-    module docstring)."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        hf = json.load(f)
-    if is_classifier((hf.get("architectures") or [""])[0]):
-        return classifier_pooler(model_dir, hf)
+    module docstring); `hf` its config.json (with any overrides), `cfg` the model config."""
+    if is_classifier(cfg.architecture):
+        return classifier_pooler(model_dir, hf, cfg)
     matryoshka = hf.get("matryoshka_dimensions")
     matryoshka = tuple(matryoshka) if matryoshka else (() if hf.get("is_matryoshka") else None)
     path = os.path.join(model_dir, ST_MODULES)
@@ -119,8 +125,11 @@ def load_pooler(model_dir: str) -> Pooler:
     return Pooler(kind, "Normalize" in modules, matryoshka)
 
 
-def classifier_pooler(model_dir: str, hf: dict) -> Pooler:
-    """A sequence classifier's pooling: LAST, unnormalized, its score head and labels (id2label)."""
+def classifier_pooler(model_dir: str, hf: dict, cfg: ModelConfig) -> Pooler:
+    """A sequence classifier's pooling: LAST, unnormalized, its score head and labels (id2label),
+    or the head of a causal LM's tokens (classifier_from_token)."""
+    if "classifier_from_token" in hf:
+        return token_classifier_pooler(model_dir, hf, cfg)
     score = read_tensor(model_dir, "score.weight")
     id2label = hf.get("id2label") or {str(i): f"LABEL_{i}" for i in range(len(score))}
     labels = tuple(id2label[str(i)] for i in range(len(id2label)))
@@ -128,6 +137,23 @@ def classifier_pooler(model_dir: str, hf: dict) -> Pooler:
         raise ValueError(f"{model_dir}: config.json names {len(labels)} labels (id2label), its score head "
                          f"has {len(score)}")
     return Pooler("LAST", normalize=False, classifier=score, labels=labels)
+
+
+def token_classifier_pooler(model_dir: str, hf: dict, cfg: ModelConfig) -> Pooler:
+    """The head made of the LM head's rows of `classifier_from_token`'s tokens (see the module docstring)."""
+    tokens, tokenizer = hf["classifier_from_token"], load_tokenizer(model_dir)
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in tokens]
+    if not tokens or any(len(i) != 1 for i in ids):
+        raise ValueError(f"{model_dir}: classifier_from_token {tokens} must be tokens of its tokenizer, one id each "
+                         f"(they encode as {ids})")
+    # the LM head the engine computes: the embeddings when tied (configure ties a missing head)
+    path = ("model", "embed_tokens", "embedding") if cfg.tie_word_embeddings else ("lm_head", "weight")
+    rows = read_tensor(model_dir, architecture(cfg.architecture).hf_tensor(path, cfg)[0], [i[0] for i in ids])
+    if hf.get("method") == "from_2_way_softmax" or hf.get("is_original_qwen3_reranker"):
+        if len(tokens) != 2:
+            raise ValueError(f"{model_dir}: a 2-way softmax classifier takes two classifier_from_token, got {tokens}")
+        return Pooler("LAST", normalize=False, classifier=rows[1:] - rows[:1], labels=(tokens[1],))
+    return Pooler("LAST", normalize=False, classifier=rows, labels=tuple(tokens))
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ import requests
 import torch
 
 from jaxserve import LLM, PoolingParams, SamplingParams, pooling
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig
 from jaxserve.sampling_params import InvalidRequest
 from jaxserve.scheduler import ScheduledSeq
 from jaxserve.sequence import Sequence
@@ -135,7 +135,7 @@ def test_base_model_defaults_to_last_token_pooling(mean_llm, tmp_path):
     """A base-model architecture without sentence-transformers files: runner auto pools (LAST,
     normalized), its missing LM head tied to the embeddings."""
     path = base_model_dir(str(tmp_path), mean_llm[1])
-    ecfg, cfg, pooler = pooling.configure(EngineConfig(runner="auto"), ModelConfig.from_pretrained(path), path)
+    ecfg, cfg, pooler = pooling.configure(EngineConfig(runner="auto", model=path), path)
     assert (cfg.architecture, ecfg.runner, pooler, cfg.tie_word_embeddings) == (
         "MistralModel", "pooling", pooling.Pooler("LAST", True, None), True)
 

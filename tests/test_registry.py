@@ -107,7 +107,7 @@ def test_sequence_classifiers_are_their_transformer_and_a_score_head(arch, tmp_p
         pytest.skip(f"transformers has no sequence classifier for {hf_config.__name__}")
     path = str(tmp_path)
     hf = save_hf_model(name, path, auto_class=tf.AutoModelForSequenceClassification, num_labels=3, pad_token_id=None)
-    ecfg, cfg, pooler = pooling.configure(EngineConfig(), ModelConfig.from_pretrained(path), path)
+    ecfg, cfg, pooler = pooling.configure(EngineConfig(model=path), path)
     assert ecfg.runner == "pooling" and pooler.labels == ("LABEL_0", "LABEL_1", "LABEL_2")
     model = build_model(cfg)
     tokens = np.random.RandomState(0).randint(1, cfg.vocab_size, (1, 12))

@@ -3,7 +3,7 @@ transformers: a Qwen3 cross-encoder (one label) served, its /score (1:1, 1:N, N:
 /classify through plain HTTP against Qwen3ForSequenceClassification on the pairs transformers'
 tokenizer lays out; a three-label Llama classifier's LLM.classify (softmax, id2label's order);
 an embedding model's LLM.score (cosine of transformers' last hidden states); bad bodies and the
-models that refuse a task."""
+models that refuse a task; a Qwen3-Reranker (a causal LM) under vLLM's hf_overrides."""
 import json
 import os
 
@@ -14,7 +14,9 @@ import torch
 import transformers as tf
 from tokenizers import Tokenizer, processors
 
-from jaxserve import LLM, PoolingParams, scoring
+from jaxserve import LLM, PoolingParams, checkpoint, pooling, scoring
+from jaxserve.config import EngineConfig
+from jaxserve.models import build_model
 from jaxserve.sampling_params import InvalidRequest
 from tests import server_harness
 from tests.hf_models import save_byte_tokenizer, save_hf_model
@@ -208,3 +210,30 @@ def test_score_pairing_and_refusals():
         PoolingParams(task="score")
     np.testing.assert_allclose(scoring.probabilities([0.0, np.log(3)]), [0.25, 0.75])
     assert json.dumps(scoring.probabilities([2.0])) == json.dumps([float(sigmoid(2.0))])
+
+
+QWEN3_RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                  "is_original_qwen3_reranker": True}   # vLLM's hf_overrides for Qwen3-Reranker
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen3_reranker_scores_yes_against_no(tied, tmp_path):
+    """A Qwen3ForCausalLM with vLLM's Qwen3-Reranker hf_overrides: one label whose head is the LM
+    head's "yes" row minus its "no" row, so its sigmoid on our last hidden state is transformers'
+    softmax of the last token's (no, yes) logits at "yes" (0.6B ties its head, the larger ones do not)."""
+    path = str(tmp_path)
+    model = save_hf_model("qwen3_qk_norm", path, vocab_size=260, tie_word_embeddings=tied)
+    save_byte_tokenizer(path)
+    tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    tokenizer.add_tokens(["no", "yes"])   # one id each, as in Qwen's vocabulary
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    ecfg, cfg, pooler = pooling.configure(EngineConfig(model=path, hf_overrides=QWEN3_RERANKER), path)
+    assert (ecfg.runner, cfg.architecture, pooler.labels) == ("pooling", "Qwen3ForSequenceClassification", ("yes",))
+    ids = tokenizer.encode(QUERY + DOCUMENTS[0]).ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].double().numpy()
+    no, yes = logits[tokenizer.token_to_id("no")], logits[tokenizer.token_to_id("yes")]
+    flax_model = build_model(cfg)
+    hidden, _ = flax_model.apply({"params": checkpoint.load_params(path, cfg)}, np.array([ids]), np.arange(len(ids))[None])
+    np.testing.assert_allclose(scoring.probabilities(pooler.classifier @ np.asarray(hidden[0, -1])),
+                               [np.exp(yes) / (np.exp(no) + np.exp(yes))], atol=1e-5)
