@@ -152,9 +152,8 @@ class LLM:
                  pooling_params: PoolingParams | list[PoolingParams] | None = None,
                  use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
         """Each prompt's label probabilities (a sequence classifier: jaxserve/pooling.py); prompts and
-        params as generate's, the params' task set to classify."""
+        params as generate's."""
         prompts, params = self._per_prompt(prompts, pooling_params or PoolingParams())
-        params = [dataclasses.replace(p, task="classify") for p in params]
         ids = [self._parse(p, i)[1] for i, p in enumerate(prompts)]
         return [ClassificationRequestOutput(req.request_id, req.prompt_token_ids,
                                             ClassificationOutput(scoring.probabilities(logits)))
@@ -166,8 +165,8 @@ class LLM:
         cross-encoder's sigmoid of each pair's logit, or an embedding model's cosine similarities."""
         text_1, text_2 = ([d] if isinstance(d, str) else list(d) for d in (data_1, data_2))
         run = scoring.score_run(self.llm_engine.pooler, self.get_tokenizer(), text_1, text_2)
-        params = PoolingParams(task=run.task, truncate_prompt_tokens=truncate_prompt_tokens)
-        pooled = self._pool(run.prompts, [params] * len(run.prompts), "score", use_tqdm)
+        params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        pooled = self._pool(run.prompts, [params] * len(run.prompts), run.task, use_tqdm)
         return [ScoringRequestOutput("_".join(pooled[i][0].request_id for i in read),
                                      [t for i in read for t in pooled[i][0].prompt_token_ids], ScoringOutput(score))
                 for read, score in zip(run.scored, run.scores([v for _, v in pooled]))]
@@ -240,10 +239,11 @@ class LLM:
                 raise InvalidRequest(f"prompt {i}: {e}", param=e.param) from None
         return requests
 
-    def _pool(self, ids: list[list[int]], params: list[PoolingParams], desc: str, use_tqdm: bool) -> list[tuple]:
-        """(request, its pooled output: an embedding or label logits) for each prompt, in order."""
-        requests = self._requests(ids, params)
-        pooled = {delta.request_id: delta.pooled for delta in self._step_all(requests, desc, use_tqdm)
+    def _pool(self, ids: list[list[int]], params: list[PoolingParams], task: str, use_tqdm: bool) -> list[tuple]:
+        """(request, its pooled output: an embedding or label logits) for each prompt, in order, each
+        params' task set to `task` ("embed" or "classify")."""
+        requests = self._requests(ids, [dataclasses.replace(p, task=task) for p in params])
+        pooled = {delta.request_id: delta.pooled for delta in self._step_all(requests, task, use_tqdm)
                   if delta.pooled is not None}
         return [(req, pooled[req.request_id]) for req in requests]
 

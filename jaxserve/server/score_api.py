@@ -36,7 +36,7 @@ def _texts(body: dict, name: str) -> list[str]:
 
 
 def _scores(body: dict, text_1: list[str], text_2: list[str], prompt_field: str, request_id: str):
-    """(scores of text_1 against text_2, prompt tokens run), and the model's name."""
+    """The scores of text_1 against text_2, the prompt tokens they ran, and the model's name."""
     host, model, engine = pooling_engine(body)
     try:
         run = scoring.score_run(engine.pooler, engine.tokenizer, text_1, text_2)
