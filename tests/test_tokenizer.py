@@ -180,6 +180,15 @@ def test_embedded_backends_agree(tiny_spm_only):
     assert sp.convert_ids_to_tokens(hf.encode(chat)) == hf.convert_ids_to_tokens(hf.encode(chat))
 
 
+def test_pairs_match_transformers(hf_dir, tiny_spm_only):
+    """encode_pair (a cross-encoder's prompt) == transformers' tokenizer(text_1, text_2): the
+    tokenizer.json backend (its post-processor's pair) and the sentencepiece one."""
+    for path in (hf_dir, TINY_DIR, tiny_spm_only):
+        ours, ref = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+        for a, b in zip(TEXTS, TEXTS[1:]):
+            assert ours.encode_pair(a, b) == ref(a, b)["input_ids"], (path, a, b)
+
+
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(hf_dir, spm_dir, conversation, add_generation_prompt):
