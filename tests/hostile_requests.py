@@ -93,4 +93,9 @@ HOSTILE = [  # (id, method, path, body: dict or raw bytes, extra headers, expect
     ("chat-too-long", "POST", CHAT, {**MSG, "messages": [{"role": "user", "content": LONG}]}, {}, 400),
     ("tokenize-no-prompt", "POST", "/tokenize", {"text": "hi"}, {}, 400),
     ("detokenize-bad-ids", "POST", "/detokenize", {"tokens": ["a", 10**9]}, {}, 400),
+    # a generate engine serves no pooling routes (tests/test_scoring.py: a pooling one)
+    ("embeddings-on-generate", "POST", "/v1/embeddings", {"input": "hi"}, {}, 400),
+    ("classify-on-generate", "POST", "/classify", {"input": "hi"}, {}, 400),
+    ("score-on-generate", "POST", "/v1/score", {"text_1": "a", "text_2": "b"}, {}, 400),
+    ("rerank-on-generate", "POST", "/rerank", {"query": "a", "documents": ["b"]}, {}, 400),
 ]
