@@ -120,6 +120,19 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def load_weights(self, weights) -> int:
+        """New weights, in place, between calls: (Hugging Face tensor name, tensor) pairs, any
+        subset of the model's, from torch, numpy or JAX arrays (vLLM's model.load_weights; what an
+        RL trainer does between rollouts). No recompilation; the prefix cache is forgotten. The
+        number of tensors loaded (jaxserve/weight_update.py)."""
+        from jaxserve.weight_update import update_engine
+
+        return update_engine(self.llm_engine, weights)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's); False while requests hold pages."""
+        return self.llm_engine.block_manager.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate and chat use without sampling params: the model's generation_config.json
         settings (EngineConfig.generation_config), the rest SamplingParams' defaults."""

@@ -15,6 +15,7 @@ placed: the update needs room for one tensor beside the model, not a second mode
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from typing import Any, Iterable, NamedTuple
@@ -24,9 +25,12 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from jaxserve import quantization as quant
-from jaxserve.checkpoint import param_shapes, saved_quantization
+from jaxserve.checkpoint import has_tensor, param_shapes, saved_quantization
 from jaxserve.config import ModelConfig
 from jaxserve.models.registry import architecture
+
+
+CLASSIFIER = "score.weight"   # a sequence classifier's head
 
 
 class Target(NamedTuple):
@@ -125,15 +129,37 @@ def _quantize(params: dict, keys: tuple[str, ...], weight, quantization: str) ->
                                                             {k: v.sharding for k, v in parent.items()}))
 
 
+def checked(engine, weights: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], np.ndarray | None]:
+    """An update of `engine` split into the model's tensors and a sequence classifier's new score
+    head (applied on the host: jaxserve/pooling.py), or None; ValueError for any that does not fit."""
+    weights, pooler = list(weights), engine.pooler
+    if pooler is None or pooler.classifier is None:
+        check(weights, targets(engine.model_cfg, engine.dtype))
+        return weights, None
+    if not has_tensor(engine.model_dir, CLASSIFIER):
+        raise ValueError("this classifier's head was made of LM-head rows (classifier_from_token) as the engine "
+                         "started: restart it to serve new weights")
+    heads = [np.asarray(as_array(t), np.float32) for n, t in weights if n == CLASSIFIER]
+    if heads and heads[-1].shape != pooler.classifier.shape:
+        raise ValueError(f"tensor {CLASSIFIER!r} has shape {heads[-1].shape}, expected {pooler.classifier.shape}")
+    weights = [(n, t) for n, t in weights if n != CLASSIFIER]
+    check(weights, targets(engine.model_cfg, engine.dtype))
+    return weights, heads[-1] if heads else None
+
+
 def update_engine(engine, weights: Iterable[tuple[str, Any]]) -> int:
-    """`load_weights` into an idle LLMEngine's model, then the prefix cache forgotten: its pages
-    hold K/V the old weights computed. Refused while requests are in flight (they would finish on
-    a mix of both) and across processes (each host would need the tensors)."""
+    """`load_weights` into an idle LLMEngine's model (a classifier's score head too), then the
+    prefix cache forgotten: its pages hold K/V the old weights computed. Refused while requests
+    are in flight (they would finish on a mix of both) and across processes (each host would
+    need the tensors). The number of tensors loaded."""
     if engine.has_unfinished():
         raise RuntimeError(f"{engine.num_requests} request(s) in flight: load weights between batches")
     if jax.process_count() > 1:
         raise ValueError("loading weights into a running engine is for one process; restart a multi-host engine")
+    weights, head = checked(engine, weights)
     mode = engine.ecfg.quantization or saved_quantization(engine.model_dir)
     loaded = load_weights(engine.runner.params, weights, engine.model_cfg, engine.dtype, mode)
+    if head is not None:
+        engine.pooler = dataclasses.replace(engine.pooler, classifier=head)
     assert engine.block_manager.reset_prefix_cache()
-    return loaded
+    return loaded + (head is not None)

@@ -29,6 +29,7 @@ from jaxserve.sequence import Sequence
 from tests import server_harness
 from tests.conftest import fake_devices_env
 from tests.hf_models import hf_greedy, save_engine_model, save_hf_model
+from tests.test_scoring import DOCUMENTS, ENGINE as SCORING_ENGINE, hf_logits, save_classifier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEW_TOKENS = 12
@@ -54,7 +55,7 @@ def test_engine_serves_the_new_weights_without_recompiling(tmp_path):
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert llm.llm_engine.block_manager.num_cached_pages >= 5   # the shared prefix, cached
 
-    assert weight_update.update_engine(llm.llm_engine, _state(b)) == len(b.state_dict())
+    assert llm.load_weights(_state(b)) == len(b.state_dict())
     compiles = CompileCounter.count
     after = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert CompileCounter.count == compiles
@@ -117,6 +118,22 @@ def test_loaded_params_equal_the_loaders_under_tensor_parallelism(tmp_path):
     as the one it replaces."""
     subprocess.run([sys.executable, "-m", "tests.test_weight_update", str(tmp_path)], check=True, cwd=ROOT,
                    env=fake_devices_env(2), timeout=300)
+
+
+def test_a_classifiers_new_head_classifies(tmp_path):
+    """A sequence classifier's score head is applied on the host (jaxserve/pooling.py): given new
+    tensors, head included, LLM.classify gives transformers' probabilities of the new model."""
+    model = save_classifier("llama_gqa_rope3", str(tmp_path), ["negative", "neutral", "positive"])
+    llm = LLM(str(tmp_path), **SCORING_ENGINE)
+    ids = llm.get_tokenizer().encode(DOCUMENTS[0])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    logits = hf_logits(model, ids)
+    probs = np.exp(logits) / np.exp(logits).sum()
+    assert not np.allclose(llm.classify([ids], use_tqdm=False)[0].outputs.probs, probs, atol=1e-3)
+    assert llm.load_weights(_state(model)) == len(model.state_dict())
+    np.testing.assert_allclose(llm.classify([ids], use_tqdm=False)[0].outputs.probs, probs, atol=1e-5)
 
 
 def test_a_bad_update_changes_nothing(tmp_path):

@@ -1,6 +1,6 @@
 """Flask app factory: the OpenAI routes (embeddings among them), vLLM's classify, score and rerank,
 plus /health, /metrics, /tokenize, /detokenize, /tokenizer_info, /version, vLLM's
-/v1/load_lora_adapter and /v1/unload_lora_adapter, optional Bearer-token auth (one key, or
+/v1/load_lora_adapter and /v1/unload_lora_adapter, sglang's /update_weights_from_disk, optional Bearer-token auth (one key, or
 per-tenant keys whose tenant salts the prefix cache of every request), and JSON errors for everything."""
 from __future__ import annotations
 
