@@ -47,9 +47,12 @@ with 32000 tokens the f32 table is most of the bytes a w8a8 decode step reads
 
 Dequantization happens inside the fused computation. On TPU and GPU XLA fuses the convert
 and the scaling into the dot's operand (int4 on TPU still relays out the packed bytes:
-benchmarks/results/quantization.md; and XLA TPU broadcasts int4's and fp8's grouped scales to the
-weight's shape in VMEM first, the costliest part of their dots by its estimate:
-benchmarks/results/quantization_fp8.md). XLA CPU does not: it converts the whole weight to a
+benchmarks/results/quantization.md). XLA TPU first broadcasts int4's and fp8's grouped scales to
+the weight's shape in VMEM, 86% of a [12288, 4096] fp8 weight's dot at 8 tokens on v5e by its
+cycle estimate; so on one TPU chip, up to TPU_GROUP_ROWS rows (decode), the scales multiply each
+group's partial product instead (_group_rows_dot: 0.17x those cycles at 8 tokens on v5e, 0.06x
+on v6e; benchmarks/results/quantization_fp8.md); more rows, and tensor parallelism, keep the
+broadcast. XLA CPU does not fuse: it converts the whole weight to a
 temporary f32 buffer before every dot (a full-precision copy per step, and 2-11x slower than
 f32). On CPU the matmul therefore runs over blocks of output rows in a loop, each block
 dequantized into a small buffer that stays in cache (tests/test_quantization.py checks the
@@ -72,6 +75,7 @@ GROUP = 128                   # int4, fp8: inputs per scale
 HEAD = "lm_head"              # the LM head's Linear, kept in the model dtype unless asked
 TIED_EMBEDDING = ("model", "embed_tokens", "embedding")   # every family's table, [vocab, hidden]
 BLOCK_ELEMENTS = 1 << 15      # CPU: weight elements dequantized at once (128 KiB in f32)
+TPU_GROUP_ROWS = 32           # TPU: rows up to which int4 and fp8 take _group_rows_dot
 
 
 def check_mode(mode: str | None) -> None:
@@ -147,11 +151,16 @@ def _grouped_parts(qweight, scale, dtype):
         # the scales round to 8 bits, as a checkpoint's bf16 or fp16 scales already are.
         q = q.reshape(out, scale.shape[1], -1)
         return (q.astype(dtype) * scale.astype(dtype)[..., None]).reshape(out, -1)
+    return [scaled(p) for p in _stored_parts(qweight)]
+
+
+def _stored_parts(qweight):
+    """_grouped_parts' parts unscaled: fp8's weight as it is, int4's halves as int8 codes."""
     if qweight.dtype != jnp.uint8:
-        return [scaled(qweight)]
+        return [qweight]
     as_int8 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int8)
     # sign-extending shifts: the nibble to the top, then back down
-    return [scaled(jax.lax.shift_right_arithmetic(as_int8(high), jnp.int8(4))) for high in (qweight << 4, qweight)]
+    return [jax.lax.shift_right_arithmetic(as_int8(high), jnp.int8(4)) for high in (qweight << 4, qweight)]
 
 
 def dequantize(qweight, scale, dtype=jnp.float32, zero=None):
@@ -177,6 +186,41 @@ def _dot(x, qweight, scale, zero, dtype):
     xg = x.reshape(*x.shape[:-1], -1, len(parts), GROUP // len(parts))
     y = sum(dot(xg[..., p, :].reshape(*x.shape[:-1], -1), w) for p, w in enumerate(parts))
     return y if zero is None else y - _zero_product(x, zero, dtype)
+
+
+def _group_rows_dot(x, qweight, scale, zero, dtype):
+    """TPU, grouped weights (int4, fp8) at few rows: x @ W.T with the scales on each group's partial
+    product instead of on the weight. Each row of x is repeated once per group, each copy keeping
+    only its group's inputs (zeros elsewhere), so one plain dot with the unscaled weight gives every
+    group's partial product, [rows, groups, out], which the scales then multiply in f32. XLA:TPU
+    materializes the scales broadcast to the weight's shape in VMEM before a dot that scales the
+    weight (86% of its estimated cycles for a [12288, 4096] fp8 weight at 8 tokens on v5e); here
+    nothing weight-sized is broadcast, but the dot multiplies `groups` times as many rows, which
+    pays up to TPU_GROUP_ROWS rows (benchmarks/results/quantization_fp8.md)."""
+    out, groups = scale.shape
+    parts = _stored_parts(qweight)
+    xg = x.reshape(-1, groups, len(parts), GROUP // len(parts))
+    own = jnp.eye(groups, dtype=bool)[:, :, None]    # [the copy's group, the inputs' group, 1]
+
+    def partial(p, w):   # [rows, groups, out]: each group's product with part p's inputs
+        copies = jnp.where(own, xg[:, None, :, p], 0).reshape(xg.shape[0], groups, w.shape[1])
+        return jax.lax.dot_general(copies, w.astype(dtype), (((2,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    products = sum(partial(p, w) for p, w in enumerate(parts))
+    y = jnp.sum(products * scale.T, axis=1).astype(dtype).reshape(*x.shape[:-1], out)
+    return y if zero is None else y - _zero_product(x, zero, dtype)
+
+
+def _tpu_dot(x, qweight, scale, zero, dtype):
+    """_dot, or for grouped weights at up to TPU_GROUP_ROWS rows (decode steps) on one chip
+    _group_rows_dot. Rows are static, so the choice is made once per compiled step shape. Under
+    tensor parallelism XLA splits a row-parallel weight over its inputs and would all-reduce the
+    [rows, groups, out] f32 products, 2 x groups times the bytes of _dot's [rows, out]; the
+    traced weight shows only its mesh, not its split, so any "model" axis over 1 keeps _dot."""
+    one_chip = jax.typeof(qweight).sharding.mesh.shape.get("model", 1) == 1
+    if scale.ndim == 2 and one_chip and x.size // x.shape[-1] <= TPU_GROUP_ROWS:
+        return _group_rows_dot(x, qweight, scale, zero, dtype)
+    return _dot(x, qweight, scale, zero, dtype)
 
 
 def _zero_product(x, zero, dtype):
@@ -245,9 +289,9 @@ def matmul(x, qweight, scale, dtype, int8_activations: bool = False, zero=None):
     formulation is chosen by the platform the program is lowered for (compile-only TPU devices on
     a CPU host included)."""
     x = x.astype(dtype)
-    cpu, default = (_int8_dot_two_rows, _int8_dot) if int8_activations else (_blocked_dot, _dot)
+    cpu, tpu, default = (_int8_dot_two_rows, _int8_dot, _int8_dot) if int8_activations else (_blocked_dot, _tpu_dot, _dot)
     return jax.lax.platform_dependent(x, qweight, scale, zero, cpu=functools.partial(cpu, dtype=dtype),
-                                      default=functools.partial(default, dtype=dtype))
+                                      tpu=functools.partial(tpu, dtype=dtype), default=functools.partial(default, dtype=dtype))
 
 
 def quantizable(keys: tuple[str, ...], leaf, lm_head: bool = False) -> bool:

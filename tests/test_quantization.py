@@ -81,6 +81,16 @@ def test_linear_multiplies_by_the_dequantized_weight(mode, lead):
     np.testing.assert_allclose(np.asarray(y), x @ oracle(w, mode).T + bias, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["int4", "int4_asym", "fp8"])
+def test_group_rows_dot_multiplies_by_the_dequantized_weight(mode):
+    """TPU's few-rows formulation (each group's partial product scaled after the dot), run on CPU."""
+    w = random_weight()
+    x = np.random.default_rng(1).normal(size=(2, 3, 384)).astype(np.float32)
+    q = quantization.quantize_weight(w, mode)
+    y = quantization._group_rows_dot(jnp.asarray(x), q["qweight"], q["scale"], q.get(quantization.ZERO), jnp.float32)
+    np.testing.assert_allclose(np.asarray(y), x @ oracle(w, mode).T, rtol=1e-4, atol=1e-4)
+
+
 def test_lm_head_and_embeddings_stay_unquantized():
     params = {"model": {"embed_tokens": {"embedding": random_weight()}, "norm": {"weight": np.ones(8)},
                         "layers_0": {"mlp": {"up_proj": {"weight": random_weight()}}}},
@@ -148,18 +158,20 @@ def test_tied_model_logits_through_the_quantized_head(mode):
 FLOATS = ("f16", "bf16", "f32", "f64")
 
 
-def materialized_float_sizes(hlo: str) -> list[int]:
+def materialized_float_sizes(hlo: str, broadcasts: bool = False) -> list[int]:
     """Element counts of the float arrays the program materializes: results of instructions in
     every computation except fused ones (a fusion's insides live in registers or tiles). A
-    bitcast is a view, and a broadcast holds no weight values: XLA TPU does materialize the int4
-    group scales broadcast to the weight's shape, in VMEM (memory space S(1), no HBM)."""
+    bitcast is a view, and a broadcast holds no weight values (unless `broadcasts`): XLA TPU
+    materializes grouped scales broadcast to the weight's shape in VMEM (memory space S(1), no
+    HBM) where the weight is scaled before a dot."""
     fused = set(re.findall(r"fusion\(.*?calls=%?([\w.\-]+)", hlo))
+    views = "bitcast" if broadcasts else "broadcast|bitcast"
     sizes, skip = [], False
     for line in hlo.splitlines():
         header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
         if header:
             skip = header.group(1) in fused
-        elif not skip and " = " in line and not re.search(r"[\]}] (broadcast|bitcast)\(", line):
+        elif not skip and " = " in line and not re.search(r"[\]}] (" + views + r")\(", line):
             result = line.split(" = ", 1)[1]
             for dtype, dims in re.findall(r"\b(" + "|".join(FLOATS) + r")\[([\d,]*)\]", result.split("(", 1)[0]):
                 sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
@@ -221,3 +233,17 @@ def test_tpu_step_dequantizes_inside_the_dot_fusion(mode, tokens):
     compiled = compiled_linear(mode, tpu, dtype=jnp.bfloat16, tokens=tokens, shape=LARGE)
     assert "while" not in compiled.as_text()   # the blocked loop is CPU's alone
     assert_no_weight_copy(compiled, jnp.bfloat16, size=LARGE[0] * LARGE[1])
+
+
+# One grouped mode per generation (suite time); v5e compiles every mode above.
+@pytest.mark.parametrize("generation, mode", [("v4:2x2x1", "int4_asym"), ("v5e:2x2", "fp8"),
+                                              ("v5p:2x2x1", "int4"), ("v6e:2x2", "fp8")])
+def test_tpu_decode_rows_broadcast_no_scales_to_the_weight(generation, mode):
+    """At decode rows (up to TPU_GROUP_ROWS) the grouped scales multiply each group's partial
+    product, [rows, groups, out], so nothing the weight's size is built, not even the scales
+    broadcast to its shape in VMEM that _dot's program builds, at this size too (the bulk of its
+    estimated cycles: benchmarks/results/quantization_fp8.md)."""
+    tpu = topologies.get_topology_desc(platform="tpu", topology_name=generation).devices[0]
+    hlo = compiled_linear(mode, tpu, dtype=jnp.bfloat16, tokens=8).as_text()
+    assert max(materialized_float_sizes(hlo, broadcasts=True)) < OUT * IN // 2   # _dot's: OUT * IN
+    assert re.search(rf"f32\[8,{IN // 128},{OUT}\]\S* (convolution|fusion)\(", hlo), "no per-group products"
