@@ -75,7 +75,10 @@ GROUP = 128                   # int4, fp8: inputs per scale
 HEAD = "lm_head"              # the LM head's Linear, kept in the model dtype unless asked
 TIED_EMBEDDING = ("model", "embed_tokens", "embedding")   # every family's table, [vocab, hidden]
 BLOCK_ELEMENTS = 1 << 15      # CPU: weight elements dequantized at once (128 KiB in f32)
-TPU_GROUP_ROWS = 32           # TPU: rows up to which int4 and fp8 take _group_rows_dot
+# TPU: rows up to which int4 and fp8 take _group_rows_dot (the smallest decode bucket): its dot
+# is groups x rows wide, 32 x 8 rows for 4096 inputs already as many MXU FLOPs per weight byte as
+# a v5e has per HBM byte (~240), so past that it is compute-bound where the old program is not.
+TPU_GROUP_ROWS = 8
 
 
 def check_mode(mode: str | None) -> None:
