@@ -118,7 +118,7 @@ def _put(params: dict, t: Target, value, quantization: str | None) -> None:
         _quantize(params, t.keys, jax.device_put(value, parent["qweight"].sharding), quantization)
         return
     old = parent[t.keys[-1]]
-    new = jax.device_put(value, old.sharding) if t.expert is None else old.at[t.expert].set(value)
+    new = value if t.expert is None else old.at[t.expert].set(value)
     quant.set_path(params, t.keys, jax.device_put(new, old.sharding))
 
 
@@ -132,19 +132,17 @@ def _quantize(params: dict, keys: tuple[str, ...], weight, quantization: str) ->
 def checked(engine, weights: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], np.ndarray | None]:
     """An update of `engine` split into the model's tensors and a sequence classifier's new score
     head (applied on the host: jaxserve/pooling.py), or None; ValueError for any that does not fit."""
-    weights, pooler = list(weights), engine.pooler
-    if pooler is None or pooler.classifier is None:
-        check(weights, targets(engine.model_cfg, engine.dtype))
-        return weights, None
-    if not has_tensor(engine.model_dir, CLASSIFIER):
-        raise ValueError("this classifier's head was made of LM-head rows (classifier_from_token) as the engine "
-                         "started: restart it to serve new weights")
-    heads = [np.asarray(as_array(t), np.float32) for n, t in weights if n == CLASSIFIER]
-    if heads and heads[-1].shape != pooler.classifier.shape:
-        raise ValueError(f"tensor {CLASSIFIER!r} has shape {heads[-1].shape}, expected {pooler.classifier.shape}")
-    weights = [(n, t) for n, t in weights if n != CLASSIFIER]
+    weights, pooler, head = list(weights), engine.pooler, None
+    if pooler is not None and pooler.classifier is not None:
+        if not has_tensor(engine.model_dir, CLASSIFIER):
+            raise ValueError("this classifier's head was made of LM-head rows (classifier_from_token) as the "
+                             "engine started: restart it to serve new weights")
+        heads = [np.asarray(as_array(t), np.float32) for n, t in weights if n == CLASSIFIER]
+        if heads and heads[-1].shape != pooler.classifier.shape:
+            raise ValueError(f"tensor {CLASSIFIER!r} has shape {heads[-1].shape}, expected {pooler.classifier.shape}")
+        weights, head = [(n, t) for n, t in weights if n != CLASSIFIER], heads[-1] if heads else None
     check(weights, targets(engine.model_cfg, engine.dtype))
-    return weights, heads[-1] if heads else None
+    return weights, head
 
 
 def update_engine(engine, weights: Iterable[tuple[str, Any]]) -> int:
