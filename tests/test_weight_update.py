@@ -171,21 +171,22 @@ if __name__ == "__main__":   # the TP run, on the fake devices of this process
         compare_with_the_loader(sys.argv[1], *case, {"model": 2}, jax_arrays=True)
 
 
-def test_server_loads_a_checkpoint_between_requests(tmp_path):
+def test_server_loads_a_checkpoint_between_requests(tmp_path, tmp_path_factory):
     """`--allow-weight-updates`: POST /update_weights_from_disk (sglang's) with checkpoint B while
     a request runs on A. The running request finishes with A's tokens, later ones get B's
     (transformers on each); checkpoints that do not fit are 400s naming `model_path`, after which
     the server still serves B."""
-    a, b = (save_engine_model(str(tmp_path / name), seed=seed) for seed, name in enumerate("ab"))
-    save_engine_model(str(tmp_path / "narrow"), hidden_size=32)
+    # A: the API tests' model and engine (test_server.py), whose executables their servers store
+    a_dir, a, _ = server_harness.bytes_model(tmp_path_factory)
+    b = save_engine_model(str(tmp_path / "b"), seed=1, **server_harness.BYTES_MODEL)
+    save_engine_model(str(tmp_path / "narrow"), hidden_size=32, **server_harness.BYTES_MODEL)
     prompt = np.random.default_rng(1).integers(0, 256, 9).tolist()
-    server = server_harness.start(str(tmp_path), str(tmp_path / "a"), "--allow-weight-updates",
-                                  **server_harness.TEST_ENGINE)
+    server = server_harness.start(str(tmp_path), a_dir, "--allow-weight-updates", **server_harness.BYTES_ENGINE)
     try:
         client = server_harness.openai_client(server)
 
         def complete(max_tokens: int = NEW_TOKENS):
-            return client.completions.create(model="a", prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+            return client.completions.create(model=os.path.basename(a_dir), prompt=prompt, max_tokens=max_tokens, temperature=0.0,
                                              extra_body=dict(ignore_eos=True, return_token_ids=True))
 
         def tokens(out) -> list[int]:
