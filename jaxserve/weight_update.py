@@ -129,20 +129,26 @@ def _quantize(params: dict, keys: tuple[str, ...], weight, quantization: str) ->
                                                             {k: v.sharding for k, v in parent.items()}))
 
 
-def checked(engine, weights: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], np.ndarray | None]:
+def _split_head(engine, weights: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], np.ndarray | None]:
     """An update of `engine` split into the model's tensors and a sequence classifier's new score
-    head (applied on the host: jaxserve/pooling.py), or None; ValueError for any that does not fit."""
-    weights, pooler, head = list(weights), engine.pooler, None
-    if pooler is not None and pooler.classifier is not None:
-        if not has_tensor(engine.model_dir, CLASSIFIER):
-            raise ValueError("this classifier's head was made of LM-head rows (classifier_from_token) as the "
-                             "engine started: restart it to serve new weights")
-        heads = [np.asarray(as_array(t), np.float32) for n, t in weights if n == CLASSIFIER]
-        if heads and heads[-1].shape != pooler.classifier.shape:
-            raise ValueError(f"tensor {CLASSIFIER!r} has shape {heads[-1].shape}, expected {pooler.classifier.shape}")
-        weights, head = [(n, t) for n, t in weights if n != CLASSIFIER], heads[-1] if heads else None
+    head (applied on the host: jaxserve/pooling.py), or None; ValueError for a head that does not fit."""
+    weights, pooler = list(weights), engine.pooler
+    if pooler is None or pooler.classifier is None:
+        return weights, None
+    if not has_tensor(engine.model_dir, CLASSIFIER):
+        raise ValueError("this classifier's head was made of LM-head rows (classifier_from_token) as the "
+                         "engine started: restart it to serve new weights")
+    heads = [np.asarray(as_array(t), np.float32) for n, t in weights if n == CLASSIFIER]
+    if heads and heads[-1].shape != pooler.classifier.shape:
+        raise ValueError(f"tensor {CLASSIFIER!r} has shape {heads[-1].shape}, expected {pooler.classifier.shape}")
+    return [(n, t) for n, t in weights if n != CLASSIFIER], heads[-1] if heads else None
+
+
+def check_update(engine, weights: Iterable[tuple[str, Any]]) -> None:
+    """ValueError for any tensor of an update of `engine` that does not fit (what update_engine
+    checks, for a caller that must know before it waits for the engine to be idle)."""
+    weights, _ = _split_head(engine, weights)
     check(weights, targets(engine.model_cfg, engine.dtype))
-    return weights, head
 
 
 def update_engine(engine, weights: Iterable[tuple[str, Any]]) -> int:
@@ -154,7 +160,7 @@ def update_engine(engine, weights: Iterable[tuple[str, Any]]) -> int:
         raise RuntimeError(f"{engine.num_requests} request(s) in flight: load weights between batches")
     if jax.process_count() > 1:
         raise ValueError("loading weights into a running engine is for one process; restart a multi-host engine")
-    weights, head = checked(engine, weights)
+    weights, head = _split_head(engine, weights)
     mode = engine.ecfg.quantization or saved_quantization(engine.model_dir)
     loaded = load_weights(engine.runner.params, weights, engine.model_cfg, engine.dtype, mode)
     if head is not None:

@@ -179,7 +179,7 @@ class EngineHost:
         client = self.require_engine()
         try:
             weights = weight_update.checkpoint_tensors(path)
-            weight_update.checked(client.engine, weights)
+            weight_update.check_update(client.engine, weights)
             loaded = client.when_idle(lambda engine: weight_update.update_engine(engine, weights))
         except ValueError as e:
             raise APIError(400, str(e), param="model_path") from None
