@@ -41,7 +41,8 @@ def engine_config(args) -> EngineConfig:
     flags = {"quantization": args.quantization, "quantize_lm_head": args.quantize_lm_head or None,
              "kv_cache_dtype": args.kv_cache_dtype, "decode_steps": args.decode_steps,
              "generation_config": args.generation_config, "runner": args.runner,
-             "allow_weight_updates": args.allow_weight_updates or None}
+             "allow_weight_updates": args.allow_weight_updates or None,
+             "enable_sleep_mode": args.enable_sleep_mode or None}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in flags.items() if v is not None})
     modules = args.lora_modules and {**cfg.lora_modules, **dict(map(_lora_module, args.lora_modules))}
     # vLLM's switch for the same routes too, so its deployment scripts work unchanged
@@ -99,6 +100,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-weight-updates", action="store_true",
                    help="serve: POST /update_weights_from_disk {\"model_path\": DIR} loads new weights of the "
                         "served model between requests, without recompiling (as sglang's)")
+    p.add_argument("--enable-sleep-mode", action="store_true",
+                   help="serve: POST /sleep?level=1|2, POST /wake_up[?tags=weights|kv_cache], GET /is_sleeping "
+                        "(vLLM's): the accelerator memory given back between an RL trainer's rollouts")
     p.add_argument("--speculative-config", help='speculative decoding as JSON (the engine config key '
                                                 '`speculative`), e.g. \'{"method": "ngram", "num_tokens": 4}\' or '
                                                 '\'{"method": "draft", "model": DIR, "num_tokens": 4}\'')

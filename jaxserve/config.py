@@ -262,6 +262,10 @@ class EngineConfig:
     # checkpoint directory, in place, between requests (jaxserve/weight_update.py). Off by default: it
     # reads any path the server can.
     allow_weight_updates: bool = False
+    # The server's vLLM sleep mode routes: POST /sleep?level=1|2, POST /wake_up[?tags=...], GET /is_sleeping
+    # (jaxserve/sleep_mode.py: the accelerator's memory given back between an RL trainer's rollouts).
+    # Off by default, as vLLM's --enable-sleep-mode: a client could stop the serving.
+    enable_sleep_mode: bool = False
     # What it serves, as vLLM's `runner`: generate (text) | pooling (embeddings, classes and scores,
     # jaxserve/pooling.py) | auto (pooling for a sentence-transformers model directory, a base-model or a
     # sequence-classifier architecture, else generate).
@@ -344,7 +348,7 @@ class EngineConfig:
     HOST_ONLY = ("model", "kv_cache_mb", "kv_memory_fraction", "enable_prefix_caching", "admission_eagerness",
                  "max_queue_size", "max_failed_steps", "request_timeout_s", "compilation_cache_dir", "seed",
                  "poison_freed_pages", "generation_config", "lora_modules", "allow_runtime_lora_updating",
-                 "allow_weight_updates")
+                 "allow_weight_updates", "enable_sleep_mode")
 
     def program_settings(self) -> dict[str, Any]:
         """The settings that may decide a compiled program: what the executable store is keyed on,

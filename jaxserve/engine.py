@@ -34,6 +34,7 @@ from jaxserve.sampling import reads_outputs, samples_ahead
 from jaxserve.sampling_params import InvalidRequest, PoolingParams, SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence
+from jaxserve.sleep_mode import require_awake
 from jaxserve.spec_decode import ngram
 from jaxserve.spec_decode.draft import DraftProposer, default_draft_dir
 from jaxserve.spec_decode.throttle import Throttle
@@ -99,6 +100,7 @@ class LLMEngine:
         self._defer_all_samplers = parallel.platform(mesh) in ("gpu", "cuda")
         self._inflight: tuple[SchedulerOutput, Launched] | None = None   # launched, not yet collected
         self._launches = 0
+        self.sleeping: dict[str, list] = {}   # what jaxserve/sleep_mode.py put away, by tag; empty: awake
 
     def warmup(self, background: bool = False) -> int:
         """Build the step executables (the target's smaller shapes on a thread when `background`;
@@ -112,7 +114,9 @@ class LLMEngine:
         InvalidRequest on a prompt the engine cannot serve. Safe to call from any thread.
         The prompt is first cut to params.truncate_prompt_tokens (SamplingParams.resolve).
         PoolingParams make an embedding request (an engine with runner pooling): its prompt runs
-        as a prefill whose one sampled token is dropped (jaxserve/pooling.py)."""
+        as a prefill whose one sampled token is dropped (jaxserve/pooling.py). EngineAsleep while
+        the engine sleeps (jaxserve/sleep_mode.py)."""
+        require_awake(self)
         params, pooled = pooling.served(self.pooler, params, self.model_cfg.hidden_size)
         prompt_token_ids, params = params.resolve(prompt_token_ids, self.max_model_len)
         if not prompt_token_ids:

@@ -3,7 +3,9 @@ per request, and a bounded queue (QueueFullError past it) for the server and oth
 do not step the engine themselves.
 
 `call_when_idle(fn)` runs fn(engine) on the engine thread once no request is in flight, holding
-the requests submitted after it until it returns (new weights: jaxserve/weight_update.py).
+the requests submitted after it until it returns (new weights: jaxserve/weight_update.py), and
+while the engine sleeps (jaxserve/sleep_mode.py: a request that passed its check as the engine
+went to sleep runs once it wakes).
 
 A failed step fails the requests it ran (their streams raise RequestFailed; their pages are
 freed) and the engine goes on. After `max_failed_steps` failed steps in a row the device is
@@ -215,6 +217,8 @@ class EngineThread:
             except Exception as e:
                 done.set_exception(e)
         self._idle_calls.clear()
+        if self.engine.sleeping:
+            return
         for req in self._held:
             if req.request_id in self._streams:   # else aborted while held
                 self.engine.add(req)
@@ -230,7 +234,7 @@ class EngineThread:
                 self._idle_calls.append(msg[1:])
             elif msg[0] == "add":
                 req: Request = msg[1]
-                if self._idle_calls:
+                if self._idle_calls or self.engine.sleeping:
                     self._held.append(req)
                 elif req.request_id in self._streams:   # else aborted before it was added
                     self.engine.add(req)

@@ -129,6 +129,27 @@ class LLM:
 
         return update_engine(self.llm_engine, weights)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's: give the accelerator memory back between calls (an RL trainer colocated with
+        the engine trains meanwhile). Level 1 copies the weights to host memory, level 2 drops
+        them (wake_up(tags=["weights"]), then load_weights with the full set, before generating);
+        the KV cache is dropped, the prefix cache forgotten. Refused while requests run
+        (jaxserve/sleep_mode.py)."""
+        from jaxserve import sleep_mode
+
+        sleep_mode.sleep(self.llm_engine, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's: the buffers of `tags` ("weights", "kv_cache"; None: both) as they were before
+        sleep, so nothing recompiles; generate is refused until both are awake."""
+        from jaxserve import sleep_mode
+
+        sleep_mode.wake_up(self.llm_engine, tags)
+
+    def is_sleeping(self) -> bool:
+        """vLLM's: whether any of the weights and the KV cache sleeps."""
+        return bool(self.llm_engine.sleeping)
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (vLLM's); False while requests hold pages."""
         return self.llm_engine.block_manager.reset_prefix_cache()

@@ -28,6 +28,7 @@ from jaxserve import quantization as quant
 from jaxserve.checkpoint import has_tensor, param_shapes, saved_quantization
 from jaxserve.config import ModelConfig
 from jaxserve.models.registry import architecture
+from jaxserve.sleep_mode import require_awake
 
 
 CLASSIFIER = "score.weight"   # a sequence classifier's head
@@ -155,7 +156,9 @@ def update_engine(engine, weights: Iterable[tuple[str, Any]]) -> int:
     """`load_weights` into an idle LLMEngine's model (a classifier's score head too), then the
     prefix cache forgotten: its pages hold K/V the old weights computed. Refused while requests
     are in flight (they would finish on a mix of both) and across processes (each host would
-    need the tensors). The number of tensors loaded."""
+    need the tensors), and into weights put to sleep (jaxserve/sleep_mode.py: wake them first).
+    The number of tensors loaded."""
+    require_awake(engine, "weights")
     if engine.has_unfinished():
         raise RuntimeError(f"{engine.num_requests} request(s) in flight: load weights between batches")
     if jax.process_count() > 1:

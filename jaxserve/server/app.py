@@ -1,6 +1,7 @@
 """Flask app factory: the OpenAI routes (embeddings among them), vLLM's classify, score and rerank,
 plus /health, /metrics, /tokenize, /detokenize, /tokenizer_info, /version, vLLM's
-/v1/load_lora_adapter and /v1/unload_lora_adapter, sglang's /update_weights_from_disk, optional Bearer-token auth (one key, or
+/v1/load_lora_adapter and /v1/unload_lora_adapter, sglang's /update_weights_from_disk, vLLM's
+sleep mode (/sleep, /wake_up, /is_sleeping), optional Bearer-token auth (one key, or
 per-tenant keys whose tenant salts the prefix cache of every request), and JSON errors for everything."""
 from __future__ import annotations
 
@@ -155,7 +156,34 @@ def create_app(engine_cfg: EngineConfig, served_model_name: str | None = None, a
         loaded = _host().update_weights(path)
         return jsonify({"success": True, "message": f"loaded {loaded} tensors from {path}", "num_tensors": loaded})
 
+    @app.post("/sleep")
+    def sleep():
+        """vLLM's: ?level=1 (default: the weights to host memory) or 2 (dropped); the KV cache dropped."""
+        level = _sleep_mode().args.get("level", "1")
+        if level not in ("1", "2"):
+            raise APIError(400, f"level must be 1 or 2, got {level!r}", param="level")
+        _host().sleep(int(level))
+        return jsonify({"is_sleeping": True})
+
+    @app.post("/wake_up")
+    def wake_up():
+        """vLLM's: ?tags=weights and/or ?tags=kv_cache (repeated), none: both."""
+        _host().wake_up(_sleep_mode().args.getlist("tags") or None)
+        return jsonify({"is_sleeping": _host().is_sleeping()})
+
+    @app.get("/is_sleeping")
+    def is_sleeping():
+        _sleep_mode()
+        return jsonify({"is_sleeping": _host().is_sleeping()})
+
     return app
+
+
+def _sleep_mode():
+    """The request of a sleep mode route; 404 unless sleep mode is on (vLLM has no such routes then)."""
+    if not _host().engine_cfg.enable_sleep_mode:
+        raise APIError(404, "sleep mode is off: start the server with --enable-sleep-mode")
+    return request
 
 
 def _lora_update() -> dict:

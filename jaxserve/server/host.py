@@ -92,13 +92,14 @@ class EngineHost:
         """Submit each prompt as `{request_id}-{i}` (the engine checks each one); all or nothing:
         a refusal aborts the prompts submitted before it."""
         from jaxserve.engine_thread import EngineStoppedError, QueueFullError
+        from jaxserve.sleep_mode import EngineAsleep
 
         client = self.require_engine()
         streams = []
         try:
             for i, ids in enumerate(prompts):
                 streams.append(client.submit(ids, params, f"{request_id}-{i}"))
-        except (InvalidRequest, QueueFullError, EngineStoppedError) as e:
+        except (InvalidRequest, QueueFullError, EngineStoppedError, EngineAsleep) as e:
             for s in streams:
                 s.abort()
             if isinstance(e, InvalidRequest):
@@ -175,6 +176,7 @@ class EngineHost:
         meanwhile wait, then run on the new. The number of tensors loaded; 400 for a checkpoint
         that does not fit the model (checked before anything waits)."""
         from jaxserve import weight_update   # JAX: imported once the engine is up
+        from jaxserve.sleep_mode import EngineAsleep
 
         client = self.require_engine()
         try:
@@ -183,8 +185,36 @@ class EngineHost:
             loaded = client.when_idle(lambda engine: weight_update.update_engine(engine, weights))
         except ValueError as e:
             raise APIError(400, str(e), param="model_path") from None
+        except EngineAsleep as e:   # its weights sleep (sleep mode): wake them first
+            raise APIError(503, str(e)) from None
         log.info("loaded %d tensors from %s", loaded, path)
         return loaded
+
+    def sleep(self, level: int) -> None:
+        """vLLM's sleep mode, on every replica (jaxserve/sleep_mode.py): once the requests in flight
+        have finished (the ones that arrive meanwhile are held, and run once the engine wakes), the
+        weights (level 1: to host memory; 2: dropped) and the KV cache give their memory back; new
+        requests get 503 until wake_up. 400 for a multi-host engine."""
+        from jaxserve import sleep_mode
+
+        try:
+            self.require_engine().when_idle(lambda engine: sleep_mode.sleep(engine, level))
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        """The buffers of `tags` (None: all) back on every replica, as they were: nothing recompiles.
+        400 for a tag that is not vLLM's ("weights", "kv_cache")."""
+        from jaxserve import sleep_mode
+
+        try:
+            tags = sleep_mode.checked_tags(tags)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tags") from None
+        self.require_engine().when_idle(lambda engine: sleep_mode.wake_up(engine, tags))
+
+    def is_sleeping(self) -> bool:
+        return any(engine.sleeping for engine in self.require_engine().engines)
 
     def begin_drain(self) -> None:
         """Refuse new requests (503); requests already accepted run to completion."""
