@@ -92,35 +92,38 @@ def test_runtime_load_and_unload(setup, server, tmp_path):
         r = post(f"{route}_lora_adapter", **body)
         assert r.status_code == status and message in r.json()["error"]["message"], (body, r.text)
 
-    r = post("load_lora_adapter", lora_name="a4", lora_path=path)
-    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'a4' added successfully.")
-    cards = [(m.id, m.model_extra["root"], m.model_extra["parent"]) for m in client.models.list().data]
-    assert cards == [("base", base, None), ("a2", dirs["a2"], "base"), ("a4", path, "base")]
-    long_a2 = client.completions.create(model="a2", prompt=PROMPT, max_tokens=96, temperature=0.0, stream=True,
-                                        extra_body=dict(ignore_eos=True, return_token_ids=True))
-    streamed = [next(iter(long_a2))]   # a2 runs, holding the one slot
-    a4 = []
-    thread = threading.Thread(target=lambda: a4.append(client.completions.create(
-        model="a4", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0.0,
-        extra_body=dict(ignore_eos=True, return_token_ids=True))))
-    thread.start()
-    while not a4 and server.metrics()["jaxserve_num_sequences_waiting"] == 0:   # a4's request, in the engine
-        time.sleep(0.01)
-    r = post("unload_lora_adapter", lora_name="a4")
-    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'a4' removed successfully.")
-    with pytest.raises(openai.NotFoundError):
-        complete(client, "a4", PROMPT)
-    assert [m.id for m in client.models.list().data] == ["base", "a2"]
-    streamed += list(long_a2)
-    thread.join()
-    tokens = [t for chunk in streamed for t in chunk.choices[0].model_extra["token_ids"]]
-    assert len(tokens) == 96 and tokens[:NEW_TOKENS] == expected["a2"]
-    assert a4[0].choices[0].model_extra["token_ids"] == expected["a4"]
-    log = server.log_tail(10**7)
-    finished = {name: log.index(f"{request_id}-0 prompt_tokens=") for name, request_id in
-                (("a2", streamed[0].id), ("a4", a4[0].id))}
-    assert finished["a2"] < finished["a4"] and log.index("unloaded LoRA adapter a4") < finished["a4"]
-
+    for _ in range(3):   # again if a busy machine ran a2 and a4 to their ends before the unload
+        r = post("load_lora_adapter", lora_name="a4", lora_path=path)
+        assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'a4' added successfully.")
+        cards = [(m.id, m.model_extra["root"], m.model_extra["parent"]) for m in client.models.list().data]
+        assert cards == [("base", base, None), ("a2", dirs["a2"], "base"), ("a4", path, "base")]
+        long_a2 = client.completions.create(model="a2", prompt=PROMPT, max_tokens=96, temperature=0.0, stream=True,
+                                            extra_body=dict(ignore_eos=True, return_token_ids=True))
+        streamed = [next(iter(long_a2))]   # a2 runs, holding the one slot
+        a4 = []
+        thread = threading.Thread(target=lambda: a4.append(client.completions.create(
+            model="a4", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0.0,
+            extra_body=dict(ignore_eos=True, return_token_ids=True))))
+        thread.start()
+        while not a4 and server.metrics()["jaxserve_num_sequences_waiting"] == 0:   # a4's request, in the engine
+            time.sleep(0.01)
+        r = post("unload_lora_adapter", lora_name="a4")
+        assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'a4' removed successfully.")
+        with pytest.raises(openai.NotFoundError):
+            complete(client, "a4", PROMPT)
+        assert [m.id for m in client.models.list().data] == ["base", "a2"]
+        streamed += list(long_a2)
+        thread.join()
+        tokens = [t for chunk in streamed for t in chunk.choices[0].model_extra["token_ids"]]
+        assert len(tokens) == 96 and tokens[:NEW_TOKENS] == expected["a2"]
+        assert a4[0].choices[0].model_extra["token_ids"] == expected["a4"]
+        log = server.log_tail(10**7)
+        finished = {name: log.index(f"{request_id}-0 prompt_tokens=") for name, request_id in
+                    (("a2", streamed[0].id), ("a4", a4[0].id))}
+        assert finished["a2"] < finished["a4"]
+        if log.rindex("unloaded LoRA adapter a4") < finished["a4"]:
+            return
+    pytest.fail("a4's request finished before its adapter was unloaded, 3 times")
 
 def test_runtime_updating_is_off_unless_asked_for(monkeypatch, tmp_path):
     """--allow-runtime-lora-updating, or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, turns the load and
