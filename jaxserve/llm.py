@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Union
 
-from jaxserve import scoring
+from jaxserve import beam_search, scoring
 from jaxserve.config import EngineConfig
 from jaxserve.sampling_params import InvalidRequest, LoRARequest, PoolingParams, SamplingParams, sampling_defaults
 
@@ -172,6 +172,31 @@ class LLM:
         params = self._with_loras(params, lora_request)
         parsed = [self._parse(p, i) for i, p in enumerate(prompts)]
         return self._run([text for text, _ in parsed], [ids for _, ids in parsed], params, use_tqdm)
+
+    def beam_search(self, prompts: list[Prompt], params: beam_search.BeamSearchParams,
+                    lora_request: LoRARequest | None = None) -> list[beam_search.BeamSearchOutput]:
+        """vLLM's: each prompt's beam_width best sequences, best first (jaxserve/beam_search.py);
+        a sequence's `tokens` and `text` are the prompt's and the generated ones, its `logprobs`
+        per generated token {token id: Logprob} of the candidates it was chosen from."""
+        engine = self.llm_engine
+        round_params = self._with_loras([beam_search.round_params(
+            SamplingParams(), beam_search.num_candidates(params, engine.eos_token_ids))], lora_request)[0]
+
+        def next_tokens(batch: list[list[int]]) -> list[list[tuple[int, float]]]:
+            requests = self._requests(batch, [round_params] * len(batch))
+            tops = {d.request_id: c.logprobs[0].top for d in self._step_all(requests, "beam search", False)
+                    for c in d.outputs if c.logprobs}
+            return [tops[r.request_id] for r in requests]
+
+        decode = self.get_tokenizer().decode
+        results = beam_search.search([self._parse(p, i)[1] for i, p in enumerate(prompts)], params,
+                                     engine.eos_token_ids, engine.max_model_len, next_tokens)
+        for beams in results:
+            for b in beams:
+                b.text = decode(b.tokens)
+                b.logprobs = [{t: Logprob(lp, rank, decode([t], skip_special_tokens=False))
+                               for rank, (t, lp) in enumerate(top.items(), 1)} for top in b.logprobs]
+        return [beam_search.BeamSearchOutput(beams) for beams in results]
 
     def embed(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | list[PoolingParams] | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:

@@ -293,3 +293,43 @@ def test_return_token_ids(server, client, model):
     assert stream[0].model_extra["prompt_token_ids"] == ids
     assert all("prompt_token_ids" not in ch.model_extra for ch in stream[1:])
     assert sum((ch.choices[0].model_extra["token_ids"] for ch in stream), []) == chat.choices[0].model_extra["token_ids"]
+
+
+def test_beam_search(server, client, model):
+    """vLLM's use_beam_search with n beams: the n choices are transformers' beams, best first
+    (jaxserve/beam_search.py's rules), on completions (with logprobs: each token's is its
+    candidate's, summing to the beam's score) and chat, streamed or not; what a search cannot
+    honour is a 400, and a prompt that fills the context is refused before the stream starts."""
+    from tests.test_beam_search import hf_beams
+
+    _, hf, tok = model
+    prompt = [256] + list(b"Beams of ")
+    want = hf_beams(hf, prompt, [EOS], 1.0, max_new_tokens=6, width=3)
+    beam = dict(use_beam_search=True, return_token_ids=True)
+    out = client.completions.create(model=NAME, prompt=prompt, n=3, max_tokens=6, logprobs=2, extra_body=beam)
+    assert [c.model_extra["token_ids"] for c in out.choices] == [t for t, _ in want]
+    for c, (tokens, score) in zip(out.choices, want):
+        assert c.text == tok.decode([t for t in tokens if t != EOS])
+        assert sum(c.logprobs.token_logprobs) == pytest.approx(score * len(tokens), rel=1e-4)
+        top = c.logprobs.top_logprobs[0]   # the 2 most likely of its candidates (1 if both decode alike)
+        assert len(top) in (1, 2) and max(top.values()) >= c.logprobs.token_logprobs[0]
+    assert out.usage.completion_tokens == sum(len(t) for t, _ in want)
+    streamed = client.completions.create(model=NAME, prompt=prompt, n=3, max_tokens=6, stream=True, extra_body=beam)
+    texts = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(3)] == [c.text for c in out.choices]
+
+    messages = [{"role": "user", "content": "beams"}]
+    ids = requests.post(server.url + "/tokenize", json={"model": NAME, "messages": messages},
+                        headers={"Authorization": "Bearer key-a1"}, timeout=30).json()["tokens"]
+    chat = client.chat.completions.create(model=NAME, messages=messages, n=2, max_tokens=5, extra_body=beam)
+    assert [c.model_extra["token_ids"] for c in chat.choices] == [t for t, _ in hf_beams(hf, ids, [EOS], 1.0, 5, 2)]
+
+    for extra, param in ((dict(stop=["x"]), "use_beam_search"), (dict(n=11), "n"),
+                         (dict(prompt=list(range(MAX_LEN))), "prompt")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**{"model": NAME, "prompt": prompt, "max_tokens": 4, "stream": True, **extra},
+                                      extra_body=beam)
+        assert e.value.body["param"] == param, extra

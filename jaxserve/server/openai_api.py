@@ -21,15 +21,17 @@ from typing import Callable, NamedTuple
 import jinja2
 from flask import Blueprint, current_app, g, jsonify, request
 
+from jaxserve.beam_search import round_params
 from jaxserve.llm import logprob_dict
-from jaxserve.sampling_params import sampling_defaults
+from jaxserve.sampling_params import InvalidRequest, sampling_defaults
 from jaxserve.server.asgi import client_gone
+from jaxserve.server.beam_streams import BeamSearchRequest
 from jaxserve.server.errors import APIError
 from jaxserve.server.reasoning import reasoning_reader
 from jaxserve.server.sse import sse_response
 from jaxserve.server.tools import tool_calls
-from jaxserve.server.validation import (chat_template_options, field, is_number, json_body, messages, prompts,
-                                        sampling_params, stream_flags)
+from jaxserve.server.validation import (beam_search, chat_template_options, field, is_number, json_body, messages,
+                                        prompts, sampling_params, stream_flags)
 from jaxserve.tokenizer import IncrementalDetokenizer
 
 bp = Blueprint("openai", __name__)
@@ -90,7 +92,7 @@ def completions():
     echoes = [t if t is not None else engine.tokenizer.decode(i) for t, i in items] if echo else None
     timeout = request_timeout(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = host.submit(ids, params, request_id)
+    streams = submit(host, ids, params, request_id, beam_search(body, params))
     choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes, return_ids=_return_ids(body))
     submitted = Submitted(body, model, request_id, streams, choices,
                           sum(len(params.resolve(i, engine.max_model_len)[0]) for i in ids), timeout)
@@ -131,11 +133,27 @@ def submit_chat(host, body: dict, request_id: str | None = None) -> Submitted:
                              lora_name=_lora_name(model, host))
     timeout = request_timeout(body)
     request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
-    streams = host.submit([ids], params, request_id)
+    streams = submit(host, [ids], params, request_id, beam_search(body, params))
     choices = _Choices(engine.tokenizer, params.n, chat=True, tools=tools, token_bytes=engine.grammars.token_bytes,
                        reasoning=reasoning, return_ids=_return_ids(body))
     return Submitted(body, model, request_id, streams, choices,
                      len(params.resolve(ids, engine.max_model_len)[0]), timeout)
+
+
+def submit(host, prompts: list[list[int]], params, request_id: str, beam) -> list:
+    """The prompts' engine requests (EngineHost.submit), or with `beam` their beam search
+    (jaxserve/server/beam_streams.py), each prompt (cut to truncate_prompt_tokens) checked now as
+    the engine checks a round's requests: a 400 before the response starts."""
+    if beam is None:
+        return host.submit(prompts, params, request_id)
+    engine = host.require_engine().engine
+    prompts = [params.resolve(ids, engine.max_model_len)[0] for ids in prompts]
+    for ids in prompts:
+        try:
+            engine.new_request(ids, round_params(params, 1))
+        except InvalidRequest as e:
+            raise APIError(400, str(e), param=e.param) from None
+    return BeamSearchRequest(host, prompts, params, beam, request_id).streams
 
 
 def _return_ids(body: dict) -> bool:

@@ -11,7 +11,8 @@ import math
 
 from flask import request
 
-from jaxserve.sampling_params import InvalidRequest, SamplingParams
+from jaxserve.beam_search import BeamSearchParams
+from jaxserve.sampling_params import MAX_LOGPROBS, InvalidRequest, SamplingParams
 from jaxserve.server.errors import APIError
 from jaxserve.structured import StructuredOutput
 
@@ -158,6 +159,24 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: s
         param = {"logprobs": "top_logprobs" if chat else "logprobs",
                  "structured_output": structured and structured[0]}.get(e.param, e.param)
         raise APIError(400, str(e), param=param) from None
+
+
+def beam_search(body: dict, params: SamplingParams) -> BeamSearchParams | None:
+    """vLLM's `use_beam_search` (jaxserve/beam_search.py): `n` beams (at most MAX_LOGPROBS // 2),
+    `length_penalty`, max_tokens and ignore_eos from `params`; the sampling settings do not apply
+    (a search takes the most likely tokens). What a search cannot honour is a 400: stop strings
+    and stop tokens, min_tokens, prompt logprobs, an output constraint."""
+    if not field(body, "use_beam_search", lambda v: isinstance(v, bool), "a boolean", False):
+        return None
+    for name, used in (("stop", params.stop), ("stop_token_ids", params.stop_token_ids),
+                       ("min_tokens", params.min_tokens > 0), ("prompt_logprobs", params.prompt_logprobs is not None),
+                       ("an output constraint", params.structured_output is not None)):
+        if used:
+            raise APIError(400, f"{name} cannot be combined with use_beam_search", param="use_beam_search")
+    if params.n > MAX_LOGPROBS // 2:
+        raise APIError(400, f"n (the beam width) must be at most {MAX_LOGPROBS // 2} with use_beam_search", param="n")
+    return BeamSearchParams(params.n, params.max_tokens, params.ignore_eos,
+                            field(body, "length_penalty", is_number, "a number", 1.0))
 
 
 def structured_output(body: dict) -> tuple[str, StructuredOutput] | None:
