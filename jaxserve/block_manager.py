@@ -2,8 +2,8 @@
 
 Every page is in exactly one state:
   * used: referenced by `ref_counts[p] > 0` page-table entries (sequences may share a page);
-  * cached: unreferenced but holding a full page registered in the prefix cache; it is reused
-    when a later prompt starts with the same tokens, and evicted (LRU) only when a page is needed;
+  * cached: unreferenced but holding a page registered in the prefix cache; it is reused when a
+    later prompt starts with the same tokens, and evicted (LRU) only when a page is needed;
   * free: unreferenced and holding nothing worth keeping.
 Allocation takes a free page first, then evicts the least recently released cached page, so
 `num_free_pages` (free + cached) is what an allocation can count on.
@@ -16,6 +16,12 @@ difference that would tell one tenant what another has sent. A LoRA adapter (Seq
 for each time an adapter is loaded: a name reloaded with other weights gets another) salts the root
 too: its K/V are not the base model's nor another adapter's. Only full pages whose K/V are computed get keys, and a
 full page is never written again, so a cached page can be shared without copying.
+
+Partial pages: a sequence that ends (or is preempted) inside a page registers that page too, keyed
+the same way by its computed, known tokens (fewer than a page's). A later prompt that goes on from
+there (a conversation's next turn, a beam search round: jaxserve/beam_search.py) shares it as its
+last cached page and computes only its tokens after; the page is copied before the first write
+into it, as below, so the cached one keeps what its key names.
 
 Copy-on-write: a sequence about to write into a page it shares (a fork of an n > 1 request, see
 the scheduler), or into a page registered in the prefix cache, gets a fresh page first; `reserve`
@@ -42,6 +48,8 @@ import hashlib
 import json
 from array import array
 
+from typing import NamedTuple
+
 from jaxserve.sequence import PageTable, Sequence
 
 
@@ -54,6 +62,17 @@ def root_key(cache_salt: str | None, lora_id: int | None = None) -> bytes:
     if cache_salt is None and lora_id is None:
         return b""
     return hashlib.sha256(json.dumps(["salt", cache_salt, lora_id]).encode()).digest()
+
+
+class PrefixHit(NamedTuple):
+    """Cached pages holding a prompt's first `num_tokens` tokens, and the keys of the full ones (the
+    last page may be a partial one, without a key here)."""
+    pages: list[int]
+    keys: list[bytes]
+    num_tokens: int
+
+
+NO_HIT = PrefixHit([], [], 0)
 
 
 class BlockManager:
@@ -100,13 +119,13 @@ class BlockManager:
 
     # ---- allocation ----
     def match_prefix(self, token_ids: list[int], cache_salt: str | None = None,
-                     lora_id: int | None = None) -> tuple[list[int], list[bytes]]:
-        """Cached pages (and their keys) holding the longest cached prefix of `token_ids` under
-        `cache_salt` and LoRA adapter `lora_id`, leaving at least the last token uncovered so a
-        prompt always has a token to compute."""
+                     lora_id: int | None = None) -> PrefixHit:
+        """The cached pages holding the longest cached prefix of `token_ids` under `cache_salt` and
+        LoRA adapter `lora_id`: full pages, then the longest partial page that follows on, leaving
+        at least the last token uncovered so a prompt always has a token to compute."""
         pages, keys, parent = [], [], root_key(cache_salt, lora_id)
         if not self.enable_prefix_caching:
-            return pages, keys
+            return NO_HIT
         ps = self.page_size
         for i in range((len(token_ids) - 1) // ps):
             key = page_key(parent, token_ids[i * ps:(i + 1) * ps])
@@ -116,15 +135,20 @@ class BlockManager:
             pages.append(page)
             keys.append(key)
             parent = key
-        return pages, keys
+        start = len(keys) * ps
+        for n in range(min(len(token_ids) - 1 - start, ps - 1), 0, -1):
+            page = self.cached_page.get(page_key(parent, token_ids[start:start + n]))
+            if page is not None:
+                return PrefixHit(pages + [page], keys, start + n)
+        return PrefixHit(pages, keys, start)
 
-    def admit(self, seq: Sequence, hit: tuple[list[int], list[bytes]], num_new_tokens: int) -> bool:
+    def admit(self, seq: Sequence, hit: PrefixHit, num_new_tokens: int) -> bool:
         """Give a sequence with no pages the prefix-cache pages `hit` (from match_prefix) plus fresh
         pages for `num_new_tokens` more tokens, and set num_computed_tokens past the hit. False (and
-        nothing changed) when the pool is short of pages."""
+        nothing changed) when the pool is short of pages. A partial page among the hit is shared
+        as it is: `reserve` copies it before the sequence writes into it."""
         assert not seq.page_table, "admit expects a sequence without pages"
-        pages, keys = hit
-        computed = len(pages) * self.page_size
+        pages, keys, computed = hit
         new = self.pages_for(computed + num_new_tokens) - len(pages)
         reclaimed = sum(1 for p in pages if self.ref_counts[p] == 0)    # evictable hits leave the pool
         if new > self.num_free_pages - reclaimed:
@@ -183,7 +207,9 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; tail pages first, so they are evicted before the shared
-        head of a prefix."""
+        head of a prefix. A last page partly filled with computed, known tokens is cached (see
+        Partial pages in the module docstring)."""
+        self._cache_partial_page(seq)
         for p in reversed(seq.page_table):
             self._decref(p)
         seq.page_table = PageTable()
@@ -210,6 +236,18 @@ class BlockManager:
             if key not in self.cached_page and page not in self.page_key:
                 self.cached_page[key] = page
                 self.page_key[page] = key
+
+    def _cache_partial_page(self, seq: Sequence) -> None:
+        ps = self.page_size
+        known = min(seq.num_computed_tokens, seq.num_prompt_tokens + seq.num_known_outputs)
+        full, n = divmod(known, ps)
+        if not (self.enable_prefix_caching and n and len(seq.page_hashes) >= full and len(seq.page_table) > full):
+            return
+        parent = seq.page_hashes[full - 1] if full else root_key(seq.sampling.cache_salt, seq.lora_id)
+        key, page = page_key(parent, seq.token_range(full * ps, known)), seq.page_table[full]
+        if key not in self.cached_page and page not in self.page_key:
+            self.cached_page[key] = page
+            self.page_key[page] = key
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached page (as vLLM's: after new weights, or to benchmark cold); False,

@@ -65,7 +65,7 @@ import bisect
 import dataclasses
 
 from jaxserve.config import EngineConfig
-from jaxserve.block_manager import BlockManager
+from jaxserve.block_manager import NO_HIT, BlockManager
 from jaxserve.sequence import PENDING, Sequence, SequenceStatus
 
 
@@ -252,10 +252,16 @@ class Scheduler:
                 # Cached pages have no hidden states to score or pool the prompt with (its pages
                 # are still cached for others).
                 hit = (self.bm.match_prefix(seq.token_ids, seq.sampling.cache_salt, seq.lora_id)
-                       if not seq.needs_prompt_hidden_states else ([], []))
-                n = min(seq.num_tokens - len(hit[0]) * self.bm.page_size, self.cfg.prefill_chunk_size, admit_budget)
+                       if not seq.needs_prompt_hidden_states else NO_HIT)
+                n = min(seq.num_tokens - hit.num_tokens, self.cfg.prefill_chunk_size, admit_budget)
                 if not self.bm.admit(seq, hit, n):
                     break
+                copies = self.bm.reserve(seq, n)   # a partial page among the hit: copied before it is written
+                if copies is None:
+                    self.bm.free(seq)
+                    seq.num_computed_tokens = 0
+                    break
+                out.page_copies += copies
                 admit_budget -= n
             budget -= n
             admit_budget = min(admit_budget, budget)

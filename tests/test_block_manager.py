@@ -42,6 +42,7 @@ class PagePool:
         for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
             page = seq.page_table[p // ps]
             assert self.bm.ref_counts[page] == 1, f"writing into shared page {page}"
+            assert page not in self.bm.page_key, f"writing into cached page {page}"
             self.slots[page * ps + p % ps] = tokens[p]
         seq.num_computed_tokens += n
         if not proposed:
@@ -70,16 +71,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = seq_of(base[:cut] + tail)
         hit = self.bm.match_prefix(seq.token_ids)
         assert hit == self.bm.match_prefix(seq.token_ids)          # same tokens, same pages
-        assert len(hit[0]) * PS < seq.num_tokens                   # the last token is left to compute
-        assert self.pool.read(hit[0], len(hit[0]) * PS) == seq.token_ids[:len(hit[0]) * PS]
-        n = min(chunk, seq.num_tokens - len(hit[0]) * PS)
+        assert hit.num_tokens < seq.num_tokens                     # the last token is left to compute
+        assert self.pool.read(hit.pages, hit.num_tokens) == seq.token_ids[:hit.num_tokens]
+        n = min(chunk, seq.num_tokens - hit.num_tokens)
         before = snapshot(self.bm)
-        if self.bm.admit(seq, hit, n):
-            assert seq.num_computed_tokens == len(hit[0]) * PS
-            self.pool.compute(seq, n)
-            self.live.append(seq)
-        else:
+        if not self.bm.admit(seq, hit, n):
             assert snapshot(self.bm) == before
+            return
+        assert seq.num_computed_tokens == hit.num_tokens
+        copies = self.bm.reserve(seq, n)   # as the scheduler: a partial page hit is copied first
+        if copies is None:
+            self.bm.free(seq)
+            return
+        self.pool.copy(copies)
+        self.pool.compute(seq, n)
+        self.live.append(seq)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), n=st.integers(1, 9), new=st.lists(st.integers(0, 3), min_size=1, max_size=3))
@@ -155,7 +161,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data):
         seq = data.draw(st.sampled_from(self.live))
+        keys = set(self.bm.cached_page)
         self.bm.free(seq)
+        for key in set(self.bm.cached_page) - keys:   # its partial last page
+            assert len(key_pages := [k for k in self.bm.cached_page if k not in keys]) == 1, key_pages
+            self.prefix_of_key.setdefault(key, seq.token_ids[:seq.num_computed_tokens])
         self.live.remove(seq)
         assert seq.page_table == []
 
@@ -192,7 +202,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.prefix_of_key.setdefault(key, s.token_ids[:(i + 1) * PS])
         for key, page in self.bm.cached_page.items():
             prefix = self.prefix_of_key[key]
-            assert self.pool.read([page], PS) == prefix[-PS:]
+            n = len(prefix) % PS or PS   # a partial page's tokens, or a full page's
+            assert self.pool.read([page], n) == prefix[-n:]
 
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
@@ -200,10 +211,11 @@ TestBlockManager = BlockManagerMachine.TestCase
 
 
 def computed(bm, pool, tokens, rid="r"):
-    """Admit and fully compute a prompt; returns the sequence."""
+    """Admit and fully compute a prompt (a partial page hit copied first); returns the sequence."""
     seq = seq_of(tokens, rid)
     hit = bm.match_prefix(seq.token_ids)
-    assert bm.admit(seq, hit, seq.num_tokens - len(hit[0]) * PS)
+    assert bm.admit(seq, hit, seq.num_tokens - hit.num_tokens)
+    pool.copy(bm.reserve(seq, seq.num_tokens - hit.num_tokens))
     pool.compute(seq, seq.num_tokens - seq.num_computed_tokens)
     return seq
 
@@ -225,15 +237,38 @@ def test_prefix_hit_reuses_pages_and_counts_hit_rate():
 def test_unreferenced_cached_pages_are_evicted_lru_and_only_when_needed():
     bm = BlockManager(4, PS)
     pool = PagePool(bm)
-    a = computed(bm, pool, range(9))                  # 2 full pages + 1
+    a = computed(bm, pool, range(9))                  # 2 full pages + 1 token (a partial page)
     a_pages = list(a.page_table)
     bm.free(a)
-    assert bm.num_cached_pages == 2 and bm.num_free_pages == 4
-    # Tail pages are released first, so the second page of the prefix is evicted first.
-    c = computed(bm, pool, [90] * 9)                  # takes both free pages, then evicts one cached
+    assert bm.num_cached_pages == 3 and bm.num_free_pages == 4
+    # Tail pages are released first, so the partial page, then the second page of the prefix, are evicted first.
+    c = computed(bm, pool, [90] * 9)                  # takes the free page, then evicts two cached
     assert a_pages[1] in c.page_table and a_pages[0] not in c.page_table
     hit = bm.match_prefix(list(range(9)))
     assert hit[0] == a_pages[:1]
+
+
+def test_a_prompt_going_on_from_an_ended_sequence_shares_its_partial_page():
+    """A sequence that ends inside a page leaves it cached under the tokens it holds: a prompt that
+    goes on from there (a conversation's next turn, a beam search round) computes only the tokens
+    after them, into a copy of the page; one that differs inside the page gets the full pages."""
+    bm = BlockManager(8, PS)
+    pool = PagePool(bm)
+    a = computed(bm, pool, range(10))                 # 2 full pages + 2 tokens
+    a_pages = list(a.page_table)
+    bm.free(a)
+    b = seq_of(list(range(10)) + [50, 51])
+    hit = bm.match_prefix(b.token_ids)
+    assert (hit.pages, hit.num_tokens) == (a_pages, 10)
+    assert bm.admit(b, hit, 2) and b.num_computed_tokens == 10 == b.num_cached_tokens
+    copies = bm.reserve(b, 2)
+    assert copies == [(a_pages[2], b.page_table[2])] and b.page_table[2] != a_pages[2]
+    pool.copy(copies)
+    pool.compute(b, 2)
+    assert pool.read(b.page_table, 12) == b.token_ids and pool.read(a_pages[2:], 2) == [8, 9]
+    assert bm.match_prefix(list(range(10)) + [7]).num_tokens == 10          # a's page again
+    assert bm.match_prefix(list(range(9)) + [77, 1]) == (a_pages[:2], b.page_hashes[:2], 8)
+    assert bm.match_prefix(list(range(10))).num_tokens == 8   # [8, 9] would leave no token to compute
 
 
 def test_cow_copy_gives_private_page_to_the_writer():
