@@ -3,16 +3,20 @@
 Each slice of the "data" axis gets its own LLMEngine on its own ("model" x "seq") sub-mesh
 (built by jaxserve.factory): its own copy of the weights, KV cache, scheduler and engine
 thread; replicas share nothing, so no collective ever crosses the "data" axis.
-`DataParallelEngine` is an EngineClient like EngineThread and sends each request to the
-replica with the fewest unfinished requests.
+`DataParallelEngine` is an EngineClient like EngineThread. It sends each request to the replica
+whose prefix cache holds the longest start of its prompt (a conversation's next turn, a beam-search
+round, a shared system prompt: computed once, where it is cached), unless that replica has
+max_num_seqs more unfinished requests than the least loaded one; without a hit, to the least
+loaded (fewest unfinished requests; ties: the lowest index).
 """
 from __future__ import annotations
 
 import itertools
 import threading
 
+from jaxserve import lora
 from jaxserve.engine_thread import EngineThread, RequestStream
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import InvalidRequest, SamplingParams
 
 
 class DataParallelEngine:
@@ -32,10 +36,13 @@ class DataParallelEngine:
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                request_id: str | None = None) -> RequestStream:
-        """To the least-loaded replica (fewest submitted, unfinished requests; ties: lowest index)."""
+        """To the replica the module docstring says."""
         with self._lock:
             request_id = request_id or f"req-{next(self._ids)}"  # unique across replicas
-            thread = min(self.threads, key=lambda t: t.num_pending)
+            least = min(t.num_pending for t in self.threads)
+            slack = self.engine.ecfg.max_num_seqs
+            thread = max((t for t in self.threads if t.num_pending <= least + slack),
+                         key=lambda t: (cached_tokens(t.engine, prompt_token_ids, params), -t.num_pending))
             return thread.submit(prompt_token_ids, params, request_id)
 
     def abort(self, request_id: str) -> None:
@@ -57,3 +64,14 @@ class DataParallelEngine:
     def lost(self):
         """Why a replica was given up for lost (the process should restart), or None."""
         return next((t.lost for t in self.threads if t.lost is not None), None)
+
+
+def cached_tokens(engine, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    """How much of the prompt the engine's prefix cache holds (read from another thread: a stale
+    answer only routes less well); 0 for a request the engine will refuse."""
+    try:
+        adapter = lora.resolve(engine.loras, params.lora_name)
+    except InvalidRequest:
+        return 0
+    return engine.block_manager.match_prefix(prompt_token_ids, params.cache_salt,
+                                             adapter and adapter.id).num_tokens
