@@ -2,6 +2,7 @@
 line a second and 1,000 idle ones (one client), a normal completion answers within 1 s and SSE
 still streams; each connection's cost is bounded (head size, head time, idle keep-alive)."""
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import socket
@@ -54,15 +55,26 @@ def test_connection_bounds(server):
     with socket.create_connection(addr) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (MAX_HEAD_BYTES + 1024))
         assert sock.recv(64).startswith(b"HTTP/1.1 400")
-    # A kept-alive connection left idle is closed after KEEP_ALIVE_S.
+    # Both timers at once, each on its own connection (one after the other they waited 15 s):
+    # a kept-alive connection left idle is closed after KEEP_ALIVE_S; a head that never ends is
+    # closed HEAD_TIMEOUT_S after the connection opened.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        idle, endless = pool.submit(_idle_after_a_response, addr), pool.submit(_endless_head, addr)
+        assert KEEP_ALIVE_S - 0.5 < idle.result() < KEEP_ALIVE_S + 2
+        assert HEAD_TIMEOUT_S - 0.5 < endless.result() < HEAD_TIMEOUT_S + 2
+
+
+def _idle_after_a_response(addr) -> float:
     with socket.create_connection(addr) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert sock.recv(64).startswith(b"HTTP/1.1 200")
-        assert KEEP_ALIVE_S - 0.5 < _closed_after(sock, KEEP_ALIVE_S + 5) < KEEP_ALIVE_S + 2
-    # A head that never ends is closed HEAD_TIMEOUT_S after the connection opened.
+        return _closed_after(sock, KEEP_ALIVE_S + 5)
+
+
+def _endless_head(addr) -> float:
     with socket.create_connection(addr) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\n")
-        assert HEAD_TIMEOUT_S - 0.5 < _closed_after(sock, HEAD_TIMEOUT_S + 5) < HEAD_TIMEOUT_S + 2
+        return _closed_after(sock, HEAD_TIMEOUT_S + 5)
 
 
 def test_a_stalled_body_gets_408_without_taking_a_thread(monkeypatch):
