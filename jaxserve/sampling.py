@@ -49,8 +49,8 @@ def samples_ahead(seq) -> bool:
     """Whether a multi-step decode (step.multi_step_decode) can sample `seq`'s next tokens: its
     arrays hold for them but for what the loop updates (the step count, the penalty counts) and
     min_tokens' ban (the scheduler ends the row's run where the ban lifts). Not with a grammar,
-    whose masks the host computes token by token."""
-    return seq.grammar is None
+    whose masks the host computes token by token, nor with allowed_token_ids (a mask too)."""
+    return seq.grammar is None and seq.allowed_mask is None
 
 
 @struct.dataclass

@@ -63,6 +63,7 @@ class SamplingParams:
     cache_salt: str | None = None         # mixed into the prefix-cache keys: only equal salts share pages
     prompt_logprobs: int | None = None    # top-N logprobs per prompt token (0 = only the token's own)
     structured_output: StructuredOutput | None = None   # the output's grammar: a JSON schema, a regex, choices
+    allowed_token_ids: tuple[int, ...] | None = None    # the only tokens it may sample (None: any)
     # The LoRA adapter it runs on, by a name the engine knows (jaxserve/lora.py: a lora_modules entry,
     # or set by LLM.generate's lora_request; the server's: the body's `model`); None: the base model.
     lora_name: str | None = None
@@ -72,6 +73,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", [self.stop])
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         checks = [
             ("n", 1 <= self.n <= MAX_N, f"must be between 1 and {MAX_N}"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1 or (
@@ -95,6 +98,9 @@ class SamplingParams:
             ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
                 isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
              f"must map at most {MAX_LOGIT_BIAS} token ids to biases between -100 and 100"),
+            ("allowed_token_ids", self.allowed_token_ids is None or (
+                bool(self.allowed_token_ids) and all(isinstance(t, int) for t in self.allowed_token_ids)),
+             "must hold at least one token id"),
             ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
              f"must hold at most {MAX_STOP_TOKEN_IDS} token ids"),
             ("truncate_prompt_tokens", self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,

@@ -76,6 +76,9 @@ class Sequence:
     # With sampling.structured_output: its grammar matcher (jaxserve/structured/grammar.py), which
     # fills the sampler's mask and takes each output token.
     grammar: Matcher | None = None
+    # With sampling.allowed_token_ids: the sampler's mask row of those tokens (int32 words, as
+    # jaxserve/structured/masks.py packs them), shared by the request's choices.
+    allowed_mask: np.ndarray | None = None
     lora: Adapter | None = None        # the LoRA adapter it runs on (None: the base model; set by the engine)
     lora_slot: int = 0                 # that adapter's slot while it runs (0: none; set by Adapters.assign)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)

@@ -169,6 +169,34 @@ def test_logit_bias_and_min_tokens_match_transformers(client, model):
     assert out.choices[0].text == tok.decode(ref[:4]).rstrip("\ufffd")
 
 
+def test_allowed_token_ids_match_transformers(client, model):
+    """vLLM's allowed_token_ids: greedy tokens are transformers' argmax over those tokens (their
+    logprobs raw, as vLLM's), sampled ones stay among them, a grammar's mask is narrowed by them,
+    and an empty list or an id past the vocabulary is a 400."""
+    _, hf, tok = model
+    prompt = tok.encode("The quick brown fox", add_special_tokens=False)
+    allowed = tok.encode("aeiou", add_special_tokens=False) + [EOS]
+
+    def only_allowed(step, logits):
+        banned = torch.ones_like(logits, dtype=torch.bool)
+        banned[allowed] = False
+        return logits.masked_fill(banned, -np.inf)
+    ref, ref_logprobs = hf_greedy(hf, prompt, 8, only_allowed)
+    n = ref.index(EOS) + 1 if EOS in ref else len(ref)
+    out = complete(client, prompt, allowed_token_ids=allowed, logprobs=0, return_token_ids=True)
+    assert out.choices[0].model_extra["token_ids"] == ref[:n] and n > 2
+    assert out.choices[0].logprobs.token_logprobs == pytest.approx(ref_logprobs[:n], abs=1e-3)
+    sampled = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=1.5, n=3, seed=1,
+                                        extra_body=dict(allowed_token_ids=allowed[:5], ignore_eos=True))
+    assert all(set(c.text) <= set("aeiou") and len(c.text) == 16 for c in sampled.choices)
+    regex = complete(client, prompt, allowed_token_ids=allowed[:3], guided_regex="[a-z]{6}", max_tokens=10)
+    assert len(regex.choices[0].text) == 6 and set(regex.choices[0].text) <= set("aei")
+    for bad in ([], [300]):
+        with pytest.raises(openai.BadRequestError) as e:
+            complete(client, prompt, allowed_token_ids=bad)
+        assert e.value.body["param"] == "allowed_token_ids"
+
+
 def test_stop_string_and_special_token_options(client, model):
     _, hf, tok = model
     prompt = tok.encode("Once upon a time", add_special_tokens=False)

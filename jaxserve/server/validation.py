@@ -141,6 +141,8 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: s
             stop=stop,
             stop_token_ids=field(body, "stop_token_ids", lambda v: isinstance(v, list) and all(map(is_int, v)),
                                  "a list of token ids", []),
+            allowed_token_ids=field(body, "allowed_token_ids", lambda v: isinstance(v, list) and all(map(is_int, v)),
+                                    "a list of token ids", None),
             ignore_eos=field(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
