@@ -27,10 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEW_TOKENS = 12
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=16, max_prefill_seqs=1,
               page_size=8, max_model_len=128, num_pages=64, compilation_cache_dir=None)
-# The engines that run the 6 rows of [base, a1] x prompts once, not warmed up: all six prefill in
-# one step and decode together to the end, so they compile few step shapes (the int8 engine 2,
-# not 5; chunked prefill of adapter rows: the tests on ENGINE).
-ONE_WAVE = dict(ENGINE, max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_size=32, max_prefill_seqs=6)
+# The engines that run their rows (up to 9: [base, a1, a2] x prompts) once, not warmed up: all
+# prefill in one step and decode together to the end, so they compile few step shapes (the int8
+# engine 2, not 5; chunked prefill of adapter rows: the tests on ENGINE).
+ONE_WAVE = dict(ENGINE, max_num_seqs=16, max_num_batched_tokens=256, prefill_chunk_size=32, max_prefill_seqs=9)
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (seed, LoraConfig fields): a1 every projection; a2 a few at a smaller rank, rsLoRA's
 # scaling; a3 (loaded on demand) at the full max_lora_rank.
@@ -329,7 +329,7 @@ def test_missing_files_and_unknown_names_are_refused(setup, llm, tmp_path):
 
 if __name__ == "__main__":   # test_tensor_parallel_and_multi_step's engine, on this process's fake devices
     base, dirs, prompts = json.loads(sys.argv[1])
-    llm = LLM(model=base, lora_modules=dirs, mesh={"model": 2}, decode_steps=4, **ENGINE)
+    llm = LLM(model=base, lora_modules=dirs, mesh={"model": 2}, decode_steps=4, **ONE_WAVE)
     layer = llm.llm_engine.loras.weights["model"]["layers_0"]["self_attn"]
     specs = {f"{m}/{leaf}": [*layer[m][leaf].sharding.spec] + [None] * (3 - len(layer[m][leaf].sharding.spec))
              for m in ("q_proj", "o_proj") for leaf in "ab"}
