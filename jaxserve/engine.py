@@ -39,7 +39,7 @@ from jaxserve.spec_decode import ngram
 from jaxserve.spec_decode.draft import DraftProposer, default_draft_dir
 from jaxserve.spec_decode.throttle import Throttle
 from jaxserve.structured.grammar import Grammars
-from jaxserve.structured.masks import allowed_mask
+from jaxserve.token_limits import check_token_ids, sequence_limits
 from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 TINY_MODEL_DIR = os.path.join(os.path.dirname(__file__), "assets", "tiny")
@@ -122,18 +122,11 @@ class LLMEngine:
         prompt_token_ids, params = params.resolve(prompt_token_ids, self.max_model_len)
         if not prompt_token_ids:
             raise InvalidRequest("prompt is empty", param="prompt")
-        if bad := [t for t in prompt_token_ids if not 0 <= t < self.model_cfg.vocab_size]:
-            raise InvalidRequest(f"prompt token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}",
-                                 param="prompt")
+        check_token_ids(prompt_token_ids, params, self.model_cfg.vocab_size)
         adapter = lora.resolve(self.loras, params.lora_name)
         if params.prompt_logprobs is not None and self.runner.prefills_sequence_parallel:
             raise InvalidRequest("prompt_logprobs is not supported with sequence-parallel prefill",
                                  param="prompt_logprobs")
-        for name, ids in (("logit_bias", list(params.logit_bias)), ("stop_token_ids", params.stop_token_ids),
-                          ("allowed_token_ids", list(params.allowed_token_ids or ()))):
-            if bad := [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]:
-                raise InvalidRequest(f"{name} token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}",
-                                     param=name)
         total = len(prompt_token_ids) + (params.max_tokens if pooled is None else 0)
         if total > self.max_model_len:
             tokens = "" if pooled else f" and max_tokens is {params.max_tokens} ({total} in total)"
@@ -150,11 +143,10 @@ class LLMEngine:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         ends = tuple(dict.fromkeys(params.stop_token_ids + ([] if params.ignore_eos else sorted(self.eos_token_ids))))
         grammars = self.grammars.matchers(params.structured_output, params.n)
-        allowed = None if params.allowed_token_ids is None else allowed_mask(params.allowed_token_ids,
-                                                                             self.model_cfg.vocab_size)
+        limits = sequence_limits(params, self.tokenizer, self.model_cfg.vocab_size)
         seqs = [Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=params,
                          arrival_time=arrival, index=i, end_token_ids=ends, grammar=grammars[i], lora=adapter,
-                         pooling=pooled, allowed_mask=allowed)
+                         pooling=pooled, **limits)
                 for i in range(params.n)]
         return Request(request_id, list(prompt_token_ids), params, arrival, seqs)
 

@@ -28,6 +28,7 @@ from flax import struct
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured.masks import mask_words, token_masks
+from jaxserve.token_limits import banned_by_bad_words
 
 MIN_HISTORY_LEN = 16
 # Bias entries per row when a row of the batch has any: logit_bias plus the tokens min_tokens
@@ -41,16 +42,18 @@ def uses_penalties(p: SamplingParams) -> bool:
 
 def reads_outputs(seq) -> bool:
     """Whether the sampler's arrays for `seq` read its output tokens' values (its grammar's mask,
-    the penalty history), not only their count: they wait for its previous token on the host."""
-    return seq.grammar is not None or uses_penalties(seq.sampling)
+    the penalty history, its bad words' bans), not only their count: they wait for its previous
+    token on the host."""
+    return seq.grammar is not None or uses_penalties(seq.sampling) or bool(seq.bad_words)
 
 
 def samples_ahead(seq) -> bool:
     """Whether a multi-step decode (step.multi_step_decode) can sample `seq`'s next tokens: its
     arrays hold for them but for what the loop updates (the step count, the penalty counts) and
     min_tokens' ban (the scheduler ends the row's run where the ban lifts). Not with a grammar,
-    whose masks the host computes token by token, nor with allowed_token_ids (a mask too)."""
-    return seq.grammar is None and seq.allowed_mask is None
+    whose masks the host computes token by token, nor with allowed_token_ids (a mask too) or
+    bad words (bans the host computes token by token)."""
+    return seq.grammar is None and seq.allowed_mask is None and not seq.bad_words
 
 
 @struct.dataclass
@@ -93,7 +96,7 @@ class SamplingMetadata:
     def build(cls, params: list[SamplingParams], prompt_ids: list[list[int]],
               output_ids: list[list[int]], seeds: list[int], pad_to: int,
               history_len: int | None = None, end_token_ids: list[tuple[int, ...]] | None = None,
-              allowed: np.ndarray | None = None) -> "SamplingMetadata":
+              allowed: np.ndarray | None = None, bad_words: list[tuple] | None = None) -> "SamplingMetadata":
         """Numpy arrays for `len(params)` rows padded to `pad_to` greedy rows.
 
         `output_ids`: each row's outputs so far; only their count is read for a row without
@@ -103,6 +106,8 @@ class SamplingMetadata:
         `end_token_ids` are the tokens that end each row's sequence: banned while it has fewer
         than min_tokens outputs. When a row needs penalties or a bias, both arrays come (the
         history history_len wide, the bias BIAS_WIDTH): one compiled variant serves them all.
+        `bad_words` (each row's, as bad_words_token_ids gives them) ban, as min_tokens does, the
+        last token of each word whose other tokens the row's outputs end with.
         `allowed` ([pad_to, words] packed token masks, or None) turns the mask on by itself: a
         constrained batch without penalties or a bias builds and runs neither (four variants:
         plain, penalties+bias, mask, all three).
@@ -121,6 +126,8 @@ class SamplingMetadata:
         for i, ends in enumerate(end_token_ids or []):
             if len(output_ids[i]) < params[i].min_tokens:
                 biases[i].update(dict.fromkeys(ends, -np.inf))
+        for i, words in enumerate(bad_words or []):
+            biases[i].update(dict.fromkeys(banned_by_bad_words(words, output_ids[i]), -np.inf))
         penalised = [i for i, p in enumerate(params) if uses_penalties(p)]
         extras = bool(penalised or any(biases))
         need = max((len(prompt_ids[i]) + len(output_ids[i]) for i in penalised), default=0)
@@ -184,7 +191,7 @@ def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: in
     prompts, outputs, aheads, listed = [], [], [], collections.Counter()
     for s in seqs:
         aheads.append(s.proposed_token_ids[:listed[s.seq_id]])
-        if uses_penalties(s.sampling):   # the known tokens' int32 copy, then -1 (padding) for PENDING ones
+        if uses_penalties(s.sampling) or s.bad_words:   # the known tokens' int32 copy, then -1 (padding) for PENDING ones
             known, n = s.known_token_array(), s.num_prompt_tokens
             # (none for a sequence that stopped meanwhile: its PENDING outputs are cut; row discarded)
             pending = max(len(s.output_token_ids) - s.num_known_outputs - launched, 0)
@@ -198,7 +205,7 @@ def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: in
         params, prompts, outputs,
         [seeds[s.seq_id] for s in seqs], pad_to=rows,
         history_len=max_model_len, end_token_ids=[s.end_token_ids for s in seqs],
-        allowed=token_masks(seqs, aheads, rows))
+        allowed=token_masks(seqs, aheads, rows), bad_words=[s.bad_words for s in seqs])
 
 
 def sampler_variants(rows: int, max_model_len: int, vocab_size: int) -> list[SamplingMetadata]:

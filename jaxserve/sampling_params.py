@@ -16,6 +16,7 @@ MAX_N = 16                             # choices per request
 MAX_LOGPROBS = 20                      # top-N logprobs per sampled token (the runner's sampler returns 20)
 MAX_LOGIT_BIAS = 300                   # logit_bias entries per request
 MAX_STOP_TOKEN_IDS = 64
+MAX_BAD_WORDS = 64
 
 
 class InvalidRequest(ValueError):
@@ -64,6 +65,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None    # top-N logprobs per prompt token (0 = only the token's own)
     structured_output: StructuredOutput | None = None   # the output's grammar: a JSON schema, a regex, choices
     allowed_token_ids: tuple[int, ...] | None = None    # the only tokens it may sample (None: any)
+    bad_words: tuple[str, ...] = ()       # words it may not write (their last token banned where it would end one)
     # The LoRA adapter it runs on, by a name the engine knows (jaxserve/lora.py: a lora_modules entry,
     # or set by LLM.generate's lora_request; the server's: the body's `model`); None: the base model.
     lora_name: str | None = None
@@ -75,6 +77,7 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
         checks = [
             ("n", 1 <= self.n <= MAX_N, f"must be between 1 and {MAX_N}"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1 or (
@@ -101,6 +104,9 @@ class SamplingParams:
             ("allowed_token_ids", self.allowed_token_ids is None or (
                 bool(self.allowed_token_ids) and all(isinstance(t, int) for t in self.allowed_token_ids)),
              "must hold at least one token id"),
+            ("bad_words", len(self.bad_words) <= MAX_BAD_WORDS and all(isinstance(w, str) and w.strip()
+                                                                        for w in self.bad_words),
+             f"must hold at most {MAX_BAD_WORDS} words, none empty"),
             ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
              f"must hold at most {MAX_STOP_TOKEN_IDS} token ids"),
             ("truncate_prompt_tokens", self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,

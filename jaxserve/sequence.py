@@ -79,6 +79,9 @@ class Sequence:
     # With sampling.allowed_token_ids: the sampler's mask row of those tokens (int32 words, as
     # jaxserve/structured/masks.py packs them), shared by the request's choices.
     allowed_mask: np.ndarray | None = None
+    # With sampling.bad_words: their token ids (sampling.py bans each one's last token where the
+    # outputs end in the rest), shared by the request's choices.
+    bad_words: tuple[tuple[int, ...], ...] = ()
     lora: Adapter | None = None        # the LoRA adapter it runs on (None: the base model; set by the engine)
     lora_slot: int = 0                 # that adapter's slot while it runs (0: none; set by Adapters.assign)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)

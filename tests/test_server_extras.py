@@ -197,6 +197,35 @@ def test_allowed_token_ids_match_transformers(client, model):
         assert e.value.body["param"] == "allowed_token_ids"
 
 
+def test_bad_words_match_transformers(client, model):
+    """vLLM's bad_words: a word's last token is banned where the outputs end in its other tokens
+    (one-token words: always). With "a" and "z" pushed up by logit_bias and bad words "aa" and
+    "z", greedy writes "a" every other token: transformers' greedy under the same bias and bans.
+    (How words become token ids: tests/test_token_limits.py.)"""
+    _, hf, tok = model
+    prompt = tok.encode("The quick brown fox", add_special_tokens=False)
+    a, z = tok.encode("az", add_special_tokens=False)
+    bias = {a: 100.0, z: 50.0}
+    ids, ref = list(prompt), []
+    with torch.no_grad():
+        for _ in range(8):
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+            for t, b in bias.items():
+                logits[t] += b
+            logits[z] = -np.inf                        # "z": always
+            if ref and ref[-1] == a:
+                logits[a] = -np.inf                    # "aa": after an "a"
+            ref.append(int(logits.argmax()))
+            ids.append(ref[-1])
+    assert ref[::2] == [a] * 4 and a not in ref[1::2]
+    out = complete(client, prompt, logit_bias={str(t): b for t, b in bias.items()}, bad_words=["aa", " z"],
+                   ignore_eos=True, return_token_ids=True)
+    assert out.choices[0].model_extra["token_ids"] == ref
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, prompt, bad_words=[" "])
+    assert e.value.body["param"] == "bad_words"
+
+
 def test_stop_string_and_special_token_options(client, model):
     _, hf, tok = model
     prompt = tok.encode("Once upon a time", add_special_tokens=False)

@@ -143,6 +143,8 @@ def sampling_params(body: dict, *, chat: bool, max_tokens: int | None, tenant: s
                                  "a list of token ids", []),
             allowed_token_ids=field(body, "allowed_token_ids", lambda v: isinstance(v, list) and all(map(is_int, v)),
                                     "a list of token ids", None),
+            bad_words=field(body, "bad_words", lambda v: isinstance(v, list) and all(isinstance(w, str) for w in v),
+                            "a list of strings", []),
             ignore_eos=field(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
