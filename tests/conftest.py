@@ -26,12 +26,14 @@ def fake_devices_env(n: int) -> dict[str, str]:
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={n} " + os.environ.get("XLA_FLAGS", "")}
 
 # The heaviest files first, the longest first (one worker's minutes on the 2-core box, from the
-# suite's --durations: spec-decode draft ~13 before its trim, family engine and multi-step ~4,
-# quantized engine, shutdown, spec decode, kv isolation, TPU compile and parallel 2.5-3.5, soak and
-# flash attention 2, the next three ~1, scoring and weight update ~0.7): `-n 2 --dist loadfile`
-# hands out whole files in collection order (the rest alphabetical, each under a minute), and a long
-# one handed out last runs alone at the end while the other worker idles.
-HEAVY_FIRST = ["test_spec_decode_draft.py", "test_family_engine.py", "test_multi_step.py", "test_quantized_engine.py",
+# suite's --durations: the quantized engine ~3 (2026-11-29, under load; alone 2.9), spec-decode
+# draft ~13 before its trim, family engine and multi-step ~4, shutdown, spec decode, kv isolation,
+# TPU compile and parallel 2.5-3.5, soak and flash attention 2, the next three ~1, scoring and
+# weight update ~0.7): `-n 2 --dist loadfile` hands out whole files in collection order (the rest
+# alphabetical: the long ones among them, GPU compile, LoRA, models, MoE and paged attention at
+# 1-2.5, come before the middle; the last ones are short), and a long one handed out last runs
+# alone at the end while the other worker idles.
+HEAVY_FIRST = ["test_quantized_engine.py", "test_spec_decode_draft.py", "test_family_engine.py", "test_multi_step.py",
                "test_shutdown.py", "test_spec_decode.py", "test_kv_isolation.py", "test_tpu_compile.py",
                "test_parallel.py", "test_soak.py", "test_flash_attention.py", "test_engine.py",
                "test_structured_output.py", "test_engine_kernels.py", "test_scoring.py", "test_weight_update.py"]
