@@ -13,6 +13,7 @@ import openai
 import pytest
 import requests
 import torch
+from transformers import AutoTokenizer
 
 from jaxserve import LLM, PoolingParams, SamplingParams, pooling
 from jaxserve.config import EngineConfig
@@ -86,6 +87,22 @@ def test_embeddings_route_matches_transformers(server, qwen3):
     np.testing.assert_allclose(cut.data[0].embedding, unit(hidden_states(qwen3[1], PROMPTS[0])[-1, :16]), atol=2e-4)
     raw = requests.post(server.url + "/v1/embeddings", json={"input": PROMPTS[2], "normalize": False}).json()
     np.testing.assert_allclose(raw["data"][0]["embedding"], hidden_states(qwen3[1], PROMPTS[2])[-1], atol=2e-4)
+
+
+def test_embeddings_of_a_conversation_match_transformers(server, qwen3):
+    """vLLM's `messages` instead of `input`: the conversation as transformers' tokenizer renders
+    it with the chat template, without a generation prompt (with one if asked), embedded as
+    transformers does; `input` and `messages` together are a 400."""
+    tok = AutoTokenizer.from_pretrained(qwen3[0])
+    conversation = [{"role": "user", "content": "What is a page?"}, {"role": "assistant", "content": "A block."}]
+    for start in (False, True):
+        ids = tok.apply_chat_template(conversation, add_generation_prompt=start, tokenize=True, return_dict=False)
+        body = {"messages": conversation, **({"add_generation_prompt": True} if start else {})}
+        out = requests.post(server.url + "/v1/embeddings", json=body, timeout=120).json()
+        assert out["usage"]["prompt_tokens"] == len(ids)
+        np.testing.assert_allclose(out["data"][0]["embedding"], unit(hidden_states(qwen3[1], ids)[-1]), atol=2e-4)
+    r = requests.post(server.url + "/v1/embeddings", json={"messages": conversation, "input": "x"}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
 @pytest.mark.parametrize("body, param", [

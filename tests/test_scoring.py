@@ -112,6 +112,11 @@ def test_classify_route_matches_transformers(server, cross_encoder):
     for i, (d, text) in enumerate(zip(body["data"], DOCUMENTS)):
         assert (d["index"], d["label"], d["num_classes"]) == (i, "relevant", 1)
         np.testing.assert_allclose(d["probs"], sigmoid(hf_logits(model, tokenizer(text)["input_ids"])), atol=1e-5)
+    # vLLM's `messages`: one conversation through the chat template, without a generation prompt
+    conversation = [{"role": "user", "content": DOCUMENTS[0]}]
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=False, tokenize=True, return_dict=False)
+    (d,) = requests.post(server.url + "/classify", json={"messages": conversation}).json()["data"]
+    np.testing.assert_allclose(d["probs"], sigmoid(hf_logits(model, ids)), atol=1e-5)
 
 
 @pytest.mark.parametrize("route, body, param", [

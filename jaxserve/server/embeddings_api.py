@@ -4,7 +4,8 @@
 `encoding_format` "float" (the default) or "base64" (the little-endian float32 bytes, what the
 openai client asks for); `dimensions` for a Matryoshka model. vLLM's extras: `truncate_prompt_tokens`,
 `add_special_tokens` (default true: the tokenizer's bos/eos, which embedding models are trained
-with), `normalize`, `timeout`. The pieces every pooling route shares (score_api.py's classify,
+with), `normalize`, `timeout`, and `messages` instead of `input` (one conversation, as the chat
+template renders it, without a generation prompt unless `add_generation_prompt`; /classify too). The pieces every pooling route shares (score_api.py's classify,
 score and rerank too) are here: the engine and model, the pooling params, and `pool`, which runs
 the prompts max_num_seqs at a time.
 """
@@ -19,7 +20,7 @@ from flask import Blueprint, current_app, jsonify, request
 
 from jaxserve.sampling_params import InvalidRequest, PoolingParams
 from jaxserve.server.errors import APIError
-from jaxserve.server.openai_api import check_model, client_connected, request_timeout
+from jaxserve.server.openai_api import chat_prompt, check_model, client_connected, request_timeout
 from jaxserve.server.validation import field, is_int, json_body, prompts
 
 bp = Blueprint("embeddings", __name__)
@@ -38,7 +39,12 @@ def pooling_engine(body: dict):
 
 def inputs(body: dict, engine) -> list[list[int]]:
     """body["input"]: a string, strings, token ids or lists of token ids, the strings tokenized
-    with `add_special_tokens` (default true: the tokenizer's bos/eos, which pooling models are trained with)."""
+    with `add_special_tokens` (default true: the tokenizer's bos/eos, which pooling models are trained with);
+    or vLLM's body["messages"]: one conversation through the chat template (which writes any bos)."""
+    if "messages" in body:
+        if "input" in body:
+            raise APIError(400, "give 'input' or 'messages', not both", param="messages")
+        return [chat_prompt(engine.tokenizer, body, generation_prompt=False)[1]]
     special = field(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean", True)
     items = prompts(body, lambda text: engine.tokenizer.encode(text, add_special_tokens=special), "input", MAX_INPUTS)
     return [ids for _, ids in items]

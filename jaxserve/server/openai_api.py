@@ -186,9 +186,10 @@ def _defaults(engine) -> dict:
     return sampling_defaults(engine.model_dir, engine.ecfg.generation_config)
 
 
-def chat_prompt(tokenizer, body: dict) -> tuple[str, list[int]]:
-    """The text and token ids of a chat request's messages, rendered by the model's chat template."""
-    msgs, options = messages(body), chat_template_options(body)
+def chat_prompt(tokenizer, body: dict, generation_prompt: bool = True) -> tuple[str, list[int]]:
+    """The text and token ids of a chat request's messages, rendered by the model's chat template
+    (`generation_prompt`: add_generation_prompt's default)."""
+    msgs, options = messages(body), chat_template_options(body, generation_prompt)
     try:
         text = tokenizer.apply_chat_template(msgs, **options)
     except (ValueError, TypeError, jinja2.TemplateError) as e:   # the template's checks, or its input's types

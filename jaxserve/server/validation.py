@@ -342,11 +342,12 @@ def _tool_calls(i: int, calls) -> list[dict]:
     return out
 
 
-def chat_template_options(body: dict) -> dict:
+def chat_template_options(body: dict, generation_prompt: bool = True) -> dict:
     """How the chat template renders the messages (vLLM's request fields): a generation prompt
-    for the assistant's turn (the default) or the last message continued; the request's tools;
-    `chat_template_kwargs`, variables for the template (e.g. Qwen3's enable_thinking)."""
-    start = field(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean", True)
+    for the assistant's turn (by default, unless `generation_prompt` is false: a pooling request's)
+    or the last message continued; the request's tools; `chat_template_kwargs`, variables for the
+    template (e.g. Qwen3's enable_thinking)."""
+    start = field(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean", generation_prompt)
     cont = field(body, "continue_final_message", lambda v: isinstance(v, bool), "a boolean", False)
     if start and cont:
         raise APIError(400, "'continue_final_message' needs 'add_generation_prompt': false (the first "
