@@ -56,6 +56,7 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
     # {token id: Logprob} for that token and the top-N (vLLM's shape).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache (vLLM's)
 
 
 @dataclasses.dataclass
@@ -339,6 +340,7 @@ class LLM:
                     acc.logprobs += [logprob_dict(r, decode) for r in c.logprobs[:len(c.token_ids)]]
                 acc.finish_reason = c.finish_reason or acc.finish_reason
             final.finished = final.finished or delta.finished
+            final.num_cached_tokens = delta.num_cached_tokens
         return [results[req.request_id] for req in requests]
 
 

@@ -71,6 +71,20 @@ def test_greedy_matches_transformers_and_the_engine(llm, reference):
     assert [direct[r] for r in rids] == want
 
 
+def test_the_next_turn_finds_all_the_last_one_computed_cached(llm, reference):
+    """A prompt that goes on from an ended request (a conversation's next turn) finds every token
+    that request computed in the prefix cache, its last, partly filled page too: all but its last
+    sampled token. RequestOutput.num_cached_tokens says so, as vLLM's."""
+    ids, want = reference
+    first = ids[0] * 3   # longer than a page
+    (out,) = llm.generate([first], GREEDY, use_tqdm=False)
+    page = llm.llm_engine.ecfg.page_size
+    computed = len(first) + NEW - 1
+    assert computed % page, "the first turn should end inside a page"
+    (turn,) = llm.generate([first + out.outputs[0].token_ids + ids[1]], GREEDY, use_tqdm=False)
+    assert turn.num_cached_tokens == computed
+
+
 def test_every_prompt_form(llm, reference):
     ids, want = reference
     (one,) = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)   # a single string
