@@ -146,11 +146,14 @@ class BlockManager:
         """Give a sequence with no pages the prefix-cache pages `hit` (from match_prefix) plus fresh
         pages for `num_new_tokens` more tokens, and set num_computed_tokens past the hit. False (and
         nothing changed) when the pool is short of pages. A partial page among the hit is shared
-        as it is: `reserve` copies it before the sequence writes into it."""
+        as it is: `reserve` copies it before the sequence writes into it, so it is left out when
+        the pool has no page for that copy."""
         assert not seq.page_table, "admit expects a sequence without pages"
         pages, keys, computed = hit
         new = self.pages_for(computed + num_new_tokens) - len(pages)
         reclaimed = sum(1 for p in pages if self.ref_counts[p] == 0)    # evictable hits leave the pool
+        if len(pages) > len(keys) and new + 1 > self.num_free_pages - reclaimed:
+            return self.admit(seq, PrefixHit(pages[:-1], keys, len(keys) * self.page_size), num_new_tokens)
         if new > self.num_free_pages - reclaimed:
             return False
         for p in pages:
@@ -245,7 +248,8 @@ class BlockManager:
             return
         parent = seq.page_hashes[full - 1] if full else root_key(seq.sampling.cache_salt, seq.lora_id)
         key, page = page_key(parent, seq.token_range(full * ps, known)), seq.page_table[full]
-        if key not in self.cached_page and page not in self.page_key:
+        # Not a page others still hold (a fork's): they may write into it, as a cached page never is.
+        if self.ref_counts[page] == 1 and key not in self.cached_page and page not in self.page_key:
             self.cached_page[key] = page
             self.page_key[page] = key
 
