@@ -14,21 +14,19 @@ import time
 
 import numpy as np
 
-from benchmarks.common import WORK_DIR, load_average, load_hf_model, markdown_table, model_summary, prepare_model, publish
+from benchmarks.common import (load_average, load_hf_model, markdown_table, model_run_args, model_summary,
+                               prepare_model, publish)
 from jaxserve import LLM, BeamSearchParams, SamplingParams
 from jaxserve.compilations import CompileCounter
 
 
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="100m", help="tiny, 100m or a model directory")
+    model_run_args(p)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--beam-width", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--work-dir", default=WORK_DIR)
-    p.add_argument("--out", default=None, help="markdown file for the table (notes below the marker kept)")
     args = p.parse_args(argv)
     import torch
 

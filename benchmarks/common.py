@@ -94,6 +94,14 @@ def workload_args(p: argparse.ArgumentParser, num_prompts: int = 256, inputs=(16
     p.add_argument("--work-dir", default="/tmp/jaxserve_bench", help="where the 100m model is built")
 
 
+def model_run_args(p: argparse.ArgumentParser) -> None:
+    """The arguments of a benchmark on one model in rounds: --model, --rounds, --work-dir, --out."""
+    p.add_argument("--model", default="100m", help="tiny, 100m or a model directory")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--work-dir", default=WORK_DIR)
+    p.add_argument("--out", default=None, help="markdown file for the table (notes below the marker kept)")
+
+
 def prepare_model(name: str, work_dir: str) -> str:
     """The model directory of `name` (HF format): 'tiny', '100m' (built once under work_dir) or the
     path of a Hugging Face model directory."""

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import WORK_DIR, load_average, markdown_table, model_summary, prepare_model, publish
+from benchmarks.common import load_average, markdown_table, model_run_args, model_summary, prepare_model, publish
 from jaxserve import LLM, SamplingParams
 
 
@@ -36,15 +36,12 @@ def converse(llm: LLM, firsts: list[list[int]], turns: int, answer: int, message
 
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="100m", help="tiny, 100m or a model directory")
+    model_run_args(p)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--first-len", type=int, default=200)
     p.add_argument("--answer-len", type=int, default=37)
     p.add_argument("--message-len", type=int, default=21)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--work-dir", default=WORK_DIR)
-    p.add_argument("--out", default=None, help="markdown file for the table (notes below the marker kept)")
     args = p.parse_args(argv)
     model_dir = prepare_model(args.model, args.work_dir)
     ways = {"prefix caching": True, "no prefix caching": False}

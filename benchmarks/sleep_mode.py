@@ -18,7 +18,7 @@ import time
 
 import jax
 
-from benchmarks.common import (WORK_DIR, load_average, make_workload, markdown_table, model_summary, prepare_model,
+from benchmarks.common import (load_average, make_workload, markdown_table, model_run_args, model_summary, prepare_model,
                                publish)
 from jaxserve import LLM, SamplingParams
 from jaxserve.compilations import CompileCounter
@@ -38,11 +38,8 @@ def timed(fn) -> float:
 
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="100m", help="tiny, 100m or a model directory")
-    p.add_argument("--rounds", type=int, default=3)
+    model_run_args(p)
     p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--work-dir", default=WORK_DIR)
-    p.add_argument("--out", default=None, help="markdown file for the table (notes below the marker kept)")
     args = p.parse_args(argv)
     model_dir = prepare_model(args.model, args.work_dir)
     llm = LLM(model=model_dir, dtype="float32", compilation_cache_dir=None)

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import WORK_DIR, load_average, markdown_table, model_summary, prepare_model, publish
+from benchmarks.common import load_average, markdown_table, model_run_args, model_summary, prepare_model, publish
 from jaxserve.compilations import CompileCounter
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
@@ -50,10 +50,7 @@ def restart(model_dir: str, store: str | None) -> tuple[float, int]:
 
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="100m", help="tiny, 100m or a model directory")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--work-dir", default=WORK_DIR)
-    p.add_argument("--out", default=None, help="markdown file for the table (notes below the marker kept)")
+    model_run_args(p)
     args = p.parse_args(argv)
     model_dir = prepare_model(args.model, args.work_dir)
     store = tempfile.mkdtemp(prefix="jaxserve-weight-update-")
