@@ -2,7 +2,7 @@
 
 Two tiny decoders of the same size are trained from the same seed on the same text, the same
 batches and the same number of steps, at a context of 128 tokens: a Llama (RoPE) and an MPT
-(ALiBi), both the jaxserve Flax modules that serve (models/llama.py, models/bloom.py) through
+(ALiBi), both the jaxserve Flax modules that serve (models/llama.py, models/layernorm_decoder.py) through
 their full-sequence path (`forward_logits`, attention without a KV cache). Both are then scored
 on held-out text in windows of 128, 256, 512 and 1024 tokens: the same held-out tokens at every
 length, each window scored over all its tokens (so a longer window gives its later tokens more

@@ -73,15 +73,20 @@ class ModelConfig:
     attn_soft_cap: float | None = None
     final_soft_cap: float | None = None
     local_rope_theta: float | None = None   # Gemma 3: windowed layers' RoPE base (unscaled); None: as global
-    # BLOOM and MPT (models/bloom.py): ALiBi instead of RoPE, one slope per query head (the
-    # family's own formula); LayerNorms (rms_norm_eps is their epsilon), with biases or not; a
-    # LayerNorm after the embedding (BLOOM); one q/k/v projection interleaved per head [q, k, v]
-    # (BLOOM); q, k and v clamped to [-clip_qkv, clip_qkv] (MPT).
+    # The LayerNorm families (models/layernorm_decoder.py): BLOOM and MPT's ALiBi instead of RoPE,
+    # one slope per query head (the family's own formula); LayerNorms (rms_norm_eps is their
+    # epsilon), with biases or not; a LayerNorm after the embedding (BLOOM); one q/k/v projection
+    # interleaved per head [q, k, v] (BLOOM, GPT-NeoX); q, k and v clamped to [-clip_qkv, clip_qkv]
+    # (MPT); attention and MLP both reading the block's input (GPT-NeoX, Phi), through one
+    # LayerNorm (Phi); a bias on the LM head (Phi).
     alibi_slopes: tuple[float, ...] | None = None
     norm_bias: bool = False
     embed_norm: bool = False
     qkv_interleaved: bool = False
     clip_qkv: float | None = None
+    parallel_residual: bool = False
+    shared_block_norm: bool = False
+    lm_head_bias: bool = False
     # Per-layer sliding window (None = full attention); a tuple so the config stays hashable.
     sliding_windows: tuple[int | None, ...] = ()
     # Mixture of experts (models/moe.py): the layers whose MLP is `num_experts` SwiGLU experts of

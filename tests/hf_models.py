@@ -52,6 +52,14 @@ CONFIGS = {
     "granite_multipliers": (tf.GraniteConfig, dict(
         num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=6.0, residual_multiplier=0.3,
         attention_multiplier=0.09, logits_scaling=4.0, tie_word_embeddings=True)),
+    # The rotary LayerNorm families (LayerNorm weights and every bias spread below): GPT-NeoX's
+    # parallel block with two norms, RoPE on half of each head; Phi's parallel block with one
+    # norm, RoPE on 6 of 16 dims (phi-2's 0.4), a biased LM head; StarCoder 2's GQA, sliding
+    # window and tied head.
+    "gpt_neox_parallel": (tf.GPTNeoXConfig, dict(num_attention_heads=4, rotary_pct=0.5)),
+    "phi_partial": (tf.PhiConfig, dict(num_attention_heads=4, partial_rotary_factor=0.4)),
+    "starcoder2_window": (tf.Starcoder2Config, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=12,
+                                                    bos_token_id=1, eos_token_id=2)),
     "llama_mha": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
     "llama_mqa": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1,
                                        attention_bias=True)),
@@ -96,6 +104,13 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0, auto_class=tf.AutoMode
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1, 0.5)
                 layer.self_attn.k_norm.weight.normal_(1, 0.5)
+    if name in ("gpt_neox_parallel", "phi_partial", "starcoder2_window"):  # LayerNorms start at (1, 0), biases at 0
+        with torch.no_grad():
+            for name_, p in model.named_parameters():
+                if name_.endswith("norm.weight"):
+                    p.normal_(1, 0.5)
+                elif name_.endswith("bias"):
+                    p.normal_(0, 0.1)
     model.save_pretrained(out_dir)
     if name == "gemma_geglu":   # as Gemma 1 was released (transformers writes the value it reads it as)
         import json

@@ -26,9 +26,11 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16, 
 # Under TP, one checkpoint per family, each at one mesh, TP 2 and TP 4 alternating in name order:
 # llama_mqa's one KV head and the 2 KV heads of the TP-4 families are replicated, and the two
 # 6-head ALiBi families take one mesh each. The other Llama variants (Granite's: scalar constants),
-# Gemma 1 (Gemma 2's options but fewer) and Gemma 3's multimodal checkpoint (Gemma 3's module under
-# other tensor names) change nothing that is sharded.
-TP_SKIP = {"llama_mha", "llama_gqa_rope3", "granite_multipliers", "gemma_geglu", "gemma3_multimodal"}
+# Gemma 1 (Gemma 2's options but fewer), Gemma 3's multimodal checkpoint (Gemma 3's module under
+# other tensor names), GPT-NeoX (BLOOM's fused projection, Phi's parallel block) and StarCoder 2
+# (BLOOM's MLP biases, Mistral's window) change nothing that is sharded.
+TP_SKIP = {"llama_mha", "llama_gqa_rope3", "granite_multipliers", "gemma_geglu", "gemma3_multimodal",
+           "gpt_neox_parallel", "starcoder2_window"}
 
 
 def tp_meshes(names) -> dict[str, dict]:

@@ -83,6 +83,12 @@ def test_config_reads_family_features(pair):
         == tuple((-build_mpt_alibi_tensor(6, 2)[:, 0, 0]).tolist()),
         "granite_multipliers": lambda c: (c.embedding_multiplier, c.residual_multiplier, c.attn_scale, c.logits_scaling)
         == (6.0, 0.3, 0.09, 4.0),
+        "gpt_neox_parallel": lambda c: c.parallel_residual and not c.shared_block_norm and c.qkv_interleaved
+        and c.rope_scaling.rotary_fraction == 0.5 and c.hidden_act == "gelu" and not c.tie_word_embeddings,
+        "phi_partial": lambda c: c.parallel_residual and c.shared_block_norm and c.lm_head_bias
+        and c.rope_scaling.rotary_fraction == 0.4 and c.hidden_act == "gelu_new",
+        "starcoder2_window": lambda c: c.sliding_windows == (12, 12) and c.num_kv_heads == 2 and c.norm_bias
+        and c.mlp_bias and not c.parallel_residual and c.tie_word_embeddings,
         "llama_mha": lambda c: c.num_heads == c.num_kv_heads,
         "llama_mqa": lambda c: c.num_kv_heads == 1 and c.qkv_bias and c.o_bias,
     }

@@ -23,6 +23,7 @@ from jaxserve.matmul import matmul_t
 ROPE_KINDS = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 # HF `hidden_act` / `hidden_activation` names of the MLPs' activations.
 ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
+               "gelu_new": functools.partial(nn.gelu, approximate=True),   # the same tanh formula (Phi)
                "gelu": functools.partial(nn.gelu, approximate=False)}
 
 

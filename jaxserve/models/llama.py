@@ -111,6 +111,7 @@ def hf_tensor(path: tuple[str, ...], cfg: ModelConfig) -> tuple[str, tuple[int, 
 PARAM_AXES = {
     ("embed_tokens", "embedding"): ("vocab", "embed"),
     ("lm_head", "weight"): ("vocab", "embed"),
+    ("lm_head", "bias"): ("vocab",),
     ("q_proj", "weight"): ("heads", "embed"),
     ("q_proj", "bias"): ("heads",),
     ("k_proj", "weight"): ("kv_heads", "embed"),
@@ -198,10 +199,14 @@ class LlamaModel(nn.Module):
         self.layers = [DecoderLayer(c, i, self.dtype) for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset)
 
-    def __call__(self, tokens, positions, kv_cache: KVCache | None = None, meta=None):
+    def embed(self, tokens):
         x = self.embed_tokens(tokens)
         if self.cfg.embedding_multiplier != 1.0:   # rounded to the model dtype, as HF does
             x = x * jnp.asarray(self.cfg.embedding_multiplier, self.dtype)
+        return x
+
+    def __call__(self, tokens, positions, kv_cache: KVCache | None = None, meta=None):
+        x = self.embed(tokens)
         new_layers = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, positions, None if kv_cache is None else kv_cache.layers[i], meta)
@@ -216,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
     """tokens/positions: [B, T] without a KV cache, or flat [T] with the paged `kv_cache` (a KVCache) and `meta`.
 
     Returns final hidden states and the updated cache; `logits` projects chosen hidden states.
-    Other families subclass it with their own `body` (models/bloom.py)."""
+    Other families subclass it with their own `body` (models/layernorm_decoder.py)."""
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
     body = LlamaModel   # the decoder stack: embeddings to final norm, with `attend_embeddings`
@@ -224,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
     def setup(self):
         self.model = self.body(self.cfg, self.dtype)
         # Tied models have params for it only when quantized (quantization.tied_head).
-        self.lm_head = Linear(self.cfg.vocab_size, False, self.dtype)
+        self.lm_head = Linear(self.cfg.vocab_size, self.cfg.lm_head_bias, self.dtype)
 
     def __call__(self, tokens, positions, kv_cache: KVCache | None = None, meta=None):
         return self.model(tokens, positions, kv_cache, meta)

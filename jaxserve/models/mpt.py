@@ -1,4 +1,4 @@
-"""MPT: the BLOOM decoder (models/bloom.py) with MPT's options and tensor names.
+"""MPT: the LayerNorm decoder (models/layernorm_decoder.py) with ALiBi, MPT's options and tensor names.
 
 What differs from BLOOM, all from config.json: ALiBi slopes by MPT's own formula (with
 `alibi_bias_max`); biases and LayerNorm biases only without `no_bias` (transformers' MPT has
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.bloom import hf_name
+from jaxserve.models.layernorm_decoder import hf_name
 
 
 def mpt_slopes(num_heads: int, alibi_bias_max: float = 8) -> tuple[float, ...]:

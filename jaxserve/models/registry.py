@@ -18,7 +18,8 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import bloom, gemma, llama, moe, mpt, phi3
+from jaxserve.models import bloom, gemma, gpt_neox, llama, moe, mpt, phi, phi3, starcoder2
+from jaxserve.models.layernorm_decoder import PARAM_AXES as LAYERNORM_AXES, LayerNormForCausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Architecture:
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "BloomForCausalLM": Architecture(bloom.bloom_config, bloom.AlibiForCausalLM, bloom.hf_tensor, bloom.PARAM_AXES),
+    "BloomForCausalLM": Architecture(bloom.bloom_config, LayerNormForCausalLM, bloom.hf_tensor, LAYERNORM_AXES),
     "GemmaForCausalLM": Architecture(gemma.gemma_config, llama.LlamaForCausalLM, llama.hf_tensor, llama.PARAM_AXES),
     "Gemma2ForCausalLM": Architecture(gemma.gemma2_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                       llama.PARAM_AXES),
@@ -39,6 +40,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                                       llama.PARAM_AXES),
     "Gemma3ForConditionalGeneration": Architecture(gemma.gemma3_multimodal_config, llama.LlamaForCausalLM,
                                                    gemma.multimodal_hf_tensor, llama.PARAM_AXES),
+    "GPTNeoXForCausalLM": Architecture(gpt_neox.gpt_neox_config, LayerNormForCausalLM, gpt_neox.hf_tensor,
+                                       LAYERNORM_AXES),
     "GraniteForCausalLM": Architecture(llama.granite_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                        llama.PARAM_AXES),
     "LlamaForCausalLM": Architecture(llama.llama_config, llama.LlamaForCausalLM, llama.hf_tensor,
@@ -49,12 +52,15 @@ ARCHITECTURES: dict[str, Architecture] = {
                                      llama.PARAM_AXES),
     "MixtralForCausalLM": Architecture(moe.mixtral_config, llama.LlamaForCausalLM, moe.mixtral_hf_tensor,
                                        moe.PARAM_AXES),
-    "MptForCausalLM": Architecture(mpt.mpt_config, bloom.AlibiForCausalLM, mpt.hf_tensor, bloom.PARAM_AXES),
+    "MptForCausalLM": Architecture(mpt.mpt_config, LayerNormForCausalLM, mpt.hf_tensor, LAYERNORM_AXES),
+    "PhiForCausalLM": Architecture(phi.phi_config, LayerNormForCausalLM, phi.hf_tensor, LAYERNORM_AXES),
     "Phi3ForCausalLM": Architecture(phi3.phi3_config, llama.LlamaForCausalLM, phi3.hf_tensor, llama.PARAM_AXES),
     "Qwen3ForCausalLM": Architecture(llama.qwen3_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                      llama.PARAM_AXES),
     "Qwen3MoeForCausalLM": Architecture(moe.qwen3_moe_config, llama.LlamaForCausalLM, moe.qwen3_moe_hf_tensor,
                                         moe.PARAM_AXES),
+    "Starcoder2ForCausalLM": Architecture(starcoder2.starcoder2_config, LayerNormForCausalLM, starcoder2.hf_tensor,
+                                          LAYERNORM_AXES),
 }
 
 

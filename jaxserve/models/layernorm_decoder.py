@@ -1,0 +1,123 @@
+"""The decoder of the LayerNorm families: BLOOM and MPT (ALiBi), GPT-NeoX, Phi and StarCoder 2
+(rotary). Each family's file reads its config.json into the options below and names its tensors.
+
+What they share: LayerNorm (with or without biases), a plain (not gated) MLP, Flax parameter
+names as Llama's (so the sharding rules and kernels are Llama's).
+
+What config.json chooses:
+  * positions: ALiBi where ModelConfig.alibi_slopes is set (models/bloom.py explains it), rotary
+    embeddings otherwise, over the first rotary_fraction of each head (GPT-NeoX, Phi);
+  * the block: sequential, `x + attn(ln_1(x))` then `+ mlp(ln_2(...))`; or `parallel_residual`,
+    where both branches read the block's input: `x + attn(ln_1(x)) + mlp(ln_2(x))` (GPT-NeoX), or
+    one LayerNorm feeding both (`shared_block_norm`: Phi);
+  * q, k and v: one fused projection whose rows are per head [q, k, v] (`qkv_interleaved`: BLOOM,
+    GPT-NeoX; a split in whole heads, as tensor parallelism makes, keeps each head's q, k and v
+    together), or three (MPT's fused Wqkv is read as three row ranges);
+  * a LayerNorm after the embedding (BLOOM), q, k and v clamped (MPT), per-layer sliding
+    windows (StarCoder 2), an LM head bias (Phi).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxserve import attention
+from jaxserve.config import ModelConfig
+from jaxserve.models import llama
+from jaxserve.models.layers import ACTIVATIONS, LayerNorm, Linear, apply_rope, rope_frequencies
+
+
+def hf_name(path: tuple[str, ...], names: dict[str, str], layers: str) -> str:
+    """A Flax param path as a checkpoint's tensor name: components renamed by `names`, the i-th
+    layer `layers_i` as `<layers>.i`."""
+    parts = [f"{layers}.{p.split('_', 1)[1]}" if p.startswith("layers_") else names.get(p, p) for p in path]
+    return ".".join(parts)
+
+
+# Megatron layout as Llama's (llama.PARAM_AXES); the fused projection splits in whole heads.
+PARAM_AXES = {("qkv_proj", "weight"): ("heads", "embed"), ("qkv_proj", "bias"): ("heads",),
+              **llama.PARAM_AXES, ("bias",): ("embed",)}   # LayerNorm biases
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    layer: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, positions, layer_kv, meta):
+        c = self.cfg
+        dense = functools.partial(Linear, use_bias=c.qkv_bias, dtype=self.dtype)
+        lead = x.shape[:-1]
+        if c.qkv_interleaved:
+            qkv = dense(3 * c.num_heads * c.head_dim, name="qkv_proj")(x).reshape(*lead, c.num_heads, 3, c.head_dim)
+            q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        else:
+            q, k, v = (dense(n * c.head_dim, name=name)(x).reshape(*lead, n, c.head_dim)
+                       for name, n in (("q_proj", c.num_heads), ("k_proj", c.num_kv_heads), ("v_proj", c.num_kv_heads)))
+        if c.clip_qkv is not None:
+            q, k, v = (jnp.clip(t, -c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        alibi = None
+        if c.alibi_slopes is not None:
+            alibi = jnp.asarray(c.alibi_slopes, jnp.float32)
+        else:
+            inv_freq, scale = rope_frequencies(c)
+            q, k = (apply_rope(t, positions, jnp.asarray(inv_freq), scale) for t in (q, k))
+        out, layer_kv = attention.attend(
+            q, k, v, layer_kv, meta, sliding_window=c.sliding_windows[self.layer],
+            sm_scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim), alibi_slopes=alibi)
+        return Linear(c.hidden_size, c.o_bias, self.dtype, name="o_proj")(out.reshape(*lead, -1)), layer_kv
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        h = ACTIVATIONS[c.hidden_act](Linear(c.intermediate_size, c.mlp_bias, self.dtype, name="up_proj")(x))
+        return Linear(c.hidden_size, c.mlp_bias, self.dtype, name="down_proj")(h)
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+    layer: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, positions, layer_kv, meta):
+        c = self.cfg
+
+        def norm(name):
+            return LayerNorm(c.rms_norm_eps, c.norm_bias, self.dtype, name=name)
+        attn, mlp = Attention(c, self.layer, self.dtype, name="self_attn"), MLP(c, self.dtype, name="mlp")
+        h = norm("input_layernorm")(x)
+        out, layer_kv = attn(h, positions, layer_kv, meta)
+        if not c.parallel_residual:
+            x = x + out
+            return x + mlp(norm("post_attention_layernorm")(x)), layer_kv
+        return x + out + mlp(h if c.shared_block_norm else norm("post_attention_layernorm")(x)), layer_kv
+
+
+class LayerNormDecoder(llama.LlamaModel):
+    """Embeddings (+ LayerNorm), blocks, final LayerNorm."""
+
+    def setup(self):
+        c = self.cfg
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
+        if c.embed_norm:
+            self.embed_norm = LayerNorm(c.rms_norm_eps, c.norm_bias, self.dtype)
+        self.layers = [Block(c, i, self.dtype) for i in range(c.num_layers)]
+        self.norm = LayerNorm(c.rms_norm_eps, c.norm_bias, self.dtype)
+
+    def embed(self, tokens):
+        x = self.embed_tokens(tokens)
+        return self.embed_norm(x) if self.cfg.embed_norm else x
+
+
+class LayerNormForCausalLM(llama.LlamaForCausalLM):
+    body = LayerNormDecoder
