@@ -78,7 +78,8 @@ class ModelConfig:
     # epsilon), with biases or not; a LayerNorm after the embedding (BLOOM); one q/k/v projection
     # interleaved per head [q, k, v] (BLOOM, GPT-NeoX); q, k and v clamped to [-clip_qkv, clip_qkv]
     # (MPT); attention and MLP both reading the block's input (GPT-NeoX, Phi), through one
-    # LayerNorm (Phi); a bias on the LM head (Phi).
+    # LayerNorm (Phi); a bias on the LM head (Phi); a learned position embedding added to the
+    # token's, max_position_embeddings of them (GPT-2, GPTBigCode), in place of RoPE.
     alibi_slopes: tuple[float, ...] | None = None
     norm_bias: bool = False
     embed_norm: bool = False
@@ -87,6 +88,7 @@ class ModelConfig:
     parallel_residual: bool = False
     shared_block_norm: bool = False
     lm_head_bias: bool = False
+    learned_positions: bool = False
     # Per-layer sliding window (None = full attention); a tuple so the config stays hashable.
     sliding_windows: tuple[int | None, ...] = ()
     # Mixture of experts (models/moe.py): the layers whose MLP is `num_experts` SwiGLU experts of
@@ -124,7 +126,11 @@ class ModelConfig:
 
     def serving(self, max_model_len: int) -> "ModelConfig":
         """This config as an engine serving sequences of up to max_model_len tokens runs it: the
-        RoPE kinds that choose their frequencies by the context see that length."""
+        RoPE kinds that choose their frequencies by the context see that length. A learned
+        position table has no row past its length: a longer max_model_len is refused."""
+        if self.learned_positions and max_model_len > self.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {self.max_position_embeddings} "
+                             "learned positions (max_position_embeddings)")
         return dataclasses.replace(self, rope_scaling=dataclasses.replace(self.rope_scaling, context_length=max_model_len))
 
     @classmethod

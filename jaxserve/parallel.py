@@ -45,6 +45,7 @@ LOGICAL_RULES = {
     "mlp": "model",
     "experts": None,      # MoE: every device holds every expert, its share of each one's "mlp" dim
     "head_dim": None,
+    "positions": None,    # a learned position table (GPT-2): every device holds it whole
     "pages": None,
     "page_slots": None,
     "lora_slots": None,   # LoRA stacks (jaxserve/lora.py): split as their base weight, slots and ranks whole

@@ -9,7 +9,7 @@ from jaxserve.checkpoint import load_params
 from jaxserve.config import ModelConfig
 from jaxserve.generate import greedy_generate
 from jaxserve.models import build_model
-from tests.hf_models import BASE, CONFIGS, save_hf_model
+from tests.hf_models import BASE, CONFIGS, save_byte_tokenizer, save_hf_model
 
 PROMPT_LENS = (5, 23, 40)
 NEW_TOKENS = 32
@@ -87,6 +87,8 @@ def test_config_reads_family_features(pair):
         and c.rope_scaling.rotary_fraction == 0.5 and c.hidden_act == "gelu" and not c.tie_word_embeddings,
         "phi_partial": lambda c: c.parallel_residual and c.shared_block_norm and c.lm_head_bias
         and c.rope_scaling.rotary_fraction == 0.4 and c.hidden_act == "gelu_new",
+        "gpt_bigcode_mqa": lambda c: c.learned_positions and c.num_kv_heads == 1 and not c.qkv_interleaved
+        and c.max_position_embeddings == 128 and c.tie_word_embeddings,
         "starcoder2_window": lambda c: c.sliding_windows == (12, 12) and c.num_kv_heads == 2 and c.norm_bias
         and c.mlp_bias and not c.parallel_residual and c.tie_word_embeddings,
         "llama_mha": lambda c: c.num_heads == c.num_kv_heads,
@@ -152,3 +154,16 @@ def test_bloom_checkpoint_of_the_base_model_loads(tmp_path):
     cfg = ModelConfig.from_pretrained(str(tmp_path / "full"))
     full, base = (load_params(str(tmp_path / d), cfg) for d in ("full", "base"))
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(base)))
+
+
+def test_learned_positions_bound_max_model_len(tmp_path):
+    """A learned position table has no row past its length: a longer max_model_len is refused as the
+    engine starts (a lookup past it would read NaN), its own length is served."""
+    from jaxserve import LLM
+
+    save_hf_model("gpt_bigcode_mqa", str(tmp_path))
+    save_byte_tokenizer(str(tmp_path))
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    assert cfg.serving(128).max_position_embeddings == 128
+    with pytest.raises(ValueError, match="max_model_len 129 exceeds the model's 128 learned positions"):
+        LLM(model=str(tmp_path), max_model_len=129, num_pages=32, compilation_cache_dir=None)

@@ -5,8 +5,9 @@ What they share: LayerNorm (with or without biases), a plain (not gated) MLP, Fl
 names as Llama's (so the sharding rules and kernels are Llama's).
 
 What config.json chooses:
-  * positions: ALiBi where ModelConfig.alibi_slopes is set (models/bloom.py explains it), rotary
-    embeddings otherwise, over the first rotary_fraction of each head (GPT-NeoX, Phi);
+  * positions: ALiBi where ModelConfig.alibi_slopes is set (models/bloom.py explains it), a
+    learned position embedding (`learned_positions`: GPT-2, GPTBigCode), or rotary embeddings,
+    over the first rotary_fraction of each head (GPT-NeoX, Phi, StarCoder 2);
   * the block: sequential, `x + attn(ln_1(x))` then `+ mlp(ln_2(...))`; or `parallel_residual`,
     where both branches read the block's input: `x + attn(ln_1(x)) + mlp(ln_2(x))` (GPT-NeoX), or
     one LayerNorm feeding both (`shared_block_norm`: Phi);
@@ -39,6 +40,7 @@ def hf_name(path: tuple[str, ...], names: dict[str, str], layers: str) -> str:
 
 # Megatron layout as Llama's (llama.PARAM_AXES); the fused projection splits in whole heads.
 PARAM_AXES = {("qkv_proj", "weight"): ("heads", "embed"), ("qkv_proj", "bias"): ("heads",),
+              ("embed_positions", "embedding"): ("positions", "embed"),
               **llama.PARAM_AXES, ("bias",): ("embed",)}   # LayerNorm biases
 
 
@@ -63,7 +65,7 @@ class Attention(nn.Module):
         alibi = None
         if c.alibi_slopes is not None:
             alibi = jnp.asarray(c.alibi_slopes, jnp.float32)
-        else:
+        elif not c.learned_positions:
             inv_freq, scale = rope_frequencies(c)
             q, k = (apply_rope(t, positions, jnp.asarray(inv_freq), scale) for t in (q, k))
         out, layer_kv = attention.attend(
@@ -104,18 +106,23 @@ class Block(nn.Module):
 
 
 class LayerNormDecoder(llama.LlamaModel):
-    """Embeddings (+ LayerNorm), blocks, final LayerNorm."""
+    """Embeddings (+ positions' or a LayerNorm), blocks, final LayerNorm."""
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
         if c.embed_norm:
             self.embed_norm = LayerNorm(c.rms_norm_eps, c.norm_bias, self.dtype)
+        if c.learned_positions:
+            self.embed_positions = nn.Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype,
+                                            param_dtype=self.dtype)
         self.layers = [Block(c, i, self.dtype) for i in range(c.num_layers)]
         self.norm = LayerNorm(c.rms_norm_eps, c.norm_bias, self.dtype)
 
-    def embed(self, tokens):
+    def embed(self, tokens, positions):
         x = self.embed_tokens(tokens)
+        if self.cfg.learned_positions:
+            x = x + self.embed_positions(positions)
         return self.embed_norm(x) if self.cfg.embed_norm else x
 
 

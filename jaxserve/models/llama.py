@@ -199,14 +199,14 @@ class LlamaModel(nn.Module):
         self.layers = [DecoderLayer(c, i, self.dtype) for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset)
 
-    def embed(self, tokens):
+    def embed(self, tokens, positions):
         x = self.embed_tokens(tokens)
         if self.cfg.embedding_multiplier != 1.0:   # rounded to the model dtype, as HF does
             x = x * jnp.asarray(self.cfg.embedding_multiplier, self.dtype)
         return x
 
     def __call__(self, tokens, positions, kv_cache: KVCache | None = None, meta=None):
-        x = self.embed(tokens)
+        x = self.embed(tokens, positions)
         new_layers = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, positions, None if kv_cache is None else kv_cache.layers[i], meta)

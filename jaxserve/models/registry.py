@@ -18,7 +18,7 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import bloom, gemma, gpt_neox, llama, moe, mpt, phi, phi3, starcoder2
+from jaxserve.models import bloom, gemma, gpt_bigcode, gpt_neox, llama, moe, mpt, phi, phi3, starcoder2
 from jaxserve.models.layernorm_decoder import PARAM_AXES as LAYERNORM_AXES, LayerNormForCausalLM
 
 
@@ -40,6 +40,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                                       llama.PARAM_AXES),
     "Gemma3ForConditionalGeneration": Architecture(gemma.gemma3_multimodal_config, llama.LlamaForCausalLM,
                                                    gemma.multimodal_hf_tensor, llama.PARAM_AXES),
+    "GPTBigCodeForCausalLM": Architecture(gpt_bigcode.gpt_bigcode_config, LayerNormForCausalLM, gpt_bigcode.hf_tensor,
+                                          LAYERNORM_AXES),
     "GPTNeoXForCausalLM": Architecture(gpt_neox.gpt_neox_config, LayerNormForCausalLM, gpt_neox.hf_tensor,
                                        LAYERNORM_AXES),
     "GraniteForCausalLM": Architecture(llama.granite_config, llama.LlamaForCausalLM, llama.hf_tensor,
