@@ -25,7 +25,7 @@ from safetensors import safe_open
 from jaxserve import parallel, prequantized, quantization as quant
 from jaxserve.config import ModelConfig
 from jaxserve.models import init_params
-from jaxserve.models.registry import architecture
+from jaxserve.models.registry import architecture, stored_transposed
 
 ORBAX_DIR = "orbax"
 # safetensors dtypes that its numpy reader cannot return ("module 'numpy' has no attribute
@@ -73,6 +73,20 @@ class _Stacked:
 
     def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
         return np.stack([t[index[1:]] for t in self.slices[index[0]]])
+
+
+class _Transposed:
+    """A lazy 2-D slice read transposed (GPT-2's Conv1D weights, stored [in, out]): indexing reads
+    only what it selects."""
+
+    def __init__(self, stored):
+        self.stored = stored
+
+    def get_shape(self) -> tuple[int, ...]:
+        return tuple(self.stored.get_shape())[::-1]
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        return np.asarray(self.stored[index[::-1]]).T
 
 
 class _BytesSlice:
@@ -176,6 +190,8 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
                                                                 None if shardings is None else quant.node(shardings, keys[:-1])))
                 continue
             tensor = lazy(name, spec.shape)
+            if stored_transposed(cfg, keys, len(spec.shape)):
+                tensor = _Transposed(tensor)
             hf_shape = tuple(tensor.get_shape())
             fits = (hf_shape == tuple(spec.shape) if rows is None
                     else hf_shape[0] >= rows[1] and hf_shape[1:] == tuple(spec.shape[1:]))
@@ -337,13 +353,17 @@ def save_pretrained(params: dict, hf_config: dict, out_dir: str, dtype=None) -> 
     cfg = ModelConfig.from_hf_dict(hf_config)
     hf_tensor = architecture(cfg.architecture).hf_tensor
     parts: dict[str, list] = {}   # HF name -> [(first row, array)]: fused tensors in row order
+    transposed = set()            # the HF names stored [in, out] (stored_transposed)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name, rows = hf_tensor(tuple(k.key for k in path), cfg)
+        keys = tuple(k.key for k in path)
+        name, rows = hf_tensor(keys, cfg)
+        if stored_transposed(cfg, keys, np.ndim(leaf)):
+            transposed.add(name)
         x = np.asarray(leaf) if dtype is None else np.asarray(leaf).astype(dtype)
         for one, y in zip(name, x) if isinstance(name, tuple) else [(name, x)]:   # a stack: a tensor each
             parts.setdefault(one, []).append((0 if rows is None else rows[0], y))
-    tensors = {name: np.ascontiguousarray(np.concatenate([x for _, x in sorted(p, key=lambda r: r[0])]))
-               for name, p in parts.items()}
+    tensors = {name: np.concatenate([x for _, x in sorted(p, key=lambda r: r[0])]) for name, p in parts.items()}
+    tensors = {name: np.ascontiguousarray(x.T if name in transposed else x) for name, x in tensors.items()}
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)

@@ -27,7 +27,7 @@ from safetensors.numpy import load_file
 from jaxserve import quantization as quant
 from jaxserve.checkpoint import has_tensor, param_shapes, saved_quantization
 from jaxserve.config import ModelConfig
-from jaxserve.models.registry import architecture
+from jaxserve.models.registry import architecture, stored_transposed
 from jaxserve.sleep_mode import require_awake
 
 
@@ -40,6 +40,7 @@ class Target(NamedTuple):
     expert: int | None                     # its slice of a stacked param
     shape: tuple[int | None, ...]          # the tensor's (a fused one's first dim: None, at least rows[1])
     dtype: Any
+    transposed: bool                       # the tensor is the param's transpose (GPT-2's Conv1D)
 
 
 def targets(cfg: ModelConfig, dtype) -> dict[str, list[Target]]:
@@ -54,7 +55,8 @@ def targets(cfg: ModelConfig, dtype) -> dict[str, list[Target]]:
         shape = tuple(spec.shape[1:] if stacked else spec.shape)
         shape = shape if rows is None else (None, *shape[1:])
         for e, n in enumerate(name if stacked else (name,)):
-            out.setdefault(n, []).append(Target(keys, rows, e if stacked else None, shape, spec.dtype))
+            out.setdefault(n, []).append(Target(keys, rows, e if stacked else None, shape, spec.dtype,
+                                                stored_transposed(cfg, keys, len(spec.shape))))
     # A base model's names lack the first component (BLOOM's "transformer."), as the loader allows
     bare = {n.split(".", 1)[1]: t for n, t in out.items() if "." in n}
     return {**{n: t for n, t in bare.items() if n not in out}, **out}
@@ -87,8 +89,8 @@ def check(weights: list[tuple[str, Any]], by_name: dict[str, list[Target]]) -> N
     for name, tensor in weights:
         if name not in by_name:
             raise ValueError(f"no parameter of this model is loaded from a tensor named {name!r}")
-        shape = tuple(np.shape(tensor))
         for t in by_name[name]:
+            shape = tuple(np.shape(tensor))[::-1 if t.transposed else 1]
             fits = (shape == t.shape if t.rows is None
                     else len(shape) == len(t.shape) and shape[0] >= t.rows[1] and shape[1:] == t.shape[1:])
             if not fits:
@@ -107,7 +109,8 @@ def load_weights(params: dict, weights: Iterable[tuple[str, Any]], cfg: ModelCon
     for name, tensor in weights:
         x = as_array(tensor)
         for t in by_name[name]:
-            _put(params, t, (x if t.rows is None else x[t.rows[0]:t.rows[1]]).astype(t.dtype), quantization)
+            y = x.T if t.transposed else x
+            _put(params, t, (y if t.rows is None else y[t.rows[0]:t.rows[1]]).astype(t.dtype), quantization)
             if tied_head and t.keys == quant.TIED_EMBEDDING:   # the head is a quantized copy of the table
                 _quantize(params, (quant.HEAD, "weight"), quant.node(params, quant.TIED_EMBEDDING), quantization)
     return len(weights)

@@ -63,6 +63,8 @@ CONFIGS = {
     # token) and no eos (min_new_tokens would ban it where these weights pick it).
     "gpt_bigcode_mqa": (tf.GPTBigCodeConfig, dict(n_head=4, max_position_embeddings=128, initializer_range=0.3,
                                                   bos_token_id=None, eos_token_id=None)),
+    # GPT-2: Conv1D weights stored [in, out], c_attn's q, k and v as column blocks; the same init and eos.
+    "gpt2_conv1d": (tf.GPT2Config, dict(n_head=4, initializer_range=0.3, bos_token_id=None, eos_token_id=None)),
     "starcoder2_window": (tf.Starcoder2Config, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=12,
                                                     bos_token_id=1, eos_token_id=2)),
     "llama_mha": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
@@ -109,7 +111,7 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0, auto_class=tf.AutoMode
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1, 0.5)
                 layer.self_attn.k_norm.weight.normal_(1, 0.5)
-    if name in ("gpt_neox_parallel", "phi_partial", "starcoder2_window", "gpt_bigcode_mqa"):
+    if name in ("gpt_neox_parallel", "phi_partial", "starcoder2_window", "gpt_bigcode_mqa", "gpt2_conv1d"):
         # LayerNorms start at (1, 0), biases at 0: make them matter
         with torch.no_grad():
             for name_, p in model.named_parameters():

@@ -89,6 +89,8 @@ def test_config_reads_family_features(pair):
         and c.rope_scaling.rotary_fraction == 0.4 and c.hidden_act == "gelu_new",
         "gpt_bigcode_mqa": lambda c: c.learned_positions and c.num_kv_heads == 1 and not c.qkv_interleaved
         and c.max_position_embeddings == 128 and c.tie_word_embeddings,
+        "gpt2_conv1d": lambda c: c.learned_positions and c.num_kv_heads == c.num_heads == 4 and not c.qkv_interleaved
+        and c.max_position_embeddings == 512 and c.hidden_act == "gelu_new",
         "starcoder2_window": lambda c: c.sliding_windows == (12, 12) and c.num_kv_heads == 2 and c.norm_bias
         and c.mlp_bias and not c.parallel_residual and c.tie_word_embeddings,
         "llama_mha": lambda c: c.num_heads == c.num_kv_heads,

@@ -7,7 +7,9 @@ A family lives in one file of `jaxserve/models/` and brings four things, gathere
     along the HF tensor's first axis when the param is part of a fused tensor (Phi-3's qkv_proj
     and MPT's Wqkv hold q, k and v), else None (checkpoint loading and save_pretrained); a tuple
     of names for a param stacked from several tensors along its first axis (MoE experts);
-  * `param_axes`: param path suffix -> logical axes (parallel.py maps them to mesh axes).
+  * `param_axes`: param path suffix -> logical axes (parallel.py maps them to mesh axes);
+  * `conv1d`: the checkpoint stores its projections' weights [in, out] (GPT-2's Conv1D), so
+    they are read and written transposed (`stored_transposed`).
 Adding a family is one file in `models/` and its entries below; nothing outside `models/` changes.
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import bloom, gemma, gpt_bigcode, gpt_neox, llama, moe, mpt, phi, phi3, starcoder2
+from jaxserve.models import bloom, gemma, gpt2, gpt_neox, llama, moe, mpt, phi, phi3, starcoder2
 from jaxserve.models.layernorm_decoder import PARAM_AXES as LAYERNORM_AXES, LayerNormForCausalLM
 
 
@@ -29,6 +31,7 @@ class Architecture:
     module: type[nn.Module]
     hf_tensor: Callable[[tuple[str, ...], ModelConfig], tuple[str | tuple[str, ...], tuple[int, int] | None]]
     param_axes: dict[tuple[str, ...], tuple[str, ...]]
+    conv1d: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -40,7 +43,9 @@ ARCHITECTURES: dict[str, Architecture] = {
                                       llama.PARAM_AXES),
     "Gemma3ForConditionalGeneration": Architecture(gemma.gemma3_multimodal_config, llama.LlamaForCausalLM,
                                                    gemma.multimodal_hf_tensor, llama.PARAM_AXES),
-    "GPTBigCodeForCausalLM": Architecture(gpt_bigcode.gpt_bigcode_config, LayerNormForCausalLM, gpt_bigcode.hf_tensor,
+    "GPT2LMHeadModel": Architecture(gpt2.gpt2_config, LayerNormForCausalLM, gpt2.hf_tensor, LAYERNORM_AXES,
+                                    conv1d=True),
+    "GPTBigCodeForCausalLM": Architecture(gpt2.gpt_bigcode_config, LayerNormForCausalLM, gpt2.hf_tensor,
                                           LAYERNORM_AXES),
     "GPTNeoXForCausalLM": Architecture(gpt_neox.gpt_neox_config, LayerNormForCausalLM, gpt_neox.hf_tensor,
                                        LAYERNORM_AXES),
@@ -71,10 +76,12 @@ ARCHITECTURES: dict[str, Architecture] = {
 # (XForSequenceClassification: a `score` Linear on the last token's final hidden state,
 # jaxserve/pooling.py). Both run on the pooling runner.
 POOLING_SUFFIXES = ("Model", "ForSequenceClassification")
-# The classifiers whose transformer is another architecture's than their name says: Gemma 3's
-# (multimodal) holds Gemma3ForConditionalGeneration's tensors, its text-only one Gemma3ForCausalLM's.
+# The pooling architectures whose transformer is another architecture's than their name says: Gemma
+# 3's classifier (multimodal) holds Gemma3ForConditionalGeneration's tensors, its text-only one
+# Gemma3ForCausalLM's; GPT-2's causal LM is GPT2LMHeadModel.
 CLASSIFIER_TRANSFORMERS = {"Gemma3ForSequenceClassification": "Gemma3ForConditionalGeneration",
-                           "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}
+                           "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
+                           "GPT2Model": "GPT2LMHeadModel", "GPT2ForSequenceClassification": "GPT2LMHeadModel"}
 
 
 def causal_lm(name: str) -> str:
@@ -100,6 +107,12 @@ def architecture(name: str) -> Architecture:
     except KeyError:
         raise ValueError(f"unsupported architecture {name!r}; supported: "
                          f"{', '.join(sorted(ARCHITECTURES))}") from None
+
+
+def stored_transposed(cfg: ModelConfig, keys: tuple[str, ...], ndim: int) -> bool:
+    """Whether the checkpoint holds the param at `keys` transposed: a projection's weight (not the
+    LM head, a Linear) of a `conv1d` architecture."""
+    return architecture(cfg.architecture).conv1d and keys[-1] == "weight" and ndim == 2 and "lm_head" not in keys
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:

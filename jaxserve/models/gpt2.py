@@ -1,10 +1,13 @@
-"""GPTBigCode (StarCoder 1, SantaCoder, the first Granite code models): the LayerNorm decoder
-(models/layernorm_decoder.py) with learned positions.
+"""GPT-2 and its descendant GPTBigCode (StarCoder 1, SantaCoder, the first Granite code models):
+the LayerNorm decoder (models/layernorm_decoder.py) with learned positions.
 
-GPTBigCode specifics, all from config.json (GPT-2's names: n_embd, n_head, n_layer, n_inner,
-n_positions): a learned position table; multi-query attention (`multi_query`, the default: one
-KV head), whose `c_attn` holds [q; k; v] rows (read as three row ranges, as MPT's Wqkv), or
-without it per head [q, k, v] rows as BLOOM's; biases everywhere; tied embeddings.
+Both, from config.json (n_embd, n_head, n_layer, n_inner, n_positions): a learned position table;
+biases everywhere; tied embeddings; one `c_attn` projection holding [q; k; v] rows, read as three
+row ranges (as MPT's Wqkv), so tensor parallelism splits each in whole heads.
+  * GPT-2 stores its projections as Conv1D, weights [in, out]: the architecture is registered
+    with `conv1d`, and the loader reads them transposed.
+  * GPTBigCode's are Linear. Its attention is multi-query (`multi_query`, the default: one KV
+    head); without it, c_attn's rows are per head [q, k, v], as BLOOM's.
 """
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ from jaxserve.models.layernorm_decoder import hf_name
 from jaxserve.models.layers import ACTIVATIONS
 
 
-def gpt2_shapes(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelConfig:
-    """The ModelConfig of GPT-2's config.json keys (GPT-2 and GPTBigCode); `family` adds the rest."""
+def _config(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelConfig:
+    """GPT-2's config.json keys as a ModelConfig; `family` adds the rest."""
     hidden, heads = hf["n_embd"], hf["n_head"]
     act = hf.get("activation_function", "gelu_new")
     if act not in ACTIVATIONS:
@@ -30,9 +33,15 @@ def gpt2_shapes(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelCo
         attn_scale=None if hf.get("scale_attn_weights", True) else 1.0, **family)
 
 
+def gpt2_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    if hf.get("scale_attn_by_inverse_layer_idx"):
+        raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx is not supported")
+    return _config(hf, common, num_kv_heads=hf["n_head"])
+
+
 def gpt_bigcode_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     multi_query = hf.get("multi_query", True)
-    return gpt2_shapes(hf, common, num_kv_heads=1 if multi_query else hf["n_head"], qkv_interleaved=not multi_query)
+    return _config(hf, common, num_kv_heads=1 if multi_query else hf["n_head"], qkv_interleaved=not multi_query)
 
 
 NAMES = {"model": "transformer", "embed_tokens": "wte", "embed_positions": "wpe", "embedding": "weight",
@@ -41,7 +50,7 @@ NAMES = {"model": "transformer", "embed_tokens": "wte", "embed_positions": "wpe"
 
 
 def hf_tensor(path: tuple[str, ...], cfg: ModelConfig) -> tuple[str, tuple[int, int] | None]:
-    """Names as GPT-2's; q, k and v of multi-query attention as row ranges of c_attn."""
+    """GPT-2's names; q, k and v as row ranges of c_attn (all but GPTBigCode's multi-head one)."""
     name = hf_name(path, NAMES, "h")
     fused = ("q_proj", "k_proj", "v_proj")
     if len(path) < 2 or path[-2] not in fused:
