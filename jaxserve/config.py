@@ -53,6 +53,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = RopeScaling()
+    rope_interleaved: bool = False   # RoPE rotates adjacent pairs of dims (GPT-J, GLM), not the two halves
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False

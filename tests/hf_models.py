@@ -65,8 +65,16 @@ CONFIGS = {
                                                   bos_token_id=None, eos_token_id=None)),
     # GPT-2: Conv1D weights stored [in, out], c_attn's q, k and v as column blocks; the same init and eos.
     "gpt2_conv1d": (tf.GPT2Config, dict(n_head=4, initializer_range=0.3, bos_token_id=None, eos_token_id=None)),
+    # GPT-J: RoPE on 8 of each head's 16 dims, in adjacent pairs; Phi's one-norm parallel block.
+    "gptj_interleaved": (tf.GPTJConfig, dict(n_head=4, rotary_dim=8, bos_token_id=None, eos_token_id=None)),
     "starcoder2_window": (tf.Starcoder2Config, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=12,
                                                     bos_token_id=1, eos_token_id=2)),
+    # GLM: interleaved RoPE on half of each head, q/k/v biases, fused gate_up_proj; GLM-4 adds its
+    # norms after each branch (biases and norm weights spread below).
+    "glm_interleaved": (tf.GlmConfig, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           pad_token_id=0, eos_token_id=None)),
+    "glm4_sandwich": (tf.Glm4Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          pad_token_id=0, eos_token_id=None)),
     "llama_mha": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
     "llama_mqa": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1,
                                        attention_bias=True)),
@@ -111,8 +119,9 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0, auto_class=tf.AutoMode
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1, 0.5)
                 layer.self_attn.k_norm.weight.normal_(1, 0.5)
-    if name in ("gpt_neox_parallel", "phi_partial", "starcoder2_window", "gpt_bigcode_mqa", "gpt2_conv1d"):
-        # LayerNorms start at (1, 0), biases at 0: make them matter
+    if name in ("gpt_neox_parallel", "phi_partial", "starcoder2_window", "gpt_bigcode_mqa", "gpt2_conv1d",
+                "gptj_interleaved", "glm_interleaved", "glm4_sandwich"):
+        # norms start at (1, 0), biases at 0: make them matter
         with torch.no_grad():
             for name_, p in model.named_parameters():
                 if name_.endswith("norm.weight"):

@@ -28,10 +28,12 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16, 
 # 6-head ALiBi families take one mesh each. The other Llama variants (Granite's: scalar constants),
 # Gemma 1 (Gemma 2's options but fewer), Gemma 3's multimodal checkpoint (Gemma 3's module under
 # other tensor names), GPT-NeoX (BLOOM's fused projection, Phi's parallel block) and StarCoder 2
-# (BLOOM's MLP biases, Mistral's window) and GPTBigCode (GPT-2's table, MPT's fused rows, llama_mqa's
-# one KV head) change nothing that is sharded.
+# (BLOOM's MLP biases, Mistral's window), GPTBigCode (GPT-2's table, MPT's fused rows, llama_mqa's
+# one KV head), GPT-J (Phi's block; its RoPE pairs stay within a head) and GLM (Phi-3's fused MLP,
+# Gemma 2's norms) change nothing that is sharded.
 TP_SKIP = {"llama_mha", "llama_gqa_rope3", "granite_multipliers", "gemma_geglu", "gemma3_multimodal",
-           "gpt_neox_parallel", "starcoder2_window", "gpt_bigcode_mqa"}
+           "gpt_neox_parallel", "starcoder2_window", "gpt_bigcode_mqa", "gptj_interleaved", "glm_interleaved",
+           "glm4_sandwich"}
 
 
 def tp_meshes(names) -> dict[str, dict]:

@@ -67,7 +67,7 @@ class Attention(nn.Module):
             alibi = jnp.asarray(c.alibi_slopes, jnp.float32)
         elif not c.learned_positions:
             inv_freq, scale = rope_frequencies(c)
-            q, k = (apply_rope(t, positions, jnp.asarray(inv_freq), scale) for t in (q, k))
+            q, k = (apply_rope(t, positions, jnp.asarray(inv_freq), scale, c.rope_interleaved) for t in (q, k))
         out, layer_kv = attention.attend(
             q, k, v, layer_kv, meta, sliding_window=c.sliding_windows[self.layer],
             sm_scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim), alibi_slopes=alibi)

@@ -296,15 +296,21 @@ def rope_frequencies(cfg: ModelConfig, local: bool = False) -> tuple[np.ndarray,
     return inv_freq.astype(np.float32), sc.attention_factor
 
 
-def apply_rope(x, positions, inv_freq, scale: float = 1.0):
+def apply_rope(x, positions, inv_freq, scale: float = 1.0, interleaved: bool = False):
     """x [..., T, H, D] with positions [..., T]; HF's rotate-half convention over the first
-    2 * len(inv_freq) dims (the rest pass through), computed in float32; cos and sin times `scale`."""
+    2 * len(inv_freq) dims (the rest pass through), computed in float32; cos and sin times `scale`.
+    `interleaved`: frequency i rotates dims (2i, 2i + 1) instead of (i, i + R/2) (GPT-J, GLM)."""
     freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, R/2]
     cos, sin = jnp.cos(freqs)[..., None, :], jnp.sin(freqs)[..., None, :]
     if scale != 1.0:   # (static: no multiply in the programs of the kinds without it)
         cos, sin = cos * scale, sin * scale
     rotary = 2 * inv_freq.shape[-1]
     x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32[..., :rotary], 2, axis=-1)
-    rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin] + ([x32[..., rotary:]] if rotary < x.shape[-1] else [])
+    if interleaved:
+        x1, x2 = x32[..., 0:rotary:2], x32[..., 1:rotary:2]
+    else:
+        x1, x2 = jnp.split(x32[..., :rotary], 2, axis=-1)
+    r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    rotated = [jnp.stack([r1, r2], axis=-1).reshape(*r1.shape[:-1], rotary)] if interleaved else [r1, r2]
+    rotated += [x32[..., rotary:]] if rotary < x.shape[-1] else []
     return jnp.concatenate(rotated, axis=-1).astype(x.dtype)

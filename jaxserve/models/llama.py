@@ -150,7 +150,7 @@ class Attention(nn.Module):
             q = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name="k_norm")(k)
         inv_freq, scale = rope_frequencies(c, local=c.sliding_windows[self.layer] is not None)
-        q, k = (apply_rope(x, positions, jnp.asarray(inv_freq), scale) for x in (q, k))
+        q, k = (apply_rope(x, positions, jnp.asarray(inv_freq), scale, c.rope_interleaved) for x in (q, k))
         out, layer_kv = attention.attend(
             q, k, v, layer_kv, meta, sliding_window=c.sliding_windows[self.layer],
             sm_scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim), soft_cap=c.attn_soft_cap)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import bloom, gemma, gpt2, gpt_neox, llama, moe, mpt, phi, phi3, starcoder2
+from jaxserve.models import bloom, gemma, glm, gpt2, gpt_neox, gptj, llama, moe, mpt, phi, phi3, starcoder2
 from jaxserve.models.layernorm_decoder import PARAM_AXES as LAYERNORM_AXES, LayerNormForCausalLM
 
 
@@ -47,6 +47,9 @@ ARCHITECTURES: dict[str, Architecture] = {
                                     conv1d=True),
     "GPTBigCodeForCausalLM": Architecture(gpt2.gpt_bigcode_config, LayerNormForCausalLM, gpt2.hf_tensor,
                                           LAYERNORM_AXES),
+    "GlmForCausalLM": Architecture(glm.glm_config, llama.LlamaForCausalLM, glm.hf_tensor, llama.PARAM_AXES),
+    "Glm4ForCausalLM": Architecture(glm.glm4_config, llama.LlamaForCausalLM, glm.hf_tensor, llama.PARAM_AXES),
+    "GPTJForCausalLM": Architecture(gptj.gptj_config, LayerNormForCausalLM, gptj.hf_tensor, LAYERNORM_AXES),
     "GPTNeoXForCausalLM": Architecture(gpt_neox.gpt_neox_config, LayerNormForCausalLM, gpt_neox.hf_tensor,
                                        LAYERNORM_AXES),
     "GraniteForCausalLM": Architecture(llama.granite_config, llama.LlamaForCausalLM, llama.hf_tensor,
