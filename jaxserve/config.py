@@ -60,6 +60,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False         # RMSNorm over each head of q and of k, before RoPE (Qwen3)
+    qk_norm_per_head: bool = True  # False: qk_norm over the whole q and k projections, all heads together (OLMo 2)
     hidden_act: str = "silu"      # the gated MLP's activation (models.layers.ACTIVATIONS)
     # Gemma: norms scale by (offset + weight), embeddings by sqrt(hidden_size), norms also after
     # attention and after the MLP ("sandwich"), an attention scale other than 1/sqrt(head_dim),
@@ -70,6 +71,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     sandwich_norms: bool = False
+    pre_norms: bool = True   # False: no norms before attention and the MLP, only sandwich_norms' after (OLMo 2)
     attn_scale: float | None = None
     attn_soft_cap: float | None = None
     final_soft_cap: float | None = None

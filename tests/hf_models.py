@@ -75,6 +75,9 @@ CONFIGS = {
                                            pad_token_id=0, eos_token_id=None)),
     "glm4_sandwich": (tf.Glm4Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                           pad_token_id=0, eos_token_id=None)),
+    # q/k norms over the whole projections (split under TP), norms after each branch only; all
+    # norm weights spread below.
+    "olmo2": (tf.Olmo2Config, dict(num_attention_heads=4, num_key_value_heads=2)),
     "llama_mha": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
     "llama_mqa": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1,
                                        attention_bias=True)),
@@ -119,6 +122,11 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0, auto_class=tf.AutoMode
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1, 0.5)
                 layer.self_attn.k_norm.weight.normal_(1, 0.5)
+    if name == "olmo2":  # norm weights start at one: make them matter
+        with torch.no_grad():
+            for name_, p in model.named_parameters():
+                if name_.endswith("norm.weight"):
+                    p.normal_(1, 0.5)
     if name in ("gpt_neox_parallel", "phi_partial", "starcoder2_window", "gpt_bigcode_mqa", "gpt2_conv1d",
                 "gptj_interleaved", "glm_interleaved", "glm4_sandwich"):
         # norms start at (1, 0), biases at 0: make them matter

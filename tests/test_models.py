@@ -98,6 +98,7 @@ def test_config_reads_family_features(pair):
         "glm4_sandwich": lambda c: c.rope_interleaved and c.sandwich_norms and c.qkv_bias,
         "starcoder2_window": lambda c: c.sliding_windows == (12, 12) and c.num_kv_heads == 2 and c.norm_bias
         and c.mlp_bias and not c.parallel_residual and c.tie_word_embeddings,
+        "olmo2": lambda c: c.qk_norm and not c.qk_norm_per_head and c.sandwich_norms and not c.pre_norms,
         "llama_mha": lambda c: c.num_heads == c.num_kv_heads,
         "llama_mqa": lambda c: c.num_kv_heads == 1 and c.qkv_bias and c.o_bias,
     }

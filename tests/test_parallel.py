@@ -92,6 +92,16 @@ def test_heads_split_only_whole():
                                     tp_mesh(4)).spec == P(None, None)
 
 
+def test_qk_norms_split_with_the_heads_only_over_the_whole_projection():
+    layer = "model/layers_0/self_attn/"
+    olmo2 = specs(small_cfg(architecture="Olmo2ForCausalLM", num_kv_heads=2, qk_norm=True, qk_norm_per_head=False,
+                            sandwich_norms=True, pre_norms=False), model=4)
+    assert olmo2[layer + "q_norm/weight"] == P("model")   # [heads * head_dim], as q_proj's rows
+    assert olmo2[layer + "k_norm/weight"] == P(None)      # 2 kv heads at TP 4: whole, as k_proj
+    qwen3 = specs(small_cfg(architecture="Qwen3ForCausalLM", qk_norm=True), model=4)
+    assert qwen3[layer + "q_norm/weight"] == qwen3[layer + "k_norm/weight"] == P(None)   # [head_dim]: every head's
+
+
 def test_every_param_has_logical_axes_of_its_rank():
     cfg = small_cfg(qkv_bias=True, tie_word_embeddings=True)
     shapes = param_shapes(cfg)

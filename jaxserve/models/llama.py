@@ -1,4 +1,4 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Granite (and Phi-3, Gemma), in one Flax implementation.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Granite (and Phi-3, Gemma, OLMo 2), in one Flax implementation.
 
 The architectures differ only in configuration, read here from their config.json: RoPE
 scaling, GQA/MQA head counts, per-layer sliding windows, q/k/v biases, tied embeddings,
@@ -142,13 +142,18 @@ class Attention(nn.Module):
         q = dense(c.num_heads * c.head_dim, c.qkv_bias, name="q_proj")(x)
         k = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, name="k_proj")(x)
         v = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, name="v_proj")(x)
+
+        def qk_norm(q, k):
+            return (RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name=name)(a)
+                    for name, a in (("q_norm", q), ("k_norm", k)))
+        if c.qk_norm and not c.qk_norm_per_head:   # OLMo 2: over all heads at once (under TP a split axis)
+            q, k = qk_norm(q, k)
         lead = x.shape[:-1]
         q = q.reshape(*lead, c.num_heads, c.head_dim)
         k = k.reshape(*lead, c.num_kv_heads, c.head_dim)
         v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name="k_norm")(k)
+        if c.qk_norm and c.qk_norm_per_head:   # Qwen3, Gemma 3
+            q, k = qk_norm(q, k)
         inv_freq, scale = rope_frequencies(c, local=c.sliding_windows[self.layer] is not None)
         q, k = (apply_rope(x, positions, jnp.asarray(inv_freq), scale, c.rope_interleaved) for x in (q, k))
         out, layer_kv = attention.attend(
@@ -169,8 +174,11 @@ class DecoderLayer(nn.Module):
 
         def norm(name):
             return RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name=name)
+
+        def pre_norm(name, x):   # OLMo 2 has none
+            return norm(name)(x) if c.pre_norms else x
         h, layer_kv = Attention(c, self.layer, self.dtype, name="self_attn")(
-            norm("input_layernorm")(x), positions, layer_kv, meta)
+            pre_norm("input_layernorm", x), positions, layer_kv, meta)
         if self.layer in c.moe_layers:   # Qwen3-MoE, Mixtral (models/moe.py)
             mesh = getattr(meta and meta.kv_sharding, "mesh", None)   # None inside sequence-parallel shard_map
             mlp = SparseMoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
@@ -178,9 +186,9 @@ class DecoderLayer(nn.Module):
         else:
             mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, ACTIVATIONS[c.hidden_act], self.dtype,
                            name="mlp")
-        if c.sandwich_norms:   # Gemma: each branch's output normed too (HF names these four)
+        if c.sandwich_norms:   # Gemma: each branch's output normed too (HF names these four); OLMo 2: only those
             x = x + norm("post_attention_layernorm")(h)
-            return x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x))), layer_kv
+            return x + norm("post_feedforward_layernorm")(mlp(pre_norm("pre_feedforward_layernorm", x))), layer_kv
         x = x + self.residual(h)
         return x + self.residual(mlp(norm("post_attention_layernorm")(x))), layer_kv
 

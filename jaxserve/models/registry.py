@@ -20,7 +20,7 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import bloom, gemma, glm, gpt2, gpt_neox, gptj, llama, moe, mpt, phi, phi3, starcoder2
+from jaxserve.models import bloom, gemma, glm, gpt2, gpt_neox, gptj, llama, moe, mpt, olmo2, phi, phi3, starcoder2
 from jaxserve.models.layernorm_decoder import PARAM_AXES as LAYERNORM_AXES, LayerNormForCausalLM
 
 
@@ -63,6 +63,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MixtralForCausalLM": Architecture(moe.mixtral_config, llama.LlamaForCausalLM, moe.mixtral_hf_tensor,
                                        moe.PARAM_AXES),
     "MptForCausalLM": Architecture(mpt.mpt_config, LayerNormForCausalLM, mpt.hf_tensor, LAYERNORM_AXES),
+    "Olmo2ForCausalLM": Architecture(olmo2.olmo2_config, llama.LlamaForCausalLM, llama.hf_tensor, olmo2.PARAM_AXES),
     "PhiForCausalLM": Architecture(phi.phi_config, LayerNormForCausalLM, phi.hf_tensor, LAYERNORM_AXES),
     "Phi3ForCausalLM": Architecture(phi3.phi3_config, llama.LlamaForCausalLM, phi3.hf_tensor, llama.PARAM_AXES),
     "Qwen3ForCausalLM": Architecture(llama.qwen3_config, llama.LlamaForCausalLM, llama.hf_tensor,
