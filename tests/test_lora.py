@@ -292,13 +292,16 @@ def test_prefix_cache_never_shared_across_adapters(setup, llm):
     assert hits == [0, 0, 0, 32]
 
 
-def test_fused_projections_map_by_rows(tmp_path):
+@pytest.mark.parametrize("family, modules", [("phi3_fused", ["qkv_proj", "gate_up_proj", "o_proj"]),
+                                             ("gpt2_conv1d", ["c_attn", "c_fc", "c_proj"])])
+def test_fused_projections_map_by_rows(tmp_path, family, modules):
     """Phi-3's fused qkv_proj and gate_up_proj, loaded as jaxserve's q/k/v and gate/up: an adapter
-    on the fused modules applies through the rows of its B (A shared), as peft computes it."""
-    base, adapter = str(tmp_path / "phi3"), str(tmp_path / "fused")
-    save_hf_model("phi3_fused", base)
+    on the fused modules applies through the rows of its B (A shared), as peft computes it. GPT-2's
+    c_attn likewise, its Conv1D modules adapted as peft does (fan_in_fan_out)."""
+    base, adapter = str(tmp_path / family), str(tmp_path / "fused")
+    save_hf_model(family, base)
     save_byte_tokenizer(base)
-    model = save_adapter(base, adapter, 4, r=8, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj", "o_proj"])
+    model = save_adapter(base, adapter, 4, r=8, lora_alpha=8, target_modules=modules)
     prompts = [np.random.default_rng(1).integers(0, 256, n).tolist() for n in (7, 20)]
     expected = {"fused": [reference(model, p) for p in prompts]}
     llm = LLM(model=base, lora_modules={"fused": adapter}, **ENGINE)
