@@ -54,6 +54,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = RopeScaling()
     rope_interleaved: bool = False   # RoPE rotates adjacent pairs of dims (GPT-J, GLM), not the two halves
+    nope_layers: tuple[int, ...] = ()   # layers whose attention has no RoPE ("NoPE": SmolLM3, EXAONE 4)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False

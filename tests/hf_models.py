@@ -78,6 +78,32 @@ CONFIGS = {
     # q/k norms over the whole projections (split under TP), norms after each branch only; all
     # norm weights spread below.
     "olmo2": (tf.Olmo2Config, dict(num_attention_heads=4, num_key_value_heads=2)),
+    # OLMo 3: OLMo 2's block, a 12-token window on layer 0, RoPE scaled on the global layer only.
+    "olmo3_window": (tf.Olmo3Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=12, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}})),
+    # Ministral: Mistral's window on the layers layer_types says (here layer 1 only); transformers needs head_dim.
+    "ministral_layer_types": (tf.MinistralConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=12,
+        layer_types=["full_attention", "sliding_attention"])),
+    # SmolLM3: layer 1 without RoPE, windowed; q/k/v/o biases (spread below); tied head.
+    "smollm3_nope": (tf.SmolLM3Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=12,
+        attention_bias=True, pad_token_id=None, bos_token_id=None, eos_token_id=None)),
+    # Seed-OSS: q/k/v biased, o not (biases spread below); head_dim 32, not 64 / 4.
+    "seed_oss_bias": (tf.SeedOssConfig, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                             eos_token_id=None)),
+    # Helium: RoPE on adjacent pairs; ERNIE 4.5: the same, every projection biased (spread below), tied.
+    "helium_interleaved": (tf.HeliumConfig, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                 eos_token_id=None)),
+    "ernie4_5_bias": (tf.Ernie4_5Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_bias=True,
+                                              eos_token_id=None)),
+    # EXAONE 4: per-head q/k norms, norms after each branch only (all spread below); layer 0
+    # windowed with RoPE, layer 1 global without it.
+    "exaone4_nope": (tf.Exaone4Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"], eos_token_id=None)),
     "llama_mha": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
     "llama_mqa": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1,
                                        attention_bias=True)),
@@ -128,7 +154,8 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0, auto_class=tf.AutoMode
                 if name_.endswith("norm.weight"):
                     p.normal_(1, 0.5)
     if name in ("gpt_neox_parallel", "phi_partial", "starcoder2_window", "gpt_bigcode_mqa", "gpt2_conv1d",
-                "gptj_interleaved", "glm_interleaved", "glm4_sandwich"):
+                "gptj_interleaved", "glm_interleaved", "glm4_sandwich", "olmo3_window", "smollm3_nope",
+                "seed_oss_bias", "helium_interleaved", "ernie4_5_bias", "exaone4_nope"):
         # norms start at (1, 0), biases at 0: make them matter
         with torch.no_grad():
             for name_, p in model.named_parameters():

@@ -99,6 +99,16 @@ def test_config_reads_family_features(pair):
         "starcoder2_window": lambda c: c.sliding_windows == (12, 12) and c.num_kv_heads == 2 and c.norm_bias
         and c.mlp_bias and not c.parallel_residual and c.tie_word_embeddings,
         "olmo2": lambda c: c.qk_norm and not c.qk_norm_per_head and c.sandwich_norms and not c.pre_norms,
+        "olmo3_window": lambda c: c.qk_norm and not c.qk_norm_per_head and not c.pre_norms
+        and c.sliding_windows == (12, None) and c.rope_scaling.factor == 4.0 and c.local_rope_theta == 10000.0,
+        "ministral_layer_types": lambda c: c.sliding_windows == (None, 12) and not c.qkv_bias and not c.o_bias,
+        "smollm3_nope": lambda c: c.nope_layers == (1,) and c.sliding_windows == (None, 12) and c.qkv_bias
+        and c.o_bias and c.tie_word_embeddings,
+        "seed_oss_bias": lambda c: c.qkv_bias and not c.o_bias and c.head_dim == 32 and not c.nope_layers,
+        "helium_interleaved": lambda c: c.rope_interleaved and not c.o_bias and c.rms_norm_eps == 1e-8,
+        "ernie4_5_bias": lambda c: c.rope_interleaved and c.qkv_bias and c.o_bias and c.mlp_bias and c.tie_word_embeddings,
+        "exaone4_nope": lambda c: c.qk_norm and c.qk_norm_per_head and c.sandwich_norms and not c.pre_norms
+        and c.nope_layers == (1,) and c.sliding_windows == (12, None) and not c.qkv_bias,
         "llama_mha": lambda c: c.num_heads == c.num_kv_heads,
         "llama_mqa": lambda c: c.num_kv_heads == 1 and c.qkv_bias and c.o_bias,
     }

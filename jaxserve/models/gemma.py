@@ -16,7 +16,7 @@ from typing import Any
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
-from jaxserve.models.layers import rope_from_hf
+from jaxserve.models.layers import rope_by_layer_type
 
 
 def gemma_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
@@ -35,15 +35,7 @@ def gemma2_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
 def gemma3_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     """transformers 5 keeps both RoPE settings in rope_parameters by layer type; older configs
     have rope_theta / rope_scaling and rope_local_base_freq."""
-    rope = hf.get("rope_parameters") or {}
-    if "full_attention" in rope:
-        theta, scaling = rope_from_hf(hf, rope["full_attention"])
-        local = rope.get("sliding_attention", {})
-        if local.get("rope_type", "default") != "default":
-            raise ValueError(f"Gemma 3 windowed layers with RoPE scaling {local['rope_type']!r} are not supported")
-        local_theta = local.get("rope_theta", 10000.0)
-    else:
-        (theta, scaling), local_theta = rope_from_hf(hf), hf.get("rope_local_base_freq", 10000.0)
+    theta, scaling, local_theta = rope_by_layer_type(hf, hf.get("rope_local_base_freq", 10000.0))
     return _config(hf, common, window_every=hf.get("sliding_window_pattern", 6), qk_norm=True,
                    rope_theta=theta, rope_scaling=scaling, local_rope_theta=local_theta,
                    attn_soft_cap=hf.get("attn_logit_softcapping"))

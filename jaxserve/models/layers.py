@@ -256,6 +256,22 @@ def rope_from_hf(hf: dict[str, Any], rope: dict[str, Any] | None = None) -> tupl
     return theta, scaling
 
 
+def rope_by_layer_type(hf: dict[str, Any], local_theta: float | None = None) -> tuple[float, RopeScaling, float]:
+    """(theta, scaling) of the full-attention layers and the unscaled RoPE base of the windowed ones
+    (Gemma 3, OLMo 3). transformers 5 keeps both in `rope_parameters` by layer type; older configs
+    have the global layers' in rope_theta / rope_scaling. `local_theta`: the windowed layers' base
+    where the config has none (None: the global one)."""
+    rope = hf.get("rope_parameters") or {}
+    if "full_attention" not in rope:
+        theta, scaling = rope_from_hf(hf)
+        return theta, scaling, theta if local_theta is None else local_theta
+    theta, scaling = rope_from_hf(hf, rope["full_attention"])
+    local = rope.get("sliding_attention", {})
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"windowed layers with RoPE scaling {local['rope_type']!r} are not supported")
+    return theta, scaling, float(local.get("rope_theta", theta if local_theta is None else local_theta))
+
+
 def rope_frequencies(cfg: ModelConfig, local: bool = False) -> tuple[np.ndarray, float]:
     """(inverse frequencies, cos/sin scale) of a layer, transformers' formulas per kind; `local`: a
     sliding-window layer (Gemma 3 gives those their own unscaled base). The frequencies cover the

@@ -1,8 +1,9 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Granite (and Phi-3, Gemma, OLMo 2), in one Flax implementation.
+"""The Llama family: Llama 2/3, Mistral, Ministral, Qwen2, Qwen3, Granite (and Phi-3, Gemma, OLMo 2 and 3, GLM and
+the llama_variants), in one Flax implementation.
 
 The architectures differ only in configuration, read here from their config.json: RoPE
 scaling, GQA/MQA head counts, per-layer sliding windows, q/k/v biases, tied embeddings,
-q/k norms and a head_dim that is not hidden_size / heads (Qwen3).
+q/k norms, layers without RoPE (NoPE) and a head_dim that is not hidden_size / heads (Qwen3).
 Parameter names and shapes follow Hugging Face's (`model.layers_3.self_attn.q_proj.weight` is
 `model.layers.3.self_attn.q_proj.weight`, [out, in]), so loading is a rename (`hf_tensor`).
 """
@@ -68,6 +69,19 @@ def mistral_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     """One sliding window (when set) on every layer; Phi-3's configs say the same."""
     window = hf.get("sliding_window")
     return _config(hf, common, sliding_windows=(window,) * hf["num_hidden_layers"] if window else ())
+
+
+def ministral_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Ministral (8B): Mistral with its window on the layers `layer_types` calls sliding (all of
+    them by default); never a bias (transformers' Ministral ignores attention_bias)."""
+    types = hf.get("layer_types") or ["sliding_attention"] * hf["num_hidden_layers"]
+    return _config(hf, common, qkv_bias=False, o_bias=False, mlp_bias=False,
+                   sliding_windows=layer_windows(hf.get("sliding_window", 4096), types))
+
+
+def layer_windows(window: int | None, layer_types: list[str]) -> tuple[int | None, ...]:
+    """Per-layer windows: `window` on the "sliding_attention" layers of a config's layer_types."""
+    return tuple(window if t == "sliding_attention" and window else None for t in layer_types)
 
 
 def qwen2_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
@@ -154,8 +168,9 @@ class Attention(nn.Module):
         v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
         if c.qk_norm and c.qk_norm_per_head:   # Qwen3, Gemma 3
             q, k = qk_norm(q, k)
-        inv_freq, scale = rope_frequencies(c, local=c.sliding_windows[self.layer] is not None)
-        q, k = (apply_rope(x, positions, jnp.asarray(inv_freq), scale, c.rope_interleaved) for x in (q, k))
+        if self.layer not in c.nope_layers:   # SmolLM3, EXAONE 4: some layers attend without positions
+            inv_freq, scale = rope_frequencies(c, local=c.sliding_windows[self.layer] is not None)
+            q, k = (apply_rope(x, positions, jnp.asarray(inv_freq), scale, c.rope_interleaved) for x in (q, k))
         out, layer_kv = attention.attend(
             q, k, v, layer_kv, meta, sliding_window=c.sliding_windows[self.layer],
             sm_scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim), soft_cap=c.attn_soft_cap)

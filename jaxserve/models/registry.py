@@ -20,7 +20,8 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import bloom, gemma, glm, gpt2, gpt_neox, gptj, llama, moe, mpt, olmo2, phi, phi3, starcoder2
+from jaxserve.models import (bloom, gemma, glm, gpt2, gpt_neox, gptj, llama, llama_variants, moe, mpt, olmo2, phi, phi3,
+                             starcoder2)
 from jaxserve.models.layernorm_decoder import PARAM_AXES as LAYERNORM_AXES, LayerNormForCausalLM
 
 
@@ -36,6 +37,10 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "BloomForCausalLM": Architecture(bloom.bloom_config, LayerNormForCausalLM, bloom.hf_tensor, LAYERNORM_AXES),
+    "Ernie4_5ForCausalLM": Architecture(llama_variants.ernie4_5_config, llama.LlamaForCausalLM, llama.hf_tensor,
+                                        llama.PARAM_AXES),
+    "Exaone4ForCausalLM": Architecture(llama_variants.exaone4_config, llama.LlamaForCausalLM, llama.hf_tensor,
+                                       llama.PARAM_AXES),
     "GemmaForCausalLM": Architecture(gemma.gemma_config, llama.LlamaForCausalLM, llama.hf_tensor, llama.PARAM_AXES),
     "Gemma2ForCausalLM": Architecture(gemma.gemma2_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                       llama.PARAM_AXES),
@@ -54,22 +59,31 @@ ARCHITECTURES: dict[str, Architecture] = {
                                        LAYERNORM_AXES),
     "GraniteForCausalLM": Architecture(llama.granite_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                        llama.PARAM_AXES),
+    "HeliumForCausalLM": Architecture(llama_variants.helium_config, llama.LlamaForCausalLM, llama.hf_tensor,
+                                      llama.PARAM_AXES),
     "LlamaForCausalLM": Architecture(llama.llama_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                      llama.PARAM_AXES),
     "MistralForCausalLM": Architecture(llama.mistral_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                        llama.PARAM_AXES),
+    "MinistralForCausalLM": Architecture(llama.ministral_config, llama.LlamaForCausalLM, llama.hf_tensor,
+                                         llama.PARAM_AXES),
     "Qwen2ForCausalLM": Architecture(llama.qwen2_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                      llama.PARAM_AXES),
     "MixtralForCausalLM": Architecture(moe.mixtral_config, llama.LlamaForCausalLM, moe.mixtral_hf_tensor,
                                        moe.PARAM_AXES),
     "MptForCausalLM": Architecture(mpt.mpt_config, LayerNormForCausalLM, mpt.hf_tensor, LAYERNORM_AXES),
     "Olmo2ForCausalLM": Architecture(olmo2.olmo2_config, llama.LlamaForCausalLM, llama.hf_tensor, olmo2.PARAM_AXES),
+    "Olmo3ForCausalLM": Architecture(olmo2.olmo3_config, llama.LlamaForCausalLM, llama.hf_tensor, olmo2.PARAM_AXES),
     "PhiForCausalLM": Architecture(phi.phi_config, LayerNormForCausalLM, phi.hf_tensor, LAYERNORM_AXES),
     "Phi3ForCausalLM": Architecture(phi3.phi3_config, llama.LlamaForCausalLM, phi3.hf_tensor, llama.PARAM_AXES),
     "Qwen3ForCausalLM": Architecture(llama.qwen3_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                      llama.PARAM_AXES),
     "Qwen3MoeForCausalLM": Architecture(moe.qwen3_moe_config, llama.LlamaForCausalLM, moe.qwen3_moe_hf_tensor,
                                         moe.PARAM_AXES),
+    "SeedOssForCausalLM": Architecture(llama_variants.seed_oss_config, llama.LlamaForCausalLM, llama.hf_tensor,
+                                       llama.PARAM_AXES),
+    "SmolLM3ForCausalLM": Architecture(llama_variants.smollm3_config, llama.LlamaForCausalLM, llama.hf_tensor,
+                                       llama.PARAM_AXES),
     "Starcoder2ForCausalLM": Architecture(starcoder2.starcoder2_config, LayerNormForCausalLM, starcoder2.hf_tensor,
                                           LAYERNORM_AXES),
 }
