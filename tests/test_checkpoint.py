@@ -84,12 +84,12 @@ def test_wrong_shape_names_both_shapes(hf_dir, tmp_path):
 
 
 def test_unknown_architecture_lists_supported(tmp_path):
-    gpt2 = dict(architectures=["GPT2LMHeadModel"], vocab_size=10, hidden_size=8, intermediate_size=8,
-                num_hidden_layers=1, num_attention_heads=2)
-    supported = "GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM"
+    t5 = dict(architectures=["T5ForConditionalGeneration"], vocab_size=10, hidden_size=8, intermediate_size=8,
+              num_hidden_layers=1, num_attention_heads=2)
+    supported = "T5ForConditionalGeneration.*GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM"
     with pytest.raises(ValueError, match=supported):   # parsing the config.json
-        ModelConfig.from_hf_dict(gpt2)
-    cfg = ModelConfig(architecture="GPT2LMHeadModel", vocab_size=10, hidden_size=8, intermediate_size=8,
+        ModelConfig.from_hf_dict(t5)
+    cfg = ModelConfig(architecture="T5ForConditionalGeneration", vocab_size=10, hidden_size=8, intermediate_size=8,
                       num_layers=1, num_heads=2, num_kv_heads=2, head_dim=4)
     with pytest.raises(ValueError, match=supported):   # building the model of a config made by hand
         model_class(cfg)
