@@ -93,6 +93,7 @@ class ModelConfig:
     shared_block_norm: bool = False
     lm_head_bias: bool = False
     learned_positions: bool = False
+    gated_mlp: bool = False   # the LayerNorm families' MLP gated as Llama's (StableLM, Cohere)
     # Per-layer sliding window (None = full attention); a tuple so the config stays hashable.
     sliding_windows: tuple[int | None, ...] = ()
     # Mixture of experts (models/moe.py): the layers whose MLP is `num_experts` SwiGLU experts of

@@ -67,6 +67,16 @@ CONFIGS = {
     "gpt2_conv1d": (tf.GPT2Config, dict(n_head=4, initializer_range=0.3, bos_token_id=None, eos_token_id=None)),
     # GPT-J: RoPE on 8 of each head's 16 dims, in adjacent pairs; Phi's one-norm parallel block.
     "gptj_interleaved": (tf.GPTJConfig, dict(n_head=4, rotary_dim=8, bos_token_id=None, eos_token_id=None)),
+    # Llama's gated MLP in the LayerNorm decoder: StableLM's parallel block (one norm) and q/k/v
+    # biases, RoPE on a quarter of each head; Cohere's bias-free LayerNorm, parallel block, RoPE in
+    # pairs, logit scale; Cohere 2's window on 2 of 3 layers, the third without RoPE.
+    "stablelm_parallel": (tf.StableLmConfig, dict(num_attention_heads=4, num_key_value_heads=2, use_qkv_bias=True,
+                                                  use_parallel_residual=True, eos_token_id=None, bos_token_id=None)),
+    "cohere_parallel": (tf.CohereConfig, dict(num_attention_heads=4, num_key_value_heads=2, logit_scale=0.25,
+                                              pad_token_id=0, eos_token_id=None, bos_token_id=None)),
+    "cohere2_window_nope": (tf.Cohere2Config, dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                                                   sliding_window=12, sliding_window_pattern=3, logit_scale=0.25,
+                                                   pad_token_id=0, eos_token_id=None, bos_token_id=None)),
     "starcoder2_window": (tf.Starcoder2Config, dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=12,
                                                     bos_token_id=1, eos_token_id=2)),
     # GLM: interleaved RoPE on half of each head, q/k/v biases, fused gate_up_proj; GLM-4 adds its
@@ -155,7 +165,8 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0, auto_class=tf.AutoMode
                     p.normal_(1, 0.5)
     if name in ("gpt_neox_parallel", "phi_partial", "starcoder2_window", "gpt_bigcode_mqa", "gpt2_conv1d",
                 "gptj_interleaved", "glm_interleaved", "glm4_sandwich", "olmo3_window", "smollm3_nope",
-                "seed_oss_bias", "helium_interleaved", "ernie4_5_bias", "exaone4_nope"):
+                "seed_oss_bias", "helium_interleaved", "ernie4_5_bias", "exaone4_nope", "stablelm_parallel",
+                "cohere_parallel", "cohere2_window_nope"):
         # norms start at (1, 0), biases at 0: make them matter
         with torch.no_grad():
             for name_, p in model.named_parameters():

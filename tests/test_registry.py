@@ -30,6 +30,12 @@ def test_every_architecture_has_a_parity_checkpoint():
     assert {hf_architecture(name) for name in ALL_CONFIGS} == set(ARCHITECTURES)
 
 
+def test_readme_lists_every_architecture():
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        readme = f.read()
+    assert [a for a in sorted(ARCHITECTURES) if f"`{a}`" not in readme] == []
+
+
 def _tensors(model_dir):
     from safetensors.numpy import load_file
     return load_file(os.path.join(model_dir, "model.safetensors"))

@@ -1,8 +1,9 @@
-"""The decoder of the LayerNorm families: BLOOM and MPT (ALiBi), GPT-NeoX, Phi and StarCoder 2
-(rotary). Each family's file reads its config.json into the options below and names its tensors.
+"""The decoder of the LayerNorm families: BLOOM and MPT (ALiBi), GPT-2 and GPTBigCode (learned
+positions), GPT-NeoX, GPT-J, Phi, StarCoder 2, StableLM and Cohere (rotary). Each family's file
+reads its config.json into the options below and names its tensors.
 
-What they share: LayerNorm (with or without biases), a plain (not gated) MLP, Flax parameter
-names as Llama's (so the sharding rules and kernels are Llama's).
+What they share: LayerNorm (with or without biases), Flax parameter names as Llama's (so the
+sharding rules and kernels are Llama's).
 
 What config.json chooses:
   * positions: ALiBi where ModelConfig.alibi_slopes is set (models/bloom.py explains it), a
@@ -14,8 +15,9 @@ What config.json chooses:
   * q, k and v: one fused projection whose rows are per head [q, k, v] (`qkv_interleaved`: BLOOM,
     GPT-NeoX; a split in whole heads, as tensor parallelism makes, keeps each head's q, k and v
     together), or three (MPT's fused Wqkv is read as three row ranges);
+  * the MLP: plain, or gated as Llama's (`gated_mlp`: StableLM, Cohere);
   * a LayerNorm after the embedding (BLOOM), q, k and v clamped (MPT), per-layer sliding
-    windows (StarCoder 2), an LM head bias (Phi).
+    windows (StarCoder 2, Cohere 2), layers without RoPE (Cohere 2), an LM head bias (Phi).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 from jaxserve import attention
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
-from jaxserve.models.layers import ACTIVATIONS, LayerNorm, Linear, apply_rope, rope_frequencies
+from jaxserve.models.layers import ACTIVATIONS, GatedMLP, LayerNorm, Linear, apply_rope, rope_frequencies
 
 
 def hf_name(path: tuple[str, ...], names: dict[str, str], layers: str) -> str:
@@ -65,7 +67,7 @@ class Attention(nn.Module):
         alibi = None
         if c.alibi_slopes is not None:
             alibi = jnp.asarray(c.alibi_slopes, jnp.float32)
-        elif not c.learned_positions:
+        elif not c.learned_positions and self.layer not in c.nope_layers:
             inv_freq, scale = rope_frequencies(c)
             q, k = (apply_rope(t, positions, jnp.asarray(inv_freq), scale, c.rope_interleaved) for t in (q, k))
         out, layer_kv = attention.attend(
@@ -96,7 +98,12 @@ class Block(nn.Module):
 
         def norm(name):
             return LayerNorm(c.rms_norm_eps, c.norm_bias, self.dtype, name=name)
-        attn, mlp = Attention(c, self.layer, self.dtype, name="self_attn"), MLP(c, self.dtype, name="mlp")
+        attn = Attention(c, self.layer, self.dtype, name="self_attn")
+        if c.gated_mlp:
+            mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, ACTIVATIONS[c.hidden_act], self.dtype,
+                           name="mlp")
+        else:
+            mlp = MLP(c, self.dtype, name="mlp")
         h = norm("input_layernorm")(x)
         out, layer_kv = attn(h, positions, layer_kv, meta)
         if not c.parallel_residual:

@@ -20,8 +20,8 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import (bloom, gemma, glm, gpt2, gpt_neox, gptj, llama, llama_variants, moe, mpt, olmo2, phi, phi3,
-                             starcoder2)
+from jaxserve.models import (bloom, cohere, gemma, glm, gpt2, gpt_neox, gptj, llama, llama_variants, moe, mpt, olmo2,
+                             phi, phi3, stablelm, starcoder2)
 from jaxserve.models.layernorm_decoder import PARAM_AXES as LAYERNORM_AXES, LayerNormForCausalLM
 
 
@@ -37,6 +37,8 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "BloomForCausalLM": Architecture(bloom.bloom_config, LayerNormForCausalLM, bloom.hf_tensor, LAYERNORM_AXES),
+    "CohereForCausalLM": Architecture(cohere.cohere_config, LayerNormForCausalLM, llama.hf_tensor, LAYERNORM_AXES),
+    "Cohere2ForCausalLM": Architecture(cohere.cohere2_config, LayerNormForCausalLM, llama.hf_tensor, LAYERNORM_AXES),
     "Ernie4_5ForCausalLM": Architecture(llama_variants.ernie4_5_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                         llama.PARAM_AXES),
     "Exaone4ForCausalLM": Architecture(llama_variants.exaone4_config, llama.LlamaForCausalLM, llama.hf_tensor,
@@ -84,6 +86,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                                        llama.PARAM_AXES),
     "SmolLM3ForCausalLM": Architecture(llama_variants.smollm3_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                        llama.PARAM_AXES),
+    "StableLmForCausalLM": Architecture(stablelm.stablelm_config, LayerNormForCausalLM, llama.hf_tensor,
+                                        LAYERNORM_AXES),
     "Starcoder2ForCausalLM": Architecture(starcoder2.starcoder2_config, LayerNormForCausalLM, starcoder2.hf_tensor,
                                           LAYERNORM_AXES),
 }
