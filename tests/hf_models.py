@@ -129,6 +129,11 @@ MOE_CONFIGS = {
     "mixtral": (tf.MixtralConfig, dict(
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
         intermediate_size=48, sliding_window=12)),
+    # OLMoE: OLMo 2's whole-projection q/k norms (spread below) before Llama's pre-norms; routing
+    # weights not renormalized.
+    "olmoe": (tf.OlmoeConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, intermediate_size=48,
+        eos_token_id=None, pad_token_id=0)),
 }
 
 
@@ -158,7 +163,7 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0, auto_class=tf.AutoMode
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1, 0.5)
                 layer.self_attn.k_norm.weight.normal_(1, 0.5)
-    if name == "olmo2":  # norm weights start at one: make them matter
+    if name in ("olmo2", "olmoe"):  # norm weights start at one: make them matter
         with torch.no_grad():
             for name_, p in model.named_parameters():
                 if name_.endswith("norm.weight"):

@@ -1,9 +1,10 @@
-"""Mixture-of-experts families: Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B) and Mixtral (8x7B, 8x22B).
+"""Mixture-of-experts families: Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B), Mixtral (8x7B, 8x22B)
+and OLMoE (OLMoE-1B-7B: OLMo 2's whole-projection q/k norms, with pre-norms).
 
-Both are the Llama module (models/llama.py) with a layers.SparseMoE in place of the dense MLP of
+All are the Llama module (models/llama.py) with a layers.SparseMoE in place of the dense MLP of
 their MoE layers. Their checkpoints hold one tensor per expert, as on the Hub and as
 transformers 5's save_pretrained writes them (it fuses the experts only in memory):
-`mlp.experts.E.{gate,up,down}_proj.weight` (Qwen3-MoE) and `block_sparse_moe.experts.E.w1/w3/w2.weight`
+`mlp.experts.E.{gate,up,down}_proj.weight` (Qwen3-MoE, OLMoE) and `block_sparse_moe.experts.E.w1/w3/w2.weight`
 (Mixtral: w1 gate, w3 up, w2 down); `hf_tensor` names each stacked [experts, ...] param's tensors
 in expert order. Tensor parallelism splits each expert's intermediate dim (every device holds
 1/TP of every expert); the router is replicated.
@@ -14,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import llama
+from jaxserve.models import llama, olmo2
 
 MIXTRAL_NAMES = {"mlp": "block_sparse_moe", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
@@ -37,6 +38,17 @@ def mixtral_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     """Mistral attention; every layer's MLP is experts of intermediate_size, top-k renormalized."""
     return dataclasses.replace(llama.mistral_config(hf, common), **_moe(
         hf, hf["num_local_experts"], hf["intermediate_size"], True, tuple(range(hf["num_hidden_layers"]))))
+
+
+def olmoe_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Llama's block with q and k RMS-normed over their whole projections; every layer's MLP is
+    experts of intermediate_size, renormalized only with norm_topk_prob."""
+    if hf.get("clip_qkv") is not None:
+        raise ValueError("OLMoE with clip_qkv is not supported")
+    return dataclasses.replace(
+        llama._config(hf, common, qk_norm=True, qk_norm_per_head=False),
+        **_moe(hf, hf.get("num_experts", hf.get("num_local_experts")), hf["intermediate_size"],
+               hf.get("norm_topk_prob", False), tuple(range(hf["num_hidden_layers"]))))
 
 
 def _moe(hf: dict[str, Any], experts: int, width: int, renormalize: bool, layers: tuple[int, ...]) -> dict:
@@ -69,3 +81,4 @@ PARAM_AXES = {
     ("gate", "weight"): ("experts", "embed"),   # the router
     **llama.PARAM_AXES,
 }
+OLMOE_PARAM_AXES = {**olmo2.QK_NORM_AXES, **PARAM_AXES}   # OLMo 2's split q/k norms

@@ -31,4 +31,5 @@ def olmo3_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
 
 # The q/k norms' weights span every head, so they split with their projection's rows under TP;
 # Qwen3's per-head ones ([head_dim], llama.PARAM_AXES' bare "weight") stay whole.
-PARAM_AXES = {("q_norm", "weight"): ("heads",), ("k_norm", "weight"): ("kv_heads",), **llama.PARAM_AXES}
+QK_NORM_AXES = {("q_norm", "weight"): ("heads",), ("k_norm", "weight"): ("kv_heads",)}
+PARAM_AXES = {**QK_NORM_AXES, **llama.PARAM_AXES}

@@ -74,6 +74,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MixtralForCausalLM": Architecture(moe.mixtral_config, llama.LlamaForCausalLM, moe.mixtral_hf_tensor,
                                        moe.PARAM_AXES),
     "MptForCausalLM": Architecture(mpt.mpt_config, LayerNormForCausalLM, mpt.hf_tensor, LAYERNORM_AXES),
+    "OlmoeForCausalLM": Architecture(moe.olmoe_config, llama.LlamaForCausalLM, moe.qwen3_moe_hf_tensor,
+                                     moe.OLMOE_PARAM_AXES),
     "Olmo2ForCausalLM": Architecture(olmo2.olmo2_config, llama.LlamaForCausalLM, llama.hf_tensor, olmo2.PARAM_AXES),
     "Olmo3ForCausalLM": Architecture(olmo2.olmo3_config, llama.LlamaForCausalLM, llama.hf_tensor, olmo2.PARAM_AXES),
     "PhiForCausalLM": Architecture(phi.phi_config, LayerNormForCausalLM, phi.hf_tensor, LAYERNORM_AXES),
