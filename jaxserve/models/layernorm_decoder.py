@@ -2,8 +2,8 @@
 positions), GPT-NeoX, GPT-J, Phi, StarCoder 2, StableLM and Cohere (rotary). Each family's file
 reads its config.json into the options below and names its tensors.
 
-What they share: LayerNorm (with or without biases), Flax parameter names as Llama's (so the
-sharding rules and kernels are Llama's).
+What they share: LayerNorm (with or without biases); Llama's attention module (llama.Attention,
+whose options cover theirs), so Flax parameter names, sharding rules and kernels are Llama's.
 
 What config.json chooses:
   * positions: ALiBi where ModelConfig.alibi_slopes is set (models/bloom.py explains it), a
@@ -21,16 +21,12 @@ What config.json chooses:
 """
 from __future__ import annotations
 
-import functools
-import math
-
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxserve import attention
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
-from jaxserve.models.layers import ACTIVATIONS, GatedMLP, LayerNorm, Linear, apply_rope, rope_frequencies
+from jaxserve.models.layers import ACTIVATIONS, GatedMLP, LayerNorm, Linear
 
 
 def hf_name(path: tuple[str, ...], names: dict[str, str], layers: str) -> str:
@@ -44,36 +40,6 @@ def hf_name(path: tuple[str, ...], names: dict[str, str], layers: str) -> str:
 PARAM_AXES = {("qkv_proj", "weight"): ("heads", "embed"), ("qkv_proj", "bias"): ("heads",),
               ("embed_positions", "embedding"): ("positions", "embed"),
               **llama.PARAM_AXES, ("bias",): ("embed",)}   # LayerNorm biases
-
-
-class Attention(nn.Module):
-    cfg: ModelConfig
-    layer: int
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, positions, layer_kv, meta):
-        c = self.cfg
-        dense = functools.partial(Linear, use_bias=c.qkv_bias, dtype=self.dtype)
-        lead = x.shape[:-1]
-        if c.qkv_interleaved:
-            qkv = dense(3 * c.num_heads * c.head_dim, name="qkv_proj")(x).reshape(*lead, c.num_heads, 3, c.head_dim)
-            q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-        else:
-            q, k, v = (dense(n * c.head_dim, name=name)(x).reshape(*lead, n, c.head_dim)
-                       for name, n in (("q_proj", c.num_heads), ("k_proj", c.num_kv_heads), ("v_proj", c.num_kv_heads)))
-        if c.clip_qkv is not None:
-            q, k, v = (jnp.clip(t, -c.clip_qkv, c.clip_qkv) for t in (q, k, v))
-        alibi = None
-        if c.alibi_slopes is not None:
-            alibi = jnp.asarray(c.alibi_slopes, jnp.float32)
-        elif not c.learned_positions and self.layer not in c.nope_layers:
-            inv_freq, scale = rope_frequencies(c)
-            q, k = (apply_rope(t, positions, jnp.asarray(inv_freq), scale, c.rope_interleaved) for t in (q, k))
-        out, layer_kv = attention.attend(
-            q, k, v, layer_kv, meta, sliding_window=c.sliding_windows[self.layer],
-            sm_scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim), alibi_slopes=alibi)
-        return Linear(c.hidden_size, c.o_bias, self.dtype, name="o_proj")(out.reshape(*lead, -1)), layer_kv
 
 
 class MLP(nn.Module):
@@ -98,7 +64,7 @@ class Block(nn.Module):
 
         def norm(name):
             return LayerNorm(c.rms_norm_eps, c.norm_bias, self.dtype, name=name)
-        attn = Attention(c, self.layer, self.dtype, name="self_attn")
+        attn = llama.Attention(c, self.layer, self.dtype, name="self_attn")
         if c.gated_mlp:
             mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, ACTIVATIONS[c.hidden_act], self.dtype,
                            name="mlp")

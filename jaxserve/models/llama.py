@@ -6,6 +6,8 @@ scaling, GQA/MQA head counts, per-layer sliding windows, q/k/v biases, tied embe
 q/k norms, layers without RoPE (NoPE) and a head_dim that is not hidden_size / heads (Qwen3).
 Parameter names and shapes follow Hugging Face's (`model.layers_3.self_attn.q_proj.weight` is
 `model.layers.3.self_attn.q_proj.weight`, [out, in]), so loading is a rename (`hf_tensor`).
+The attention module serves the LayerNorm decoder too (models/layernorm_decoder.py): fused per-head
+q/k/v rows, clamped q/k/v, ALiBi and learned positions are its options for those families.
 """
 from __future__ import annotations
 
@@ -153,27 +155,36 @@ class Attention(nn.Module):
     def __call__(self, x, positions, layer_kv, meta):
         c = self.cfg
         dense = functools.partial(Linear, dtype=self.dtype)
-        q = dense(c.num_heads * c.head_dim, c.qkv_bias, name="q_proj")(x)
-        k = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, name="k_proj")(x)
-        v = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, name="v_proj")(x)
+        lead = x.shape[:-1]
+        if c.qkv_interleaved:   # BLOOM, GPT-NeoX: one projection, its rows per head [q, k, v]
+            qkv = dense(3 * c.num_heads * c.head_dim, c.qkv_bias, name="qkv_proj")(x)
+            q, k, v = (qkv.reshape(*lead, c.num_heads, 3, c.head_dim)[..., i, :].reshape(*lead, -1) for i in range(3))
+        else:
+            q = dense(c.num_heads * c.head_dim, c.qkv_bias, name="q_proj")(x)
+            k = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, name="k_proj")(x)
+            v = dense(c.num_kv_heads * c.head_dim, c.qkv_bias, name="v_proj")(x)
+        if c.clip_qkv is not None:   # MPT
+            q, k, v = (jnp.clip(t, -c.clip_qkv, c.clip_qkv) for t in (q, k, v))
 
         def qk_norm(q, k):
             return (RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name=name)(a)
                     for name, a in (("q_norm", q), ("k_norm", k)))
         if c.qk_norm and not c.qk_norm_per_head:   # OLMo 2: over all heads at once (under TP a split axis)
             q, k = qk_norm(q, k)
-        lead = x.shape[:-1]
         q = q.reshape(*lead, c.num_heads, c.head_dim)
         k = k.reshape(*lead, c.num_kv_heads, c.head_dim)
         v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
         if c.qk_norm and c.qk_norm_per_head:   # Qwen3, Gemma 3
             q, k = qk_norm(q, k)
-        if self.layer not in c.nope_layers:   # SmolLM3, EXAONE 4: some layers attend without positions
+        # Positions: ALiBi (BLOOM, MPT), a learned table added to the embeddings (GPT-2), none on
+        # NoPE layers (SmolLM3, EXAONE 4, Cohere 2), else RoPE.
+        alibi = None if c.alibi_slopes is None else jnp.asarray(c.alibi_slopes, jnp.float32)
+        if alibi is None and not c.learned_positions and self.layer not in c.nope_layers:
             inv_freq, scale = rope_frequencies(c, local=c.sliding_windows[self.layer] is not None)
             q, k = (apply_rope(x, positions, jnp.asarray(inv_freq), scale, c.rope_interleaved) for x in (q, k))
         out, layer_kv = attention.attend(
             q, k, v, layer_kv, meta, sliding_window=c.sliding_windows[self.layer],
-            sm_scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim), soft_cap=c.attn_soft_cap)
+            sm_scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim), soft_cap=c.attn_soft_cap, alibi_slopes=alibi)
         out = dense(c.hidden_size, c.o_bias, name="o_proj")(out.reshape(*lead, -1))
         return out, layer_kv
 
