@@ -95,6 +95,18 @@ def test_unknown_architecture_lists_supported(tmp_path):
         model_class(cfg)
 
 
+@pytest.mark.parametrize("hf", [
+    dict(architectures=["LlamaForCausalLM"], hidden_act="relu2", vocab_size=10, hidden_size=8, intermediate_size=8,
+         num_hidden_layers=1, num_attention_heads=2),
+    dict(architectures=["GPT2LMHeadModel"], activation_function="relu", vocab_size=10, n_embd=8, n_layer=1, n_head=2),
+    dict(architectures=["PhiForCausalLM"], hidden_act="gelu_fast", vocab_size=10, hidden_size=8, intermediate_size=8,
+         num_hidden_layers=1, num_attention_heads=2)])
+def test_unsupported_activation_is_refused_as_the_config_is_read(hf):
+    act = hf.get("hidden_act") or hf["activation_function"]
+    with pytest.raises(ValueError, match=f"unsupported activation '{act}'.*gelu_pytorch_tanh"):
+        ModelConfig.from_hf_dict(hf)
+
+
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelConfig.from_pretrained(str(tmp_path))

@@ -95,7 +95,7 @@ def test_config_reads_family_features(pair):
         and c.lm_head_bias and not c.qkv_bias and not c.o_bias and c.mlp_bias,
         "glm_interleaved": lambda c: c.rope_interleaved and c.rope_scaling.rotary_fraction == 0.5 and c.qkv_bias
         and not c.o_bias and not c.sandwich_norms,
-        "glm4_sandwich": lambda c: c.rope_interleaved and c.sandwich_norms and c.qkv_bias,
+        "glm4_sandwich": lambda c: c.rope_interleaved and c.sandwich_norms and c.pre_norms and c.qkv_bias,
         "stablelm_parallel": lambda c: c.gated_mlp and c.shared_block_norm and c.qkv_bias and c.norm_bias
         and c.rope_scaling.rotary_fraction == 0.25,
         "cohere_parallel": lambda c: c.gated_mlp and c.shared_block_norm and c.rope_interleaved and not c.norm_bias

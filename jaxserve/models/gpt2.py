@@ -15,21 +15,17 @@ from typing import Any
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.layernorm_decoder import hf_name
-from jaxserve.models.layers import ACTIVATIONS
 
 
 def _config(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelConfig:
     """GPT-2's config.json keys as a ModelConfig; `family` adds the rest."""
     hidden, heads = hf["n_embd"], hf["n_head"]
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ACTIVATIONS:
-        raise ValueError(f"unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
     return ModelConfig(
         **common, vocab_size=hf["vocab_size"], hidden_size=hidden, intermediate_size=hf.get("n_inner") or 4 * hidden,
         num_layers=hf["n_layer"], num_heads=heads, head_dim=hidden // heads,
         rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5), max_position_embeddings=hf.get("n_positions", 1024),
         tie_word_embeddings=hf.get("tie_word_embeddings", True), qkv_bias=True, o_bias=True, mlp_bias=True,
-        norm_bias=True, hidden_act=act, learned_positions=True,
+        norm_bias=True, hidden_act=hf.get("activation_function", "gelu_new"), learned_positions=True,
         attn_scale=None if hf.get("scale_attn_weights", True) else 1.0, **family)
 
 

@@ -12,22 +12,19 @@ from typing import Any
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.layernorm_decoder import hf_name
-from jaxserve.models.layers import ACTIVATIONS, rope_from_hf
+from jaxserve.models.layers import rope_from_hf
 
 
 def gptj_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     hidden, heads = hf["n_embd"], hf["n_head"]
     head_dim = hidden // heads
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ACTIVATIONS:
-        raise ValueError(f"unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
     theta, scaling = rope_from_hf({**hf, "partial_rotary_factor": (hf.get("rotary_dim") or head_dim) / head_dim})
     return ModelConfig(
         **common, vocab_size=hf["vocab_size"], hidden_size=hidden, intermediate_size=hf.get("n_inner") or 4 * hidden,
         num_layers=hf["n_layer"], num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
         rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5), rope_theta=theta, rope_scaling=scaling, rope_interleaved=True,
         max_position_embeddings=hf.get("n_positions", 2048), tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        mlp_bias=True, norm_bias=True, hidden_act=act, parallel_residual=True, shared_block_norm=True,
+        mlp_bias=True, norm_bias=True, hidden_act=hf.get("activation_function", "gelu_new"), parallel_residual=True, shared_block_norm=True,
         lm_head_bias=True)
 
 

@@ -49,8 +49,6 @@ def _config(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelConfig
         hidden_act=hf.get("hidden_act", "silu"),
     )
     fields.update(family)
-    if fields["hidden_act"] not in ACTIVATIONS:
-        raise ValueError(f"unsupported activation {fields['hidden_act']!r} (supported: {', '.join(ACTIVATIONS)})")
     return ModelConfig(**common, **fields)
 
 

@@ -23,6 +23,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import (bloom, cohere, gemma, glm, gpt2, gpt_neox, gptj, llama, llama_variants, moe, mpt, olmo2,
                              phi, phi3, stablelm, starcoder2)
 from jaxserve.models.layernorm_decoder import PARAM_AXES as LAYERNORM_AXES, LayerNormForCausalLM
+from jaxserve.models.layers import ACTIVATIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +151,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
     )
-    return architecture(name).parse_config(hf, common)
+    cfg = architecture(name).parse_config(hf, common)
+    if cfg.hidden_act not in ACTIVATIONS:   # every family's, checked once
+        raise ValueError(f"unsupported activation {cfg.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
+    return cfg
 
 
 def param_logical_axes(path: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ...]:
