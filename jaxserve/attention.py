@@ -89,14 +89,16 @@ def _hopper_or_newer() -> bool:
 
 
 def attend(q, k, v, kv: LayerKV | None, meta: AttentionMetadata | None, *, sliding_window: int | None,
-           sm_scale: float, soft_cap: float | None = None, alibi_slopes=None):
+           sm_scale: float, soft_cap: float | None = None, alibi_slopes=None, sinks=None):
     """q [.., H, D], k/v [.., KVH, D]; kv: this layer's pages (None: dense attention, no cache).
     Returns (output like q, the updated LayerKV or None). soft_cap: scores become
     soft_cap * tanh(scores / soft_cap) (Gemma 2). alibi_slopes: f32[H] for all H query heads
-    (BLOOM, MPT), or None: slope * key position is added to the scores (pallas_kernels/scores.py)."""
+    (BLOOM, MPT), or None: slope * key position is added to the scores (pallas_kernels/scores.py).
+    sinks: f32[H] for all H query heads (gpt-oss), or None: each head's learned logit joins the
+    softmax as one more column, which takes weight and gives no output (pallas_kernels/scores.py)."""
     if kv is None:
         return causal_attention(q, k, v, sliding_window=sliding_window, sm_scale=sm_scale, soft_cap=soft_cap,
-                                alibi_slopes=alibi_slopes), None
+                                alibi_slopes=alibi_slopes, sinks=sinks), None
     head_dim = q.shape[-1]
     if kv.k.shape[-1] > head_dim:   # a TPU pool's padded lanes (pool_head_dim): zeros in q,
         # k and v leave every score unchanged and give zero output lanes, sliced off below.
@@ -109,22 +111,22 @@ def attend(q, k, v, kv: LayerKV | None, meta: AttentionMetadata | None, *, slidi
     if meta.kv_sharding is not None:
         kv = kv.constrain(meta.kv_sharding)
     out = paged_attention(q, kv, meta, sliding_window=sliding_window, sm_scale=sm_scale,
-                          soft_cap=soft_cap, alibi_slopes=alibi_slopes, k=k, v=v)
+                          soft_cap=soft_cap, alibi_slopes=alibi_slopes, sinks=sinks, k=k, v=v)
     return out[..., :head_dim], kv
 
 
 def paged_attention(q, kv: LayerKV, meta: AttentionMetadata, *, sliding_window, sm_scale,
-                    soft_cap=None, alibi_slopes=None, k=None, v=None):
+                    soft_cap=None, alibi_slopes=None, sinks=None, k=None, v=None):
     """Ragged paged attention of q [T, H, D] through the page table to a layer's pages. The
     Pallas backends run in interpret mode when the arrays live on CPU (tests). k, v [T, KVH, D]:
     this step's new K/V, already in the pages and as the pools give them back (LayerKV.write:
     a quantized pool's rounding included), which let the Pallas backends run fresh prefill rows
-    through the flash kernel with the attention the pages would give. alibi_slopes: f32[H] of
-    all query heads; under tensor parallelism each device gets its heads'."""
+    through the flash kernel with the attention the pages would give. alibi_slopes, sinks:
+    f32[H] of all query heads, or None; under tensor parallelism each device gets its heads'."""
     tables = (meta.page_table, meta.seq_lens, meta.query_start_loc)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if meta.backend == "xla":
-        kwargs.update(alibi_slopes=alibi_slopes, k_scale=kv.k_scale, v_scale=kv.v_scale)
+        kwargs.update(alibi_slopes=alibi_slopes, sinks=sinks, k_scale=kv.k_scale, v_scale=kv.v_scale)
         p = meta.num_prefill_rows
         if p is None:
             return paged_xla.ragged_paged_attention(q, kv.k, kv.v, *tables, max_q=meta.max_q, **kwargs)
@@ -154,9 +156,11 @@ def paged_attention(q, kv: LayerKV, meta: AttentionMetadata, *, sliding_window, 
         args, specs = args + (k, v), specs + (heads, heads)
     call = functools.partial(_pallas_rows, paged=paged, flash=flash, num_prefill_rows=meta.num_prefill_rows,
                              max_q=meta.max_q, decode_q=meta.decode_q)
-    if alibi_slopes is not None:   # the last argument, split with the query heads
-        args, specs = args + (alibi_slopes.astype(jnp.float32),), specs + (P(head_axis),)
-        call = functools.partial(_slopes_last, call)
+    per_head = {name: x.astype(jnp.float32) for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks))
+                if x is not None}
+    if per_head:   # the last arguments, split with the query heads
+        args, specs = args + tuple(per_head.values()), specs + (P(head_axis),) * len(per_head)
+        call = functools.partial(_per_head_last, call, tuple(per_head))
     if head_axis is None or not hasattr(meta.kv_sharding, "mesh"):   # inside shard_map: XLA partitions
         return call(*args)
     # Tensor parallelism with KV heads split: XLA cannot partition a Pallas call (it would
@@ -166,8 +170,9 @@ def paged_attention(q, kv: LayerKV, meta: AttentionMetadata, *, sliding_window, 
                          check_vma=False)(*args)
 
 
-def _slopes_last(call, *args):
-    return call(*args[:-1], alibi_slopes=args[-1])
+def _per_head_last(call, names, *args):
+    """call with its last len(names) arguments passed as those keywords."""
+    return call(*args[:-len(names)], **dict(zip(names, args[-len(names):])))
 
 
 def _decode_rows_in_groups(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *, max_q, **kwargs):
@@ -214,7 +219,7 @@ def _paged_kernel(kernel, q, kv: LayerKV, *tables, **kwargs):
 
 
 def _pallas_rows(q, kv, page_table, seq_lens, qsl, k=None, v=None, *, paged, flash, num_prefill_rows,
-                 max_q, decode_q, alibi_slopes=None):
+                 max_q, decode_q, alibi_slopes=None, sinks=None):
     """A step's rows through the Pallas kernels, with no run-time branch (on a GPU a lax.cond
     stops the host until the device hands it the predicate, once per layer):
       * the leading prefill rows whose K/V are all in this step (no cached prefix; the runner
@@ -222,7 +227,7 @@ def _pallas_rows(q, kv, page_table, seq_lens, qsl, k=None, v=None, *, paged, fla
       * the other prefill rows with the paged kernel, its grid sized for max_q tokens a row;
       * the decode rows with the paged kernel sized for decode_q tokens a row, over their tokens.
     Each call gives 0 for the tokens it does not take, so the output is their sum."""
-    paged = functools.partial(paged, alibi_slopes=alibi_slopes)
+    paged = functools.partial(paged, alibi_slopes=alibi_slopes, sinks=sinks)
     p = num_prefill_rows
     if not p:
         return paged(q, kv, page_table, seq_lens, qsl, max_q=max_q)
@@ -240,7 +245,8 @@ def _pallas_rows(q, kv, page_table, seq_lens, qsl, k=None, v=None, *, paged, fla
         # non-decreasing (exact block skipping, masks.py) and those tokens skip the rest.
         seg = jnp.where(tok < qsl[lead], jnp.searchsorted(qsl, tok, side="right", method="compare_all") - 1, p + tok)
         mine = (tok >= qsl[0]) & (tok < qsl[lead])
-        prefill = flash(q[None], k[None], v[None], segment_ids=seg[None], alibi_slopes=alibi_slopes)[0]
+        prefill = flash(q[None], k[None], v[None], segment_ids=seg[None], alibi_slopes=alibi_slopes,
+                        sinks=sinks)[0]
         out += jnp.where(mine[:, None, None], prefill, jnp.zeros_like(prefill))
     # The leading fresh rows emptied: the paged kernel takes the rest.
     return out + paged(q, kv, page_table[:p], *_emptied(seq_lens[:p], qsl[:p + 1], lead), max_q=max_q)

@@ -1,12 +1,18 @@
 """What every attention path does to raw scaled scores before masking: Gemma 2's soft cap, then
-ALiBi (BLOOM, MPT).
+ALiBi (BLOOM, MPT); and attention sinks (gpt-oss) in the softmax.
 
 ALiBi adds slope[head] * (key position - query position). The query term is constant along a
 softmax row, and softmax ignores a constant added to a row, so only slope * key position is
 added: no query position and no [q, k] bias matrix. The same holds for any offset common to a
 row's keys, which lets a kernel use positions relative to anything fixed per row (the flash
 kernel's packed index, a sequence's first cached token).
+
+Sinks: each query head has a learned logit sinks[head] that joins every row's softmax as one more
+column and is then dropped: it takes weight from the keys and gives the output nothing. A row
+with no visible key gives 0. In an online softmax it is one term after the last KV block
+(`add_sink`); kernels that split the KV and merge partial results add it once, at the merge.
 """
+import jax
 import jax.numpy as jnp
 
 
@@ -18,3 +24,22 @@ def modify_scores(scores, kv_pos, *, soft_cap=None, slopes=None):
     if slopes is not None:
         scores = scores + slopes * kv_pos.astype(jnp.float32)
     return scores
+
+
+def softmax(scores, sinks=None):
+    """Softmax over the last axis of masked f32 scores, with each row's sink logit (sinks
+    broadcastable to scores[..., :1]) as an extra column that is dropped; None: plain softmax."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    m = jnp.maximum(scores.max(axis=-1, keepdims=True), sinks)
+    p = jnp.exp(scores - m)
+    return p / (p.sum(axis=-1, keepdims=True) + jnp.exp(sinks - m))
+
+
+def add_sink(m, l, sinks):
+    """An online softmax's running max m and sum l after its last block, with one more logit per
+    row, `sinks` (broadcastable to m): (the final sum, the factor the output accumulator is scaled
+    by). A row with no visible key kept m at the mask value: its factor is 0, its output 0."""
+    m_new = jnp.maximum(m, sinks)
+    alpha = jnp.exp(m - m_new)
+    return l * alpha + jnp.exp(sinks - m_new), alpha

@@ -261,7 +261,7 @@ def fits(head_dim, dtype, block_q=BLOCK_Q) -> bool:
     "causal", "sliding_window", "soft_cap", "sm_scale", "block_q", "block_kv", "pingpong", "producer",
     "early_k_wait", "trace_dir", "interpret"))
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
-                    alibi_slopes=None, sm_scale=None, block_q=None, block_kv=None, trace_dir=None,
+                    alibi_slopes=None, sinks=None, sm_scale=None, block_q=None, block_kv=None, trace_dir=None,
                     pingpong=True, producer=None, early_k_wait=False, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
     alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. block_q: q rows per CTA, 64 (one
@@ -275,6 +275,8 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     spill with every feature on, 246 without the split do not: test_gpu_compile). early_k_wait: wait for step j + 1's K tile while step j's P @ V
     runs (as attention_mgpu), not at the start of step j + 1.
     trace_dir: a timeline of the kernel's regions per call (wgmma.compiler_params; GPU only)."""
+    if sinks is not None:
+        raise NotImplementedError("attention sinks: not yet in this kernel")
     b, t, h, d = q.shape
     kvh = k.shape[2]
     if block_q is None:

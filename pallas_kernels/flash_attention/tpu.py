@@ -74,10 +74,12 @@ def _kernel(kv_block_ref, full_ref, count_ref, q_ref, k_ref, v_ref, q_seg_ref, k
 @functools.partial(jax.jit, static_argnames=(
     "causal", "sliding_window", "soft_cap", "sm_scale", "block_q", "block_kv", "interpret"))
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
-                    alibi_slopes=None, sm_scale=None, block_q=128, block_kv=128, interpret=False):
+                    alibi_slopes=None, sinks=None, sm_scale=None, block_q=128, block_kv=128, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
     alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. interpret=True runs the kernel in
     TPU interpret mode (CPU)."""
+    if sinks is not None:
+        raise NotImplementedError("attention sinks: not yet in this kernel")
     b, t, h, d = q.shape
     kvh = k.shape[2]
     if h % kvh:

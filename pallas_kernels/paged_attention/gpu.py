@@ -232,7 +232,7 @@ def pick_kv_splits(programs, max_tiles):
 @functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "soft_cap", "kv_block",
                                              "kv_splits", "lowering", "trace_dir", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
-                           max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None,
+                           max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None, sinks=None,
                            k_scale=None, v_scale=None, kv_block=64, kv_splits=None, lowering="warpgroup",
                            trace_dir=None, interpret=False):
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
@@ -251,6 +251,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     spans), H / KVH at most 64, 16-bit inputs on a GPU (f32 too when interpreting), page_size a
     multiple of 8 (page copies fill whole 8-row SMEM tiles). interpret=True runs in Mosaic GPU
     interpret mode (CPU), race detector on."""
+    if sinks is not None:
+        raise NotImplementedError("attention sinks: not yet in this kernel")
     t, num_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     num_seqs = page_table.shape[0]

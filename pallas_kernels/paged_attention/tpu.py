@@ -179,7 +179,7 @@ def _pow2_at_least(n):
 @functools.partial(jax.jit, static_argnames=(
     "max_q", "sm_scale", "sliding_window", "soft_cap", "block_rows", "kv_block", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *,
-                           max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None,
+                           max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None, sinks=None,
                            k_scale=None, v_scale=None, block_rows=256, kv_block=256, interpret=False):
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len. Returns [T, H, D],
@@ -198,6 +198,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     blocks, since each q block re-reads its sequences' pages. kv_block: keys per chunk, a
     multiple of 128; a page larger than kv_block makes a chunk of one page. interpret: run in
     TPU interpret mode (CPU tests)."""
+    if sinks is not None:
+        raise NotImplementedError("attention sinks: not yet in this kernel")
     t, num_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     num_seqs, pages_per_seq = page_table.shape

@@ -14,19 +14,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.scores import modify_scores
+from pallas_kernels.scores import add_sink, modify_scores
 
 MASK_VALUE = -1e30
 
 
 @functools.partial(jax.jit, static_argnames=("max_q", "sm_scale", "sliding_window", "soft_cap", "block_tokens"))
 def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *, max_q,
-                           sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None, k_scale=None,
-                           v_scale=None, block_tokens=128):
+                           sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None, sinks=None,
+                           k_scale=None, v_scale=None, block_tokens=128):
     """q [T, H, D] flat ragged batch; sequence s owns tokens query_start_loc[s]:[s+1], the last
     of its seq_lens[s] positions. Tokens outside query_start_loc[0]:[-1] come back as 0.
     soft_cap: scores become soft_cap * tanh(scores / soft_cap) (Gemma 2), before the mask.
     alibi_slopes: f32 [H] or None: ALiBi, slope * key position added (pallas_kernels/scores.py).
+    sinks: f32 [H] or None: each head's sink logit joins the softmax (pallas_kernels/scores.py).
     k_scale, v_scale: f32 [num_pages, KVH, 1, lanes >= page_size] or None: quantized pools (int8,
     fp8) hold K / scale and V / scale per (slot, KV head), slot s's scale in lane s (layout:
     jaxserve/kv_cache.py); the scales multiply the scores and the attention weights, so no
@@ -57,9 +58,11 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     first_pos = seq_lens - q_len
     q_pos = jnp.repeat(first_pos[:, None] + jnp.arange(max_q)[None, :], g, axis=1)  # [S, rows]
     live = q_len > 0
-    slopes = None  # per row (query, head in group) of each KV head: [KVH, rows, 1]
-    if alibi_slopes is not None:
-        slopes = jnp.tile(alibi_slopes.astype(jnp.float32).reshape(kvh, g), (1, max_q))[:, :, None]
+
+    def per_row(x):  # f32[H] or None -> each row's (query, head in group) of each KV head: [KVH, rows]
+        return None if x is None else jnp.tile(x.astype(jnp.float32).reshape(kvh, g), (1, max_q))
+
+    slopes = None if alibi_slopes is None else per_row(alibi_slopes)[:, :, None]
     end_block = (jnp.max(jnp.where(live, seq_lens, 0)) + bt - 1) // bt
     start_block = 0
     if sliding_window is not None:
@@ -103,7 +106,10 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
 
     stats = jnp.full((s_max, kvh, rows), MASK_VALUE, jnp.float32)
     init = (stats, jnp.zeros_like(stats), jnp.zeros((s_max, kvh, rows, d), jnp.float32))
-    _, l, acc = lax.fori_loop(start_block, end_block, block, init)
+    m, l, acc = lax.fori_loop(start_block, end_block, block, init)
+    if sinks is not None:
+        l, alpha = add_sink(m, l, per_row(sinks))
+        acc = acc * alpha[..., None]
     o = acc / jnp.maximum(l, 1e-30)[..., None]
     o = o.reshape(s_max, kvh, max_q, g, d).transpose(0, 2, 1, 3, 4).reshape(s_max, max_q, h, d)
     return jnp.where(valid[:, None, None], o[seq_id, q_off], 0).astype(q.dtype)
