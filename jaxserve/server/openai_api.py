@@ -129,7 +129,8 @@ def submit_chat(host, body: dict, request_id: str | None = None) -> Submitted:
     params = sampling_params(body, chat=True, max_tokens=None, tenant=g.get("tenant"),
                              tool_call=tools and tools.constraint, defaults=_defaults(engine),
                              grammar_after=reasoning.grammar_after if reasoning is not None else "",
-                             keep_special_tokens=tools is not None and tools.parser.keeps_special_tokens,
+                             keep_special_tokens=any(r is not None and r.keeps_special_tokens
+                                                     for r in (tools and tools.parser, reasoning)),
                              lora_name=_lora_name(model, host))
     timeout = request_timeout(body)
     request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"

@@ -6,6 +6,9 @@ after it as `content`, which tool calls are then read from.
                  up to `</think>` is reasoning (a leading `<think>` dropped); with none, all of it.
     qwen3        Qwen3 (hybrid): a text that begins with `<think>` reasons until `</think>`; any
                  other (enable_thinking false) is all answer.
+    openai_gptoss gpt-oss (harmony messages, server/harmony.py): the analysis channel is the
+                 reasoning, the others the answer; a call's message stays in the answer as it is,
+                 for the `openai` tool parser. Text not in the format is all answer.
 
 Either way a prompt whose last think tag is `<think>` has begun the thinking, and one whose last is
 `</think>` has ended it (a template that turns thinking off writes an empty block). A grammar
@@ -14,12 +17,17 @@ thinking, as vLLM's does: the model thinks freely, then answers in the grammar.
 """
 from __future__ import annotations
 
+import functools
+
+from jaxserve.server import harmony
 from jaxserve.server.tool_parsers import held_from
 
 START, END = "<think>", "</think>"
 
 
 class Reasoning:
+    keeps_special_tokens = False   # the format's tags are special tokens: the text must keep them
+
     def __init__(self, starts_in_prompt: bool, grammar_after: str = END):
         self.starts_in_prompt = starts_in_prompt
         self.grammar_after = grammar_after   # where a grammar starts (StructuredOutput.after)
@@ -64,14 +72,40 @@ class Reasoning:
                 yield {**c, "delta": delta}
 
 
-PARSERS = {"deepseek_r1": True, "qwen3": False}   # --reasoning-parser NAME: whether thinking starts in the prompt
+class Harmony(Reasoning):
+    keeps_special_tokens = True
+
+    def __init__(self):
+        super().__init__(starts_in_prompt=False, grammar_after=harmony.FINAL)
+
+    def parts(self, text: str, final: bool = True) -> tuple[str | None, str]:
+        known = harmony.begins(text, final)
+        if not known:
+            return ("", "") if known is None else (None, text)
+        reasoning, answer = "", ""
+        for m in harmony.messages(text, final):
+            if m.recipient is not None:   # a call: the rest as it is (server/tool_parsers.py's OpenAI)
+                return reasoning, answer + text[m.start:]
+            if m.channel == "analysis":
+                reasoning += m.content
+            else:
+                answer += m.content
+        return reasoning, answer
+
+
+def _think_tags(starts_in_prompt: bool, prompt: str) -> Reasoning:
+    """A think-tag parser's reader, by the rendered prompt's last tag."""
+    start, end = prompt.rfind(START), prompt.rfind(END)
+    if start == end:   # no tag: as the parser says
+        return Reasoning(starts_in_prompt)
+    return Reasoning(start > end, END if start > end else "")
+
+
+# --reasoning-parser NAME: the reader of a chat request's reasoning, by its rendered prompt
+PARSERS = {"deepseek_r1": functools.partial(_think_tags, True), "qwen3": functools.partial(_think_tags, False),
+           "openai_gptoss": lambda prompt: Harmony()}
 
 
 def reasoning_reader(parser: str | None, prompt: str) -> Reasoning | None:
     """The reader of a chat request's reasoning (None without a parser), by its rendered `prompt`."""
-    if parser is None:
-        return None
-    start, end = prompt.rfind(START), prompt.rfind(END)
-    if start == end:   # no tag: as the parser says
-        return Reasoning(PARSERS[parser])
-    return Reasoning(start > end, END if start > end else "")
+    return None if parser is None else PARSERS[parser](prompt)

@@ -18,6 +18,8 @@ import re
 import string
 import uuid
 
+from jaxserve.server import harmony
+
 
 def held_from(text: str, marker: str) -> int:
     """Where `marker` starts in `text`, or where a suffix of `text` that may grow into it does."""
@@ -158,5 +160,29 @@ class Pythonic(Parser):
         return calls if len(calls) == len(tree.elts) else None
 
 
+class OpenAI(Parser):
+    """gpt-oss (harmony messages, server/harmony.py): each call is a message to `functions.NAME`
+    whose content is the JSON arguments. With the `openai_gptoss` reasoning parser the text before
+    them is the answer; a message to any other recipient (gpt-oss's built-in browser and python
+    tools) is no call, and the text stays text."""
+    keeps_special_tokens = True
+
+    def begins(self, text: str) -> int:
+        return min(held_from(text, harmony.START), held_from(text, harmony.CHANNEL))
+
+    def calls(self, text: str) -> list[tuple[str, dict]] | None:
+        calls = []
+        for m in harmony.messages(text):
+            if m.recipient is None:
+                continue
+            try:
+                arguments = json.loads(m.content)
+            except ValueError:
+                return None
+            calls.append(_call({"name": m.recipient.removeprefix("functions."), "arguments": arguments}, "arguments")
+                         if m.recipient.startswith("functions.") else None)
+        return calls if calls and None not in calls else None
+
+
 # --tool-call-parser NAME
-PARSERS = {"hermes": Hermes, "llama3_json": Llama3Json, "mistral": Mistral, "pythonic": Pythonic}
+PARSERS = {"hermes": Hermes, "llama3_json": Llama3Json, "mistral": Mistral, "openai": OpenAI, "pythonic": Pythonic}
