@@ -39,6 +39,7 @@ def attention_cases(draw, max_len):
         sliding_window=draw(st.none() | st.integers(1, t)) if causal else None,
         soft_cap=draw(st.none() | st.floats(2.0, 50.0)),
         alibi=draw(st.booleans()),
+        sinks=draw(st.booleans()),
         segments=draw(st.sampled_from([None, "packed", "shuffled"])),
         seed=draw(st.integers(0, 2**16)),
     )
@@ -58,13 +59,15 @@ def make_inputs(case):
     elif case["segments"] == "shuffled":  # any layout must stay correct, even if less sparse
         seg = jax.random.randint(ks, (b, t), 0, 3)
     slopes = jax.random.uniform(ka, (kvh * g,), jnp.float32, 0.01, 0.5) if case["alibi"] else None
-    return q, k, v, seg, slopes
+    # sink logits about as large as the scores: some rows' weight mostly on the sink, some not
+    sinks = jax.random.uniform(jax.random.fold_in(ka, 1), (kvh * g,), jnp.float32, -2.0, 4.0)
+    return q, k, v, seg, slopes, sinks if case.get("sinks") else None
 
 
 def check_against_reference(kernel, case, **blocks):
-    q, k, v, seg, slopes = make_inputs(case)
+    q, k, v, seg, slopes, sinks = make_inputs(case)
     opts = dict(causal=case["causal"], sliding_window=case["sliding_window"], soft_cap=case["soft_cap"],
-                alibi_slopes=slopes)
+                alibi_slopes=slopes, sinks=sinks)
     gpu_interpret.reset_gpu_interpret_mode_state()  # a failed run (while shrinking) leaves state
     out = kernel.flash_attention(q, k, v, segment_ids=seg, interpret=kernel is tpu or GPU_INTERPRET, **blocks,
                                  **opts)
@@ -77,18 +80,40 @@ def check_against_reference(kernel, case, **blocks):
 
 
 ALL_FEATURES = dict(batch=1, seq_len=96, group=8, head_dim=128, dtype="bfloat16", causal=True,
-                    sliding_window=40, soft_cap=20.0, alibi=True, segments="packed", seed=1)
+                    sliding_window=40, soft_cap=20.0, alibi=True, sinks=True, segments="packed", seed=1)
 BIDIRECTIONAL = dict(batch=2, seq_len=50, group=4, head_dim=64, dtype="float32", causal=False,
                      sliding_window=None, soft_cap=None, alibi=True, segments="shuffled", seed=2)
 PLAIN_CAUSAL = dict(batch=1, seq_len=128, group=1, head_dim=64, dtype="float32", causal=True,
                     sliding_window=None, soft_cap=None, alibi=False, segments=None, seed=3)
-# Groups of 2 q heads on each of 2 KV heads (per-head ALiBi slopes): q head h must read KV head
+# Groups of 2 q heads on each of 2 KV heads (per-head ALiBi slopes and sinks): q head h must read KV head
 # h // group, which cases with one KV head or groups of one cannot tell from another mapping.
-GQA_TWO_KV_HEADS = dict(PLAIN_CAUSAL, seq_len=64, group=2, kv_heads=2, alibi=True, seed=4)
+GQA_TWO_KV_HEADS = dict(PLAIN_CAUSAL, seq_len=64, group=2, kv_heads=2, alibi=True, sinks=True, seed=4)
 # Without segment ids the GPU kernel reads none, unless a bidirectional mask must hide padding.
 NO_SEGMENTS = [dict(PLAIN_CAUSAL, seq_len=100, soft_cap=5.0),   # causal, padded: hidden by the mask
                dict(BIDIRECTIONAL, batch=1, seq_len=50, segments=None),    # padded: segments needed
                dict(BIDIRECTIONAL, batch=1, seq_len=128, segments=None)]   # every tile FULL
+
+
+def test_reference_sinks_match_numpy():
+    """The jnp reference's sinks against the softmax-with-sink formula written out per row in
+    float64 (gpt-oss as transformers computes it): GQA, a sliding window, packed segments; one
+    head's sink far above every score (its rows' output nearly 0), one far below (plain softmax)."""
+    rng = np.random.default_rng(0)
+    t, h, kvh, d, window = 24, 4, 2, 16, 6
+    q, k, v = (rng.standard_normal((1, t, n, d)) for n in (h, kvh, kvh))
+    seg = np.repeat([0, 1, 2], [9, 10, 5])[None]
+    sinks = np.array([0.5, 30.0, -1.0, -30.0])
+    out = causal_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), sm_scale=d ** -0.5,
+                           sliding_window=window, segment_ids=jnp.asarray(seg), sinks=jnp.asarray(sinks, jnp.float32))
+    expected = np.zeros((t, h, d))
+    for i in range(t):
+        seen = [j for j in range(t) if j <= i and j > i - window and seg[0, j] == seg[0, i]]
+        for head in range(h):
+            logits = np.append(k[0, seen, head // 2] @ q[0, i, head] * d ** -0.5, sinks[head])
+            w = np.exp(logits - logits.max())
+            expected[i, head] = (w / w.sum())[:-1] @ v[0, seen, head // 2]
+    np.testing.assert_allclose(np.asarray(out[0]), expected, atol=1e-5)
+    assert np.abs(expected[:, 1]).max() < 1e-6   # head 1's sink took (nearly) all the weight
 
 
 @SLOW

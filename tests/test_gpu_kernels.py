@@ -44,7 +44,8 @@ def paged_case(seed, *, seqs, num_kv_heads, group, head_dim, page_size, dtype, p
 
 
 def paged_oracle(c):
-    """float64, one sequence at a time; token t of sequence s sits at kv_len - q_len + (t - start)."""
+    """float64, one sequence at a time; token t of sequence s sits at kv_len - q_len + (t - start).
+    c["sinks"] (f32[H], optional): each head's sink logit, one more softmax column, dropped."""
     q, k_pages, v_pages = (np.asarray(c[x], np.float64) for x in ("q", "k_pages", "v_pages"))
     page_size, group = k_pages.shape[2], q.shape[1] // k_pages.shape[1]
     out = np.zeros_like(q)
@@ -62,8 +63,11 @@ def paged_oracle(c):
             seen &= kv_pos[None, :] > q_pos[:, None] - c["sliding_window"]
         scores = np.einsum("thd,jhd->thj", q[start:end], k) * c["sm_scale"]
         scores = np.where(seen[:, None, :], scores, -np.inf)
+        if c.get("sinks") is not None:
+            sinks = np.broadcast_to(np.asarray(c["sinks"], np.float64)[:, None], (end - start, len(c["sinks"]), 1))
+            scores = np.concatenate([scores, sinks], axis=-1)
         w = np.exp(scores - scores.max(-1, keepdims=True))
-        out[start:end] = np.einsum("thj,jhd->thd", w / w.sum(-1, keepdims=True), v)
+        out[start:end] = np.einsum("thj,jhd->thd", (w / w.sum(-1, keepdims=True))[..., :kv_len], v)
     return out
 
 
@@ -87,7 +91,8 @@ def run_paged(c, **blocks):
     args = [jnp.asarray(c[x]) for x in (*names, "page_table", "seq_lens", "query_start_loc")]
     out = paged_gpu.ragged_paged_attention(*args, max_q=c["max_q"], sm_scale=c["sm_scale"],
                                            sliding_window=c["sliding_window"], k_scale=c.get("k_scale"),
-                                           v_scale=c.get("v_scale"), interpret=INTERPRET, **blocks)
+                                           v_scale=c.get("v_scale"), sinks=c.get("sinks"), interpret=INTERPRET,
+                                           **blocks)
     assert out.shape == c["q"].shape and out.dtype == c["q"].dtype
     err = np.abs(np.asarray(out.astype(jnp.float32), np.float64) - paged_oracle(c)).max()
     assert err < TOL[np.dtype(c["q"].dtype).name], f"max abs err {err}"
@@ -137,10 +142,14 @@ def test_paged_kernel_reads_quantized_pools_without_races(kv_dtype, config, lowe
 # 1 tile among 3 or 4 splits), beside a prefill chunk, under the race detector; with the window
 # some splits hold only tiles that some rows cannot see. None: the default, 2 splits here (5
 # sequences x 2 KV heads are few programs; a page table of 38 pages holds 9 tiles of 64 keys).
-@pytest.mark.parametrize("kv_splits, window", [(3, None), (4, 100), (None, None)])
-def test_paged_kernel_split_kv(kv_splits, window, lowering):
+# Sinks join once, at the merge of the splits.
+@pytest.mark.parametrize("kv_splits, window, sinks", [(3, None, False), (4, 100, False), (None, None, False),
+                                                      (3, 100, True)])
+def test_paged_kernel_split_kv(kv_splits, window, sinks, lowering):
     c = paged_case(3, seqs=[(1, 1), (1, 600), (9, 200), (0, 0), (1, 130)], num_kv_heads=2, group=4, head_dim=64,
                    page_size=16, dtype=jnp.bfloat16, pad_tokens=2, sliding_window=window)
+    if sinks:
+        c["sinks"] = np.random.default_rng(4).uniform(-2.0, 4.0, 8).astype(np.float32)
     assert paged_gpu.pick_kv_splits(5 * 2, c["page_table"].shape[1] * 16 // 64) == 2
     gpu_interpret.reset_gpu_interpret_mode_state()
     run_paged(c, kv_splits=kv_splits, lowering=lowering)

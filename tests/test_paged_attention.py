@@ -15,10 +15,11 @@ TOL = {"float32": 2e-3, "bfloat16": 2e-2}
 
 
 def naive_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, *, sm_scale,
-                    sliding_window=None, soft_cap=None, alibi_slopes=None):
+                    sliding_window=None, soft_cap=None, alibi_slopes=None, sinks=None):
     """float64, per sequence, per token, per head. Tokens outside
     [query_start_loc[0], query_start_loc[-1]) stay 0. ALiBi as its paper writes it: the bias
-    -slope * (query position - key position)."""
+    -slope * (query position - key position). Sinks as gpt-oss (transformers) writes them: one
+    more logit column in the softmax, dropped from the weights."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     num_kv_heads, page_size = k_pages.shape[1], k_pages.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -39,17 +40,19 @@ def naive_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, 
                     scores = soft_cap * np.tanh(scores / soft_cap)
                 if alibi_slopes is not None:
                     scores = scores - float(alibi_slopes[h]) * (pos - kv_pos[seen])
-                w = np.exp(scores - scores.max())
-                out[t, h] = (w / w.sum()) @ v[seen, h // group]
+                logits = scores if sinks is None else np.append(scores, float(sinks[h]))
+                w = np.exp(logits - logits.max())
+                out[t, h] = (w / w.sum())[:len(scores)] @ v[seen, h // group]
     return out
 
 
 def make_case(seed, *, seqs, num_kv_heads, group, head_dim, page_size, dtype, pad_tokens=0,
-              lead_tokens=0, sliding_window=None, soft_cap=None, alibi=False):
+              lead_tokens=0, sliding_window=None, soft_cap=None, alibi=False, sinks=False):
     """seqs: one (q_len, kv_len) per batch slot, (0, 0) for an empty slot. Pages are scattered
     at random through a pool that also holds unused random pages, so reading a wrong page shows.
     lead_tokens: tokens before query_start_loc[0] (another call's; output 0), pad_tokens: after.
-    alibi: random ALiBi slopes, a different one per query head."""
+    alibi: random ALiBi slopes, a different one per query head; sinks: random sink logits, as
+    large as the scores' softmax weights (some above, some below every score)."""
     rng = np.random.default_rng(seed)
     pages_per_seq = max(1, max(math.ceil(kv / page_size) for _, kv in seqs))
     needed = sum(math.ceil(kv / page_size) for _, kv in seqs)
@@ -79,6 +82,7 @@ def make_case(seed, *, seqs, num_kv_heads, group, head_dim, page_size, dtype, pa
         max_q=max(1, int(q_lens.max())),
         soft_cap=soft_cap,
         alibi_slopes=jnp.asarray(rng.uniform(0.01, 0.5, num_kv_heads * group), jnp.float32) if alibi else None,
+        sinks=jnp.asarray(rng.uniform(-2.0, 4.0, num_kv_heads * group), jnp.float32) if sinks else None,
     )
 
 
@@ -87,7 +91,8 @@ def oracle(case):
         case["q"], case["k_pages"], case["v_pages"], np.asarray(case["page_table"]),
         np.asarray(case["seq_lens"]), np.asarray(case["query_start_loc"]),
         sm_scale=case["sm_scale"], sliding_window=case["sliding_window"], soft_cap=case["soft_cap"],
-        alibi_slopes=None if case["alibi_slopes"] is None else np.asarray(case["alibi_slopes"]))
+        alibi_slopes=None if case["alibi_slopes"] is None else np.asarray(case["alibi_slopes"]),
+        sinks=None if case["sinks"] is None else np.asarray(case["sinks"]))
 
 
 def args(case):
@@ -124,7 +129,8 @@ def dispatch(case, backend, **meta):
         query_start_loc=case["query_start_loc"], max_q=case["max_q"], backend=backend, **meta)
     return attention.paged_attention(case["q"], kv_cache.LayerKV(case["k_pages"], case["v_pages"]), meta,
                                      sliding_window=case["sliding_window"], sm_scale=case["sm_scale"],
-                                     soft_cap=case["soft_cap"], alibi_slopes=case["alibi_slopes"])
+                                     soft_cap=case["soft_cap"], alibi_slopes=case["alibi_slopes"],
+                                     sinks=case["sinks"])
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
@@ -143,23 +149,28 @@ def test_dispatch_matches_oracle_and_reference(backend, config):
         assert diff < TOL[dtype], f"differs from the XLA reference by {diff}"
 
 
-SCORE_MODS = {"soft_cap": dict(soft_cap=1.5), "alibi": dict(alibi=True), "both": dict(soft_cap=1.5, alibi=True)}
+SCORE_MODS = {"soft_cap": dict(soft_cap=1.5), "alibi": dict(alibi=True), "both": dict(soft_cap=1.5, alibi=True),
+              "sinks": dict(sinks=True, lead_tokens=2, pad_tokens=3)}
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
 @pytest.mark.parametrize("mods", sorted(SCORE_MODS))
 def test_soft_cap_and_alibi_in_every_path(backend, mods):
-    """Gemma 2's tanh cap (1.5 bites: these scores reach a few units) and ALiBi, through every
+    """Gemma 2's tanh cap (1.5 bites: these scores reach a few units), ALiBi and attention sinks
+    (with tokens of no row before and after the rows': they see no key and give 0), through every
     backend's paged kernel, and the jnp reference."""
     case = make_case(2, seqs=[(5, 20), (1, 9), (16, 16), (1, 33), (1, 70)], num_kv_heads=2, group=2, head_dim=64,
                      page_size=16, dtype="float32", sliding_window=50, **SCORE_MODS[mods])
-    plain = oracle(dict(case, soft_cap=None, alibi_slopes=None))
+    plain = oracle(dict(case, soft_cap=None, alibi_slopes=None, sinks=None))
     assert np.abs(oracle(case) - plain).max() > 0.01   # the modifiers matter
-    assert_close(dispatch(case, backend), case)
+    out = dispatch(case, backend)
+    assert_close(out, case)
+    first, end = int(case["query_start_loc"][0]), int(case["query_start_loc"][-1])
+    assert not np.asarray(out[:first]).any() and not np.asarray(out[end:]).any(), "tokens of no row must be 0"
     if backend == "xla":
         assert_close(reference.ragged_paged_attention_xla(
             *args(case), max_q=16, sm_scale=case["sm_scale"], sliding_window=50, soft_cap=case["soft_cap"],
-            alibi_slopes=case["alibi_slopes"]), case)
+            alibi_slopes=case["alibi_slopes"], sinks=case["sinks"]), case)
 
 
 def test_xla_dispatch_pads_decode_rows_separately():

@@ -24,7 +24,8 @@ j goes to the slot that step j - 2 read, once every consumer has arrived on that
 release barrier: K is released after S and the mask, V after P @ V. S = Q @ K^T reads the K tile
 transposed in SMEM; P stays in registers as the P @ V wgmma's A operand, accumulated into the
 output in place. GQA: q head h reads kv head h // group straight from K/V, which are never
-repeated. Soft cap and ALiBi (the CTA's head's slope, one scalar read): pallas_kernels/scores.py.
+repeated. Soft cap and ALiBi (the CTA's head's slope, one scalar read) and sinks (the head's sink
+logit, one term after the last kv block): pallas_kernels/scores.py.
 block_q=64 (one warpgroup), pingpong=False, producer=False and early_k_wait=True are knobs that
 benchmarks/kernels.py times beside the default. (Three consumer warpgroups, 192 rows, were slower
 at 1k and 4k on the H200 and were dropped.)
@@ -39,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import wgmma
 from pallas_kernels.flash_attention.masks import MASK_VALUE, Mask, block_schedule, pad_to_blocks
-from pallas_kernels.scores import modify_scores
+from pallas_kernels.scores import add_sink, modify_scores
 
 
 WG_ROWS = 64  # q rows per consumer warpgroup: wgmma's M
@@ -49,11 +50,12 @@ CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
 BLOCK_Q = 128  # q rows per CTA (2 warpgroups): each K/V tile loaded serves twice the rows of 64
 
 
-def _kernel(q_ref, k_ref, v_ref, *refs, mask, segments, sm_scale, soft_cap, alibi, group, block_q, block_kv, nq,
-            pingpong, producer, early_k_wait, interpret):
+def _kernel(q_ref, k_ref, v_ref, *refs, mask, segments, sm_scale, soft_cap, alibi, sinks, group, block_q, block_kv,
+            nq, pingpong, producer, early_k_wait, interpret):
     seg_ref, refs = (refs[0], refs[1:]) if segments else (None, refs)
     kv_block_ref, full_ref, count_ref, *refs = refs
     slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
+    sink_ref, refs = (refs[0], refs[1:]) if sinks else (None, refs)
     o_ref, q_smems, k_smem, v_smem, q_seg_smems, kv_seg_smem, q_bars, k_bar, v_bar, k_free, v_free, *turn = refs
     h, b, wg = (lax.axis_index(name) for name in ("heads", "batch", "wg"))
     # The q axis is the grid's slowest and runs backwards: CTAs start in order of their linear
@@ -210,10 +212,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mask, segments, sm_scale, soft_cap, alib
             pl.when(count > 0)(functools.partial(plgpu.barrier_wait, k_bar.at[0]))
         # The FULL tiles without mask code, then the PARTIAL ones: no branch per step.
         carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (*start, first, visit(1)))
-        acc, _, l, *_ = lax.fori_loop(full, count, functools.partial(step, masked=True), carry)
+        acc, m, l, *_ = lax.fori_loop(full, count, functools.partial(step, masked=True), carry)
         if pingpong:
             pl.when(wg == 0)(rendezvous)
         with jax.named_scope("finish"):
+            if sinks:   # the running max is in base-2 units (wgmma.online_softmax)
+                l, alpha = add_sink(m / wgmma.LOG2E, l, sink_ref[h])
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             wgmma.softmax_finish(acc, l, q_smem)
             plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(rows, WG_ROWS), h])
 
@@ -264,7 +269,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
                     alibi_slopes=None, sinks=None, sm_scale=None, block_q=None, block_kv=None, trace_dir=None,
                     pingpong=True, producer=None, early_k_wait=False, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
-    alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. block_q: q rows per CTA, 64 (one
+    alibi_slopes, sinks f32[H] or None. Returns [B, T, H, D] like q. block_q: q rows per CTA, 64 (one
     consumer warpgroup) or 128 (two, the default on a GPU). Needs D and block_kv multiples of 64
     and 16-bit inputs (f32 too when interpreting); block_kv defaults to the largest that fits in
     shared memory (see `fits`; Mosaic GPU refuses a kernel over budget). interpret=True runs in
@@ -275,8 +280,6 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     spill with every feature on, 246 without the split do not: test_gpu_compile). early_k_wait: wait for step j + 1's K tile while step j's P @ V
     runs (as attention_mgpu), not at the start of step j + 1.
     trace_dir: a timeline of the kernel's regions per call (wgmma.compiler_params; GPU only)."""
-    if sinks is not None:
-        raise NotImplementedError("attention sinks: not yet in this kernel")
     b, t, h, d = q.shape
     kvh = k.shape[2]
     if block_q is None:
@@ -309,8 +312,8 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     smem = wgmma.tiled_smem(q.dtype, d)
     kernel = plgpu.kernel(
         functools.partial(_kernel, mask=mask, segments=segments, sm_scale=sm_scale, soft_cap=soft_cap,
-                          alibi=alibi_slopes is not None, group=h // kvh, block_q=block_q, block_kv=block_kv,
-                          nq=nq, pingpong=pingpong, producer=producer, early_k_wait=early_k_wait,
+                          alibi=alibi_slopes is not None, sinks=sinks is not None, group=h // kvh, block_q=block_q,
+                          block_kv=block_kv, nq=nq, pingpong=pingpong, producer=producer, early_k_wait=early_k_wait,
                           interpret=interpret),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=[  # what smem_bytes counts; shared by the warpgroups
@@ -334,6 +337,6 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
         # Q + its segment ids per warpgroup, 2 slots x 3
         interpret=wgmma.interpret_params(copies_in_flight=2 * warpgroups + 6) if interpret else None,
     )
-    slopes = () if alibi_slopes is None else (alibi_slopes.astype(jnp.float32),)
-    out = kernel(q, k, v, *[seg] * segments, sched.kv_block, sched.full, sched.count, *slopes)
+    per_head = [x.astype(jnp.float32) for x in (alibi_slopes, sinks) if x is not None]
+    out = kernel(q, k, v, *[seg] * segments, sched.kv_block, sched.full, sched.count, *per_head)
     return out[:, :t]

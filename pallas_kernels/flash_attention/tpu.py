@@ -10,7 +10,8 @@ Layout: Mosaic wants the last two block dims to be the full dims or multiples of
 wrapper moves heads in front of time ([B, H, T, D]); segment ids travel as [B, T, 1] (q rows)
 and [B, 1, T] (kv columns) so that both tiles broadcast to [block_q, block_kv]. The running max
 and sum are kept lane-replicated ([block_q, 128]), the layout Mosaic reduces into without relayouts.
-ALiBi slopes (one per q head) sit whole in SMEM; soft cap and ALiBi: pallas_kernels/scores.py.
+ALiBi slopes and sink logits (one per q head) sit whole in SMEM; soft cap, ALiBi and sinks (one
+term after the last kv block): pallas_kernels/scores.py.
 """
 import functools
 
@@ -21,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.flash_attention.masks import MASK_VALUE, Mask, block_schedule, pad_to_blocks
-from pallas_kernels.scores import modify_scores
+from pallas_kernels.scores import add_sink, modify_scores
 
 LANES = 128
 
@@ -32,8 +33,11 @@ def _lanes(x, n):
 
 
 def _kernel(kv_block_ref, full_ref, count_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, *refs,
-            mask, sm_scale, soft_cap, alibi, block_q, block_kv, nq, nk):
-    slope_ref, (o_ref, m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if alibi else (None, refs)
+            mask, sm_scale, soft_cap, alibi, sinks, block_q, block_kv, nq, nk):
+    refs = list(refs)
+    slope_ref = refs.pop(0) if alibi else None
+    sink_ref = refs.pop(0) if sinks else None
+    o_ref, m_ref, l_ref, acc_ref = refs
     b, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     row = b * nq + i
     slot = row * nk + j
@@ -68,7 +72,11 @@ def _kernel(kv_block_ref, full_ref, count_ref, q_ref, k_ref, v_ref, q_seg_ref, k
 
     @pl.when(j == nk - 1)
     def _finish():
-        o_ref[...] = (acc_ref[...] / _lanes(l_ref[...], acc_ref.shape[1])).astype(o_ref.dtype)
+        l, acc = l_ref[...], acc_ref[...]
+        if sinks:
+            l, alpha = add_sink(m_ref[...], l, sink_ref[h])
+            acc = acc * _lanes(alpha, acc.shape[1])
+        o_ref[...] = (acc / _lanes(l, acc.shape[1])).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -76,10 +84,8 @@ def _kernel(kv_block_ref, full_ref, count_ref, q_ref, k_ref, v_ref, q_seg_ref, k
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None, soft_cap=None,
                     alibi_slopes=None, sinks=None, sm_scale=None, block_q=128, block_kv=128, interpret=False):
     """q [B, T, H, D]; k, v [B, T, KVH, D] (H a multiple of KVH); segment_ids int [B, T] or None;
-    alibi_slopes f32[H] or None. Returns [B, T, H, D] like q. interpret=True runs the kernel in
-    TPU interpret mode (CPU)."""
-    if sinks is not None:
-        raise NotImplementedError("attention sinks: not yet in this kernel")
+    alibi_slopes, sinks f32[H] or None. Returns [B, T, H, D] like q. interpret=True runs the kernel
+    in TPU interpret mode (CPU)."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
     if h % kvh:
@@ -109,9 +115,10 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
     ]
     heads_first = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
     inputs = [heads_first(q), heads_first(k), heads_first(v), seg[:, :, None], seg[:, None, :]]
-    if alibi_slopes is not None:
-        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-        inputs.append(alibi_slopes.astype(jnp.float32))
+    for per_head in (alibi_slopes, sinks):
+        if per_head is not None:
+            in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+            inputs.append(per_head.astype(jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(b, h, nq, nk),
@@ -122,7 +129,8 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=No
                         pltpu.VMEM((block_q, d), jnp.float32)],     # output accumulator
     )
     kernel = functools.partial(_kernel, mask=mask, sm_scale=sm_scale, soft_cap=soft_cap,
-                               alibi=alibi_slopes is not None, block_q=block_q, block_kv=block_kv, nq=nq, nk=nk)
+                               alibi=alibi_slopes is not None, sinks=sinks is not None, block_q=block_q,
+                               block_kv=block_kv, nq=nq, nk=nk)
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,

@@ -24,6 +24,8 @@ would leave most SMs idle while each walks a long context alone. With `kv_splits
 axis of the grid also numbers splits: split c of a program's tiles takes the c-th run of
 ceil(tiles / kv_splits) of them and writes its own output and each row's log-sum-exp, which XLA
 then merges (`_merge_splits`). The default picks splits from the static shapes (`pick_kv_splits`).
+Sinks (pallas_kernels/scores.py) join at that merge, once: with sinks a program writes its rows'
+log-sum-exp even unsplit, and the merge of its one part adds the sink.
 
 Quantized pools (int8, fp8 e4m3; jaxserve/kv_cache.py): the pages' TMA copies land in SMEM in
 their own dtype (double-buffered, half the bytes of a bf16 tile), and each page's per-slot f32
@@ -49,11 +51,11 @@ ROWS = 64  # (token, head in group) rows per program: wgmma's M
 
 def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem, k_smem, v_smem, o_smem,
             q_bar, k_bar, v_bar, slope_smem=None, stored_smem=None, scale_smem=None, lse_smem=None,
-            group, block_q, pages_per_tile, kv_splits, sm_scale, sliding_window, soft_cap, alibi, interpret):
+            group, block_q, pages_per_tile, kv_splits, sm_scale, sliding_window, soft_cap, alibi, lse, interpret):
     # Inputs after v: [ALiBi slopes [KVH, ROWS]], [K and V scales [N, KVH, 1, lanes]], then the
-    # output [splits, KVH, rows, D] (and with splits, each row's log-sum-exp [splits, KVH, rows]).
+    # output [splits, KVH, rows, D] (and with lse, each row's log-sum-exp [splits, KVH, rows]).
     # Quantized: stored_smem, scale_smem are the (K, V) pages and scales as copied in.
-    refs, outs = (refs[:-2], refs[-2:]) if kv_splits > 1 else (refs[:-1], refs[-1:])
+    refs, outs = (refs[:-2], refs[-2:]) if lse else (refs[:-1], refs[-1:])
     slope_ref, *scale_refs = refs if alibi else (None, *refs)
     quantized = bool(scale_refs)
     jc, h, s = lax.axis_index("q"), lax.axis_index("kv_heads"), lax.axis_index("seqs")
@@ -176,7 +178,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
         acc, m, l, _ = lax.fori_loop(0, count, step, (*start, tile_pages(1)))
         with jax.named_scope("finish"):
             rows = _block_rows(t0, s, block_q)
-            if kv_splits > 1:   # an empty split (l = 0) gives 0 and a log-sum-exp of -inf: no weight
+            if lse:   # an empty split (l = 0) gives 0 and a log-sum-exp of -inf: no weight
                 lse_smem[...] = wgmma.log_sum_exp(m, l)
             wgmma.softmax_finish(acc, l, o_smem)
             for src, out in zip((o_smem, lse_smem), outs):
@@ -208,11 +210,14 @@ def _blocks(query_start_loc, t, num_seqs, block_q, group):
     return jnp.where(owned, first, num_blocks * ROWS)[:, None] + jnp.arange(group), num_blocks
 
 
-def _merge_splits(out, lse):
+def _merge_splits(out, lse, sinks=None):
     """out [splits, ..., D], lse [splits, ...]: each split's softmax output and log-sum-exp,
-    merged into one output [..., D]."""
-    weights = jnp.exp(lse - lse.max(axis=0))
-    weights = weights / weights.sum(axis=0)
+    merged into one output [..., D]. sinks (broadcastable to lse[0]) or None: each row's sink
+    logit, one more term of the softmax's sum with no output."""
+    top = lse.max(axis=0) if sinks is None else jnp.maximum(lse.max(axis=0), sinks)
+    weights = jnp.exp(lse - top)
+    total = weights.sum(axis=0) if sinks is None else weights.sum(axis=0) + jnp.exp(sinks - top)
+    weights = weights / total
     return (weights[..., None] * out.astype(jnp.float32)).sum(axis=0).astype(out.dtype)
 
 
@@ -238,7 +243,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len (sets the grid).
     Returns [T, H, D], 0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
-    soft_cap, alibi_slopes (f32[H] or None): pallas_kernels/scores.py. k_scale, v_scale: f32
+    soft_cap, alibi_slopes, sinks (f32[H] or None): pallas_kernels/scores.py. k_scale, v_scale: f32
     [N, KVH, 1, lanes >= page_size] or None: quantized pools (int8, fp8; jaxserve/kv_cache.py) hold
     K / scale and V / scale per (slot, KV head), slot s's in lane s; each tile is dequantized in
     SMEM (module docstring).
@@ -251,8 +256,6 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     spans), H / KVH at most 64, 16-bit inputs on a GPU (f32 too when interpreting), page_size a
     multiple of 8 (page copies fill whole 8-row SMEM tiles). interpret=True runs in Mosaic GPU
     interpret mode (CPU), race detector on."""
-    if sinks is not None:
-        raise NotImplementedError("attention sinks: not yet in this kernel")
     t, num_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     num_seqs = page_table.shape[0]
@@ -296,7 +299,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     if alibi:
         scratch["slope_smem"] = plgpu.SMEM((ROWS,), jnp.float32)  # ALiBi slopes of the rows
     out_type = jax.ShapeDtypeStruct((kv_splits, *q_blocks.shape), q.dtype)
-    if kv_splits > 1:
+    lse = kv_splits > 1 or sinks is not None
+    if lse:
         scratch["lse_smem"] = plgpu.SMEM((ROWS,), jnp.float32)
         out_type = (out_type, jax.ShapeDtypeStruct(out_type.shape[:-1], jnp.float32))
     scales = ()
@@ -309,7 +313,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     kernel = plgpu.kernel(
         functools.partial(_kernel, group=group, block_q=block_q, pages_per_tile=pages_per_tile, kv_splits=kv_splits,
                           sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi,
-                          interpret=interpret),
+                          lse=lse, interpret=interpret),
         out_type=out_type,
         scratch_types=scratch,
         grid=(q_blocks_per_seq * kv_splits, num_kv_heads, num_seqs),
@@ -321,5 +325,9 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     # The tokens' rows, [splits, KVH, t, group, D] (lse without D), merged after the gather: it
     # drops the rows that hold no token (most of a decode block's) and those no program wrote.
     gather = lambda x: x.at[:, :, rows].get(mode="fill", fill_value=0)  # noqa: E731
-    out = _merge_splits(*map(gather, out)) if kv_splits > 1 else gather(out)[0]
+    if lse:   # sinks: each row's (KV head, head in group) sink logit, as [KVH, 1, group]
+        sink_rows = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group)
+        out = _merge_splits(*map(gather, out), sink_rows)
+    else:
+        out = gather(out)[0]
     return out.transpose(1, 0, 2, 3).reshape(t, num_heads, head_dim)

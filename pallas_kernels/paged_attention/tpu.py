@@ -15,8 +15,9 @@ sublane tile (8 rows f32, 16 bf16), so the chunk buffer is filled in whole tiles
 online, in f32 VMEM scratch; rows of other sequences are masked.
 
 m and l are kept lane-replicated ([rows, 128]) and chunks are a multiple of 128 keys, the layout
-Mosaic handles without relayouts. ALiBi slopes arrive the same way, one lane-replicated row per
-(head, token) row of the q block; soft cap and ALiBi go through pallas_kernels/scores.py.
+Mosaic handles without relayouts. ALiBi slopes and sink logits arrive the same way, one
+lane-replicated row per (head, token) row of the q block; soft cap, ALiBi and sinks (one term
+after the last chunk) go through pallas_kernels/scores.py.
 """
 import functools
 
@@ -26,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.scores import modify_scores
+from pallas_kernels.scores import add_sink, modify_scores
 
 MASK_VALUE = -1e30
 LANES = 128
@@ -42,9 +43,10 @@ def _lanes(x, n):
 
 def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  # SMEM
             q_ref, k_hbm, v_hbm,  # q block [g * block_q, D]; pages [N, KVH, ps, D] in HBM
-            *refs,  # [slopes [g * block_q, 128] with ALiBi], [k/v scales in HBM], out, scratch
-            block_q, pages_per_chunk, pages_per_seq, sm_scale, sliding_window, soft_cap, alibi, quantized):
+            *refs,  # [ALiBi slopes], [sinks] ([g * block_q, 128] each), [k/v scales in HBM], out, scratch
+            block_q, pages_per_chunk, pages_per_seq, sm_scale, sliding_window, soft_cap, alibi, sinks, quantized):
     slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
+    sink_ref, refs = (refs[0], refs[1:]) if sinks else (None, refs)
     if quantized:   # scales [N, KVH, 1, lanes] in HBM, and their chunk buffers [2, pages, 1, lanes]
         ks_hbm, vs_hbm, o_ref, ks_buf, vs_buf, *refs = refs
     else:
@@ -143,9 +145,12 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
 
     lax.while_loop(lambda carry: carry[0] < s_end, step, (s0, c0, jnp.int32(0)))
 
-    l = l_ref[...]
+    l, acc = l_ref[...], acc_ref[...]
+    if sinks:
+        l, alpha = add_sink(m_ref[...], l, sink_ref[...])
+        acc = acc * _lanes(alpha, acc.shape[1])
     inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)  # rows with no keys (padding) -> 0
-    o_ref[...] = (acc_ref[...] * _lanes(inv, acc_ref.shape[1])).astype(o_ref.dtype)
+    o_ref[...] = (acc * _lanes(inv, acc.shape[1])).astype(o_ref.dtype)
 
 
 def _scale_row(buf, slot, page_size, kv0, kv_end, chunk):
@@ -183,11 +188,11 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
                            k_scale=None, v_scale=None, block_rows=256, kv_block=256, interpret=False):
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len. Returns [T, H, D],
-    0 for tokens outside [query_start_loc[0], query_start_loc[-1]). soft_cap, alibi_slopes (f32[H]
-    or None): pallas_kernels/scores.py. k_scale, v_scale: f32 [N, KVH, 1, lanes] or None: quantized
-    pools (int8, fp8; jaxserve/kv_cache.py), read as they are; the scales multiply the scores and
-    the attention weights, as on the XLA path. lanes: page_size or more, whole 128s on a TPU (in
-    other lanes XLA would copy the whole scale pool into tiles before every call).
+    0 for tokens outside [query_start_loc[0], query_start_loc[-1]). soft_cap, alibi_slopes and
+    sinks (f32[H] or None): pallas_kernels/scores.py. k_scale, v_scale: f32 [N, KVH, 1, lanes] or
+    None: quantized pools (int8, fp8; jaxserve/kv_cache.py), read as they are; the scales multiply
+    the scores and the attention weights, as on the XLA path. lanes: page_size or more, whole 128s
+    on a TPU (in other lanes XLA would copy the whole scale pool into tiles before every call).
 
     block_rows: most (head, token) rows per program. block_q, the tokens per q block, is max_q
     rounded up to a power of two within that cap, and at least MIN_BLOCK_TOKENS and one tile of
@@ -198,8 +203,6 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     blocks, since each q block re-reads its sequences' pages. kv_block: keys per chunk, a
     multiple of 128; a page larger than kv_block makes a chunk of one page. interpret: run in
     TPU interpret mode (CPU tests)."""
-    if sinks is not None:
-        raise NotImplementedError("attention sinks: not yet in this kernel")
     t, num_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     num_seqs, pages_per_seq = page_table.shape
@@ -234,10 +237,11 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     block = pl.BlockSpec((None, None, rows, head_dim), lambda h, i, *_: (h, i, 0, 0))
     in_specs = [block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
     inputs = [qb, k_pages, v_pages]
-    if alibi_slopes is not None:   # row (head in group, token) of KV head h: its head's slope
-        slopes = jnp.repeat(alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group), block_q, axis=1)
-        inputs.append(jnp.broadcast_to(slopes[:, :, None], (num_kv_heads, rows, LANES)))
-        in_specs.append(pl.BlockSpec((None, rows, LANES), lambda h, i, *_: (h, 0, 0)))
+    for per_head in (alibi_slopes, sinks):   # row (head in group, token) of KV head h: its head's value
+        if per_head is not None:
+            per_row = jnp.repeat(per_head.astype(jnp.float32).reshape(num_kv_heads, group), block_q, axis=1)
+            inputs.append(jnp.broadcast_to(per_row[:, :, None], (num_kv_heads, rows, LANES)))
+            in_specs.append(pl.BlockSpec((None, rows, LANES), lambda h, i, *_: (h, 0, 0)))
     quantized = k_scale is not None
     scale_bufs = []
     if quantized:
@@ -247,7 +251,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     kernel = functools.partial(
         _kernel, block_q=block_q, pages_per_chunk=pages_per_chunk, pages_per_seq=pages_per_seq,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi_slopes is not None,
-        quantized=quantized)
+        sinks=sinks is not None, quantized=quantized)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
