@@ -1,4 +1,4 @@
-"""The `jaxserve` command: serve | generate | convert | check.
+"""The `jaxserve` command: serve | generate | convert | run-batch | check.
 
 Each subcommand is an `_add_<name>(subparsers)` function that declares its arguments and sets
 `func`; a new subcommand is one more such function listed in SUBCOMMANDS.
@@ -108,6 +108,31 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                                 '\'{"method": "draft", "model": DIR, "num_tokens": 4}\'')
 
 
+def _add_app_args(p: argparse.ArgumentParser) -> None:
+    """What the routes need besides the engine (serve and run-batch): the model's name, its
+    tool-call and reasoning parsers."""
+    p.add_argument("--served-model-name", help="the name clients use in 'model' (default: the model "
+                                               "directory's name, 'jaxserve-tiny' for the embedded model)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice 'auto' on chat: the calls the model writes are read by --tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
+                   help="the model's tool-call syntax: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1/3.2), "
+                        "mistral (Mistral 7B v0.3, Nemo, Small, Large), openai (gpt-oss), "
+                        "pythonic (Llama 3.2 and 4, Gemma 3)")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                   help="chat answers' reasoning as message.reasoning_content: deepseek_r1 (thinking begun in the "
+                        "prompt: DeepSeek-R1, QwQ, Qwen3 thinking-2507), qwen3 (Qwen3's <think> blocks), "
+                        "openai_gptoss (gpt-oss's analysis channel)")
+
+
+def _app_options(args) -> dict:
+    """create_app's keywords from _add_app_args' flags; ValueError if they do not go together."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call syntax)")
+    return dict(served_model_name=args.served_model_name, reasoning_parser=args.reasoning_parser,
+                tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+
+
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_model_args(p)
@@ -117,16 +142,7 @@ def _add_serve(sub) -> None:
                    help="require 'Authorization: Bearer KEY' (default: $JAXSERVE_API_KEY; none: open)")
     p.add_argument("--api-keys-file", help="YAML or JSON mapping API key -> tenant: each key is accepted, and "
                                            "tenants never share prefix-cache pages")
-    p.add_argument("--served-model-name", help="the name clients use in 'model' (default: the model "
-                                               "directory's name, 'jaxserve-tiny' for the embedded model)")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="tool_choice 'auto' on chat: the calls the model writes are read by --tool-call-parser")
-    p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
-                   help="the model's tool-call syntax: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1/3.2), "
-                        "mistral (Mistral 7B v0.3, Nemo, Small, Large), pythonic (Llama 3.2 and 4, Gemma 3)")
-    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
-                   help="chat answers' reasoning as message.reasoning_content: deepseek_r1 (thinking begun in the "
-                        "prompt: DeepSeek-R1, QwQ, Qwen3 thinking-2507), qwen3 (Qwen3's <think> blocks)")
+    _add_app_args(p)
     p.add_argument("--request-timeout", type=float, help="seconds a request may wait and run before it ends "
                                                          "with a 408 error (default: the config's request_timeout_s)")
     multi = p.add_argument_group("multi-host", "one process per host, one mesh over all their devices: "
@@ -176,8 +192,7 @@ def serve(args) -> int:
         if args.request_timeout is not None:
             cfg = dataclasses.replace(cfg, request_timeout_s=args.request_timeout)
         api_keys = None if args.api_keys_file is None else read_api_keys(args.api_keys_file)
-        if args.enable_auto_tool_choice and args.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call syntax)")
+        options = _app_options(args)
     except (ValueError, OSError, yaml.YAMLError) as e:
         sys.exit(f"jaxserve serve: {e}")
     if cfg.distributed is not None and not cfg.distributed.is_leader:
@@ -186,10 +201,7 @@ def serve(args) -> int:
 
     def app_factory():
         from jaxserve.server.app import create_app
-        return create_app(cfg, served_model_name=args.served_model_name, api_key=args.api_key,
-                          on_load_error=exit_on_load_error, api_keys=api_keys,
-                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                          reasoning_parser=args.reasoning_parser)
+        return create_app(cfg, api_key=args.api_key, on_load_error=exit_on_load_error, api_keys=api_keys, **options)
 
     # A thread per request being served: every running and queued request, plus a few for probes.
     threads = cfg.max_num_seqs + cfg.max_queue_size + 8
@@ -243,7 +255,40 @@ def convert(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [_add_serve, _add_generate, _add_convert, check_cli.add_parser]
+def _add_run_batch(sub) -> None:
+    p = sub.add_parser("run-batch", help="answer a file of OpenAI Batch API requests (JSONL), as vLLM's run-batch")
+    _add_model_args(p)
+    _add_app_args(p)
+    p.add_argument("-i", "--input-file", required=True, help="JSONL: one {custom_id, method, url, body} a line")
+    p.add_argument("-o", "--output-file", required=True, help="JSONL: one {id, custom_id, response, error} a line, "
+                                                              "in input order")
+    p.set_defaults(func=run_batch)
+
+
+def run_batch(args) -> int:
+    from jaxserve import run_batch as batch
+    from jaxserve.server.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg, options = engine_config(args), _app_options(args)
+    except ValueError as e:
+        sys.exit(f"jaxserve run-batch: {e}")
+    app, code = create_app(cfg, **options), 0
+    try:
+        # As many at once as the engine runs and queues: every sequence busy, no 429.
+        batch.run(app, args.input_file, args.output_file, cfg.max_num_seqs + cfg.max_queue_size)
+    except (RuntimeError, OSError) as e:
+        print(f"jaxserve run-batch: {e}", file=sys.stderr)
+        code = 1
+    app.extensions["jaxserve"].shutdown()
+    # As serve: no interpreter teardown (the XLA client's, with warm-up perhaps still compiling
+    # on its thread, can abort the process); the output file is closed.
+    logging.shutdown()
+    os._exit(code)
+
+
+SUBCOMMANDS = [_add_serve, _add_generate, _add_convert, _add_run_batch, check_cli.add_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
