@@ -56,7 +56,7 @@ def compile_for_h100(fn, args, monkeypatch, capfd):
     return ptxas_report(capfd.readouterr().out)
 
 
-FLASH = {  # name: (head_dim, segment ids, flash_attention options; alibi=True: ALiBi slopes passed)
+FLASH = {  # name: (head_dim, segment ids, flash_attention options; alibi=True, sinks=True: those passed)
     "causal-d64": (64, False, dict(causal=True)),
     "causal-d128": (128, False, dict(causal=True)),
     "all-features-d64": (64, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True)),
@@ -76,6 +76,7 @@ FLASH = {  # name: (head_dim, segment ids, flash_attention options; alibi=True: 
     "all-features-d128-no-producer": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True,
                                                       producer=False)),
     "causal-d128-early-k-wait": (128, False, dict(causal=True, early_k_wait=True)),
+    "gpt-oss-d64": (64, True, dict(causal=True, sliding_window=128, sinks=True)),   # attention sinks
 }
 
 
@@ -83,13 +84,13 @@ FLASH = {  # name: (head_dim, segment ids, flash_attention options; alibi=True: 
 def test_flash_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
     head_dim, segments, opts = FLASH[name]
     opts = dict(opts)
-    alibi = opts.pop("alibi", False)
+    alibi, sinks = opts.pop("alibi", False), opts.pop("sinks", False)
     b, t, h, kvh = 1, 512, 8, 2
     args = [spec(h100, (b, t, h, head_dim)), spec(h100, (b, t, kvh, head_dim)),
             spec(h100, (b, t, kvh, head_dim)), spec(h100, (b, t), jnp.int32) if segments else None,
-            spec(h100, (h,), jnp.float32) if alibi else None]
-    fn = jax.jit(lambda q, k, v, seg, slopes: flash_gpu.flash_attention(
-        q, k, v, segment_ids=seg, alibi_slopes=slopes, **opts))
+            spec(h100, (h,), jnp.float32) if alibi else None, spec(h100, (h,), jnp.float32) if sinks else None]
+    fn = jax.jit(lambda q, k, v, seg, slopes, sinks: flash_gpu.flash_attention(
+        q, k, v, segment_ids=seg, alibi_slopes=slopes, sinks=sinks, **opts))
     regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
     print(f"flash {name}: {regs} registers, {spills} bytes spilled")
     # 255 a thread at most, and a CTA's warpgroups (128 threads each) share an SM's 65,536: at
@@ -113,26 +114,28 @@ def test_flash_full_tile_loop_is_as_lean_as_attention_mgpu():
     assert sum(full.values()) <= 1.05 * sum(theirs[0].values()), (sum(full.values()), sum(theirs[0].values()))
 
 
-PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, soft cap and ALiBi, pool dtype[, kv_splits])
-    "decode-d32": (32, None, 1, 16, 64, False, "bfloat16"),  # 64-byte swizzle
-    "decode-d64": (64, None, 1, 16, 64, False, "bfloat16"),
-    "mixed-d96": (96, None, 64, 16, 64, False, "bfloat16"),  # 64-byte swizzle, 3 spans a row
-    "decode-d128-window": (128, 1024, 1, 16, 64, False, "bfloat16"),
-    "mixed-d64-window": (64, 1024, 64, 16, 64, False, "bfloat16"),
-    "mixed-d128": (128, None, 64, 16, 64, False, "bfloat16"),
-    "mixed-d128-page128": (128, None, 64, 128, 128, False, "bfloat16"),
-    "decode-d128-softcap-alibi": (128, None, 1, 16, 64, True, "bfloat16"),
-    "mixed-d64-window-softcap-alibi": (64, 1024, 64, 16, 64, True, "bfloat16"),
+PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, score mods, pool dtype[, kv_splits])
+    "decode-d32": (32, None, 1, 16, 64, "", "bfloat16"),  # 64-byte swizzle
+    "decode-d64": (64, None, 1, 16, 64, "", "bfloat16"),
+    "mixed-d96": (96, None, 64, 16, 64, "", "bfloat16"),  # 64-byte swizzle, 3 spans a row
+    "decode-d128-window": (128, 1024, 1, 16, 64, "", "bfloat16"),
+    "mixed-d64-window": (64, 1024, 64, 16, 64, "", "bfloat16"),
+    "mixed-d128": (128, None, 64, 16, 64, "", "bfloat16"),
+    "mixed-d128-page128": (128, None, 64, 128, 128, "", "bfloat16"),
+    "decode-d128-softcap-alibi": (128, None, 1, 16, 64, "softcap-alibi", "bfloat16"),
+    "mixed-d64-window-softcap-alibi": (64, 1024, 64, 16, 64, "softcap-alibi", "bfloat16"),
     # Quantized pools (int8, fp8 e4m3) with their f32 scales: each tile dequantized in SMEM.
-    "decode-d128-int8": (128, None, 1, 16, 64, False, "int8"),
-    "mixed-d64-window-int8": (64, 1024, 64, 16, 64, False, "int8"),  # 64-byte swizzle for int8 rows
-    "mixed-d128-page128-int8": (128, None, 64, 128, 128, False, "int8"),  # 2 blocks of 64 rows a tile
-    "decode-d32-fp8-softcap-alibi": (32, None, 1, 16, 64, True, "float8_e4m3fn"),  # 32-byte swizzle
-    "mixed-d128-fp8": (128, None, 64, 16, 64, False, "float8_e4m3fn"),
+    "decode-d128-int8": (128, None, 1, 16, 64, "", "int8"),
+    "mixed-d64-window-int8": (64, 1024, 64, 16, 64, "", "int8"),  # 64-byte swizzle for int8 rows
+    "mixed-d128-page128-int8": (128, None, 64, 128, 128, "", "int8"),  # 2 blocks of 64 rows a tile
+    "decode-d32-fp8-softcap-alibi": (32, None, 1, 16, 64, "softcap-alibi", "float8_e4m3fn"),  # 32-byte swizzle
+    "mixed-d128-fp8": (128, None, 64, 16, 64, "", "float8_e4m3fn"),
     # Split KV (each split's output and log-sum-exp written, then merged by XLA).
-    "decode-d128-split4": (128, None, 1, 16, 64, False, "bfloat16", 4),
-    "decode-d128-kv128": (128, None, 1, 16, 128, False, "bfloat16"),  # 8 page copies a tile
-    "decode-d64-window-softcap-alibi-int8-split3": (64, 1024, 1, 16, 64, True, "int8", 3),
+    "decode-d128-split4": (128, None, 1, 16, 64, "", "bfloat16", 4),
+    "decode-d128-kv128": (128, None, 1, 16, 128, "", "bfloat16"),  # 8 page copies a tile
+    "decode-d64-window-softcap-alibi-int8-split3": (64, 1024, 1, 16, 64, "softcap-alibi", "int8", 3),
+    # Attention sinks (gpt-oss): each row's log-sum-exp written unsplit too, the sink added by XLA.
+    "mixed-d64-window-sinks": (64, 128, 64, 16, 64, "sinks", "bfloat16"),
 }
 
 
@@ -144,12 +147,12 @@ def test_paged_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
     scales = spec(h100, (num_pages, num_kv_heads, 1, page_size), jnp.float32) if pool_dtype != "bfloat16" else None
     args = [spec(h100, (tokens, num_heads, head_dim)), pages, pages,
             spec(h100, (seqs, pages_per_seq), jnp.int32), spec(h100, (seqs,), jnp.int32),
-            spec(h100, (seqs + 1,), jnp.int32), spec(h100, (num_heads,), jnp.float32) if score_mods else None,
-            scales]
+            spec(h100, (seqs + 1,), jnp.int32), *(spec(h100, (num_heads,), jnp.float32) if mod in score_mods else None
+                                                  for mod in ("alibi", "sinks")), scales]
     kernel = functools.partial(paged_gpu.ragged_paged_attention, max_q=max_q, sm_scale=head_dim ** -0.5,
-                               sliding_window=window, soft_cap=30.0 if score_mods else None, kv_block=kv_block,
-                               kv_splits=kv_splits[0] if kv_splits else None)
-    fn = jax.jit(lambda *a: kernel(*a[:-2], alibi_slopes=a[-2], k_scale=a[-1], v_scale=a[-1]))
+                               sliding_window=window, soft_cap=30.0 if "softcap" in score_mods else None,
+                               kv_block=kv_block, kv_splits=kv_splits[0] if kv_splits else None)
+    fn = jax.jit(lambda *a: kernel(*a[:-3], alibi_slopes=a[-3], sinks=a[-2], k_scale=a[-1], v_scale=a[-1]))
     regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
     print(f"paged {name}: {regs} registers, {spills} bytes spilled")
     assert regs <= 255 and spills == 0, (regs, spills)

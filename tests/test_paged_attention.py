@@ -150,17 +150,18 @@ def test_dispatch_matches_oracle_and_reference(backend, config):
 
 
 SCORE_MODS = {"soft_cap": dict(soft_cap=1.5), "alibi": dict(alibi=True), "both": dict(soft_cap=1.5, alibi=True),
-              "sinks": dict(sinks=True, lead_tokens=2, pad_tokens=3)}
+              "sinks": dict(sinks=True)}
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
 @pytest.mark.parametrize("mods", sorted(SCORE_MODS))
 def test_soft_cap_and_alibi_in_every_path(backend, mods):
     """Gemma 2's tanh cap (1.5 bites: these scores reach a few units), ALiBi and attention sinks
-    (with tokens of no row before and after the rows': they see no key and give 0), through every
-    backend's paged kernel, and the jnp reference."""
+    through every backend's paged kernel, and the jnp reference; tokens of no row before and after
+    the rows' see no key and give 0."""
     case = make_case(2, seqs=[(5, 20), (1, 9), (16, 16), (1, 33), (1, 70)], num_kv_heads=2, group=2, head_dim=64,
-                     page_size=16, dtype="float32", sliding_window=50, **SCORE_MODS[mods])
+                     page_size=16, dtype="float32", sliding_window=50, lead_tokens=2, pad_tokens=3,
+                     **SCORE_MODS[mods])
     plain = oracle(dict(case, soft_cap=None, alibi_slopes=None, sinks=None))
     assert np.abs(oracle(case) - plain).max() > 0.01   # the modifiers matter
     out = dispatch(case, backend)
@@ -291,7 +292,7 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="
         pools = kv_cache.LayerKV(k_pool, v_pool, k_scale, v_scale)
     out, written = attention.attend(case["q"], k, v, pools, meta, sliding_window=sliding_window,
                                                sm_scale=case["sm_scale"], soft_cap=case["soft_cap"],
-                                               alibi_slopes=case["alibi_slopes"])
+                                               alibi_slopes=case["alibi_slopes"], sinks=case["sinks"])
     k_pages, v_pages = written.k, written.v
     if kv_dtype != "auto":
         k_pages, v_pages = (np.asarray(x, np.float64) * slot_scales(scale, ps)[..., None]
@@ -300,10 +301,11 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="
     return out, dict(case, k_pages=k_pages[..., :64], v_pages=v_pages[..., :64])
 
 
-@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
-@pytest.mark.parametrize("mods", ["none", "both"])
+@pytest.mark.parametrize("backend, mods", [(b, m) for b in ("pallas_tpu", "pallas_gpu")
+                                          for m in ("none", "both", "sinks")] + [("xla", "sinks")])
 def test_attend_prefill_rows_match_oracle(backend, mods):
-    """Flash (leading fresh prefill rows) and paged (the rest), with soft cap and ALiBi too."""
+    """Flash (leading fresh prefill rows) and paged (the rest), with soft cap and ALiBi, or sinks
+    (and the XLA path's prefill and decode rows with sinks)."""
     out, case = attend_case(MIXED, backend, sliding_window=7, **SCORE_MODS.get(mods, {}))
     assert_close(out, case)
 

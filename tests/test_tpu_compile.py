@@ -107,27 +107,39 @@ def soft_cap(c) -> float | None:
     return 30.0 if "soft_cap" in c["scores"] else None
 
 
-def alibi_slopes(c, num_heads, dev):
-    """The ALiBi slopes argument (f32[heads], abstract) of a config, or None."""
-    return abstract((num_heads,), jnp.float32, dev) if "alibi" in c["scores"] else None
+def per_head(c, name, num_heads, dev):
+    """A config's per-head argument `name` ("alibi" slopes, "sinks"; f32[heads], abstract), or None."""
+    return abstract((num_heads,), jnp.float32, dev) if name in c["scores"] else None
+
+
+def lower_paged(c):
+    dev, dtype, q_lens = device(c["generation"]), jnp.dtype(c["dtype"]), BATCHES[c["batch"]]
+    pages_per_seq = 4096 // c["page_size"]    # contexts up to 4k tokens
+    t, s = sum(q_lens), len(q_lens)
+    q = abstract((t, c["kv_heads"] * c["group"], c["head_dim"]), dtype, dev)
+    pages = abstract((s * pages_per_seq, c["kv_heads"], c["page_size"], c["head_dim"]), dtype, dev)
+    tables = (abstract((s, pages_per_seq), jnp.int32, dev), abstract((s,), jnp.int32, dev),
+              abstract((s + 1,), jnp.int32, dev))
+    kernel = functools.partial(ragged_paged_attention, max_q=max(q_lens), sm_scale=0.1,
+                               sliding_window=c["window"], soft_cap=soft_cap(c), interpret=False)
+    return jax.jit(kernel).lower(q, pages, pages, *tables, alibi_slopes=per_head(c, "alibi", q.shape[1], dev),
+                                 sinks=per_head(c, "sinks", q.shape[1], dev))
+
+
+def lower_flash(c):
+    dev, dtype, t = device(c["generation"]), jnp.dtype(c["dtype"]), c["tokens"]
+    q = abstract((1, t, c["kv_heads"] * c["group"], c["head_dim"]), dtype, dev)
+    kv = abstract((1, t, c["kv_heads"], c["head_dim"]), dtype, dev)
+    seg = abstract((1, t), jnp.int32, dev) if c["segments"] > 1 else None
+    kernel = functools.partial(flash_attention, sliding_window=c["window"], soft_cap=soft_cap(c), interpret=False)
+    return jax.jit(lambda q, k, v, seg, slopes, sinks: kernel(q, k, v, segment_ids=seg, alibi_slopes=slopes,
+                                                              sinks=sinks)).lower(
+        q, kv, kv, seg, per_head(c, "alibi", q.shape[2], dev), per_head(c, "sinks", q.shape[2], dev))
 
 
 def test_paged_kernel_compiles_for_every_generation():
     configs = covering({**KERNEL_AXES, "page_size": [16, 32, 64, 128], "batch": list(BATCHES)})
-
-    def lower(c):
-        dev, dtype, q_lens = device(c["generation"]), jnp.dtype(c["dtype"]), BATCHES[c["batch"]]
-        pages_per_seq = 4096 // c["page_size"]    # contexts up to 4k tokens
-        t, s = sum(q_lens), len(q_lens)
-        q = abstract((t, c["kv_heads"] * c["group"], c["head_dim"]), dtype, dev)
-        pages = abstract((s * pages_per_seq, c["kv_heads"], c["page_size"], c["head_dim"]), dtype, dev)
-        tables = (abstract((s, pages_per_seq), jnp.int32, dev), abstract((s,), jnp.int32, dev),
-                  abstract((s + 1,), jnp.int32, dev))
-        kernel = functools.partial(ragged_paged_attention, max_q=max(q_lens), sm_scale=0.1,
-                                   sliding_window=c["window"], soft_cap=soft_cap(c), interpret=False)
-        return jax.jit(kernel).lower(q, pages, pages, *tables, alibi_slopes=alibi_slopes(c, q.shape[1], dev))
-
-    failures = compile_all(configs, lower)
+    failures = compile_all(configs, lower_paged)
     print(f"paged kernel: {len(configs)} configs x generations compiled, {len(failures)} failed")
     assert not failures, "\n".join(failures)
 
@@ -135,19 +147,21 @@ def test_paged_kernel_compiles_for_every_generation():
 def test_flash_kernel_compiles_for_every_generation():
     # Prefill only (the engine's fresh-prefill path): a long sequence, or short packed segments.
     configs = covering({**KERNEL_AXES, "tokens": [512, 2048], "segments": [1, 5]})
-
-    def lower(c):
-        dev, dtype, t = device(c["generation"]), jnp.dtype(c["dtype"]), c["tokens"]
-        q = abstract((1, t, c["kv_heads"] * c["group"], c["head_dim"]), dtype, dev)
-        kv = abstract((1, t, c["kv_heads"], c["head_dim"]), dtype, dev)
-        seg = abstract((1, t), jnp.int32, dev) if c["segments"] > 1 else None
-        kernel = functools.partial(flash_attention, sliding_window=c["window"], soft_cap=soft_cap(c),
-                                   interpret=False)
-        return jax.jit(lambda q, k, v, seg, slopes: kernel(q, k, v, segment_ids=seg, alibi_slopes=slopes)).lower(
-            q, kv, kv, seg, alibi_slopes(c, q.shape[2], dev))
-
-    failures = compile_all(configs, lower)
+    failures = compile_all(configs, lower_flash)
     print(f"flash kernel: {len(configs)} configs x generations compiled, {len(failures)} failed")
+    assert not failures, "\n".join(failures)
+
+
+# gpt-oss's attention: sinks, 64 query heads over 8 KV heads of 64 lanes, a 128-token window.
+# Beside the covering grid (a fifth `scores` value would add a row for each of its pairs): the
+# sink code through Mosaic, each kernel on two generations.
+GPT_OSS = dict(head_dim=64, kv_heads=8, group=8, dtype="bfloat16", window=128, scores="sinks",
+               page_size=16, batch="mixed", tokens=2048, segments=5)
+
+
+@pytest.mark.parametrize("lower", [lower_paged, lower_flash], ids=["paged", "flash"])
+def test_kernels_with_sinks_compile(lower):
+    failures = compile_all([dict(GPT_OSS, generation=g) for g in ("v5e", "v6e")], lower)
     assert not failures, "\n".join(failures)
 
 

@@ -7,6 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve import attention, kv_cache, parallel, step_cost
 from jaxserve.kv_cache import LayerKV
@@ -16,6 +17,7 @@ pytest.importorskip("libtpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 from jax.experimental import topologies  # noqa: E402
 
+from pallas_kernels.flash_attention import tpu as flash_tpu  # noqa: E402
 from pallas_kernels.paged_attention import tpu  # noqa: E402
 
 GENERATIONS = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
@@ -61,20 +63,20 @@ def test_paged_kernel_compiles_for_tpu(tpu_device, config):
 
 def test_dispatch_reaches_mosaic_for_tpu_arrays():
     # On a CPU host, arrays on TPU devices must take the real kernel, not the interpreter; with
-    # soft cap and ALiBi slopes (an extra kernel input) too.
+    # soft cap, ALiBi slopes and sinks (extra kernel inputs) too.
     device = topologies.get_topology_desc(platform="tpu", topology_name=GENERATIONS["v5e"]).devices[0]
     q, k_pages, v_pages, table, lens, qsl = abstract_case(device, 128, 2, 4, 16, "bfloat16", "mixed")
     slopes = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
 
-    def step(q, k_pages, v_pages, table, lens, qsl, slopes):
+    def step(q, k_pages, v_pages, table, lens, qsl, slopes, sinks):
         meta = attention.AttentionMetadata(
             positions=None, slot_mapping=None, page_table=table, seq_lens=lens, query_start_loc=qsl,
             max_q=BATCHES["mixed"][2], backend="pallas_tpu",
             platform=parallel.platform(parallel.make_mesh(None, [device])))
         return attention.paged_attention(q, LayerKV(k_pages, v_pages), meta, sliding_window=None, sm_scale=0.1,
-                                         soft_cap=30.0, alibi_slopes=slopes)
+                                         soft_cap=30.0, alibi_slopes=slopes, sinks=sinks)
 
-    lowered = jax.jit(step).lower(q, k_pages, v_pages, table, lens, qsl, slopes)
+    lowered = jax.jit(step).lower(q, k_pages, v_pages, table, lens, qsl, slopes, slopes)
     assert "tpu_custom_call" in lowered.as_text()
     lowered.compile()
 
@@ -102,3 +104,41 @@ def test_paged_kernel_reads_quantized_pools_on_tpu(tpu_device, kv_dtype):
     for pool in (scales, k_pages):
         cost = step_cost.step_cost(hlo, math.prod(pool.shape) * pool.dtype.itemsize)
         assert cost.whole_pool_copies == 0, (pool.shape, cost.copies)
+
+
+def test_per_head_arguments_split_with_query_heads_under_tp(monkeypatch):
+    """Tensor parallelism over 4 v5e chips, KV heads split: each chip's paged and flash kernels
+    get its own query heads' ALiBi slopes and sinks (4 of 16) through paged_attention's
+    shard_map, and the step compiles."""
+    seen = set()   # (kernel, slopes shape, sinks shape) as traced
+
+    def recording(name, kernel):
+        def call(*args, alibi_slopes=None, sinks=None, **kwargs):
+            seen.add((name, alibi_slopes.shape, sinks.shape))
+            return kernel(*args, alibi_slopes=alibi_slopes, sinks=sinks, **kwargs)
+        return call
+    monkeypatch.setattr(tpu, "ragged_paged_attention", recording("paged", tpu.ragged_paged_attention))
+    monkeypatch.setattr(flash_tpu, "flash_attention", recording("flash", flash_tpu.flash_attention))
+    devices = topologies.get_topology_desc(platform="tpu", topology_name=GENERATIONS["v5e"]).devices
+    mesh = parallel.make_mesh({"model": 4}, devices)
+    tokens, seqs, max_q, max_len = BATCHES["mixed"]
+    pages_per_seq = max_len // 16
+
+    def on_mesh(shape, dtype, *spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*spec)))
+    heads = on_mesh((tokens, 16, 128), jnp.bfloat16, None, "model")
+    new_kv = on_mesh((tokens, 8, 128), jnp.bfloat16, None, "model")
+    pool = on_mesh((seqs * pages_per_seq, 8, 16, 128), jnp.bfloat16, None, "model")
+    tables = (on_mesh((seqs, pages_per_seq), jnp.int32), on_mesh((seqs,), jnp.int32), on_mesh((seqs + 1,), jnp.int32))
+    per_head = on_mesh((16,), jnp.float32)
+
+    def step(q, k, v, k_pages, v_pages, table, lens, qsl, slopes, sinks):
+        meta = attention.AttentionMetadata(
+            positions=None, slot_mapping=None, page_table=table, seq_lens=lens, query_start_loc=qsl, max_q=max_q,
+            num_prefill_rows=2, backend="pallas_tpu", platform="tpu", kv_sharding=pool.sharding)
+        return attention.paged_attention(q, LayerKV(k_pages, v_pages), meta, sliding_window=128, sm_scale=0.1,
+                                         alibi_slopes=slopes, sinks=sinks, k=k, v=v)
+
+    lowered = jax.jit(step).lower(heads, new_kv, new_kv, pool, pool, *tables, per_head, per_head)
+    assert seen == {("paged", (4,), (4,)), ("flash", (4,), (4,))}, seen
+    lowered.compile()
