@@ -24,7 +24,7 @@ from jaxserve import checkpoint, roofline
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.models import init_params
-from jaxserve.models.layers import GatedMLP, SparseMoE, every_expert, grouped_experts, route
+from jaxserve.models.layers import GatedMLP, SparseMoE, every_expert, gated, grouped_experts, route
 
 HIDDEN, EXPERTS, TOP_K, EXPERT_WIDTH = 512, 8, 2, 1024
 ROWS = (1, 16, 128)
@@ -50,8 +50,7 @@ def layer_rows() -> dict[str, list[float]]:
         def apply(params, x):
             experts = params["params"]["experts"]
             weights, chosen = route(x @ params["params"]["gate"]["weight"].T, TOP_K, True)
-            return path(x, weights, chosen, experts["gate_proj"], experts["up_proj"], experts["down_proj"],
-                        activation=jax.nn.silu)
+            return path(x, weights, chosen, experts, glu=gated(jax.nn.silu))
         return jax.jit(apply), moe_params
 
     def dense(width):

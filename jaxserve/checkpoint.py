@@ -1,11 +1,11 @@
 """Checkpoints: Hugging Face safetensors <-> the Flax params pytree, and an orbax copy.
 
 Loading reads tensors with safetensors' lazy slices (no PyTorch), renames them to the Flax
-tree by the family's name map (jaxserve.models.registry; Linear weights keep PyTorch's
-[out, in]; a param held in a fused tensor is a row range of it) and places each one on device. With `shardings` each device reads only its own
-slice, so a large model is never whole on one device. With `quantization` each Linear weight
-is quantized as soon as it is read (jaxserve/quantization.py), so the full-precision model is
-never whole either.
+tree by the family's name map (jaxserve.models.registry; Linear weights keep PyTorch's [out, in];
+a param held in a fused tensor is a row range of it; MXFP4 tensors are dequantized, mxfp4.py) and
+places each one on device. With `shardings` each device reads only its own slice, so a large
+model is never whole on one device. With `quantization` each Linear weight is quantized as soon
+as it is read (jaxserve/quantization.py), so the full-precision model is never whole either.
 """
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from jaxserve import parallel, prequantized, quantization as quant
+from jaxserve import mxfp4, parallel, prequantized, quantization as quant
 from jaxserve.config import ModelConfig
 from jaxserve.models import init_params
+from jaxserve.models.moe import Interleaved
 from jaxserve.models.registry import architecture, stored_transposed
 
 ORBAX_DIR = "orbax"
@@ -76,17 +77,34 @@ class _Stacked:
 
 
 class _Transposed:
-    """A lazy 2-D slice read transposed (GPT-2's Conv1D weights, stored [in, out]): indexing reads
-    only what it selects."""
+    """A lazy slice read with its last two axes swapped (GPT-2's Conv1D weights, stored [in, out];
+    gpt-oss's experts, [experts, in, out]): indexing reads only what it selects."""
 
     def __init__(self, stored):
         self.stored = stored
 
     def get_shape(self) -> tuple[int, ...]:
-        return tuple(self.stored.get_shape())[::-1]
+        *lead, rows, cols = self.stored.get_shape()
+        return (*lead, cols, rows)
 
     def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
-        return np.asarray(self.stored[index[::-1]]).T
+        return np.swapaxes(np.asarray(self.stored[(*index[:-2], index[-1], index[-2])]), -1, -2)
+
+
+class _Interleaved:
+    """The rows of a lazy slice's axis 1 a moe.Interleaved selects: indexing reads those covering them."""
+
+    def __init__(self, tensor, where: Interleaved):
+        self.tensor, self.where = tensor, where
+
+    def get_shape(self) -> tuple[int, ...]:
+        experts, rows, *rest = self.tensor.get_shape()
+        return (experts, rows // self.where.parts, *rest)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        n = self.where.parts
+        rows = slice((index[1].start or 0) * n, None if index[1].stop is None else index[1].stop * n)
+        return np.asarray(self.tensor[(index[0], rows, *index[2:])])[:, self.where.index::n]
 
 
 class _BytesSlice:
@@ -171,6 +189,8 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
         if isinstance(name, tuple):
             return _Stacked([lazy(n, None if shape is None else shape[1:]) for n in name])
         name = _as_in_checkpoint(name, index)
+        if name not in index and f"{name}_blocks" in index:   # MXFP4 (gpt-oss's experts)
+            return mxfp4.Dequantized(lazy(f"{name}_blocks"), lazy(f"{name}_scales"))
         if name not in index:
             raise ValueError(f"checkpoint {model_dir} is missing tensor {name!r}"
                              + ("" if shape is None else f" (expected shape {tuple(shape)})"))
@@ -192,6 +212,8 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
             tensor = lazy(name, spec.shape)
             if stored_transposed(cfg, keys, len(spec.shape)):
                 tensor = _Transposed(tensor)
+            if isinstance(rows, Interleaved):
+                tensor, rows = _Interleaved(tensor, rows), None
             hf_shape = tuple(tensor.get_shape())
             fits = (hf_shape == tuple(spec.shape) if rows is None
                     else hf_shape[0] >= rows[1] and hf_shape[1:] == tuple(spec.shape[1:]))
@@ -352,18 +374,26 @@ def save_pretrained(params: dict, hf_config: dict, out_dir: str, dtype=None) -> 
     os.makedirs(out_dir, exist_ok=True)
     cfg = ModelConfig.from_hf_dict(hf_config)
     hf_tensor = architecture(cfg.architecture).hf_tensor
-    parts: dict[str, list] = {}   # HF name -> [(first row, array)]: fused tensors in row order
-    transposed = set()            # the HF names stored [in, out] (stored_transposed)
+    parts: dict[str, list] = {}   # HF name -> [(first row or Interleaved index, array)]: fused tensors in row order
+    transposed, interleaved = set(), set()   # HF names: stored_transposed, rows alternating (Interleaved)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = tuple(k.key for k in path)
         name, rows = hf_tensor(keys, cfg)
         if stored_transposed(cfg, keys, np.ndim(leaf)):
             transposed.add(name)
+        if isinstance(rows, Interleaved):
+            interleaved.add(name)
         x = np.asarray(leaf) if dtype is None else np.asarray(leaf).astype(dtype)
         for one, y in zip(name, x) if isinstance(name, tuple) else [(name, x)]:   # a stack: a tensor each
-            parts.setdefault(one, []).append((0 if rows is None else rows[0], y))
-    tensors = {name: np.concatenate([x for _, x in sorted(p, key=lambda r: r[0])]) for name, p in parts.items()}
-    tensors = {name: np.ascontiguousarray(x.T if name in transposed else x) for name, x in tensors.items()}
+            first = rows.index if isinstance(rows, Interleaved) else 0 if rows is None else rows[0]
+            parts.setdefault(one, []).append((first, y))
+
+    def join(name: str, xs: list[np.ndarray]) -> np.ndarray:   # [experts, rows, ...] each: their rows in turn
+        return np.stack(xs, axis=2).reshape(*xs[0].shape[:1], -1, *xs[0].shape[2:]) if name in interleaved \
+            else np.concatenate(xs)
+    tensors = {name: join(name, [x for _, x in sorted(p, key=lambda r: r[0])]) for name, p in parts.items()}
+    tensors = {name: np.ascontiguousarray(np.swapaxes(x, -1, -2) if name in transposed else x)
+               for name, x in tensors.items()}
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)

@@ -75,6 +75,7 @@ class ModelConfig:
     pre_norms: bool = True   # False: no norms before attention and the MLP, only sandwich_norms' after (OLMo 2)
     attn_scale: float | None = None
     attn_soft_cap: float | None = None
+    attn_sinks: bool = False   # gpt-oss: a learned logit per query head joins each softmax (weight, no output)
     final_soft_cap: float | None = None
     local_rope_theta: float | None = None   # Gemma 3: windowed layers' RoPE base (unscaled); None: as global
     # The LayerNorm families (models/layernorm_decoder.py): BLOOM and MPT's ALiBi instead of RoPE,
@@ -99,12 +100,18 @@ class ModelConfig:
     # Mixture of experts (models/moe.py): the layers whose MLP is `num_experts` SwiGLU experts of
     # width moe_intermediate_size, each token routed to `num_experts_per_tok` of them (the other
     # layers keep the dense intermediate_size MLP); norm_topk_prob: the top-k routing weights are
-    # divided by their sum. num_experts 0: a dense model.
+    # divided by their sum. num_experts 0: a dense model. gpt-oss: the router and the experts have
+    # biases (moe_bias), the softmax is over the top k logits alone (moe_softmax_topk), and with
+    # swiglu_limit each expert's product is layers.clamped_swiglu's, not act(gate) * up.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    moe_bias: bool = False
+    moe_softmax_topk: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
@@ -125,9 +132,11 @@ class ModelConfig:
     @property
     def num_active_params(self) -> int:
         """The parameters a token is multiplied by: all of them less, in each MoE layer, the
-        gate, up and down weights of the experts it is not routed to."""
+        gate, up and down weights (and biases) of the experts it is not routed to."""
         unused = self.num_experts - self.num_experts_per_tok
-        return self.num_params - len(self.moe_layers) * unused * 3 * self.hidden_size * self.moe_intermediate_size
+        width, hidden = self.moe_intermediate_size, self.hidden_size
+        per_expert = 3 * hidden * width + (2 * width + hidden if self.moe_bias else 0)
+        return self.num_params - len(self.moe_layers) * unused * per_expert
 
     def serving(self, max_model_len: int) -> "ModelConfig":
         """This config as an engine serving sequences of up to max_model_len tokens runs it: the

@@ -90,6 +90,8 @@ def stored(model_dir: str) -> Stored | None:
     if not qc:
         return None
     method = qc.get("quant_method")
+    if method == "mxfp4":   # gpt-oss's experts: dequantized as read (jaxserve/mxfp4.py), then served unquantized
+        return None
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     if method == "gptq":

@@ -134,6 +134,13 @@ MOE_CONFIGS = {
     "olmoe": (tf.OlmoeConfig, dict(
         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, intermediate_size=48,
         eos_token_id=None, pad_token_id=0)),
+    # gpt-oss: attention sinks, biased q/k/v/o, router and experts (biases spread below), YaRN RoPE
+    # (GptOssConfig's: untruncated, 32 x 4096 positions), a 12-token window on layer 0; experts
+    # fused, gate and up interleaved; a swiglu_limit low enough to clamp.
+    "gpt_oss": (tf.GptOssConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=48, sliding_window=12, swiglu_limit=0.5, max_position_embeddings=131072,
+        eos_token_id=None, pad_token_id=0)),
 }
 
 
@@ -168,7 +175,7 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0, auto_class=tf.AutoMode
             for name_, p in model.named_parameters():
                 if name_.endswith("norm.weight"):
                     p.normal_(1, 0.5)
-    if name in ("gpt_neox_parallel", "phi_partial", "starcoder2_window", "gpt_bigcode_mqa", "gpt2_conv1d",
+    if name in ("gpt_oss", "gpt_neox_parallel", "phi_partial", "starcoder2_window", "gpt_bigcode_mqa", "gpt2_conv1d",
                 "gptj_interleaved", "glm_interleaved", "glm4_sandwich", "olmo3_window", "smollm3_nope",
                 "seed_oss_bias", "helium_interleaved", "ernie4_5_bias", "exaone4_nope", "stablelm_parallel",
                 "cohere_parallel", "cohere2_window_nope"):

@@ -1,8 +1,8 @@
-"""Mixture-of-experts families (Qwen3-MoE, Mixtral) against transformers on seeded checkpoints
-written by its save_pretrained (per-expert tensors, as on the Hub): full-sequence logits, the
-engine's greedy tokens on one device and under tensor parallelism (fake CPU devices), the
-checkpoint written back, the FLOP estimate, what is refused, and an engine step of
-Qwen3-30B-A3B's shapes compiled for a TPU through libtpu."""
+"""Mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE, gpt-oss) against transformers on seeded
+checkpoints written by its save_pretrained (per-expert tensors as on the Hub; gpt-oss's fused):
+full-sequence logits, the engine's greedy tokens on one device and under tensor parallelism (fake
+CPU devices), the checkpoint written back, the FLOP estimate, what is refused, and an engine step
+of Qwen3-30B-A3B's shapes compiled for a TPU through libtpu."""
 import json
 import os
 import re
@@ -87,12 +87,14 @@ def test_engine_greedy_matches_transformers(name, checkpoints):
 
 
 def test_tensor_parallel_matches_transformers(checkpoints):
-    """Qwen3-MoE (a dense layer, an MoE layer) at TP 2: each expert's 48 intermediate columns
-    split, the router replicated. One family (suite time: each engine here is ~15 s); Mixtral's
-    experts load and run through the same code."""
-    model_dir, expected = checkpoints["qwen3_moe"]
-    assert list(tp_meshes(["qwen3_moe"]).values()) == [{"model": 2}]
-    assert tensor_parallel_tokens({"qwen3_moe": model_dir}) == {'qwen3_moe@{"model": 2}': expected}
+    """gpt-oss at TP 2: each expert's 48 intermediate columns split (gate and up de-interleaved
+    from gate_up_proj, so each device holds matching halves; their biases with them), the down
+    bias added once, the attention sinks split with their query heads, the router replicated.
+    One family (suite time: each engine here is ~15 s); the other families' experts load and run
+    through the same code, their dense layers are Llama's MLP."""
+    model_dir, expected = checkpoints["gpt_oss"]
+    assert list(tp_meshes(["gpt_oss"]).values()) == [{"model": 2}]
+    assert tensor_parallel_tokens({"gpt_oss": model_dir}) == {'gpt_oss@{"model": 2}': expected}
 
 
 def test_flops_count_active_experts_and_bytes_all(checkpoints):

@@ -113,18 +113,43 @@ class GatedMLP(nn.Module):
 
 class Experts(nn.Module):
     """Every expert's gated-MLP weights stacked [experts, out, in] (Linear's layout) under HF's
-    per-expert names: gate_proj, up_proj, down_proj. Returns them, for grouped_experts or every_expert."""
+    per-expert names: gate_proj, up_proj, down_proj; with `use_bias` their biases [experts, out]
+    too (gpt-oss's), as `<name>_bias`. Returns them by name, for grouped_experts or every_expert."""
     num_experts: int
     intermediate_size: int
     dtype: jnp.dtype = jnp.float32
+    use_bias: bool = False
 
     @nn.compact
-    def __call__(self, hidden_size: int):
+    def __call__(self, hidden_size: int) -> dict:
         init = nn.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
         wide = (self.num_experts, self.intermediate_size, hidden_size)
         narrow = (self.num_experts, hidden_size, self.intermediate_size)
-        return (self.param("gate_proj", init, wide, self.dtype), self.param("up_proj", init, wide, self.dtype),
-                self.param("down_proj", init, narrow, self.dtype))
+        shapes = {"gate_proj": wide, "up_proj": wide, "down_proj": narrow}
+        out = {name: self.param(name, init, shape, self.dtype) for name, shape in shapes.items()}
+        if self.use_bias:
+            out.update({f"{name}_bias": self.param(f"{name}_bias", nn.initializers.zeros, shape[:2], self.dtype)
+                        for name, shape in shapes.items()})
+        return out
+
+
+def gated(activation: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    """The experts' product of the gate and up projections: act(gate) * up (SwiGLU with silu)."""
+    return lambda gate, up: activation(gate) * up
+
+
+def clamped_swiglu(gate, up, alpha: float, limit: float):
+    """gpt-oss's product: the gate clamped above at `limit`, the up projection to [-limit, limit],
+    then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = jnp.minimum(gate, limit)
+    return (jnp.clip(up, -limit, limit) + 1) * gate * jax.nn.sigmoid(alpha * gate)
+
+
+def experts_product(cfg: ModelConfig) -> Callable[[Any, Any], Any]:
+    """A family's experts' (gate, up) -> hidden: gpt-oss's clamped SwiGLU with swiglu_limit, else `gated`."""
+    if cfg.swiglu_limit is not None:
+        return functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    return gated(ACTIVATIONS[cfg.hidden_act])
 
 
 # rows [M, in] sorted by group x weights [G, out, in] -> [M, out], each row by its group's weight
@@ -132,23 +157,26 @@ _GROUPED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), 
                                              lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
-def grouped_experts(x, weights, chosen, gate, up, down, activation):
+def grouped_experts(x, weights, chosen, experts: dict, glu):
     """sum_j weights[t, j] * expert chosen[t, j](x[t]) for tokens x [T, hidden]: the T x k
     (token, expert) rows sorted by expert, each projection one grouped product over them
-    (jax.lax.ragged_dot: XLA:TPU's grouped-matmul kernels), then put back in token order."""
+    (jax.lax.ragged_dot: XLA:TPU's grouped-matmul kernels), then put back in token order.
+    experts: Experts' weights and the gate and up biases where it has them (the down projection's
+    bias is the caller's: SparseMoE adds it once, after the tensor-parallel sum); glu: (gate, up) -> h."""
     k = chosen.shape[-1]
     chosen = chosen.reshape(-1)                  # token t's at t * k ...
     order = jnp.argsort(chosen)                  # stable: each expert's rows in token order
-    sizes = jnp.bincount(chosen, length=gate.shape[0]).astype(jnp.int32)
+    sizes = jnp.bincount(chosen, length=experts["gate_proj"].shape[0]).astype(jnp.int32)
     rows = x[order // k]
 
-    def grouped(a, w):
-        return jax.lax.ragged_dot_general(a, w, sizes, _GROUPED)
-    h = activation(grouped(rows, gate)) * grouped(rows, up) * weights.reshape(-1)[order][:, None]
-    return grouped(h, down)[jnp.argsort(order)].reshape(-1, k, x.shape[-1]).sum(axis=1)
+    def grouped(a, name):
+        y = jax.lax.ragged_dot_general(a, experts[name], sizes, _GROUPED)
+        return y + experts[f"{name}_bias"][chosen[order]] if f"{name}_bias" in experts else y
+    h = glu(grouped(rows, "gate_proj"), grouped(rows, "up_proj")) * weights.reshape(-1)[order][:, None]
+    return grouped(h, "down_proj")[jnp.argsort(order)].reshape(-1, k, x.shape[-1]).sum(axis=1)
 
 
-def every_expert(x, weights, chosen, gate, up, down, activation):
+def every_expert(x, weights, chosen, experts: dict, glu):
     """grouped_experts' sum through every expert for every token, the experts a token is not
     routed to weighted zero: E / k times the routed FLOPs, but where XLA has no grouped matmul
     it beats ragged_dot, which then becomes a dense product over the T * k rows masked by expert
@@ -157,58 +185,76 @@ def every_expert(x, weights, chosen, gate, up, down, activation):
     0.10.2, compile-only H100, Qwen3-30B-A3B's layer) needs 664 MiB / 2.4 GiB of temporaries
     at 64 / 512 tokens where this needs 44 / 352 MiB. Gate and up are one product with all
     experts' rows (matmul_t's contiguous contraction), down one per expert."""
-    experts, tokens = gate.shape[0], x.shape[0]
-    by_expert = (jax.nn.one_hot(chosen, experts, dtype=x.dtype) * weights[..., None]).sum(axis=1)   # [T, E]
+    down = experts["down_proj"]
+    num, tokens = down.shape[0], x.shape[0]
+    by_expert = (jax.nn.one_hot(chosen, num, dtype=x.dtype) * weights[..., None]).sum(axis=1)   # [T, E]
 
-    def wide(w):   # [E, I, H] -> x's [T, E, I]
-        return matmul_t(x, w.reshape(-1, w.shape[-1])).reshape(tokens, experts, -1)
-    h = activation(wide(gate)) * wide(up) * by_expert[..., None]
+    def wide(name):   # [E, I, H] -> x's [T, E, I]
+        w = experts[name]
+        y = matmul_t(x, w.reshape(-1, w.shape[-1])).reshape(tokens, num, -1)
+        return y + experts[f"{name}_bias"] if f"{name}_bias" in experts else y
+    h = glu(wide("gate_proj"), wide("up_proj")) * by_expert[..., None]
     return jax.lax.dot_general(h, down, (((2,), (2,)), ((1,), (0,)))).sum(axis=0)   # [E, T, H] summed
 
 
-def route(logits, top_k: int, renormalize: bool):
+def route(logits, top_k: int, renormalize: bool, softmax_topk: bool = False):
     """(weights, experts) [T, top_k] of router logits [T, E], as transformers routes: softmax
-    over all experts in float32, the top k, divided by their sum with `renormalize`."""
-    weights, chosen = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k)
+    over all experts in float32, the top k, divided by their sum with `renormalize`; with
+    `softmax_topk` (gpt-oss) the top k logits, softmaxed among themselves."""
+    logits = logits.astype(jnp.float32)
+    if softmax_topk:
+        top, chosen = jax.lax.top_k(logits, top_k)
+        return jax.nn.softmax(top, axis=-1), chosen
+    weights, chosen = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
     return (weights / weights.sum(axis=-1, keepdims=True) if renormalize else weights), chosen
 
 
 class SparseMoE(nn.Module):
-    """A mixture-of-experts MLP (Qwen3-MoE, Mixtral), named as Qwen3-MoE's HF modules: the router
-    `gate` and the `experts` (`route` with `norm_topk_prob`). The routing weights are rounded to
-    the model dtype (as Qwen3-MoE's) and applied before each expert's down projection. Shapes are
-    static whatever the routing, and each token's output depends on its own row only (padding
-    rows change nothing). Grouped products on TPU, every expert on CPU and GPU (every_expert)."""
+    """A mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss), named as Qwen3-MoE's HF modules: the
+    router `gate` and the `experts` (`route` with `norm_topk_prob` and `softmax_topk`). The routing
+    weights are rounded to the model dtype (as Qwen3-MoE's) and applied before each expert's down
+    projection (and to its bias: `use_bias`, on the router and the experts). Shapes are static
+    whatever the routing, and each token's output depends on its own row only (padding rows change
+    nothing). Grouped products on TPU, every expert on CPU and GPU (every_expert)."""
     num_experts: int
     top_k: int
     intermediate_size: int
     norm_topk_prob: bool
-    activation: Callable[[Any], Any] = nn.silu
+    glu: Callable[[Any, Any], Any] = gated(nn.silu)   # (gate, up) -> h: experts_product
     dtype: jnp.dtype = jnp.float32
     mesh: Any = None   # an engine step's: its "model" axis splits each expert's intermediate dim
+    use_bias: bool = False
+    softmax_topk: bool = False
 
     @nn.compact
     def __call__(self, x):
         lead, hidden = x.shape[:-1], x.shape[-1]
         x = x.reshape(-1, hidden).astype(self.dtype)
-        weights, chosen = route(Linear(self.num_experts, False, self.dtype, name="gate")(x), self.top_k,
-                                self.norm_topk_prob)
-        experts = Experts(self.num_experts, self.intermediate_size, self.dtype, name="experts")(hidden)
+        weights, chosen = route(Linear(self.num_experts, self.use_bias, self.dtype, name="gate")(x), self.top_k,
+                                self.norm_topk_prob, self.softmax_topk)
+        weights = weights.astype(self.dtype)
+        experts = Experts(self.num_experts, self.intermediate_size, self.dtype, self.use_bias, name="experts")(hidden)
+        down_bias = experts.pop("down_proj_bias", None)
 
         def run(*args):
-            every = functools.partial(every_expert, activation=self.activation)
+            every = functools.partial(every_expert, glu=self.glu)
             return jax.lax.platform_dependent(*args, cpu=every, cuda=every,
-                                              default=functools.partial(grouped_experts, activation=self.activation))
+                                              default=functools.partial(grouped_experts, glu=self.glu))
         tp = 1 if self.mesh is None else self.mesh.shape["model"]
         if tp > 1 and self.intermediate_size % tp == 0:   # split as parallel.LOGICAL_RULES splits "mlp"
             # Each device's share of every expert gives partial sums, reduced once a token's k rows
             # are summed: [T, hidden] over the links. Left to XLA, the grouped product's [T * k,
             # hidden] rows were all-reduced (Qwen3-30B-A3B at TP 4 on v6e: 8x the bytes).
-            wide, narrow = P(None, "model", None), P(None, None, "model")
+            split = {"gate_proj": P(None, "model", None), "up_proj": P(None, "model", None),
+                     "down_proj": P(None, None, "model"), "gate_proj_bias": P(None, "model"),
+                     "up_proj_bias": P(None, "model")}
             run = jax.shard_map(lambda *args, local=run: jax.lax.psum(local(*args), "model"), mesh=self.mesh,
-                                in_specs=(P(), P(), P(), wide, wide, narrow), out_specs=P(), axis_names={"model"},
-                                check_vma=False)
-        return run(x, weights.astype(self.dtype), chosen, *experts).reshape(*lead, hidden)
+                                in_specs=(P(), P(), P(), {k: split[k] for k in experts}), out_specs=P(),
+                                axis_names={"model"}, check_vma=False)
+        out = run(x, weights, chosen, experts)
+        if down_bias is not None:   # once, not once per device: each routed expert's, by its weight
+            out = out + (weights[..., None] * down_bias[chosen]).sum(axis=1)
+        return out.reshape(*lead, hidden)
 
 
 def rope_from_hf(hf: dict[str, Any], rope: dict[str, Any] | None = None) -> tuple[float, RopeScaling]:

@@ -3,7 +3,8 @@ the llama_variants), in one Flax implementation.
 
 The architectures differ only in configuration, read here from their config.json: RoPE
 scaling, GQA/MQA head counts, per-layer sliding windows, q/k/v biases, tied embeddings,
-q/k norms, layers without RoPE (NoPE) and a head_dim that is not hidden_size / heads (Qwen3).
+q/k norms, layers without RoPE (NoPE), attention sinks (gpt-oss) and a head_dim that is not
+hidden_size / heads (Qwen3).
 Parameter names and shapes follow Hugging Face's (`model.layers_3.self_attn.q_proj.weight` is
 `model.layers.3.self_attn.q_proj.weight`, [out, in]), so loading is a rename (`hf_tensor`).
 The attention module serves the LayerNorm decoder too (models/layernorm_decoder.py): fused per-head
@@ -22,8 +23,8 @@ from jaxserve import attention
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache
 from jaxserve.matmul import matmul_t
-from jaxserve.models.layers import (ACTIVATIONS, GatedMLP, Linear, RMSNorm, SparseMoE, apply_rope, rope_frequencies,
-                                    rope_from_hf)
+from jaxserve.models.layers import (ACTIVATIONS, GatedMLP, Linear, RMSNorm, SparseMoE, apply_rope, experts_product,
+                                    rope_frequencies, rope_from_hf)
 
 
 def _config(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelConfig:
@@ -180,9 +181,11 @@ class Attention(nn.Module):
         if alibi is None and not c.learned_positions and self.layer not in c.nope_layers:
             inv_freq, scale = rope_frequencies(c, local=c.sliding_windows[self.layer] is not None)
             q, k = (apply_rope(x, positions, jnp.asarray(inv_freq), scale, c.rope_interleaved) for x in (q, k))
+        sinks = self.param("sinks", nn.initializers.zeros, (c.num_heads,), self.dtype) if c.attn_sinks else None
         out, layer_kv = attention.attend(
             q, k, v, layer_kv, meta, sliding_window=c.sliding_windows[self.layer],
-            sm_scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim), soft_cap=c.attn_soft_cap, alibi_slopes=alibi)
+            sm_scale=c.attn_scale or 1.0 / math.sqrt(c.head_dim), soft_cap=c.attn_soft_cap, alibi_slopes=alibi,
+            sinks=sinks)
         out = dense(c.hidden_size, c.o_bias, name="o_proj")(out.reshape(*lead, -1))
         return out, layer_kv
 
@@ -203,10 +206,10 @@ class DecoderLayer(nn.Module):
             return norm(name)(x) if c.pre_norms else x
         h, layer_kv = Attention(c, self.layer, self.dtype, name="self_attn")(
             pre_norm("input_layernorm", x), positions, layer_kv, meta)
-        if self.layer in c.moe_layers:   # Qwen3-MoE, Mixtral (models/moe.py)
+        if self.layer in c.moe_layers:   # Qwen3-MoE, Mixtral, OLMoE (models/moe.py), gpt-oss (models/gpt_oss.py)
             mesh = getattr(meta and meta.kv_sharding, "mesh", None)   # None inside sequence-parallel shard_map
             mlp = SparseMoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
-                            ACTIVATIONS[c.hidden_act], self.dtype, mesh, name="mlp")
+                            experts_product(c), self.dtype, mesh, c.moe_bias, c.moe_softmax_topk, name="mlp")
         else:
             mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, ACTIVATIONS[c.hidden_act], self.dtype,
                            name="mlp")

@@ -17,6 +17,16 @@ from typing import Any
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama, olmo2
 
+
+@dataclasses.dataclass(frozen=True)
+class Interleaved:
+    """Where a stacked expert param lies in a fused HF tensor whose rows alternate between params
+    (in jaxserve's layout: axis 1, each expert's output rows or bias entries): the rows `index`,
+    `index + parts`, ... (gpt-oss's gate_up_proj: gate, up, gate, up, ...). registry.hf_tensor's rows."""
+    index: int
+    parts: int = 2
+
+
 MIXTRAL_NAMES = {"mlp": "block_sparse_moe", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 

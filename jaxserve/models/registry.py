@@ -5,11 +5,13 @@ A family lives in one file of `jaxserve/models/` and brings four things, gathere
   * `module`: the Flax module class, built as `module(cfg, dtype)`;
   * `hf_tensor`: (Flax param path, ModelConfig) -> (HF tensor name, rows), rows (start, stop)
     along the HF tensor's first axis when the param is part of a fused tensor (Phi-3's qkv_proj
-    and MPT's Wqkv hold q, k and v), else None (checkpoint loading and save_pretrained); a tuple
-    of names for a param stacked from several tensors along its first axis (MoE experts);
+    and MPT's Wqkv hold q, k and v), a moe.Interleaved when its rows alternate with another
+    param's in it (gpt-oss's gate_up_proj), else None (checkpoint loading and save_pretrained); a
+    tuple of names for a param stacked from several tensors along its first axis (MoE experts);
   * `param_axes`: param path suffix -> logical axes (parallel.py maps them to mesh axes);
   * `conv1d`: the checkpoint stores its projections' weights [in, out] (GPT-2's Conv1D), so
-    they are read and written transposed (`stored_transposed`).
+    they are read and written transposed (`stored_transposed`); `experts_transposed`: its
+    stacked experts' weights [experts, in, out] (gpt-oss's).
 Adding a family is one file in `models/` and its entries below; nothing outside `models/` changes.
 """
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import (bloom, cohere, gemma, glm, gpt2, gpt_neox, gptj, llama, llama_variants, moe, mpt, olmo2,
-                             phi, phi3, stablelm, starcoder2)
+from jaxserve.models import (bloom, cohere, gemma, glm, gpt2, gpt_neox, gpt_oss, gptj, llama, llama_variants, moe,
+                             mpt, olmo2, phi, phi3, stablelm, starcoder2)
 from jaxserve.models.layernorm_decoder import PARAM_AXES as LAYERNORM_AXES, LayerNormForCausalLM
 from jaxserve.models.layers import ACTIVATIONS
 
@@ -31,9 +33,11 @@ class Architecture:
     # (config.json dict, the fields every HF config spells alike) -> ModelConfig
     parse_config: Callable[[dict[str, Any], dict[str, Any]], ModelConfig]
     module: type[nn.Module]
-    hf_tensor: Callable[[tuple[str, ...], ModelConfig], tuple[str | tuple[str, ...], tuple[int, int] | None]]
+    hf_tensor: Callable[[tuple[str, ...], ModelConfig],
+                        tuple[str | tuple[str, ...], tuple[int, int] | moe.Interleaved | None]]
     param_axes: dict[tuple[str, ...], tuple[str, ...]]
     conv1d: bool = False
+    experts_transposed: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -57,6 +61,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                                           LAYERNORM_AXES),
     "GlmForCausalLM": Architecture(glm.glm_config, llama.LlamaForCausalLM, glm.hf_tensor, llama.PARAM_AXES),
     "Glm4ForCausalLM": Architecture(glm.glm4_config, llama.LlamaForCausalLM, glm.hf_tensor, llama.PARAM_AXES),
+    "GptOssForCausalLM": Architecture(gpt_oss.gpt_oss_config, llama.LlamaForCausalLM, gpt_oss.hf_tensor,
+                                      gpt_oss.PARAM_AXES, experts_transposed=True),
     "GPTJForCausalLM": Architecture(gptj.gptj_config, LayerNormForCausalLM, gptj.hf_tensor, LAYERNORM_AXES),
     "GPTNeoXForCausalLM": Architecture(gpt_neox.gpt_neox_config, LayerNormForCausalLM, gpt_neox.hf_tensor,
                                        LAYERNORM_AXES),
@@ -135,9 +141,13 @@ def architecture(name: str) -> Architecture:
 
 
 def stored_transposed(cfg: ModelConfig, keys: tuple[str, ...], ndim: int) -> bool:
-    """Whether the checkpoint holds the param at `keys` transposed: a projection's weight (not the
-    LM head, a Linear) of a `conv1d` architecture."""
-    return architecture(cfg.architecture).conv1d and keys[-1] == "weight" and ndim == 2 and "lm_head" not in keys
+    """Whether the checkpoint holds the param at `keys` with its last two axes swapped: a
+    projection's weight (not the LM head, a Linear) of a `conv1d` architecture, the stacked
+    experts' weights (not their biases) of an `experts_transposed` one."""
+    arch = architecture(cfg.architecture)
+    if keys[-2:-1] == ("experts",):
+        return arch.experts_transposed and ndim == 3
+    return arch.conv1d and keys[-1] == "weight" and ndim == 2 and "lm_head" not in keys
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
