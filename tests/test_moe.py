@@ -31,6 +31,19 @@ QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_mo
                      moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                      torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645)
 
+# gpt-oss-20b's config.json as on the Hub (rope_scaling beside rope_theta, as written by transformers 4.55).
+GPT_OSS_20B = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", attention_bias=True, eos_token_id=200002,
+                   experts_per_token=4, head_dim=64, hidden_act="silu", hidden_size=2880, initial_context_length=4096,
+                   intermediate_size=2880, layer_types=["sliding_attention", "full_attention"] * 12,
+                   max_position_embeddings=131072, num_attention_heads=64, num_experts_per_tok=4, num_hidden_layers=24,
+                   num_key_value_heads=8, num_local_experts=32, pad_token_id=199999, rms_norm_eps=1e-05,
+                   quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+                       "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+                   rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                                 "rope_type": "yarn", "truncate": False},
+                   rope_theta=150000, sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False, vocab_size=201088,
+                   torch_dtype="bfloat16")
+
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
@@ -78,6 +91,30 @@ def test_config_reads_moe_layers():
     assert c.moe_layers == (1, 5) and c.qk_norm   # every 2nd layer, not 3
 
 
+def test_gpt_oss_20b_config_reads_as_transformers_reads_it(tmp_path):
+    """gpt-oss-20b's config.json: windows, experts, the YaRN frequencies (untruncated) and their
+    attention factor, and the parameter count of transformers' model (built on the meta device)
+    cut to two layers (suite time), one of each type."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_20B))
+    hf = tf.AutoConfig.from_pretrained(str(tmp_path))
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    assert cfg.sliding_windows == tuple(128 if t == "sliding_attention" else None for t in hf.layer_types)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.moe_layers) == (32, 4, 2880,
+                                                                                                    tuple(range(24)))
+    assert (cfg.head_dim, cfg.num_kv_heads, cfg.swiglu_alpha, cfg.swiglu_limit) == (64, 8, 1.702, 7.0)
+    assert cfg.qkv_bias and cfg.o_bias and cfg.attn_sinks and cfg.moe_bias and cfg.moe_softmax_topk
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    ours, scale = layers.rope_frequencies(cfg)
+    np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=1e-6)
+    assert scale == pytest.approx(factor, rel=1e-12) and not cfg.rope_scaling.truncate
+    two = {**GPT_OSS_20B, "num_hidden_layers": 2, "layer_types": GPT_OSS_20B["layer_types"][:2]}
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(type(hf).from_dict(two))
+    assert ModelConfig.from_hf_dict(two).num_params == sum(p.numel() for p in model.parameters())
+
+
 @pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
 def test_engine_greedy_matches_transformers(name, checkpoints):
     model_dir, expected = checkpoints[name]
@@ -97,10 +134,12 @@ def test_tensor_parallel_matches_transformers(checkpoints):
     assert tensor_parallel_tokens({"gpt_oss": model_dir}) == {'gpt_oss@{"model": 2}': expected}
 
 
-def test_flops_count_active_experts_and_bytes_all(checkpoints):
+@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_moe"])
+def test_flops_count_active_experts_and_bytes_all(name, checkpoints):
     """The roofline's per-token FLOPs from the parameters a token meets in transformers' model
-    (each MoE layer's experts by the share it is routed to); weight bytes: every parameter."""
-    model_dir = checkpoints["qwen3_moe"][0]
+    (each MoE layer's experts, gpt-oss's biases too, by the share it is routed to); weight bytes:
+    every parameter."""
+    model_dir = checkpoints[name][0]
     hf = tf.AutoModelForCausalLM.from_pretrained(model_dir)
     cfg = ModelConfig.from_pretrained(model_dir)
     share = cfg.num_experts_per_tok / cfg.num_experts
