@@ -72,7 +72,7 @@ def _kernel(kv_block_ref, full_ref, count_ref, q_ref, k_ref, v_ref, q_seg_ref, k
 
     @pl.when(j == nk - 1)
     def _finish():
-        l, acc = l_ref[...], acc_ref[...]
+        acc, l = acc_ref[...], l_ref[...]
         if sinks:
             l, alpha = add_sink(m_ref[...], l, sink_ref[h])
             acc = acc * _lanes(alpha, acc.shape[1])

@@ -145,12 +145,11 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
 
     lax.while_loop(lambda carry: carry[0] < s_end, step, (s0, c0, jnp.int32(0)))
 
-    l, acc = l_ref[...], acc_ref[...]
-    if sinks:
+    l, alpha = l_ref[...], 1.0
+    if sinks:   # the output is acc * alpha / l
         l, alpha = add_sink(m_ref[...], l, sink_ref[...])
-        acc = acc * _lanes(alpha, acc.shape[1])
-    inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)  # rows with no keys (padding) -> 0
-    o_ref[...] = (acc * _lanes(inv, acc.shape[1])).astype(o_ref.dtype)
+    inv = jnp.where(l > 0, alpha / jnp.where(l > 0, l, 1.0), 0.0)  # rows with no keys (padding) -> 0
+    o_ref[...] = (acc_ref[...] * _lanes(inv, acc_ref.shape[1])).astype(o_ref.dtype)
 
 
 def _scale_row(buf, slot, page_size, kv0, kv_end, chunk):
