@@ -5,9 +5,13 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import yaml
+
+if TYPE_CHECKING:   # the families' own option types (their modules import this one)
+    from jaxserve.models.mla import LatentDims
+    from jaxserve.models.routing import Routing
 
 
 QUANTIZATION_MODES = ("int8", "int4", "int4_asym", "fp8", "w8a8")   # weight-only, int4_asym with zero points; w8a8 int8 x int8 (jaxserve/quantization.py)
@@ -112,6 +116,10 @@ class ModelConfig:
     moe_softmax_topk: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
+    # DeepSeek: latent attention with its sizes (models/mla.py), its routing (routing.py), shared experts' width.
+    mla: LatentDims | None = None
+    moe_routing: Routing | None = None
+    moe_shared_intermediate_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"

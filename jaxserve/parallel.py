@@ -45,6 +45,7 @@ LOGICAL_RULES = {
     "mlp": "model",
     "experts": None,      # MoE: every device holds every expert, its share of each one's "mlp" dim
     "head_dim": None,
+    "latent": None,       # DeepSeek's compressed q and KV (models/mla.py): every device holds them whole
     "positions": None,    # a learned position table (GPT-2): every device holds it whole
     "pages": None,
     "page_slots": None,

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve import lora, quantization
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.matmul import matmul_t
+from jaxserve.models.routing import Routing, route
 
 ROPE_KINDS = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 # HF `hidden_act` / `hidden_activation` names of the MLPs' activations.
@@ -197,25 +198,16 @@ def every_expert(x, weights, chosen, experts: dict, glu):
     return jax.lax.dot_general(h, down, (((2,), (2,)), ((1,), (0,)))).sum(axis=0)   # [E, T, H] summed
 
 
-def route(logits, top_k: int, renormalize: bool, softmax_topk: bool = False):
-    """(weights, experts) [T, top_k] of router logits [T, E], as transformers routes: softmax
-    over all experts in float32, the top k, divided by their sum with `renormalize`; with
-    `softmax_topk` (gpt-oss) the top k logits, softmaxed among themselves."""
-    logits = logits.astype(jnp.float32)
-    if softmax_topk:
-        top, chosen = jax.lax.top_k(logits, top_k)
-        return jax.nn.softmax(top, axis=-1), chosen
-    weights, chosen = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
-    return (weights / weights.sum(axis=-1, keepdims=True) if renormalize else weights), chosen
-
-
 class SparseMoE(nn.Module):
-    """A mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss), named as Qwen3-MoE's HF modules: the
-    router `gate` and the `experts` (`route` with `norm_topk_prob` and `softmax_topk`). The routing
+    """A mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek), named as Qwen3-MoE's HF modules:
+    the router `gate` and the `experts` (routing.route with `norm_topk_prob`, `softmax_topk` and
+    DeepSeek's `routing`, whose selection bias is the param `e_score_correction_bias`). The routing
     weights are rounded to the model dtype (as Qwen3-MoE's) and applied before each expert's down
-    projection (and to its bias: `use_bias`, on the router and the experts). Shapes are static
-    whatever the routing, and each token's output depends on its own row only (padding rows change
-    nothing). Grouped products on TPU, every expert on CPU and GPU (every_expert)."""
+    projection (and to its bias: `use_bias`, on the router and the experts). With
+    `shared_intermediate_size` (DeepSeek) a dense MLP of that width, `shared_experts`, adds its
+    output for every token. Shapes are static whatever the routing, and each token's output depends
+    on its own row only (padding rows change nothing). Grouped products on TPU, every expert on CPU
+    and GPU (every_expert)."""
     num_experts: int
     top_k: int
     intermediate_size: int
@@ -225,13 +217,19 @@ class SparseMoE(nn.Module):
     mesh: Any = None   # an engine step's: its "model" axis splits each expert's intermediate dim
     use_bias: bool = False
     softmax_topk: bool = False
+    routing: Routing | None = None
+    shared_intermediate_size: int = 0
+    activation: Callable[[Any], Any] = nn.silu   # the shared MLP's
 
     @nn.compact
     def __call__(self, x):
         lead, hidden = x.shape[:-1], x.shape[-1]
         x = x.reshape(-1, hidden).astype(self.dtype)
-        weights, chosen = route(Linear(self.num_experts, self.use_bias, self.dtype, name="gate")(x), self.top_k,
-                                self.norm_topk_prob, self.softmax_topk)
+        routing = self.routing or Routing()
+        bias = (self.param("e_score_correction_bias", nn.initializers.zeros, (self.num_experts,), jnp.float32)
+                if routing.selection_bias else None)
+        logits = Linear(self.num_experts, self.use_bias, jnp.float32 if self.routing else self.dtype, name="gate")(x)
+        weights, chosen = route(logits, self.top_k, self.norm_topk_prob, self.softmax_topk, routing, bias)
         weights = weights.astype(self.dtype)
         experts = Experts(self.num_experts, self.intermediate_size, self.dtype, self.use_bias, name="experts")(hidden)
         down_bias = experts.pop("down_proj_bias", None)
@@ -254,6 +252,9 @@ class SparseMoE(nn.Module):
         out = run(x, weights, chosen, experts)
         if down_bias is not None:   # once, not once per device: each routed expert's, by its weight
             out = out + (weights[..., None] * down_bias[chosen]).sum(axis=1)
+        if self.shared_intermediate_size:
+            out = out + GatedMLP(hidden, self.shared_intermediate_size, False, self.activation, self.dtype,
+                                 name="shared_experts")(x)
         return out.reshape(*lead, hidden)
 
 

@@ -25,6 +25,7 @@ from jaxserve.kv_cache import KVCache
 from jaxserve.matmul import matmul_t
 from jaxserve.models.layers import (ACTIVATIONS, GatedMLP, Linear, RMSNorm, SparseMoE, apply_rope, experts_product,
                                     rope_frequencies, rope_from_hf)
+from jaxserve.models.mla import LatentAttention
 
 
 def _config(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelConfig:
@@ -204,12 +205,14 @@ class DecoderLayer(nn.Module):
 
         def pre_norm(name, x):   # OLMo 2 has none
             return norm(name)(x) if c.pre_norms else x
-        h, layer_kv = Attention(c, self.layer, self.dtype, name="self_attn")(
+        attn = Attention if c.mla is None else LatentAttention   # DeepSeek's (models/mla.py)
+        h, layer_kv = attn(c, self.layer, self.dtype, name="self_attn")(
             pre_norm("input_layernorm", x), positions, layer_kv, meta)
-        if self.layer in c.moe_layers:   # Qwen3-MoE, Mixtral, OLMoE (models/moe.py), gpt-oss (models/gpt_oss.py)
+        if self.layer in c.moe_layers:   # models/moe.py, gpt_oss.py, deepseek.py
             mesh = getattr(meta and meta.kv_sharding, "mesh", None)   # None inside sequence-parallel shard_map
             mlp = SparseMoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
-                            experts_product(c), self.dtype, mesh, c.moe_bias, c.moe_softmax_topk, name="mlp")
+                            experts_product(c), self.dtype, mesh, c.moe_bias, c.moe_softmax_topk, c.moe_routing,
+                            c.moe_shared_intermediate_size, ACTIVATIONS[c.hidden_act], name="mlp")
         else:
             mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, ACTIVATIONS[c.hidden_act], self.dtype,
                            name="mlp")

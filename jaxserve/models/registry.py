@@ -22,8 +22,8 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import (bloom, cohere, gemma, glm, gpt2, gpt_neox, gpt_oss, gptj, llama, llama_variants, moe,
-                             mpt, olmo2, phi, phi3, stablelm, starcoder2)
+from jaxserve.models import (bloom, cohere, deepseek, gemma, glm, gpt2, gpt_neox, gpt_oss, gptj, llama, llama_variants,
+                             moe, mpt, olmo2, phi, phi3, stablelm, starcoder2)
 from jaxserve.models.layernorm_decoder import PARAM_AXES as LAYERNORM_AXES, LayerNormForCausalLM
 from jaxserve.models.layers import ACTIVATIONS
 
@@ -44,6 +44,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "BloomForCausalLM": Architecture(bloom.bloom_config, LayerNormForCausalLM, bloom.hf_tensor, LAYERNORM_AXES),
     "CohereForCausalLM": Architecture(cohere.cohere_config, LayerNormForCausalLM, llama.hf_tensor, LAYERNORM_AXES),
     "Cohere2ForCausalLM": Architecture(cohere.cohere2_config, LayerNormForCausalLM, llama.hf_tensor, LAYERNORM_AXES),
+    "DeepseekV2ForCausalLM": Architecture(deepseek.deepseek_v2_config, llama.LlamaForCausalLM, deepseek.hf_tensor,
+                                          deepseek.PARAM_AXES),
+    "DeepseekV3ForCausalLM": Architecture(deepseek.deepseek_v3_config, llama.LlamaForCausalLM, deepseek.hf_tensor,
+                                          deepseek.PARAM_AXES),
     "Ernie4_5ForCausalLM": Architecture(llama_variants.ernie4_5_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                         llama.PARAM_AXES),
     "Exaone4ForCausalLM": Architecture(llama_variants.exaone4_config, llama.LlamaForCausalLM, llama.hf_tensor,
