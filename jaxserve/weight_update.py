@@ -27,6 +27,7 @@ from safetensors.numpy import load_file
 from jaxserve import quantization as quant
 from jaxserve.checkpoint import has_tensor, param_shapes, saved_quantization
 from jaxserve.config import ModelConfig
+from jaxserve.models.moe import Interleaved
 from jaxserve.models.registry import architecture, stored_transposed
 from jaxserve.sleep_mode import require_awake
 
@@ -36,11 +37,11 @@ CLASSIFIER = "score.weight"   # a sequence classifier's head
 
 class Target(NamedTuple):
     keys: tuple[str, ...]                  # the param's path in the full-precision tree
-    rows: tuple[int, int] | None           # its rows of a fused tensor
+    rows: tuple[int, int] | Interleaved | None   # its rows of a fused tensor (every parts-th of each expert's)
     expert: int | None                     # its slice of a stacked param
     shape: tuple[int | None, ...]          # the tensor's (a fused one's first dim: None, at least rows[1])
     dtype: Any
-    transposed: bool                       # the tensor is the param's transpose (GPT-2's Conv1D)
+    transposed: bool                       # the tensor is the param's, last two axes swapped (GPT-2's Conv1D)
 
 
 def targets(cfg: ModelConfig, dtype) -> dict[str, list[Target]]:
@@ -53,7 +54,10 @@ def targets(cfg: ModelConfig, dtype) -> dict[str, list[Target]]:
         name, rows = hf_tensor(keys, cfg)
         stacked = isinstance(name, tuple)
         shape = tuple(spec.shape[1:] if stacked else spec.shape)
-        shape = shape if rows is None else (None, *shape[1:])
+        if isinstance(rows, Interleaved):   # gpt-oss's gate_up_proj: all of it, the other param's rows too
+            shape = (shape[0], shape[1] * rows.parts, *shape[2:])
+        elif rows is not None:
+            shape = (None, *shape[1:])
         for e, n in enumerate(name if stacked else (name,)):
             out.setdefault(n, []).append(Target(keys, rows, e if stacked else None, shape, spec.dtype,
                                                 stored_transposed(cfg, keys, len(spec.shape))))
@@ -90,8 +94,9 @@ def check(weights: list[tuple[str, Any]], by_name: dict[str, list[Target]]) -> N
         if name not in by_name:
             raise ValueError(f"no parameter of this model is loaded from a tensor named {name!r}")
         for t in by_name[name]:
-            shape = tuple(np.shape(tensor))[::-1 if t.transposed else 1]
-            fits = (shape == t.shape if t.rows is None
+            shape = tuple(np.shape(tensor))
+            shape = (*shape[:-2], *shape[-2:][::-1]) if t.transposed else shape
+            fits = (shape == t.shape if t.rows is None or isinstance(t.rows, Interleaved)
                     else len(shape) == len(t.shape) and shape[0] >= t.rows[1] and shape[1:] == t.shape[1:])
             if not fits:
                 want = t.shape if t.rows is None else f"(at least {t.rows[1]}, {', '.join(map(str, t.shape[1:]))})"
@@ -109,8 +114,12 @@ def load_weights(params: dict, weights: Iterable[tuple[str, Any]], cfg: ModelCon
     for name, tensor in weights:
         x = as_array(tensor)
         for t in by_name[name]:
-            y = x.T if t.transposed else x
-            _put(params, t, (y if t.rows is None else y[t.rows[0]:t.rows[1]]).astype(t.dtype), quantization)
+            y = x.swapaxes(-1, -2) if t.transposed else x
+            if isinstance(t.rows, Interleaved):
+                y = y[:, t.rows.index::t.rows.parts]
+            elif t.rows is not None:
+                y = y[t.rows[0]:t.rows[1]]
+            _put(params, t, y.astype(t.dtype), quantization)
             if tied_head and t.keys == quant.TIED_EMBEDDING:   # the head is a quantized copy of the table
                 _quantize(params, (quant.HEAD, "weight"), quant.node(params, quant.TIED_EMBEDDING), quantization)
     return len(weights)

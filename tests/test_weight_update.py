@@ -83,7 +83,8 @@ def test_engine_serves_the_new_weights_without_recompiling(tmp_path):
 CASES = [("phi3_fused", "int8", False),       # qkv_proj and gate_up_proj feed three and two params
          ("qwen2_bias_tied", "w8a8", True),   # biases beside quantized Linears; the tied head's quantized copy
          ("qwen3_moe", None, False),          # each expert's tensors into its slice of the stacked params
-         ("gpt2_conv1d", None, False)]        # Conv1D weights, [in, out], transposed into place
+         ("gpt2_conv1d", None, False),        # Conv1D weights, [in, out], transposed into place
+         ("gpt_oss", None, False)]            # fused experts, [E, in, out]: transposed, gate/up de-interleaved
 
 
 def compare_with_the_loader(tmp: str, name: str, quantization: str | None, lm_head: bool, mesh_shape: dict,
