@@ -96,10 +96,11 @@ def check(weights: list[tuple[str, Any]], by_name: dict[str, list[Target]]) -> N
         for t in by_name[name]:
             shape = tuple(np.shape(tensor))
             shape = (*shape[:-2], *shape[-2:][::-1]) if t.transposed else shape
-            fits = (shape == t.shape if t.rows is None or isinstance(t.rows, Interleaved)
+            whole = t.rows is None or isinstance(t.rows, Interleaved)   # the tensor's shape is t.shape
+            fits = (shape == t.shape if whole
                     else len(shape) == len(t.shape) and shape[0] >= t.rows[1] and shape[1:] == t.shape[1:])
             if not fits:
-                want = t.shape if t.rows is None else f"(at least {t.rows[1]}, {', '.join(map(str, t.shape[1:]))})"
+                want = t.shape if whole else f"(at least {t.rows[1]}, {', '.join(map(str, t.shape[1:]))})"
                 raise ValueError(f"tensor {name!r} has shape {shape}, expected {want}")
 
 
