@@ -145,15 +145,16 @@ def paged_attention(q, kv: LayerKV, meta: AttentionMetadata, *, sliding_window, 
     interpret = (meta.platform or jax.default_backend()) == "cpu"
     kernel = importlib.import_module(f"pallas_kernels.paged_attention.{kernels}")
     paged = functools.partial(_paged_kernel, kernel.ragged_paged_attention, **kwargs, interpret=interpret)
-    head_axis = _kv_head_axis(meta.kv_sharding)
-    heads = P(None, head_axis, None)
-    pools = jax.tree.map(lambda x: P(None, head_axis, *(None,) * (x.ndim - 2)), kv)   # pages and scales
+    kv_axis = _kv_head_axis(meta.kv_sharding)
+    head_axis = kv_axis or _query_head_axis(meta.kv_sharding, q.shape[1], kv.k.shape[1])
+    heads, kv_heads = P(None, head_axis, None), P(None, kv_axis, None)
+    pools = jax.tree.map(lambda x: P(None, kv_axis, *(None,) * (x.ndim - 2)), kv)   # pages and scales
     args, specs = (q, kv, *tables), (heads, pools, P(), P(), P())
     flash = None
     if _flash_fits(meta, q, k, interpret):
         flash = importlib.import_module(f"pallas_kernels.flash_attention.{kernels}").flash_attention
         flash = functools.partial(flash, interpret=interpret, **kwargs)
-        args, specs = args + (k, v), specs + (heads, heads)
+        args, specs = args + (k, v), specs + (kv_heads, kv_heads)
     call = functools.partial(_pallas_rows, paged=paged, flash=flash, num_prefill_rows=meta.num_prefill_rows,
                              max_q=meta.max_q, decode_q=meta.decode_q)
     per_head = {name: x.astype(jnp.float32) for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks))
@@ -163,9 +164,10 @@ def paged_attention(q, kv: LayerKV, meta: AttentionMetadata, *, sliding_window, 
         call = functools.partial(_per_head_last, call, tuple(per_head))
     if head_axis is None or not hasattr(meta.kv_sharding, "mesh"):   # inside shard_map: XLA partitions
         return call(*args)
-    # Tensor parallelism with KV heads split: XLA cannot partition a Pallas call (it would
-    # gather the whole cache to every device), so each device runs the kernels on its own KV
-    # heads and their query heads; a group never straddles devices since both split evenly.
+    # Tensor parallelism: XLA cannot partition a Pallas call (it would gather the whole cache to
+    # every device), so each device runs the kernels on its own KV heads and their query heads;
+    # a group never straddles devices since both split evenly. One replicated KV head
+    # (multi-query: MQA, DeepSeek's latent attention) serves every device's query heads.
     return jax.shard_map(call, mesh=meta.kv_sharding.mesh, in_specs=specs, out_specs=heads,
                          check_vma=False)(*args)
 
@@ -272,6 +274,15 @@ def _emptied(seq_lens, qsl, n):
     """seq_lens and query_start_loc with rows [0, n) left without tokens or KV (n may be traced)."""
     rows = jnp.arange(qsl.shape[0])
     return jnp.where(rows[:-1] < n, 0, seq_lens), jnp.where(rows < n, qsl[n], qsl)
+
+
+def _query_head_axis(kv_sharding, num_heads: int, num_kv_heads: int):
+    """The mesh axis the query heads are split over when the pools are replicated: "model" (as
+    parallel.LOGICAL_RULES splits heads) when the pools hold one KV head, which every query head
+    reads, and the heads divide it; else None (more KV heads than one, replicated: the kernels see
+    all query heads)."""
+    size = dict(getattr(getattr(kv_sharding, "mesh", None), "shape", {})).get("model", 1)
+    return "model" if num_kv_heads == 1 and size > 1 and num_heads % size == 0 else None
 
 
 def _kv_head_axis(kv_sharding):

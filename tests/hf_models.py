@@ -149,8 +149,8 @@ MOE_CONFIGS = {
         num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3, kv_lora_rank=32, q_lora_rank=24,
         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
         topk_group=2, n_shared_experts=1, moe_intermediate_size=24, first_k_dense_replace=1,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.8,
-                         "original_max_position_embeddings": 128},
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 0.8, "original_max_position_embeddings": 128},
         eos_token_id=None, bos_token_id=None, pad_token_id=0)),
     # DeepSeek-V2-Lite's shape: q_proj without a bottleneck; softmax scores, group-limited (V2's and
     # V2.5's topk_method), not renormalized, scaled; 2 shared experts; q/k latent and o biases (spread below).
@@ -198,8 +198,8 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0, auto_class=tf.AutoMode
             for layer in model.model.layers[1:]:
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
     if name in ("deepseek_v3", "deepseek_v2_lite", "gpt_oss", "gpt_neox_parallel", "phi_partial", "starcoder2_window",
-                "gpt_bigcode_mqa", "gpt2_conv1d", "gptj_interleaved", "glm_interleaved", "glm4_sandwich", "olmo3_window", "smollm3_nope",
-                "seed_oss_bias", "helium_interleaved", "ernie4_5_bias", "exaone4_nope", "stablelm_parallel",
+                "gpt_bigcode_mqa", "gpt2_conv1d", "gptj_interleaved", "glm_interleaved", "glm4_sandwich", "olmo3_window",
+                "smollm3_nope", "seed_oss_bias", "helium_interleaved", "ernie4_5_bias", "exaone4_nope", "stablelm_parallel",
                 "cohere_parallel", "cohere2_window_nope"):
         # norms start at (1, 0), biases at 0: make them matter
         with torch.no_grad():

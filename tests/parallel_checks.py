@@ -51,6 +51,7 @@ def hf_config(num_kv_heads: int, qkv_bias: bool, tied: bool) -> dict:
 CONFIGS = {
     "even": hf_config(8, qkv_bias=True, tied=False),   # every head count divides TP 2, 4, 8
     "gqa2": hf_config(2, qkv_bias=False, tied=True),   # 2 kv heads: replicated K/V under TP 4
+    "mqa": hf_config(1, qkv_bias=False, tied=False),   # 1 kv head (as DeepSeek's latent): replicated, q heads split
     # ALiBi (BLOOM), 8 heads of 16: under TP each device's kernels take their heads' slopes.
     "alibi": {"architectures": ["BloomForCausalLM"], "vocab_size": 256, "hidden_size": 128, "n_layer": 2,
               "n_head": 8},
@@ -309,7 +310,8 @@ CHECKS = {
     # here with the TPU kernels. Interpret-mode Mosaic GPU under TP ran past 40 minutes on the
     # 2-core CI box; the GPU kernels' numerics are checked on their own (test_gpu_kernels.py).
     "pallas_tp": lambda _: check_generate([("even", {"model": 2}, False, "pallas_tpu"),
-                                           ("alibi", {"model": 2}, False, "pallas_tpu")]),
+                                           ("alibi", {"model": 2}, False, "pallas_tpu"),
+                                           ("mqa", {"model": 2}, False, "pallas_tpu")]),
     "hlo": lambda _: check_hlo(),
     "param_bytes": lambda _: check_param_bytes(),
 }

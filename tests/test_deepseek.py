@@ -1,0 +1,130 @@
+"""DeepSeek-V2 and V3 beyond the mixtures of experts' parity checks (tests/test_moe.py runs the
+seeded deepseek_v3 and deepseek_v2_lite checkpoints through f32 logits on both expert paths, the
+save round trip and the engine with a prefix hit): the engine's KV pool holds the latent, one KV
+head of kv_lora_rank + qk_rope_head_dim dims; the Hub's config.json files read to transformers'
+softmax scale and RoPE; tensor parallelism; a V3-architecture step compiled for a TPU."""
+import dataclasses
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+
+from jaxserve import LLM, check
+from jaxserve.buckets import Buckets
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.kv_cache import page_bytes_per_chip
+from jaxserve.models.layers import rope_frequencies
+from jaxserve.models.mla import LatentDims
+from jaxserve.models.routing import Routing
+from tests.test_family_engine import ENGINE, save_with_greedy, tensor_parallel_tokens, tp_meshes
+from tests.test_tpu_compile import ROOT, assert_serves, with_ci_layers
+
+YARN_V3 = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+           "original_max_position_embeddings": 4096}
+# config.json of DeepSeek-V3 (R1's is the same), DeepSeek-V2-Lite and Moonlight-16B-A3B as on the Hub
+# (the keys transformers reads).
+DEEPSEEK_V3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280,
+                   hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+                   num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+                   routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                   v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4,
+                   num_experts_per_tok=8, moe_layer_freq=1, first_k_dense_replace=3, norm_topk_prob=True,
+                   scoring_func="sigmoid", rms_norm_eps=1e-6, rope_theta=10000, rope_scaling=YARN_V3,
+                   max_position_embeddings=163840, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1)
+DEEPSEEK_V2_LITE = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400,
+                        hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+                        num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64,
+                        routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                        v_head_dim=128, qk_nope_head_dim=128, topk_method="greedy", n_group=1, topk_group=1,
+                        num_experts_per_tok=6, moe_layer_freq=1, first_k_dense_replace=1, norm_topk_prob=False,
+                        scoring_func="softmax", rms_norm_eps=1e-6, rope_theta=10000,
+                        rope_scaling={**YARN_V3, "mscale": 0.707, "mscale_all_dim": 0.707},
+                        max_position_embeddings=163840, torch_dtype="bfloat16", bos_token_id=100000,
+                        eos_token_id=100001)
+# model_type -> transformers' config, attention and rotary classes
+HF_CLASSES = {"deepseek_v2": (tf.DeepseekV2Config, v2.DeepseekV2Attention, v2.DeepseekV2RotaryEmbedding),
+              "deepseek_v3": (tf.DeepseekV3Config, v3.DeepseekV3Attention, v3.DeepseekV3RotaryEmbedding)}
+MOONLIGHT = dict(DEEPSEEK_V3, vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+                 num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+                 n_routed_experts=64, routed_scaling_factor=2.446, q_lora_rank=None, n_group=1, topk_group=1,
+                 num_experts_per_tok=6, first_k_dense_replace=1, rms_norm_eps=1e-5, rope_theta=50000.0,
+                 rope_scaling=None, max_position_embeddings=8192, bos_token_id=163584, eos_token_id=163585)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
+    out = {}
+    for name in ("deepseek_v2_lite", "deepseek_v3"):
+        d = str(tmp_path_factory.mktemp(name))
+        out[name] = (d, save_with_greedy(name, d))
+    return out
+
+
+def test_v3_config_as_published_and_its_latent_kv_bytes():
+    """DeepSeek-V3: MoE from layer 3, 8 groups of 32 experts (4 kept), sigmoid scores with the
+    selection bias, one shared expert; its KV cache per token and layer, one 576-dim head as K
+    and as V (2.25 KiB in bf16), is 1/35.6 of per-head K/V (128 heads of 192 + 128 dims)."""
+    cfg = ModelConfig.from_hf_dict(DEEPSEEK_V3)
+    assert cfg.mla == LatentDims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                 q_lora_rank=1536)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (128, 1, 576)
+    assert cfg.moe_layers == tuple(range(3, 61)) and cfg.moe_shared_intermediate_size == 2048
+    assert cfg.moe_routing == Routing(sigmoid=True, selection_bias=True, groups=8, topk_groups=4, group_top=2,
+                                      scale=2.5)
+    assert cfg.norm_topk_prob and cfg.rope_interleaved
+    latent = page_bytes_per_chip(cfg, jnp.bfloat16, page_size=1, model_axis=1, tpu=False) // cfg.num_layers
+    per_head = 2 * cfg.num_heads * (128 + 64 + 128)   # bf16 K (nope + rope) and V, every head
+    assert latent == 2 * 576 * 2 == 2304 and per_head == 81920
+
+
+@pytest.mark.parametrize("hf_config", [DEEPSEEK_V3, DEEPSEEK_V2_LITE, MOONLIGHT], ids=["v3", "v2_lite", "moonlight"])
+def test_softmax_scale_and_rope_as_transformers(hf_config):
+    """The softmax scale (YaRN's mscale_all_dim squared over sqrt(192)) and the RoPE frequencies
+    and cos/sin scale of the Hub's configs, as transformers' attention and rotary modules have them."""
+    config_class, attention_class, rotary_class = HF_CLASSES[hf_config["model_type"]]
+    hf_cfg = config_class(**hf_config)
+    with torch.device("meta"):   # the scale only: no weights
+        attn = attention_class(hf_cfg, 0)
+    rotary = rotary_class(hf_cfg)
+    cfg = ModelConfig.from_hf_dict(hf_config)
+    assert cfg.attn_scale == pytest.approx(attn.scaling, rel=1e-12)
+    inv_freq, scale = rope_frequencies(dataclasses.replace(cfg, head_dim=cfg.mla.qk_rope_head_dim))
+    assert np.allclose(inv_freq, rotary.inv_freq.numpy(), rtol=1e-6)
+    assert scale == pytest.approx(rotary.attention_scaling)
+
+
+def test_engine_kv_pool_holds_the_latent(checkpoints):
+    """Every layer's pools: one KV head of kv_lora_rank 32 + qk_rope_head_dim 8."""
+    llm = LLM(model=checkpoints["deepseek_v3"][0], **ENGINE)
+    layers = llm.llm_engine.runner.kv_cache.layers
+    assert len(layers) == 3
+    assert {x.shape for layer in layers for x in (layer.k, layer.v)} == {(ENGINE["num_pages"], 1, 8, 40)}
+
+
+def test_tensor_parallel_matches_transformers(checkpoints):
+    """V2-Lite's shape at TP 2, V3's at TP 4 (one query head a device): the query heads and
+    kv_b_proj split, the latent projections and the one KV head replicated, the experts' and the
+    shared expert's intermediate dims split."""
+    assert tp_meshes(checkpoints) == {"deepseek_v2_lite": {"model": 2}, "deepseek_v3": {"model": 4}}
+    tokens = tensor_parallel_tokens({name: d for name, (d, _) in checkpoints.items()})
+    for case, got in tokens.items():
+        assert got == checkpoints[case.split("@")[0]][1], case
+
+
+def test_moonlight_decode_step_compiles_for_tpu():
+    """Moonlight-16B-A3B (V3's architecture) bf16 at TP 4 on v6e-4, cut to 2 layers (a dense one,
+    an MoE one) with the KV pool sized for all 27: the Pallas TPU paged kernel over the one
+    replicated latent KV head (576 dims in 640 lanes), each chip its 4 query heads (Mosaic refuses
+    a call XLA would partition: attention's shard_map), compiles and fits without whole-pool
+    copies. One shape (suite time): the prefill step compiles too (16 s)."""
+    ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "tiny-cpu.yaml"), mesh={"model": 4})
+    tpu = check.tpu_slice("v6e-4")
+    cfg = with_ci_layers(ModelConfig.from_hf_dict(MOONLIGHT), ecfg, tpu, 4, "moonlight")
+    shapes = [s for s in check.quick_shapes(Buckets(ecfg, platform="tpu").warmup_shapes(False)) if s.name == "decode-8"]
+    report = check.check(ecfg, cfg, tpu, model_name="moonlight", dtype=jnp.bfloat16, shapes=shapes, samplers=False)
+    assert_serves(report, "moonlight (2 layers) on v6e-4")
