@@ -1,5 +1,6 @@
-"""Mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE, gpt-oss) against transformers on seeded
-checkpoints written by its save_pretrained (per-expert tensors as on the Hub; gpt-oss's fused):
+"""Mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE, gpt-oss, DeepSeek-V2 and V3: their latent
+attention and routing, tests/test_deepseek.py) against transformers on seeded checkpoints written by
+its save_pretrained (per-expert tensors as on the Hub; gpt-oss's fused):
 full-sequence logits, the engine's greedy tokens on one device and under tensor parallelism (fake
 CPU devices), the checkpoint written back, the FLOP estimate, what is refused, and an engine step
 of Qwen3-30B-A3B's shapes compiled for a TPU through libtpu."""
