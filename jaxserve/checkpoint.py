@@ -53,12 +53,11 @@ def param_shapes(cfg: ModelConfig, dtype=jnp.float32, quantization: str | None =
 
 
 def _check_quantizable(cfg: ModelConfig, mode: str | None) -> None:
-    """Quantization covers 2-D Linear weights: the stacked expert weights of a mixture of experts
-    would stay in full precision beside quantized attention, so MoE models are refused."""
-    if mode is not None and cfg.num_experts:
-        raise ValueError(f"{cfg.architecture} is a mixture-of-experts model: quantized weights ({mode}, given or "
-                         "pre-quantized in the checkpoint) are not supported for it; serve it unquantized "
-                         "(float32 or bfloat16). Quantization is supported for the dense families.")
+    """A mixture of experts' stacked weights are quantized in quant.EXPERT_MODES only."""
+    if mode is not None and cfg.num_experts and mode not in quant.EXPERT_MODES:
+        raise ValueError(f"{cfg.architecture} is a mixture-of-experts model: its experts cannot be quantized as "
+                         f"{mode} (given or pre-quantized in the checkpoint); quantized experts are "
+                         f"{', '.join(quant.EXPERT_MODES)}")
 
 
 class _Stacked:
@@ -206,8 +205,9 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
             name, rows = hf_tensor(keys, cfg)
             quantize = (quantization or stored) is not None and quant.quantizable(keys, spec, lm_head)
             if quantize and stored:   # read as stored, in jaxserve's layout
-                quant.set_path(params, keys[:-1], _place_stored(stored, lambda n: lazy(n)[:], name, rows, spec,
-                                                                None if shardings is None else quant.node(shardings, keys[:-1])))
+                quant.set_path(params, quant.quantized_node(keys), _place_stored(
+                    stored, lambda n: lazy(n)[:], name, rows, spec,
+                    None if shardings is None else quant.node(shardings, quant.quantized_node(keys))))
                 continue
             tensor = lazy(name, spec.shape)
             if stored_transposed(cfg, keys, len(spec.shape)):
@@ -222,8 +222,9 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
                                  f"{tuple(spec.shape)}" + ("" if rows is None else f" at rows {rows[0]}:{rows[1]}"))
             leaf = _place(tensor, spec, _read_sharding(shardings, keys, quantize), None if rows is None else rows[0])
             if quantize:
-                leaf = quant.quantize_placed(leaf, quantization, None if shardings is None else quant.node(shardings, keys[:-1]))
-            quant.set_path(params, keys[:-1] if quantize else keys, leaf)
+                leaf = quant.quantize_placed(leaf, quantization,
+                                             None if shardings is None else quant.node(shardings, quant.quantized_node(keys)))
+            quant.set_path(params, quant.quantized_node(keys) if quantize else keys, leaf)
     finally:
         open_files.clear()
     if lm_head:
@@ -249,7 +250,7 @@ def _read_sharding(shardings: Any, keys: tuple[str, ...], quantize: bool):
     """Where the full-precision param at `keys` goes: a weight to be quantized as its qweight."""
     if shardings is None:
         return None
-    return quant.node(shardings, keys[:-1])["qweight"] if quantize else quant.node(shardings, keys)
+    return quant.node(shardings, quant.quantized_node(keys))["qweight"] if quantize else quant.node(shardings, keys)
 
 
 def load_for_mesh(model_dir: str, cfg: ModelConfig, dtype, quantization: str | None, mesh,

@@ -84,7 +84,7 @@ def _leaf_axes(path, leaf, cfg: ModelConfig) -> tuple[str, ...]:
 
     keys = tuple(getattr(k, "key", str(k)) for k in path)
     if keys[-1] in quantization.LEAVES:
-        weight_axes = registry.param_logical_axes(keys[:-1] + ("weight",), cfg)
+        weight_axes = registry.param_logical_axes(quantization.weight_keys(keys), cfg)
         return quantization.logical_axes(keys[-1], weight_axes, len(leaf.shape))
     return registry.param_logical_axes(keys, cfg)
 

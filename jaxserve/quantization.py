@@ -20,6 +20,9 @@ A quantized Linear holds `qweight` and a scale in place of `weight` ([out, in] a
     128 inputs of a row by its largest magnitude / 448 (e4m3's largest value);
   * w8a8: qweight int8 [out, in], channel_scale f32 [out] (the activations' scales, one per
     token, exist only inside the step).
+A mixture's stacked expert weight [experts, out, in] (int8, int4, fp8: EXPERT_MODES) is each
+expert's Linear weight quantized alike: its param becomes {"qweight", "scale"} with a leading
+experts axis (jaxserve/models/experts.py dequantizes them as its products consume them).
 The mode is read from the scale's name and rank and the qweight's dtype (int4: uint8, fp8:
 float8_e4m3fn), so the params tree alone says how to multiply.
 
@@ -74,6 +77,9 @@ LEAVES = ("qweight", "scale", "channel_scale", ZERO)   # what a quantized Linear
 GROUP = 128                   # int4, fp8: inputs per scale
 HEAD = "lm_head"              # the LM head's Linear, kept in the model dtype unless asked
 TIED_EMBEDDING = ("model", "embed_tokens", "embedding")   # every family's table, [vocab, hidden]
+EXPERTS = "experts"           # layers.SparseMoE's stacked expert weights, quantized in EXPERT_MODES
+EXPERT_MODES = ("int8", "int4", "fp8")   # w8a8's activations and int4_asym's zero points have no expert product
+ROUTERS = ("gate", "shared_expert_gate")   # MoE routers' Linears, kept in the model dtype: their outputs pick and weigh experts
 BLOCK_ELEMENTS = 1 << 15      # CPU: weight elements dequantized at once (128 KiB in f32)
 # TPU: rows up to which int4 and fp8 take _group_rows_dot (the smallest decode bucket): its dot
 # is groups x rows wide, 32 x 8 rows for 4096 inputs already as many MXU FLOPs per weight byte as
@@ -87,8 +93,11 @@ def check_mode(mode: str | None) -> None:
 
 
 def quantize_weight(w, mode: str) -> dict:
-    """{"qweight", "scale"} of a Linear weight [out, in] (symmetric, round to nearest)."""
+    """{"qweight", "scale"} of a Linear weight [out, in] (symmetric, round to nearest); of a stack
+    [experts, out, in], each expert's alike, stacked."""
     w = jnp.asarray(w, jnp.float32)
+    if w.ndim == 3:
+        return jax.vmap(functools.partial(quantize_weight, mode=mode))(w)
     out, inp = w.shape
     if mode in ("int8", "w8a8"):
         q, scale = quantize_rows(w, jnp.int8)
@@ -298,9 +307,23 @@ def matmul(x, qweight, scale, dtype, int8_activations: bool = False, zero=None):
 
 
 def quantizable(keys: tuple[str, ...], leaf, lm_head: bool = False) -> bool:
-    """Whether the param at `keys` is a Linear weight to quantize (the LM head's with `lm_head`)."""
+    """Whether the param at `keys` is a weight to quantize: a Linear's but a router's (the LM
+    head's with `lm_head`), or a stack of experts' (not their biases)."""
+    if keys[-2:-1] == (EXPERTS,):
+        return len(leaf.shape) == 3
     return (len(keys) >= 2 and keys[-1] == "weight" and len(leaf.shape) == 2
-            and (keys[-2] != HEAD or lm_head))
+            and keys[-2] not in ROUTERS and (keys[-2] != HEAD or lm_head))
+
+
+def quantized_node(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """Where the leaves of the quantizable weight at `keys` go: its Linear's module, or a stack
+    of experts' own param (a Linear's bias stays beside its leaves; a stack's biases are params of their own)."""
+    return keys if keys[-2:-1] == (EXPERTS,) else keys[:-1]
+
+
+def weight_keys(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The unquantized weight's keys of the quantized leaf at `keys` (quantized_node's inverse)."""
+    return keys[:-1] if keys[-3:-2] == (EXPERTS,) else keys[:-1] + ("weight",)
 
 
 def set_path(tree: dict, keys: tuple[str, ...], value) -> None:
@@ -330,7 +353,8 @@ def quantize_params(params, mode: str | None, shardings=None, lm_head: bool = Fa
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = tuple(k.key for k in path)
         if quantizable(keys, leaf, lm_head):
-            set_path(out, keys[:-1], quantize_placed(leaf, mode, None if shardings is None else node(shardings, keys[:-1])))
+            at = quantized_node(keys)
+            set_path(out, at, quantize_placed(leaf, mode, None if shardings is None else node(shardings, at)))
         else:
             set_path(out, keys, leaf)
     if lm_head:

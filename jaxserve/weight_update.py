@@ -132,6 +132,11 @@ def _put(params: dict, t: Target, value, quantization: str | None) -> None:
         _quantize(params, t.keys, jax.device_put(value, parent["qweight"].sharding), quantization)
         return
     old = parent[t.keys[-1]]
+    if isinstance(old, dict):   # a quantized stack of experts: the expert's (or every expert's) leaves replaced
+        new = quant.quantize_weight(value, quantization)
+        quant.set_path(params, t.keys, {k: jax.device_put(new[k] if t.expert is None else v.at[t.expert].set(new[k]),
+                                                          v.sharding) for k, v in old.items()})
+        return
     new = value if t.expert is None else old.at[t.expert].set(value)
     quant.set_path(params, t.keys, jax.device_put(new, old.sharding))
 

@@ -8,6 +8,7 @@ libtpu is part of the test install (`make test`); without it these tests fail, t
     chip and under tensor parallelism, and for BLOOM-560m shapes (ALiBi) under TP 4, in the
     largest and smallest decode and the largest prefill bucket (every bucket: `jaxserve check`),
     through `jaxserve check`'s own code, and the sampler's variants; no step copies a whole KV pool;
+  * a small Qwen3-MoE with int4 experts on v6e;
   * Llama-3-8B bf16 on one v5e chip is refused, with what would fit.
 """
 import concurrent.futures
@@ -194,6 +195,21 @@ def test_embedded_model_default_config_compiles(generation):
     variants = [f"sampler-{rows}{v}" for v in ("", "-penalties-bias", "-mask", "-penalties-bias-mask")]
     assert [r.name for r in report.results] == [s.name for s in shapes] + variants * samplers + ["page-copy"]
     assert_serves(report, f"tiny on {generation}-1")
+
+
+def test_quantized_moe_step_compiles():
+    """A small Qwen3-MoE with int4 experts on v6e-1 (jaxserve/models/experts.py: a loop over chunks
+    of experts dequantized into the grouped ragged_dot): the smallest decode step compiles and
+    fits, no whole-pool copies."""
+    ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "tiny-cpu.yaml"), quantization="int4")
+    cfg = ModelConfig.from_hf_dict(dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=1024, hidden_size=256,
+        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, max_position_embeddings=2048))
+    shapes = check.quick_shapes(Buckets(ecfg, platform="tpu").warmup_shapes(False))[1:2]
+    report = check.check(ecfg, cfg, check.tpu_slice("v6e-1"), model_name="qwen3-moe-int4", dtype=jnp.bfloat16,
+                         shapes=shapes, samplers=False)
+    assert_serves(report, "a small Qwen3-MoE, int4 experts, on v6e-1")
 
 
 def test_multi_step_decodes_compile():

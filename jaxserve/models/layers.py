@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve import lora, quantization
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.matmul import matmul_t
+from jaxserve.models.experts import Experts, every_expert, grouped_experts, in_chunks, split_specs, splits
 from jaxserve.models.routing import Routing, route
 
 ROPE_KINDS = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
@@ -112,28 +113,6 @@ class GatedMLP(nn.Module):
         return dense(self.hidden_size, "down_proj")(h)
 
 
-class Experts(nn.Module):
-    """Every expert's gated-MLP weights stacked [experts, out, in] (Linear's layout) under HF's
-    per-expert names: gate_proj, up_proj, down_proj; with `use_bias` their biases [experts, out]
-    too (gpt-oss's), as `<name>_bias`. Returns them by name, for grouped_experts or every_expert."""
-    num_experts: int
-    intermediate_size: int
-    dtype: jnp.dtype = jnp.float32
-    use_bias: bool = False
-
-    @nn.compact
-    def __call__(self, hidden_size: int) -> dict:
-        init = nn.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
-        wide = (self.num_experts, self.intermediate_size, hidden_size)
-        narrow = (self.num_experts, hidden_size, self.intermediate_size)
-        shapes = {"gate_proj": wide, "up_proj": wide, "down_proj": narrow}
-        out = {name: self.param(name, init, shape, self.dtype) for name, shape in shapes.items()}
-        if self.use_bias:
-            out.update({f"{name}_bias": self.param(f"{name}_bias", nn.initializers.zeros, shape[:2], self.dtype)
-                        for name, shape in shapes.items()})
-        return out
-
-
 def gated(activation: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
     """The experts' product of the gate and up projections: act(gate) * up (SwiGLU with silu)."""
     return lambda gate, up: activation(gate) * up
@@ -151,51 +130,6 @@ def experts_product(cfg: ModelConfig) -> Callable[[Any, Any], Any]:
     if cfg.swiglu_limit is not None:
         return functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
     return gated(ACTIVATIONS[cfg.hidden_act])
-
-
-# rows [M, in] sorted by group x weights [G, out, in] -> [M, out], each row by its group's weight
-_GROUPED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
-                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-
-
-def grouped_experts(x, weights, chosen, experts: dict, glu):
-    """sum_j weights[t, j] * expert chosen[t, j](x[t]) for tokens x [T, hidden]: the T x k
-    (token, expert) rows sorted by expert, each projection one grouped product over them
-    (jax.lax.ragged_dot: XLA:TPU's grouped-matmul kernels), then put back in token order.
-    experts: Experts' weights and the gate and up biases where it has them (the down projection's
-    bias is the caller's: SparseMoE adds it once, after the tensor-parallel sum); glu: (gate, up) -> h."""
-    k = chosen.shape[-1]
-    chosen = chosen.reshape(-1)                  # token t's at t * k ...
-    order = jnp.argsort(chosen)                  # stable: each expert's rows in token order
-    sizes = jnp.bincount(chosen, length=experts["gate_proj"].shape[0]).astype(jnp.int32)
-    rows = x[order // k]
-
-    def grouped(a, name):
-        y = jax.lax.ragged_dot_general(a, experts[name], sizes, _GROUPED)
-        return y + experts[f"{name}_bias"][chosen[order]] if f"{name}_bias" in experts else y
-    h = glu(grouped(rows, "gate_proj"), grouped(rows, "up_proj")) * weights.reshape(-1)[order][:, None]
-    return grouped(h, "down_proj")[jnp.argsort(order)].reshape(-1, k, x.shape[-1]).sum(axis=1)
-
-
-def every_expert(x, weights, chosen, experts: dict, glu):
-    """grouped_experts' sum through every expert for every token, the experts a token is not
-    routed to weighted zero: E / k times the routed FLOPs, but where XLA has no grouped matmul
-    it beats ragged_dot, which then becomes a dense product over the T * k rows masked by expert
-    (k times these FLOPs). XLA:CPU also transposes the weights for it every call
-    (benchmarks/results/moe_cpu.md: 2.6-19x slower than this on 8 experts of 1024); XLA:GPU (jax
-    0.10.2, compile-only H100, Qwen3-30B-A3B's layer) needs 664 MiB / 2.4 GiB of temporaries
-    at 64 / 512 tokens where this needs 44 / 352 MiB. Gate and up are one product with all
-    experts' rows (matmul_t's contiguous contraction), down one per expert."""
-    down = experts["down_proj"]
-    num, tokens = down.shape[0], x.shape[0]
-    by_expert = (jax.nn.one_hot(chosen, num, dtype=x.dtype) * weights[..., None]).sum(axis=1)   # [T, E]
-
-    def wide(name):   # [E, I, H] -> x's [T, E, I]
-        w = experts[name]
-        y = matmul_t(x, w.reshape(-1, w.shape[-1])).reshape(tokens, num, -1)
-        return y + experts[f"{name}_bias"] if f"{name}_bias" in experts else y
-    h = glu(wide("gate_proj"), wide("up_proj")) * by_expert[..., None]
-    return jax.lax.dot_general(h, down, (((2,), (2,)), ((1,), (0,)))).sum(axis=0)   # [E, T, H] summed
 
 
 class SparseMoE(nn.Module):
@@ -235,19 +169,16 @@ class SparseMoE(nn.Module):
         down_bias = experts.pop("down_proj_bias", None)
 
         def run(*args):
-            every = functools.partial(every_expert, glu=self.glu)
+            every = functools.partial(in_chunks, every_expert, glu=self.glu)
             return jax.lax.platform_dependent(*args, cpu=every, cuda=every,
-                                              default=functools.partial(grouped_experts, glu=self.glu))
+                                              default=functools.partial(in_chunks, grouped_experts, glu=self.glu))
         tp = 1 if self.mesh is None else self.mesh.shape["model"]
-        if tp > 1 and self.intermediate_size % tp == 0:   # split as parallel.LOGICAL_RULES splits "mlp"
+        if tp > 1 and splits(experts, tp):   # split as parallel.LOGICAL_RULES splits "mlp"
             # Each device's share of every expert gives partial sums, reduced once a token's k rows
             # are summed: [T, hidden] over the links. Left to XLA, the grouped product's [T * k,
             # hidden] rows were all-reduced (Qwen3-30B-A3B at TP 4 on v6e: 8x the bytes).
-            split = {"gate_proj": P(None, "model", None), "up_proj": P(None, "model", None),
-                     "down_proj": P(None, None, "model"), "gate_proj_bias": P(None, "model"),
-                     "up_proj_bias": P(None, "model")}
             run = jax.shard_map(lambda *args, local=run: jax.lax.psum(local(*args), "model"), mesh=self.mesh,
-                                in_specs=(P(), P(), P(), {k: split[k] for k in experts}), out_specs=P(),
+                                in_specs=(P(), P(), P(), split_specs(experts)), out_specs=P(),
                                 axis_names={"model"}, check_vma=False)
         out = run(x, weights, chosen, experts)
         if down_bias is not None:   # once, not once per device: each routed expert's, by its weight
