@@ -237,7 +237,7 @@ def _place_stored(stored: prequantized.Stored, tensor, name: str, rows, spec, sh
     against the shapes its quantization gives `spec` and placed by `shardings` (None: default device)."""
     want = jax.eval_shape(functools.partial(quant.quantize_weight, mode=stored.mode), spec)
     leaf = {}
-    for k, x in stored.read(tensor, name).items():
+    for k, x in prequantized.read(stored, tensor, name).items():
         x = x if rows is None else x[rows[0]:rows[1]]
         if x.shape != want[k].shape:
             raise ValueError(f"{name} of the pre-quantized checkpoint reads as a {k} of shape {x.shape}, expected "

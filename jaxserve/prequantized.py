@@ -27,6 +27,10 @@ read (weight-only, every Linear but the LM head quantized):
     -> int4_asym: `.qweight` int32 [in, out / 8] and `.qzeros` int32 [in / 128, out / 8], packed
     along out with output 8w + AWQ_ORDER[j] in bits 4j of word w, and `.scales` [in / 128, out].
 
+A mixture's experts, stored one tensor per expert as any Linear (Qwen3-30B-A3B-FP8's and
+DeepSeek-V3's block-FP8 `mlp.experts.E.*_proj.weight` with their `weight_scale_inv`), load stacked,
+each expert's leaves as its Linear's (read); the routers are stored unquantized, as jaxserve keeps them.
+
 Each 4-bit one is weight = scale * (code - zero point) with codes and zero points 0..15; the
 codes are repacked on the host into int4's layout (quantization.pack_int4) and each zero point
 becomes the offset scale * (zero point - 8), so a tensor loads to what the checkpoint stands for.
@@ -73,6 +77,15 @@ class Stored(NamedTuple):
     weight_name is the unquantized weight's (`model.layers.0.mlp.down_proj.weight`)."""
     mode: str
     read: Callable[[Tensor, str], dict]
+
+
+def read(stored: Stored, tensor: Tensor, name: str | tuple[str, ...]) -> dict:
+    """A Linear's leaves as stored.read gives them; a stack of experts' (`name`: each expert's
+    weight name, in order) each expert's, stacked along a new first axis."""
+    if isinstance(name, str):
+        return stored.read(tensor, name)
+    experts = [stored.read(tensor, n) for n in name]
+    return {k: np.stack([e[k] for e in experts]) for k in experts[0]}
 
 
 def _unsupported(why: str) -> ValueError:

@@ -30,7 +30,7 @@ import functools
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxserve import attention
+from jaxserve import attention, quantization
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers import Linear, RMSNorm, apply_rope, rope_frequencies
 
@@ -48,12 +48,17 @@ class LatentDims:
 
 
 class Weight(nn.Module):
-    """A Linear's `weight` [out, in], returned rather than applied (kv_b_proj is used in parts)."""
+    """A Linear's `weight` [out, in], returned rather than applied (kv_b_proj is used in parts).
+    Quantized (`--quantization`, an FP8 checkpoint's block scales) it stays so in memory and is
+    dequantized whole in the step: one small matrix a layer (V3's 16M weights, 32 MiB in bf16)."""
     shape: tuple[int, int]
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self):
+        if self.has_variable("params", "qweight"):
+            return quantization.dequantize(self.get_variable("params", "qweight"), self.get_variable("params", "scale"),
+                                           self.dtype)
         return self.param("weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2), self.shape, self.dtype)
 
 
