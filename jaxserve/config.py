@@ -101,12 +101,12 @@ class ModelConfig:
     gated_mlp: bool = False   # the LayerNorm families' MLP gated as Llama's (StableLM, Cohere)
     # Per-layer sliding window (None = full attention); a tuple so the config stays hashable.
     sliding_windows: tuple[int | None, ...] = ()
-    # Mixture of experts (models/moe.py): the layers whose MLP is `num_experts` SwiGLU experts of
-    # width moe_intermediate_size, each token routed to `num_experts_per_tok` of them (the other
-    # layers keep the dense intermediate_size MLP); norm_topk_prob: the top-k routing weights are
-    # divided by their sum. num_experts 0: a dense model. gpt-oss: the router and the experts have
-    # biases (moe_bias), the softmax is over the top k logits alone (moe_softmax_topk), and with
-    # swiglu_limit each expert's product is layers.clamped_swiglu's, not act(gate) * up.
+    # Mixture of experts (models/moe.py): the layers whose MLP is `num_experts` SwiGLU experts of width
+    # moe_intermediate_size, `num_experts_per_tok` a token (the other layers: the dense intermediate_size MLP);
+    # norm_topk_prob: the top-k weights divided by their sum; num_experts 0: a dense model. gpt-oss: a biased
+    # router and experts (moe_bias), the softmax over the top k logits alone (moe_softmax_topk), with swiglu_limit
+    # layers.clamped_swiglu's product. DeepSeek: latent attention (models/mla.py), its routing (routing.py), shared
+    # experts' width (GLM-4.5's too); Qwen2-MoE's one is gated: its output times sigmoid(shared_expert_gate(x)).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -116,10 +116,10 @@ class ModelConfig:
     moe_softmax_topk: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
-    # DeepSeek: latent attention with its sizes (models/mla.py), its routing (routing.py), shared experts' width.
     mla: LatentDims | None = None
     moe_routing: Routing | None = None
     moe_shared_intermediate_size: int = 0
+    moe_shared_gate: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"

@@ -129,6 +129,18 @@ MOE_CONFIGS = {
     "mixtral": (tf.MixtralConfig, dict(
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
         intermediate_size=48, sliding_window=12)),
+    # Qwen2-MoE: q/k/v biases (spread below); experts on every 2nd layer (decoder_sparse_step), not
+    # renormalized, beside a 32-wide shared expert scaled by its sigmoid gate.
+    "qwen2_moe": (tf.Qwen2MoeConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=32, decoder_sparse_step=2)),
+    # GLM-4.5: head_dim 32 (q wider than hidden, as GLM-4.5's), RoPE on half of each head rotating its
+    # halves, per-head q/k norms and q/k/v biases (spread below); layer 0 dense, then DeepSeek-V3's
+    # routing: 8 experts in 2 groups (1 kept a token), a selection bias (spread below), scaled; a shared expert.
+    "glm4_moe": (tf.Glm4MoeConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, use_qk_norm=True, attention_bias=True,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        moe_intermediate_size=24, eos_token_id=None, pad_token_id=0)),
     # OLMoE: OLMo 2's whole-projection q/k norms (spread below) before Llama's pre-norms; routing
     # weights not renormalized.
     "olmoe": (tf.OlmoeConfig, dict(
@@ -193,12 +205,12 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0, auto_class=tf.AutoMode
             for name_, p in model.named_parameters():
                 if name_.endswith("norm.weight"):
                     p.normal_(1, 0.5)
-    if name == "deepseek_v3":   # the selection bias (a buffer) starts at zero: make it matter
+    if name in ("deepseek_v3", "glm4_moe"):   # the selection bias (a buffer) starts at zero: make it matter
         with torch.no_grad():
             for layer in model.model.layers[1:]:
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
-    if name in ("deepseek_v3", "deepseek_v2_lite", "gpt_oss", "gpt_neox_parallel", "phi_partial", "starcoder2_window",
-                "gpt_bigcode_mqa", "gpt2_conv1d", "gptj_interleaved", "glm_interleaved", "glm4_sandwich", "olmo3_window",
+    if name in ("deepseek_v3", "deepseek_v2_lite", "glm4_moe", "qwen2_moe", "gpt_oss", "gpt_neox_parallel", "phi_partial",
+                "starcoder2_window", "gpt_bigcode_mqa", "gpt2_conv1d", "gptj_interleaved", "glm_interleaved", "glm4_sandwich", "olmo3_window",
                 "smollm3_nope", "seed_oss_bias", "helium_interleaved", "ernie4_5_bias", "exaone4_nope", "stablelm_parallel",
                 "cohere_parallel", "cohere2_window_nope"):
         # norms start at (1, 0), biases at 0: make them matter

@@ -1,6 +1,6 @@
-"""Mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE, gpt-oss, DeepSeek-V2 and V3: their latent
-attention and routing, tests/test_deepseek.py) against transformers on seeded checkpoints written by
-its save_pretrained (per-expert tensors as on the Hub; gpt-oss's fused):
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss, GLM-4.5, DeepSeek-V2 and
+V3: their latent attention and routing, tests/test_deepseek.py) against transformers on seeded
+checkpoints written by its save_pretrained (per-expert tensors as on the Hub; gpt-oss's fused):
 full-sequence logits, the engine's greedy tokens on one device and under tensor parallelism (fake
 CPU devices), the checkpoint written back, the FLOP estimate, what is refused, and an engine step
 of Qwen3-30B-A3B's shapes compiled for a TPU through libtpu."""
@@ -20,6 +20,7 @@ from jaxserve.buckets import Buckets
 from jaxserve.checkpoint import load_params, param_shapes, save_pretrained
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models import build_model, layers
+from jaxserve.models.routing import Routing
 from tests.hf_models import MOE_CONFIGS
 from tests.test_family_engine import engine_tokens, save_with_greedy, tensor_parallel_tokens, tp_meshes
 from tests.test_tpu_compile import CI_LAYERS, ROOT, assert_serves, with_ci_layers
@@ -44,6 +45,25 @@ GPT_OSS_20B = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", at
                                  "rope_type": "yarn", "truncate": False},
                    rope_theta=150000, sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False, vocab_size=201088,
                    torch_dtype="bfloat16")
+
+# GLM-4.5-Air's and Qwen1.5-MoE-A2.7B's config.json as on the Hub (the keys the parsers read;
+# transformers' Glm4MoeConfig and Qwen2MoeConfig defaults are these models' shapes).
+GLM_4_5_AIR = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", attention_bias=True, head_dim=128,
+                   hidden_act="silu", hidden_size=4096, intermediate_size=10944, partial_rotary_factor=0.5,
+                   max_position_embeddings=131072, moe_intermediate_size=1408, norm_topk_prob=True,
+                   num_attention_heads=96, n_group=1, topk_group=1, n_routed_experts=128, n_shared_experts=1,
+                   routed_scaling_factor=1.0, num_experts_per_tok=8, first_k_dense_replace=1, num_hidden_layers=46,
+                   num_key_value_heads=8, num_nextn_predict_layers=1, rms_norm_eps=1e-5, rope_scaling=None,
+                   rope_theta=1000000, tie_word_embeddings=False, use_qk_norm=False, vocab_size=151552,
+                   torch_dtype="bfloat16", pad_token_id=151329, eos_token_id=[151329, 151336, 151338])
+QWEN1_5_MOE_A2_7B = dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", bos_token_id=151643,
+                         eos_token_id=151643, hidden_act="silu", hidden_size=2048, intermediate_size=5632,
+                         max_position_embeddings=8192, max_window_layers=21, num_attention_heads=16,
+                         num_hidden_layers=24, num_key_value_heads=16, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                         sliding_window=32768, use_sliding_window=False, tie_word_embeddings=False,
+                         vocab_size=151936, decoder_sparse_step=1, moe_intermediate_size=1408,
+                         shared_expert_intermediate_size=5632, num_experts_per_tok=4, num_experts=60,
+                         norm_topk_prob=False, torch_dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +134,40 @@ def test_gpt_oss_20b_config_reads_as_transformers_reads_it(tmp_path):
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(type(hf).from_dict(two))
     assert ModelConfig.from_hf_dict(two).num_params == sum(p.numel() for p in model.parameters())
+
+
+
+def test_glm_4_5_air_and_qwen1_5_moe_configs_read_as_transformers_reads_them(tmp_path):
+    """GLM-4.5-Air: RoPE on half of each 128-dim head as transformers' rotary module has it, MoE from
+    layer 1 with V3's routing in one group and a shared expert; Qwen1.5-MoE-A2.7B: experts on every
+    layer beside a gated shared expert, windows (when on) where transformers' layer_types put them;
+    the parameter counts of transformers' models (the meta device) cut to two layers (suite time):
+    GLM's dense and MoE layer (the selection bias is a buffer there), Qwen's shared expert and gate."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding
+
+    glm = ModelConfig.from_hf_dict(GLM_4_5_AIR)
+    assert (glm.head_dim, glm.num_kv_heads, glm.rope_scaling.rotary_fraction, glm.rope_theta) == (128, 8, 0.5, 1e6)
+    assert not glm.rope_interleaved
+    assert glm.qkv_bias and not glm.o_bias and not glm.qk_norm and glm.norm_topk_prob
+    assert (glm.num_experts, glm.num_experts_per_tok, glm.moe_intermediate_size, glm.moe_shared_intermediate_size,
+            glm.moe_layers) == (128, 8, 1408, 1408, tuple(range(1, 46)))
+    assert glm.moe_routing == Routing(sigmoid=True, selection_bias=True, group_top=2)
+    inv_freq = layers.rope_frequencies(glm)[0]
+    np.testing.assert_allclose(inv_freq, Glm4MoeRotaryEmbedding(tf.Glm4MoeConfig(**GLM_4_5_AIR)).inv_freq.numpy(),
+                               rtol=1e-6)
+    qwen = ModelConfig.from_hf_dict(QWEN1_5_MOE_A2_7B)
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size, qwen.moe_shared_intermediate_size,
+            qwen.moe_layers) == (60, 4, 1408, 5632, tuple(range(24)))
+    assert qwen.moe_shared_gate and qwen.qkv_bias and not qwen.o_bias and not qwen.norm_topk_prob
+    windowed = {**QWEN1_5_MOE_A2_7B, "use_sliding_window": True}
+    assert ModelConfig.from_hf_dict(windowed).sliding_windows == tuple(
+        32768 if t == "sliding_attention" else None for t in tf.Qwen2MoeConfig(**windowed).layer_types)
+    for published in (GLM_4_5_AIR, QWEN1_5_MOE_A2_7B):
+        two = {**published, "num_hidden_layers": 2}
+        (tmp_path / "config.json").write_text(json.dumps(two))
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(str(tmp_path)))
+        assert ModelConfig.from_hf_dict(two).num_params == sum(t.numel() for t in model.state_dict().values())
 
 
 @pytest.mark.parametrize("name", sorted(MOE_CONFIGS))

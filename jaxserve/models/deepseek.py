@@ -50,9 +50,13 @@ V2_DEFAULTS = dict(vocab_size=102400, hidden_size=4096, intermediate_size=11008,
 
 def deepseek_v3_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     hf = {**V3_DEFAULTS, **hf}
-    routing = Routing(sigmoid=True, selection_bias=True, groups=hf["n_group"] or 1, topk_groups=hf["topk_group"] or 1,
-                      group_top=2, scale=float(hf["routed_scaling_factor"]))
-    return _config(hf, common, routing, bool(hf["norm_topk_prob"]), bool(hf["rope_interleave"]))
+    return _config(hf, common, v3_routing(hf), bool(hf["norm_topk_prob"]), bool(hf["rope_interleave"]))
+
+
+def v3_routing(hf: dict[str, Any]) -> Routing:
+    """V3's routing (GLM-4.5's too): sigmoid scores, the selection bias, groups scored by their two best."""
+    return Routing(sigmoid=True, selection_bias=True, groups=hf["n_group"] or 1, topk_groups=hf["topk_group"] or 1,
+                   group_top=2, scale=float(hf["routed_scaling_factor"]))
 
 
 def deepseek_v2_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
@@ -80,19 +84,22 @@ def _config(hf: dict[str, Any], common: dict[str, Any], routing: Routing, renorm
     sm_scale = (dims.qk_nope_head_dim + dims.qk_rope_head_dim) ** -0.5
     if scaling.kind != "default" and rope.get("mscale_all_dim") and scaling.factor > 1:
         sm_scale *= (0.1 * rope["mscale_all_dim"] * math.log(scaling.factor) + 1.0) ** 2
-    experts, layers = hf["n_routed_experts"], hf["num_hidden_layers"]
-    moe_fields = {}
-    if experts:
-        if experts % routing.groups:
-            raise ValueError(f"n_group {routing.groups} does not divide the {experts} routed experts")
-        freq = hf.get("moe_layer_freq", 1)
-        moe_layers = tuple(i for i in range(hf["first_k_dense_replace"], layers) if i % freq == 0)
-        moe_fields = dict(moe._moe(hf, experts, hf["moe_intermediate_size"], renormalize, moe_layers),
-                          moe_routing=routing,
-                          moe_shared_intermediate_size=(hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"])
+    freq = hf.get("moe_layer_freq", 1)
+    moe_layers = tuple(i for i in range(hf["first_k_dense_replace"], hf["num_hidden_layers"]) if i % freq == 0)
     return llama._config(hf, common, num_kv_heads=1, head_dim=dims.kv_lora_rank + dims.qk_rope_head_dim,
                          rope_theta=theta, rope_scaling=scaling, rope_interleaved=interleaved, attn_scale=sm_scale,
-                         mlp_bias=False, mla=dims, **moe_fields)
+                         mlp_bias=False, mla=dims,
+                         **(moe_fields(hf, routing, renormalize, moe_layers) if hf["n_routed_experts"] else {}))
+
+
+def moe_fields(hf: dict[str, Any], routing: Routing, renormalize: bool, layers: tuple[int, ...]) -> dict:
+    """DeepSeek's mixture of experts on `layers` (GLM-4.5's too): n_routed_experts of
+    moe_intermediate_size chosen by `routing`, and n_shared_experts shared ones, one MLP."""
+    experts, width = hf["n_routed_experts"], hf["moe_intermediate_size"]
+    if experts % routing.groups:
+        raise ValueError(f"n_group {routing.groups} does not divide the {experts} routed experts")
+    return dict(moe._moe(hf, experts, width, renormalize, layers), moe_routing=routing,
+                moe_shared_intermediate_size=(hf.get("n_shared_experts") or 0) * width)
 
 
 def hf_tensor(path: tuple[str, ...], cfg: ModelConfig) -> tuple[str | tuple[str, ...], None]:

@@ -138,8 +138,9 @@ class SparseMoE(nn.Module):
     DeepSeek's `routing`, whose selection bias is the param `e_score_correction_bias`). The routing
     weights are rounded to the model dtype (as Qwen3-MoE's) and applied before each expert's down
     projection (and to its bias: `use_bias`, on the router and the experts). With
-    `shared_intermediate_size` (DeepSeek) a dense MLP of that width, `shared_experts`, adds its
-    output for every token. Shapes are static whatever the routing, and each token's output depends
+    `shared_intermediate_size` (DeepSeek, GLM-4.5, Qwen2-MoE) a dense MLP of that width, `shared_experts`,
+    adds its output for every token, with `shared_gate` (Qwen2-MoE) times sigmoid(shared_expert_gate(x)),
+    a Linear to one output. Shapes are static whatever the routing, and each token's output depends
     on its own row only (padding rows change nothing). Grouped products on TPU, every expert on CPU
     and GPU (every_expert)."""
     num_experts: int
@@ -154,6 +155,7 @@ class SparseMoE(nn.Module):
     routing: Routing | None = None
     shared_intermediate_size: int = 0
     activation: Callable[[Any], Any] = nn.silu   # the shared MLP's
+    shared_gate: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -184,8 +186,11 @@ class SparseMoE(nn.Module):
         if down_bias is not None:   # once, not once per device: each routed expert's, by its weight
             out = out + (weights[..., None] * down_bias[chosen]).sum(axis=1)
         if self.shared_intermediate_size:
-            out = out + GatedMLP(hidden, self.shared_intermediate_size, False, self.activation, self.dtype,
-                                 name="shared_experts")(x)
+            shared = GatedMLP(hidden, self.shared_intermediate_size, False, self.activation, self.dtype,
+                              name="shared_experts")(x)
+            if self.shared_gate:
+                shared = shared * jax.nn.sigmoid(Linear(1, False, self.dtype, name="shared_expert_gate")(x))
+            out = out + shared
         return out.reshape(*lead, hidden)
 
 

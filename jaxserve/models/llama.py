@@ -208,11 +208,11 @@ class DecoderLayer(nn.Module):
         attn = Attention if c.mla is None else LatentAttention   # DeepSeek's (models/mla.py)
         h, layer_kv = attn(c, self.layer, self.dtype, name="self_attn")(
             pre_norm("input_layernorm", x), positions, layer_kv, meta)
-        if self.layer in c.moe_layers:   # models/moe.py, gpt_oss.py, deepseek.py
+        if self.layer in c.moe_layers:   # models/moe.py, gpt_oss.py, deepseek.py, glm.py
             mesh = getattr(meta and meta.kv_sharding, "mesh", None)   # None inside sequence-parallel shard_map
             mlp = SparseMoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
                             experts_product(c), self.dtype, mesh, c.moe_bias, c.moe_softmax_topk, c.moe_routing,
-                            c.moe_shared_intermediate_size, ACTIVATIONS[c.hidden_act], name="mlp")
+                            c.moe_shared_intermediate_size, ACTIVATIONS[c.hidden_act], c.moe_shared_gate, name="mlp")
         else:
             mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, ACTIVATIONS[c.hidden_act], self.dtype,
                            name="mlp")
