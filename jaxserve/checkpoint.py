@@ -55,9 +55,8 @@ def param_shapes(cfg: ModelConfig, dtype=jnp.float32, quantization: str | None =
 def _check_quantizable(cfg: ModelConfig, mode: str | None) -> None:
     """A mixture of experts' stacked weights are quantized in quant.EXPERT_MODES only."""
     if mode is not None and cfg.num_experts and mode not in quant.EXPERT_MODES:
-        raise ValueError(f"{cfg.architecture} is a mixture-of-experts model: its experts cannot be quantized as "
-                         f"{mode} (given or pre-quantized in the checkpoint); quantized experts are "
-                         f"{', '.join(quant.EXPERT_MODES)}")
+        raise ValueError(f"{cfg.architecture} is a mixture-of-experts model: its experts cannot be quantized as {mode} "
+                         f"(given or pre-quantized in the checkpoint); quantized experts are {', '.join(quant.EXPERT_MODES)}")
 
 
 class _Stacked:
@@ -203,7 +202,8 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
         for path, spec in jax.tree_util.tree_flatten_with_path(shapes)[0]:
             keys = tuple(k.key for k in path)
             name, rows = hf_tensor(keys, cfg)
-            quantize = (quantization or stored) is not None and quant.quantizable(keys, spec, lm_head)
+            mode = quantization or (stored and stored.mode)
+            quantize = mode is not None and quant.quantizable(keys, spec, lm_head, mode)
             if quantize and stored:   # read as stored, in jaxserve's layout
                 quant.set_path(params, quant.quantized_node(keys), _place_stored(
                     stored, lambda n: lazy(n)[:], name, rows, spec,
@@ -238,7 +238,7 @@ def _place_stored(stored: prequantized.Stored, tensor, name: str, rows, spec, sh
     want = jax.eval_shape(functools.partial(quant.quantize_weight, mode=stored.mode), spec)
     leaf = {}
     for k, x in prequantized.read(stored, tensor, name).items():
-        x = x if rows is None else x[rows[0]:rows[1]]
+        x = x if rows is None else x[:, rows.index::rows.parts] if isinstance(rows, Interleaved) else x[rows[0]:rows[1]]
         if x.shape != want[k].shape:
             raise ValueError(f"{name} of the pre-quantized checkpoint reads as a {k} of shape {x.shape}, expected "
                              f"{want[k].shape}")

@@ -27,7 +27,8 @@ read (weight-only, every Linear but the LM head quantized):
     -> int4_asym: `.qweight` int32 [in, out / 8] and `.qzeros` int32 [in / 128, out / 8], packed
     along out with output 8w + AWQ_ORDER[j] in bits 4j of word w, and `.scales` [in / 128, out].
 
-A mixture's experts, stored one tensor per expert as any Linear (Qwen3-30B-A3B-FP8's and
+gpt-oss's MXFP4 experts (quant_method "mxfp4") load as stored, in jaxserve's mode of the same
+name (jaxserve/mxfp4.py). A mixture's experts, stored one tensor per expert as any Linear (Qwen3-30B-A3B-FP8's and
 DeepSeek-V3's block-FP8 `mlp.experts.E.*_proj.weight` with their `weight_scale_inv`), load stacked,
 each expert's leaves as its Linear's (read); the routers are stored unquantized, as jaxserve keeps them.
 
@@ -54,7 +55,8 @@ from typing import Callable, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from jaxserve.quantization import GROUP, ZERO, pack_int4
+from jaxserve import mxfp4
+from jaxserve.quantization import GROUP, MXFP4, ZERO, pack_int4
 
 COMPRESSED_INT8 = ("int-quantized", "naive-quantized")
 COMPRESSED_INT4 = "pack-quantized"
@@ -103,8 +105,8 @@ def stored(model_dir: str) -> Stored | None:
     if not qc:
         return None
     method = qc.get("quant_method")
-    if method == "mxfp4":   # gpt-oss's experts: dequantized as read (jaxserve/mxfp4.py), then served unquantized
-        return None
+    if method == MXFP4:   # gpt-oss's experts, served as stored (jaxserve/mxfp4.py), the rest unquantized
+        return Stored(MXFP4, mxfp4.read)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     if method == "gptq":

@@ -9,22 +9,20 @@ A quantized Linear holds `qweight` and a scale in place of `weight` ([out, in] a
     nibble, input k + 64 in the high one), scale f32 [out, in / 128];
   * int4_asym: int4's, and zero f32 [out, in / 128], each group's zero point as an offset:
     weight = code * scale - zero. A group's 16 levels span its own minimum to maximum rather than
-    +-its largest magnitude (AWQ's and asymmetric GPTQ's checkpoints, jaxserve/prequantized.py);
-    the offsets cost one more small product per Linear, of each group's input sum;
-  * fp8: qweight float8_e4m3fn [out, in], scale f32 [out, in / 128], int4's scale layout. It
-    holds exactly each scale an FP8 checkpoint may store (jaxserve/prequantized.py): a 128x128
-    block's (DeepSeek's and Qwen's -FP8, `weight_block_size` [128, 128]) is its 128 output rows'
-    scale for one group of inputs, a channel's or the tensor's is the same in every group. One
-    layout for all three costs 4 bytes per 128 weights (3% of the fp8 bytes) where a per-channel
-    [out] would do, and keeps one mode with one params tree. Load-time `fp8` scales each group of
-    128 inputs of a row by its largest magnitude / 448 (e4m3's largest value);
-  * w8a8: qweight int8 [out, in], channel_scale f32 [out] (the activations' scales, one per
-    token, exist only inside the step).
-A mixture's stacked expert weight [experts, out, in] (int8, int4, fp8: EXPERT_MODES) is each
-expert's Linear weight quantized alike: its param becomes {"qweight", "scale"} with a leading
-experts axis (jaxserve/models/experts.py dequantizes them as its products consume them).
-The mode is read from the scale's name and rank and the qweight's dtype (int4: uint8, fp8:
-float8_e4m3fn), so the params tree alone says how to multiply.
+    +-its largest magnitude (AWQ's and asymmetric GPTQ's checkpoints); the offsets cost one more
+    small product per Linear, of each group's input sum;
+  * fp8: qweight float8_e4m3fn [out, in], scale f32 [out, in / 128], int4's scale layout. It holds
+    exactly each scale an FP8 checkpoint may store (jaxserve/prequantized.py): a 128x128 block's
+    (DeepSeek's and Qwen's -FP8) is its 128 rows' scale for one group of inputs, a channel's or the
+    tensor's the same in every group: 4 bytes per 128 weights (3% of the fp8 bytes) where [out] would
+    do, one mode with one params tree. Load-time `fp8` scales each group by its largest magnitude / 448;
+  * w8a8: qweight int8 [out, in], channel_scale f32 [out] (the activations' per-token scales exist only in the step).
+A mixture's stacked expert weight [experts, out, in] (EXPERT_MODES) is each expert's Linear
+weight quantized alike: its param becomes {"qweight", "scale"} with a leading experts axis
+(jaxserve/models/experts.py dequantizes them as its products consume them); MXFP4, gpt-oss's
+checkpoints' experts alone, holds jaxserve/mxfp4.py's leaves (a uint8 scale says so).
+The mode is read from the scale's name, rank and dtype and the qweight's dtype (int4: uint8, fp8:
+float8_e4m3fn): the params tree alone says how to multiply.
 
 w8a8 is the CPU's fast int8 path: XLA CPU has an int8 x int8 dot (2.5x the f32 dot at 16 rows of
 a [8192, 2048] weight, 1.7x at one row: benchmarks/results/quantization.md), and none that takes
@@ -35,18 +33,15 @@ fp8 is weight-only too (W8A16): activations stay in the model dtype and the weig
 to it inside the dot, as vLLM serves FP8 checkpoints on GPUs without fp8 arithmetic; TPU v5e has
 no fp8 matrix unit, and on every backend this keeps one formulation (an fp8 x fp8 dot with scaled
 activations would be a w8a8-like mode of its own).
-int4 is packed into uint8 by hand rather than held as jnp.int4: on XLA CPU a jnp.int4 array
-takes one byte per value on device (`on_device_size_in_bytes`), and orbax stores uint8 as
-any other dtype; the unpacking (two shifts) fuses into the dequantization on every backend.
+int4 is packed into uint8 by hand, not held as jnp.int4: on XLA CPU a jnp.int4 array takes a byte a
+value on device, and orbax stores uint8 as any other dtype; unpacking (two shifts) fuses on every backend.
 
-Embeddings and the LM head stay in the model dtype by default: only the weights of Linear
-modules other than `lm_head` are quantized. With `lm_head` (engine config `quantize_lm_head`)
-the head is quantized too, in the same mode: an untied `lm_head` Linear as any other, and a head
-tied to the embeddings gets its own quantized copy of the embedding table, `lm_head`'s qweight
-and scale (one per vocabulary row, the head's output channel), which the model uses for the
-logits while the token lookup keeps gathering rows of the full-precision table. On a 100M model
-with 32000 tokens the f32 table is most of the bytes a w8a8 decode step reads
-(benchmarks/results/quantization.md).
+Embeddings and the LM head stay in the model dtype by default. With `lm_head` (engine config
+`quantize_lm_head`) the head is quantized too, in the same mode: an untied `lm_head` Linear as any
+other, and a head tied to the embeddings gets its own quantized copy of the table, `lm_head`'s
+qweight and scale (one per vocabulary row), used for the logits while the token lookup keeps
+gathering rows of the full-precision table. On a 100M model with 32000 tokens the f32 table is
+most of the bytes a w8a8 decode step reads (benchmarks/results/quantization.md).
 
 Dequantization happens inside the fused computation. On TPU and GPU XLA fuses the convert
 and the scaling into the dot's operand (int4 on TPU still relays out the packed bytes:
@@ -55,11 +50,10 @@ the weight's shape in VMEM, 86% of a [12288, 4096] fp8 weight's dot at 8 tokens 
 cycle estimate; so on one TPU chip, up to TPU_GROUP_ROWS rows (decode), the scales multiply each
 group's partial product instead (_group_rows_dot: 0.17x those cycles at 8 tokens on v5e, 0.06x
 on v6e; benchmarks/results/quantization_fp8.md); more rows, and tensor parallelism, keep the
-broadcast. XLA CPU does not fuse: it converts the whole weight to a
-temporary f32 buffer before every dot (a full-precision copy per step, and 2-11x slower than
-f32). On CPU the matmul therefore runs over blocks of output rows in a loop, each block
-dequantized into a small buffer that stays in cache (tests/test_quantization.py checks the
-compiled buffers on CPU and TPU).
+broadcast. XLA CPU does not fuse: it converts the whole weight to a temporary f32 buffer before
+every dot (a full-precision copy per step, 2-11x slower than f32), so on CPU the matmul runs over
+blocks of output rows in a loop, each block dequantized into a small buffer that stays in cache
+(tests/test_quantization.py checks the compiled buffers on CPU and TPU).
 """
 from __future__ import annotations
 
@@ -68,6 +62,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxserve import mxfp4
 from jaxserve.config import QUANTIZATION_MODES as MODES
 from jaxserve.matmul import matmul_t
 
@@ -78,7 +73,8 @@ GROUP = 128                   # int4, fp8: inputs per scale
 HEAD = "lm_head"              # the LM head's Linear, kept in the model dtype unless asked
 TIED_EMBEDDING = ("model", "embed_tokens", "embedding")   # every family's table, [vocab, hidden]
 EXPERTS = "experts"           # layers.SparseMoE's stacked expert weights, quantized in EXPERT_MODES
-EXPERT_MODES = ("int8", "int4", "fp8")   # w8a8's activations and int4_asym's zero points have no expert product
+MXFP4 = "mxfp4"               # a mode of checkpoints only: experts as stored, the rest unquantized
+EXPERT_MODES = ("int8", "int4", "fp8", MXFP4)   # w8a8's activations and int4_asym's zero points have no expert product
 ROUTERS = ("gate", "shared_expert_gate")   # MoE routers' Linears, kept in the model dtype: their outputs pick and weigh experts
 BLOCK_ELEMENTS = 1 << 15      # CPU: weight elements dequantized at once (128 KiB in f32)
 # TPU: rows up to which int4 and fp8 take _group_rows_dot (the smallest decode bucket): its dot
@@ -88,13 +84,15 @@ TPU_GROUP_ROWS = 8
 
 
 def check_mode(mode: str | None) -> None:
-    if mode is not None and mode not in MODES:
+    if mode is not None and mode not in (*MODES, MXFP4):
         raise ValueError(f"quantization must be one of {', '.join(MODES)} or null, got {mode!r}")
 
 
 def quantize_weight(w, mode: str) -> dict:
     """{"qweight", "scale"} of a Linear weight [out, in] (symmetric, round to nearest); of a stack
     [experts, out, in], each expert's alike, stacked."""
+    if mode == MXFP4:
+        return mxfp4.quantize(w)
     w = jnp.asarray(w, jnp.float32)
     if w.ndim == 3:
         return jax.vmap(functools.partial(quantize_weight, mode=mode))(w)
@@ -177,6 +175,8 @@ def _stored_parts(qweight):
 
 def dequantize(qweight, scale, dtype=jnp.float32, zero=None):
     """The weight [out, in] that qweight and scale (and int4_asym's zero) stand for."""
+    if scale.dtype == jnp.uint8:
+        return mxfp4.dequantize_jnp(qweight, scale, dtype)
     if scale.ndim == 1:
         return (qweight.astype(jnp.float32) * scale[:, None]).astype(dtype)
     out, groups = scale.shape
@@ -306,12 +306,12 @@ def matmul(x, qweight, scale, dtype, int8_activations: bool = False, zero=None):
                                       tpu=functools.partial(tpu, dtype=dtype), default=functools.partial(default, dtype=dtype))
 
 
-def quantizable(keys: tuple[str, ...], leaf, lm_head: bool = False) -> bool:
+def quantizable(keys: tuple[str, ...], leaf, lm_head: bool = False, mode: str | None = None) -> bool:
     """Whether the param at `keys` is a weight to quantize: a Linear's but a router's (the LM
-    head's with `lm_head`), or a stack of experts' (not their biases)."""
+    head's with `lm_head`), or a stack of experts' (not their biases); in `mode` MXFP4 the stacks only."""
     if keys[-2:-1] == (EXPERTS,):
         return len(leaf.shape) == 3
-    return (len(keys) >= 2 and keys[-1] == "weight" and len(leaf.shape) == 2
+    return (mode != MXFP4 and len(keys) >= 2 and keys[-1] == "weight" and len(leaf.shape) == 2
             and keys[-2] not in ROUTERS and (keys[-2] != HEAD or lm_head))
 
 
@@ -352,7 +352,7 @@ def quantize_params(params, mode: str | None, shardings=None, lm_head: bool = Fa
     out: dict = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = tuple(k.key for k in path)
-        if quantizable(keys, leaf, lm_head):
+        if quantizable(keys, leaf, lm_head, mode):
             at = quantized_node(keys)
             set_path(out, at, quantize_placed(leaf, mode, None if shardings is None else node(shardings, at)))
         else:

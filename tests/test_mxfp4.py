@@ -1,7 +1,8 @@
 """MXFP4 experts (gpt-oss's Hub checkpoints): jaxserve/mxfp4.py's dequantization against
 transformers' own (integrations/mxfp4.py) on random codes and exponents, whole and a slice read
-alone, and a gpt-oss checkpoint with MXFP4 experts loading to the logits of transformers, which
-dequantizes it as it reads it (without a GPU and its kernels: its fallback)."""
+alone, and a gpt-oss checkpoint with MXFP4 experts loading as stored (4.25 bits a weight) to the
+logits of transformers, which dequantizes it as it reads it (without a GPU and its kernels: its
+fallback); the expert product over MXFP4 leaves: tests/test_quantized_moe.py."""
 import json
 import os
 
@@ -42,7 +43,8 @@ def test_dequantization_matches_transformers_and_reads_slices(tmp_path):
 
 def test_mxfp4_checkpoint_loads_as_transformers_reads_it(tmp_path):
     """gpt-oss with its experts' weights replaced by random MXFP4 ones (an expert width of 64:
-    whole blocks), as the Hub's checkpoints store them: our f32 logits within 1e-4 of transformers'."""
+    whole blocks), as the Hub's checkpoints store them: the experts kept as their blocks and
+    exponents (gate and up de-interleaved), 4.25 bits a weight; our f32 logits within 1e-4 of transformers'."""
     src, dst = str(tmp_path / "f32"), str(tmp_path / "mxfp4")
     save_hf_model("gpt_oss", src, intermediate_size=64)
     rng = np.random.default_rng(1)
@@ -65,7 +67,12 @@ def test_mxfp4_checkpoint_loads_as_transformers_reads_it(tmp_path):
         ref = hf(torch.tensor(tokens)).logits.numpy()
     cfg = ModelConfig.from_pretrained(dst)
     model = build_model(cfg)
-    ours = np.asarray(model.apply({"params": load_params(dst, cfg)}, tokens, np.arange(40)[None],
-                                  method=model.forward_logits))
+    params = load_params(dst, cfg)
+    stacks = params["model"]["layers_0"]["mlp"]["experts"]
+    assert stacks["gate_proj"]["qweight"].dtype == np.uint8 and stacks["gate_proj"]["scale"].shape == (4, 64, 2)
+    weights = sum(2 * stacks[n]["qweight"].size for n in ("gate_proj", "up_proj", "down_proj"))
+    assert 8 * sum(stacks[n][k].nbytes for n in ("gate_proj", "up_proj", "down_proj") for k in ("qweight", "scale")) \
+        == 4.25 * weights
+    ours = np.asarray(model.apply({"params": params}, tokens, np.arange(40)[None], method=model.forward_logits))
     assert np.abs(ours - ref).max() < 1e-4
     assert np.abs(ref).max() > 0.1

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from jaxserve import LLM, SamplingParams, quantization
 from jaxserve.checkpoint import load_params
@@ -19,7 +21,7 @@ from tests.conftest import fake_devices_env
 from tests.hf_models import save_byte_tokenizer, save_hf_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = ("int8", "int4", "fp8")
+MODES = ("int8", "int4", "fp8", "mxfp4")
 # every Linear's inputs whole groups of 128 (4 heads of 32), an expert width of 256: two groups per device at TP 2
 SHAPES = dict(hidden_size=128, moe_intermediate_size=256, intermediate_size=256, head_dim=32)
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=64, max_model_len=128,
@@ -28,8 +30,13 @@ NEW_TOKENS = 16
 
 
 def numpy_dequantize(leaves: dict) -> np.ndarray:
-    """The stack [experts, out, in] that quantization's leaves stand for, by its layout's rules."""
-    q, scale = np.asarray(leaves["qweight"]), np.asarray(leaves["scale"], np.float32)
+    """The stack [experts, out, in] that quantization's leaves stand for, by its layout's rules
+    (MXFP4's: transformers' dequantization, convert_moe_packed_tensors)."""
+    q, scale = np.asarray(leaves["qweight"]), np.asarray(leaves["scale"])
+    if scale.dtype == np.uint8:
+        blocks = torch.from_numpy(np.array(q).reshape(*scale.shape, 16))
+        return convert_moe_packed_tensors(blocks, torch.from_numpy(np.array(scale)), dtype=torch.float32).numpy().swapaxes(-1, -2)
+    scale = scale.astype(np.float32)
     if scale.ndim == 2:   # int8: one scale per output channel
         return q.astype(np.float32) * scale[..., None]
     if q.dtype == np.uint8:   # int4: byte k of a group holds input k (low nibble) and k + 64 (high)
@@ -44,7 +51,8 @@ def numpy_dequantize(leaves: dict) -> np.ndarray:
 @pytest.mark.parametrize("mode", MODES)
 def test_expert_products_match_dequantize_then_matmul(mode, monkeypatch):
     """Both paths (every_expert, grouped_experts) over a quantized stack, two experts a chunk,
-    equal the experts' sum computed in numpy from the dequantized weights."""
+    equal the experts' sum computed in numpy from the dequantized weights (mxfp4: gpt-oss's
+    checkpoints' format, here from quantization's own MXFP4 quantizer)."""
     monkeypatch.setattr(experts, "CHUNK_ELEMENTS", 2 * 256 * 128)
     rng = np.random.RandomState(0)
     num, width, hidden, tokens, k = 4, 256, 128, 6, 2

@@ -11,7 +11,7 @@ gate, up, gate, up, ... (de-interleaved as read, so that tensor parallelism spli
 halves), `gate_up_proj_bias` [experts, 2 * width], `down_proj` [experts, width, hidden] and
 `down_proj_bias`; the weights [in, out], read transposed (registry.experts_transposed). The Hub's
 checkpoints store both weights in MXFP4 (`<name>_blocks` and `_scales`, quant_method "mxfp4"),
-dequantized to the model dtype as read (jaxserve/mxfp4.py).
+served as stored (jaxserve/mxfp4.py; gate and up de-interleaved by rows as read).
 """
 from __future__ import annotations
 
