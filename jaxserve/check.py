@@ -164,26 +164,29 @@ def quick_shapes(shapes: list[StepShape]) -> list[StepShape]:
 
 def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: str, dtype=jnp.bfloat16,
           backend: str | None = None, shapes: list[StepShape] | None = None, samplers: bool = True,
-          sampler_rows: list[int] | None = None) -> Report:
+          sampler_rows: list[int] | None = None, quantization: str | None = None) -> Report:
     """Size the KV pool as the runner would on `target` and compile what warm-up compiles (or, for
     a quicker look, only `shapes` of the step and, with `samplers`, the sampler variants of
-    their logit rows, or of `sampler_rows` only)."""
+    their logit rows, or of `sampler_rows` only). `quantization`: how the weights are held (None:
+    as ecfg says; a checkpoint's own mode, such as gpt-oss's mxfp4, is no engine config's)."""
+    quantization = quantization or ecfg.quantization
     sizes = {"data": 1, "seq": 1, "model": 1, **ecfg.mesh}
     if np.prod(list(sizes.values())) > target.chips:
         raise ValueError(f"mesh {sizes} needs more than the {target.chips} chips of {target.name}")
     # Data-parallel replicas are independent engines: one replica's mesh is the one to check.
     mesh = parallel.make_mesh({**sizes, "data": 1}, target.devices[:sizes["seq"] * sizes["model"]])
     model_axis, tpu = mesh.shape["model"], parallel.platform(mesh) == "tpu"
-    weight_bytes = sizing.weight_bytes_per_chip(cfg, dtype, model_axis, ecfg.quantization, ecfg.quantize_lm_head)
+    weight_bytes = sizing.weight_bytes_per_chip(cfg, dtype, model_axis, quantization, ecfg.quantize_lm_head)
     try:
         num_pages = ecfg.num_pages or sizing.kv_pool_pages(cfg, ecfg, dtype, model_axis=model_axis,
                                                            hbm_bytes=target.hbm_bytes, used_bytes=weight_bytes,
-                                                           tpu=tpu, chip=target.generation, name=model_name)
+                                                           tpu=tpu, chip=target.generation, name=model_name,
+                                                           quantization=quantization)
     except sizing.PoolDoesNotFit as e:
         return Report(weight_bytes, 0, 0, target.hbm_bytes, [], str(e))
     page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=tpu, kv_cache_dtype=ecfg.kv_cache_dtype)
 
-    unsharded = param_shapes(cfg, dtype, ecfg.quantization, ecfg.quantize_lm_head)
+    unsharded = param_shapes(cfg, dtype, quantization, ecfg.quantize_lm_head)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           unsharded, parallel.param_shardings(unsharded, mesh, cfg))
     kv = KVCache.spec(cfg, mesh, num_pages, ecfg.page_size, dtype, ecfg.kv_cache_dtype)
@@ -264,8 +267,8 @@ def run(config: str, topology: str, model: str | None = None, backend: str | Non
         raise SystemExit("jaxserve check: the config names no model directory (give --model)")
     cfg = ModelConfig.from_pretrained(ecfg.model)
     # a checkpoint stored quantized is served so, as the engine does
-    ecfg = dataclasses.replace(ecfg, quantization=ecfg.quantization or saved_quantization(ecfg.model),
-                               quantize_lm_head=ecfg.quantize_lm_head or saved_lm_head(ecfg.model))
+    quantization = ecfg.quantization or saved_quantization(ecfg.model)
+    ecfg = dataclasses.replace(ecfg, quantize_lm_head=ecfg.quantize_lm_head or saved_lm_head(ecfg.model))
     dtype = jnp.float32 if ecfg.dtype == "float32" else jnp.bfloat16   # auto: bf16 on TPU and GPU
     target = target_slice(topology)
     name = os.path.basename(os.path.normpath(ecfg.model))
@@ -274,8 +277,8 @@ def run(config: str, topology: str, model: str | None = None, backend: str | Non
     buckets = Buckets(ecfg, seq, platform, resolve_backend(backend or ecfg.attention_backend, platform))
     shapes = quick_shapes(buckets.warmup_shapes(seq > 1))
     report = check(ecfg, cfg, target, model_name=name, dtype=dtype, backend=backend,
-                   shapes=shapes if quick else None, samplers=not quick)
-    weights = jnp.dtype(dtype).name + (f", {ecfg.quantization} weights" if ecfg.quantization else "") + (
+                   shapes=shapes if quick else None, samplers=not quick, quantization=quantization)
+    weights = jnp.dtype(dtype).name + (f", {quantization} weights" if quantization else "") + (
         " and LM head" if ecfg.quantize_lm_head else "")
     header = (f"jaxserve check: {name} ({cfg.num_params / 1e9:.2f}B parameters, {weights}) "
               f"with {config} on {target.name} ({target.chips} chip(s)), mesh {ecfg.mesh}"

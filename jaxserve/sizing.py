@@ -62,10 +62,12 @@ def pages_per_seq(cfg: ModelConfig, ecfg: EngineConfig) -> int:
 
 
 def kv_pool_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, *, model_axis: int, hbm_bytes: int,
-                  used_bytes: int, tpu: bool, chip: str, name: str) -> int:
+                  used_bytes: int, tpu: bool, chip: str, name: str, quantization: str | None = None) -> int:
     """KV pages per pool: kv_memory_fraction of the HBM that `used_bytes` (the placed weights)
     leave free on each chip. Raises PoolDoesNotFit, naming the smallest "model" mesh size that
-    would fit, when that is fewer pages than one max_model_len sequence needs."""
+    would fit (weights held as `quantization`, None: as ecfg says), when that is fewer pages than
+    one max_model_len sequence needs."""
+    quantization = quantization or ecfg.quantization
     def pages(model_axis: int, used: int) -> int:
         free = max(hbm_bytes - used, 0)
         page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu, ecfg.kv_cache_dtype)
@@ -79,7 +81,8 @@ def kv_pool_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, *, model_axis: in
            f"{hbm_bytes / GiB:.2f} GiB per chip, leaving room for {got} KV pages of the {need} "
            f"that one {need * ecfg.page_size}-token sequence needs")
     wider = (m for m in (2 ** i for i in range(int(math.log2(MAX_CHIPS)) + 1)) if m > model_axis)
-    fits = next((m for m in wider if pages(m, weight_bytes_per_chip(cfg, dtype, m, ecfg.quantization, ecfg.quantize_lm_head)) >= need), None)
+    fits = next((m for m in wider
+                 if pages(m, weight_bytes_per_chip(cfg, dtype, m, quantization, ecfg.quantize_lm_head)) >= need), None)
     if fits is None:
         raise PoolDoesNotFit(f"{what} does not fit on up to {MAX_CHIPS} {chip} chips ({why})")
     raise PoolDoesNotFit(f"{what} needs at least {fits} {chip} chips: set mesh model: {fits} "

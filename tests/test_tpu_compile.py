@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import json
 import os
 import threading
 
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
@@ -210,6 +212,27 @@ def test_quantized_moe_step_compiles():
     report = check.check(ecfg, cfg, check.tpu_slice("v6e-1"), model_name="qwen3-moe-int4", dtype=jnp.bfloat16,
                          shapes=shapes, samplers=False)
     assert_serves(report, "a small Qwen3-MoE, int4 experts, on v6e-1")
+
+
+def test_check_takes_a_checkpoints_own_quantization(tmp_path, capsys):
+    """`jaxserve check` of a gpt-oss config.json whose quantization_config is MXFP4 (a checkpoint's
+    mode, which no --quantization names): its experts sized and compiled as stored, 4.25 bits a
+    weight, on v6e-1."""
+    model = tmp_path / "gpt-oss-tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=512, hidden_size=64,
+        intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=4096, torch_dtype="bfloat16",
+        quantization_config={"quant_method": "mxfp4"})))
+    (tmp_path / "engine.yaml").write_text(yaml.safe_dump(dict(
+        model=str(model), dtype="bfloat16", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128,
+        prefill_chunk_size=128, max_prefill_seqs=1)))
+    assert check.run(str(tmp_path / "engine.yaml"), "v6e-1", quick=True) == 0
+    assert "bfloat16, mxfp4 weights" in capsys.readouterr().out
+    cfg = ModelConfig.from_pretrained(str(model))
+    assert sizing.weight_bytes_per_chip(cfg, jnp.bfloat16, 1, "mxfp4") < sizing.weight_bytes_per_chip(
+        cfg, jnp.bfloat16, 1, None)
 
 
 def test_multi_step_decodes_compile():
