@@ -20,23 +20,31 @@ import uuid
 log = logging.getLogger("jaxserve.run_batch")
 
 
-def request_of(line: str) -> tuple[str | None, str, dict]:
-    """(custom_id, url, body) of an input line; ValueError saying what is wrong with it."""
+class BadLine(ValueError):
+    """An input line that is no request; custom_id: the one it gives, if it gives one (None where it is not JSON)."""
+
+    def __init__(self, message: str, custom_id=None):
+        super().__init__(message)
+        self.custom_id = custom_id
+
+
+def request_of(line: str) -> tuple[str, str, dict]:
+    """(custom_id, url, body) of an input line, its JSON parsed once; BadLine saying what is wrong with it."""
     try:
         item = json.loads(line)
     except ValueError as e:
-        raise ValueError(f"not JSON: {e}") from None
+        raise BadLine(f"not JSON: {e}") from None
     if not isinstance(item, dict):
-        raise ValueError("a line must be a JSON object")
+        raise BadLine("a line must be a JSON object")
     custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")
     if not isinstance(custom_id, str):
-        raise ValueError("'custom_id' must be a string")
+        raise BadLine("'custom_id' must be a string", custom_id)
     if item.get("method", "POST") != "POST" or not isinstance(url, str) or not url.startswith("/v1/"):
-        raise ValueError("a request must be a POST to a /v1/ route ('method', 'url')")
+        raise BadLine("a request must be a POST to a /v1/ route ('method', 'url')", custom_id)
     if not isinstance(body, dict):
-        raise ValueError("'body' must be a JSON object")
+        raise BadLine("'body' must be a JSON object", custom_id)
     if body.get("stream"):
-        raise ValueError("'stream' is not available in a batch")
+        raise BadLine("'stream' is not available in a batch", custom_id)
     return custom_id, url, body
 
 
@@ -54,12 +62,8 @@ def run(app, input_path: str, output_path: str, concurrency: int) -> tuple[int, 
         result = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": None, "response": None, "error": None}
         try:
             result["custom_id"], url, body = request_of(line)
-        except ValueError as e:
-            try:
-                result["custom_id"] = json.loads(line).get("custom_id")
-            except (ValueError, AttributeError):
-                pass
-            return {**result, "error": {"code": "invalid_request", "message": str(e)}}
+        except BadLine as e:
+            return {**result, "custom_id": e.custom_id, "error": {"code": "invalid_request", "message": str(e)}}
         if not hasattr(local, "client"):
             local.client = app.test_client()
         r = local.client.post(url, json=body)

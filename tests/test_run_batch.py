@@ -7,12 +7,30 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
+from jaxserve import run_batch
 from tests.hf_models import hf_greedy
 from tests.server_harness import BYTES_ENGINE, TEST_ENGINE, bytes_model, store_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("line, custom_id, says", [
+    ('{"custom_id": "broken", ', None, "not JSON"),
+    ('[1, 2]', None, "JSON object"),
+    ('{"custom_id": 7, "url": "/v1/completions", "body": {}}', 7, "custom_id"),
+    ('{"custom_id": "get", "method": "GET", "url": "/v1/models", "body": {}}', "get", "POST"),
+    ('{"custom_id": "b", "url": "/v1/completions", "body": []}', "b", "body"),
+    ('{"custom_id": "s", "url": "/v1/completions", "body": {"stream": true}}', "s", "stream"),
+])
+def test_a_bad_line_is_parsed_once_and_keeps_its_custom_id(monkeypatch, line, custom_id, says):
+    parsed = []
+    monkeypatch.setattr(run_batch.json, "loads", lambda s, loads=json.loads: parsed.append(s) or loads(s))
+    with pytest.raises(run_batch.BadLine, match=says) as e:
+        run_batch.request_of(line)
+    assert e.value.custom_id == custom_id and parsed == [line]
 
 
 def test_run_batch_answers_every_line_in_order(tmp_path_factory):
