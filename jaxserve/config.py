@@ -72,6 +72,7 @@ class ModelConfig:
     # tanh soft caps of attention scores and final logits. Granite: embeddings, each branch's
     # output (before its residual add) and the logits (divided) scaled by their own constants.
     norm_offset: float = 0.0
+    norm_scale_f32: bool = False   # norms scale in float32, cast once (gpt-oss, OLMo 2): layers.RMSNorm
     embedding_multiplier: float = 1.0   # applied in the model's dtype, as HF does
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0

@@ -191,3 +191,30 @@ def test_learned_positions_bound_max_model_len(tmp_path):
     assert cfg.serving(128).max_position_embeddings == 128
     with pytest.raises(ValueError, match="max_model_len 129 exceeds the model's 128 learned positions"):
         LLM(model=str(tmp_path), max_model_len=129, num_pages=32, compilation_cache_dir=None)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "olmo2", "olmo3_window"])
+def test_bfloat16_norms_round_as_the_family_does(name, tmp_path):
+    """gpt-oss's and OLMo 2/3's RMSNorms multiply by their weight in float32 and cast once
+    (transformers' GptOssRMSNorm, Olmo2RMSNorm), where Llama's casts first: in bf16 our logits
+    track transformers' bf16 ones closer with the family's order than with Llama's (measured,
+    max abs diff Llama's order -> the family's: gpt_oss 0.69 -> 0.0625, olmo2 0.0996 -> 0.0703,
+    olmo3 0.0723 -> 0.0625)."""
+    import dataclasses
+
+    hf = save_hf_model(name, str(tmp_path)).to(torch.bfloat16)
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    assert cfg.norm_scale_f32
+    params = load_params(str(tmp_path), cfg, jax.numpy.bfloat16)
+    tokens = np.random.RandomState(2).randint(0, cfg.vocab_size, (2, 40))
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)).logits.float().numpy()
+    diffs = []
+    for c in (cfg, dataclasses.replace(cfg, norm_scale_f32=False)):
+        model = build_model(c, jax.numpy.bfloat16)
+        ours = model.apply({"params": params}, tokens, np.broadcast_to(np.arange(40), tokens.shape),
+                           method=model.forward_logits)
+        diffs.append(np.abs(np.asarray(ours, np.float32) - ref))
+    family, llama_order = diffs
+    assert family.mean() < llama_order.mean() and family.max() <= llama_order.max(), name
+    assert family.max() < 0.08 and np.abs(ref).max() > 1, name

@@ -35,7 +35,7 @@ def gpt_oss_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
     bias = hf.get("attention_bias", True)
     return llama._config(
         hf, common, head_dim=hf.get("head_dim", 64) or hf["hidden_size"] // hf["num_attention_heads"],
-        rope_theta=theta, rope_scaling=scaling, qkv_bias=bias, o_bias=bias, attn_sinks=True,
+        rope_theta=theta, rope_scaling=scaling, qkv_bias=bias, o_bias=bias, attn_sinks=True, norm_scale_f32=True,
         sliding_windows=llama.layer_windows(hf.get("sliding_window", 128), types),
         moe_bias=True, moe_softmax_topk=True, swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(hf.get("swiglu_limit", 7.0)),

@@ -64,9 +64,13 @@ class Linear(nn.Module):
 class RMSNorm(nn.Module):
     eps: float
     dtype: jnp.dtype = jnp.float32
-    # Gemma stores the scale minus one (offset 1.0) and scales in float32 before the cast, where
-    # Llama casts first: each as its transformers implementation rounds.
+    # Gemma stores the scale minus one (offset 1.0).
     offset: float = 0.0
+    # Rounding as each family's transformers implementation does: Llama casts the normed input to
+    # the dtype, then multiplies by the weight in it (two roundings); with scale_f32 the product is
+    # taken in float32 and cast once (gpt-oss, OLMo 2 and 3: ModelConfig.norm_scale_f32; Gemma,
+    # whose offset is added in float32).
+    scale_f32: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -74,7 +78,7 @@ class RMSNorm(nn.Module):
         w = self.param("weight", init, (x.shape[-1],), self.dtype)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        if self.offset:
+        if self.offset or self.scale_f32:
             return (xf * (self.offset + w.astype(jnp.float32))).astype(self.dtype)
         return w * xf.astype(self.dtype)
 

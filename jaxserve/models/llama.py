@@ -167,7 +167,7 @@ class Attention(nn.Module):
             q, k, v = (jnp.clip(t, -c.clip_qkv, c.clip_qkv) for t in (q, k, v))
 
         def qk_norm(q, k):
-            return (RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name=name)(a)
+            return (RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, c.norm_scale_f32, name=name)(a)
                     for name, a in (("q_norm", q), ("k_norm", k)))
         if c.qk_norm and not c.qk_norm_per_head:   # OLMo 2: over all heads at once (under TP a split axis)
             q, k = qk_norm(q, k)
@@ -201,7 +201,7 @@ class DecoderLayer(nn.Module):
         c = self.cfg
 
         def norm(name):
-            return RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, name=name)
+            return RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, c.norm_scale_f32, name=name)
 
         def pre_norm(name, x):   # OLMo 2 has none
             return norm(name)(x) if c.pre_norms else x
@@ -235,7 +235,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype,
                                      param_dtype=self.dtype)
         self.layers = [DecoderLayer(c, i, self.dtype) for i in range(c.num_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset)
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype, c.norm_offset, c.norm_scale_f32)
 
     def embed(self, tokens, positions):
         x = self.embed_tokens(tokens)

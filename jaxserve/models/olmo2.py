@@ -18,6 +18,7 @@ from jaxserve.models.layers import rope_by_layer_type
 
 def olmo2_config(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelConfig:
     return llama._config(hf, common, qk_norm=True, qk_norm_per_head=False, sandwich_norms=True, pre_norms=False,
+                         norm_scale_f32=True,
                          **family)
 
 
