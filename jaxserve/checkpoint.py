@@ -18,7 +18,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -29,9 +28,6 @@ from jaxserve.models.moe import Interleaved
 from jaxserve.models.registry import architecture, stored_transposed
 
 ORBAX_DIR = "orbax"
-# safetensors dtypes that its numpy reader cannot return ("module 'numpy' has no attribute
-# 'float8_e4m3fn'"; bf16 it returns once ml_dtypes is imported): read from the bytes
-FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 # beside ORBAX_DIR: {"quantization": null | a mode, "quantize_lm_head": whether the LM head is too}
 QUANTIZATION_FILE = "quantization.json"
 
@@ -105,25 +101,6 @@ class _Interleaved:
         return np.asarray(self.tensor[(index[0], rows, *index[2:])])[:, self.where.index::n]
 
 
-class _BytesSlice:
-    """A float8 safetensors tensor (FP8 checkpoints' weights), used as safe_open's lazy slices are
-    (get_shape, [index]): a memory map of its bytes in the file, so indexing reads only what it selects."""
-
-    def __init__(self, filename: str, name: str):
-        with open(filename, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")   # the JSON header's, which the data follows
-            entry = json.loads(f.read(size))[name]
-        begin, end = entry["data_offsets"]
-        self.array = np.memmap(filename, np.uint8, "r", 8 + size + begin, (end - begin,)).view(
-            FLOAT8[entry["dtype"]]).reshape(entry["shape"])
-
-    def get_shape(self) -> list[int]:
-        return list(self.array.shape)
-
-    def __getitem__(self, index) -> np.ndarray:
-        return np.asarray(self.array[index])
-
-
 def _tensor_index(model_dir: str) -> dict[str, str]:
     """Tensor name -> safetensors file, from the shard index or the single file."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
@@ -195,7 +172,7 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.float32, shardings: 
         if index[name] not in open_files:
             open_files[index[name]] = safe_open(index[name], framework="np")
         tensor = open_files[index[name]].get_slice(name)
-        return _BytesSlice(index[name], name) if tensor.get_dtype() in FLOAT8 else tensor
+        return prequantized.BytesSlice(index[name], name) if tensor.get_dtype() in prequantized.FLOAT8 else tensor
 
     params: dict = {}
     try:
@@ -369,7 +346,10 @@ def convert_to_orbax(model_dir: str, out_dir: str, dtype=jnp.float32, quantizati
 
 
 def save_pretrained(params: dict, hf_config: dict, out_dir: str, dtype=None) -> None:
-    """Write params as a Hugging Face model directory (config.json + model.safetensors)."""
+    """Write params as a Hugging Face model directory (config.json + model.safetensors). MXFP4
+    experts (a gpt-oss checkpoint's, as loaded) are written as stored, with MXFP4's
+    quantization_config; unquantized weights without one, whatever hf_config says (as transformers
+    writes a model it dequantized on loading)."""
     from safetensors.numpy import save_file
 
     os.makedirs(out_dir, exist_ok=True)
@@ -377,14 +357,20 @@ def save_pretrained(params: dict, hf_config: dict, out_dir: str, dtype=None) -> 
     hf_tensor = architecture(cfg.architecture).hf_tensor
     parts: dict[str, list] = {}   # HF name -> [(first row or Interleaved index, array)]: fused tensors in row order
     transposed, interleaved = set(), set()   # HF names: stored_transposed, rows alternating (Interleaved)
+    quantized = False   # MXFP4 tensors written
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = tuple(k.key for k in path)
+        keys, suffix, x = tuple(k.key for k in path), "", np.asarray(leaf)
+        if keys[-1] in quant.LEAVES:   # [..., out, ...] as stored, never cast nor transposed
+            suffix, x = mxfp4.written(keys[-1], x, quant.node(params, keys[:-1]))
+            keys, quantized = quant.weight_keys(keys), True
+        elif dtype is not None:
+            x = x.astype(dtype)
         name, rows = hf_tensor(keys, cfg)
-        if stored_transposed(cfg, keys, np.ndim(leaf)):
+        name = tuple(n + suffix for n in name) if isinstance(name, tuple) else name + suffix
+        if stored_transposed(cfg, keys, np.ndim(leaf)) and not suffix:
             transposed.add(name)
         if isinstance(rows, Interleaved):
             interleaved.add(name)
-        x = np.asarray(leaf) if dtype is None else np.asarray(leaf).astype(dtype)
         for one, y in zip(name, x) if isinstance(name, tuple) else [(name, x)]:   # a stack: a tensor each
             first = rows.index if isinstance(rows, Interleaved) else 0 if rows is None else rows[0]
             parts.setdefault(one, []).append((first, y))
@@ -396,5 +382,8 @@ def save_pretrained(params: dict, hf_config: dict, out_dir: str, dtype=None) -> 
     tensors = {name: np.ascontiguousarray(np.swapaxes(x, -1, -2) if name in transposed else x)
                for name, x in tensors.items()}
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    if quantized:
+        config["quantization_config"] = mxfp4.quantization_config(hf_config)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2)
+        json.dump(config, f, indent=2)

@@ -59,6 +59,24 @@ def read(tensor, name: str) -> dict:
     return {"qweight": blocks.reshape(*blocks.shape[:-2], -1), "scale": tensor(f"{name}_scales")}
 
 
+def written(leaf: str, x: np.ndarray, node: dict) -> tuple[str, np.ndarray]:
+    """read's inverse, for save_pretrained: the suffix and tensor that store the quantized leaf
+    `leaf` ("qweight" or "scale", `x`) of `node`. ValueError unless the node is MXFP4 (its scale
+    uint8): no other quantized weight is written as a Hugging Face checkpoint."""
+    if "scale" not in node or np.dtype(node["scale"].dtype) != np.uint8:
+        raise ValueError("save_pretrained writes unquantized or MXFP4 weights only: load the checkpoint unquantized "
+                         "to write it")
+    return ("_blocks", x.reshape(*x.shape[:-1], -1, BLOCK // 2)) if leaf == "qweight" else ("_scales", x)
+
+
+def quantization_config(hf_config: dict) -> dict:
+    """config.json's quantization_config for weights written in MXFP4: the model's own where it is
+    MXFP4's, else the one the Hub's gpt-oss checkpoints give (everything but the experts unquantized)."""
+    qc = hf_config.get("quantization_config") or {}
+    return qc if qc.get("quant_method") == "mxfp4" else {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
 def dequantize_jnp(qweight, scale, dtype):
     """The weights [..., out, in] in `dtype` of read's leaves."""
     table = jnp.asarray(E2M1, dtype)

@@ -71,6 +71,9 @@ SUPPORTED = (f"compressed-tensors {' / '.join(COMPRESSED_INT8)} with 8-bit symme
 log = logging.getLogger(__name__)
 
 Tensor = Callable[[str], np.ndarray]   # a checkpoint tensor by name, whole, on the host
+# safetensors dtypes that its numpy reader cannot return ("module 'numpy' has no attribute
+# 'float8_e4m3fn'"; bf16 it returns once ml_dtypes is imported): read from the bytes
+FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
 class Stored(NamedTuple):
@@ -79,6 +82,25 @@ class Stored(NamedTuple):
     weight_name is the unquantized weight's (`model.layers.0.mlp.down_proj.weight`)."""
     mode: str
     read: Callable[[Tensor, str], dict]
+
+
+class BytesSlice:
+    """A float8 safetensors tensor (FP8 checkpoints' weights), used as safe_open's lazy slices are
+    (get_shape, [index]): a memory map of its bytes in the file, so indexing reads only what it selects."""
+
+    def __init__(self, filename: str, name: str):
+        with open(filename, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")   # the JSON header's, which the data follows
+            entry = json.loads(f.read(size))[name]
+        begin, end = entry["data_offsets"]
+        self.array = np.memmap(filename, np.uint8, "r", 8 + size + begin, (end - begin,)).view(
+            FLOAT8[entry["dtype"]]).reshape(entry["shape"])
+
+    def get_shape(self) -> list[int]:
+        return list(self.array.shape)
+
+    def __getitem__(self, index) -> np.ndarray:
+        return np.asarray(self.array[index])
 
 
 def read(stored: Stored, tensor: Tensor, name: str | tuple[str, ...]) -> dict:

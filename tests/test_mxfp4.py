@@ -6,6 +6,7 @@ fallback); the expert product over MXFP4 leaves: tests/test_quantized_moe.py."""
 import json
 import os
 
+import jax
 import numpy as np
 import torch
 import transformers as tf
@@ -14,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from jaxserve import mxfp4
-from jaxserve.checkpoint import load_params
+from jaxserve.checkpoint import load_params, save_pretrained
 from jaxserve.config import ModelConfig
 from jaxserve.models import build_model
 from tests.hf_models import save_hf_model
@@ -41,10 +42,9 @@ def test_dequantization_matches_transformers_and_reads_slices(tmp_path):
         np.testing.assert_array_equal(tensor[part], want[part])
 
 
-def test_mxfp4_checkpoint_loads_as_transformers_reads_it(tmp_path):
-    """gpt-oss with its experts' weights replaced by random MXFP4 ones (an expert width of 64:
-    whole blocks), as the Hub's checkpoints store them: the experts kept as their blocks and
-    exponents (gate and up de-interleaved), 4.25 bits a weight; our f32 logits within 1e-4 of transformers'."""
+def save_mxfp4_gpt_oss(tmp_path) -> tuple[str, dict]:
+    """A seeded gpt-oss checkpoint with its experts' weights replaced by random MXFP4 ones (an
+    expert width of 64: whole blocks), as the Hub's checkpoints store them; its directory and config."""
     src, dst = str(tmp_path / "f32"), str(tmp_path / "mxfp4")
     save_hf_model("gpt_oss", src, intermediate_size=64)
     rng = np.random.default_rng(1)
@@ -61,6 +61,13 @@ def test_mxfp4_checkpoint_loads_as_transformers_reads_it(tmp_path):
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f)
 
+    return dst, config
+
+
+def test_mxfp4_checkpoint_loads_as_transformers_reads_it(tmp_path):
+    """gpt-oss with MXFP4 experts: the experts kept as their blocks and
+    exponents (gate and up de-interleaved), 4.25 bits a weight; our f32 logits within 1e-4 of transformers'."""
+    dst, config = save_mxfp4_gpt_oss(tmp_path)
     hf = tf.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
     tokens = np.random.RandomState(2).randint(0, config["vocab_size"], (1, 40))
     with torch.no_grad():
@@ -76,3 +83,45 @@ def test_mxfp4_checkpoint_loads_as_transformers_reads_it(tmp_path):
     ours = np.asarray(model.apply({"params": params}, tokens, np.arange(40)[None], method=model.forward_logits))
     assert np.abs(ours - ref).max() < 1e-4
     assert np.abs(ref).max() > 0.1
+
+
+def test_save_pretrained_round_trips_mxfp4_and_dequantized_experts(tmp_path):
+    """save_pretrained of a gpt-oss loaded from MXFP4 writes the experts as the Hub stores them
+    (the same tensors, bit for bit, and MXFP4's quantization_config), which load back to the same
+    leaves and to transformers' same logits; its experts dequantized, it writes the unquantized
+    tensors and no quantization_config (as transformers writes a model it dequantized on loading),
+    which both load to the same logits too."""
+    dst, config = save_mxfp4_gpt_oss(tmp_path)
+    cfg = ModelConfig.from_pretrained(dst)
+    params = load_params(dst, cfg)
+    tokens = torch.tensor(np.random.RandomState(2).randint(0, config["vocab_size"], (1, 40)))
+
+    def transformers_logits(d):
+        with torch.no_grad():
+            return tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()(tokens).logits.numpy()
+    ref = transformers_logits(dst)
+
+    kept = str(tmp_path / "kept")
+    save_pretrained(params, config, kept)
+    with open(os.path.join(kept, "config.json")) as f:
+        assert json.load(f)["quantization_config"] == config["quantization_config"]
+    want, written = load_file(os.path.join(dst, "model.safetensors")), load_file(os.path.join(kept, "model.safetensors"))
+    assert sorted(written) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(written[name], want[name], err_msg=name)
+    again = load_params(kept, ModelConfig.from_pretrained(kept))
+    jax.tree.map(np.testing.assert_array_equal, again, params)
+    np.testing.assert_array_equal(transformers_logits(kept), ref)
+
+    def mxfp4_node(node):
+        return isinstance(node, dict) and "qweight" in node
+    dense = jax.tree.map(lambda n: mxfp4.dequantize_jnp(n["qweight"], n["scale"], np.float32) if mxfp4_node(n) else n,
+                         params, is_leaf=mxfp4_node)
+    plain = str(tmp_path / "dequantized")
+    save_pretrained(dense, config, plain)
+    with open(os.path.join(plain, "config.json")) as f:
+        assert "quantization_config" not in json.load(f)
+    written = load_file(os.path.join(plain, "model.safetensors"))
+    assert not any(n.endswith(("_blocks", "_scales")) for n in written) and "model.layers.0.mlp.experts.down_proj" in written
+    assert np.abs(transformers_logits(plain) - ref).max() < 1e-5
+    jax.tree.map(np.testing.assert_array_equal, load_params(plain, ModelConfig.from_pretrained(plain)), dense)
