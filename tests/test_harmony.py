@@ -13,6 +13,9 @@ from jaxserve.server.tools import ToolCalls, tool_calls
 HARMONY = reasoning_reader("openai_gptoss", "<|start|>user<|message|>Hi<|end|><|start|>assistant")
 THINK = "<|channel|>analysis<|message|>User asks 2+2. Simple.<|end|>"
 CALL = "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}"
+# gpt-oss's built-in tools (the harmony guide's browser and python), which a chat completion cannot run
+SEARCH = "<|start|>assistant<|channel|>analysis to=browser.search code<|message|>{\"query\": \"Paris\"}<|call|>"
+PYTHON = "<|start|>assistant to=python<|channel|>analysis code<|message|>print(2 + 2)<|call|>"
 
 
 @pytest.mark.parametrize("text,reasoning,answer", [
@@ -24,6 +27,8 @@ CALL = "<|start|>assistant<|channel|>commentary to=functions.get_weather <|const
     ("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final<|message|>Done.", "",
      "Checking.Done."),
     (THINK + CALL, "User asks 2+2. Simple.", CALL),                         # a call stays as it is
+    (THINK + SEARCH, "User asks 2+2. Simple.{\"query\": \"Paris\"}", ""),   # a built-in tool's: reasoning
+    (THINK + PYTHON + CALL, "User asks 2+2. Simple.print(2 + 2)", CALL),
     ("Plain text, not harmony.", None, "Plain text, not harmony."),
     ("", None, ""),
 ])
@@ -38,6 +43,8 @@ def test_reasoning_and_answer(text, reasoning, answer):
     (CALL + "<|call|>", [("get_weather", {"city": "Paris"})]),
     (THINK + CALL[:-5], None),                                             # arguments cut short
     ("<|channel|>analysis to=browser.search<|message|>{\"query\": \"x\"}", None),   # a built-in tool: no call
+    (SEARCH + CALL, [("get_weather", {"city": "Paris"})]),                  # ... passed over
+    ("<|channel|>analysis to=container.exec<|message|>{\"cmd\": [\"ls\"]}<|call|>", None),
     (THINK + "<|start|>assistant<|channel|>final<|message|>4", None),
 ])
 def test_function_calls(text, calls):
@@ -53,7 +60,8 @@ def stream(reader, text, cuts):
 
 
 @pytest.mark.parametrize("text", [THINK + "<|start|>assistant<|channel|>final<|message|>a <| b |> c<|",
-                                  THINK + CALL, "<|channel|>final<|message|>x", "<|cha", "Plain <|end|> text"])
+                                  THINK + CALL, THINK + SEARCH, THINK + PYTHON + CALL, "<|channel|>final<|message|>x",
+                                  "<|cha", "Plain <|end|> text"])
 def test_streams_cut_anywhere_agree_with_the_whole(text):
     """Reasoning, then the calls read from the answer (as the chat route chains them): the
     streamed deltas join into what the whole text gives, no special token's characters among them

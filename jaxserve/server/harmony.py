@@ -10,7 +10,9 @@ messages, the first without its `<|start|>`:
 HEADER names the channel: `<|channel|>analysis` (reasoning), `<|channel|>final` (the answer) or
 `<|channel|>commentary` (words to the user, or a call); a call names its recipient,
 `to=functions.NAME`, after the channel or after the role, and its content is the arguments
-(`<|constrain|>json`). The last message ends with a stop token instead of `<|end|>`: `<|return|>`
+(`<|constrain|>json`). A message to a built-in tool (`to=browser.search`, `to=python`,
+`to=container.exec`) is the model's own work, which a chat completion cannot run: read as
+reasoning, never as content or a call (vLLM's `openai` tool parser calls only `functions.`). The last message ends with a stop token instead of `<|end|>`: `<|return|>`
 after the answer, `<|call|>` after a call; the text does not hold it unless asked to. All of these
 are special tokens: the text is read with special tokens kept.
 """
@@ -20,6 +22,7 @@ import re
 from typing import NamedTuple
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+FUNCTIONS = "functions."   # a call's recipient prefix; the others are gpt-oss's built-in tools (browser, python)
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
 # Where the answer's content begins: a grammar (structured output) applies from there.
 FINAL = CHANNEL + "final" + MESSAGE

@@ -8,7 +8,7 @@ after it as `content`, which tool calls are then read from.
                  other (enable_thinking false) is all answer.
     openai_gptoss gpt-oss (harmony messages, server/harmony.py): the analysis channel is the
                  reasoning, the others the answer; a call's message stays in the answer as it is,
-                 for the `openai` tool parser. Text not in the format is all answer.
+                 for the `openai` tool parser; a built-in tool's (browser, python) is reasoning. Text not in the format is all answer.
 
 Either way a prompt whose last think tag is `<think>` has begun the thinking, and one whose last is
 `</think>` has ended it (a template that turns thinking off writes an empty block). A grammar
@@ -84,9 +84,9 @@ class Harmony(Reasoning):
             return ("", "") if known is None else (None, text)
         reasoning, answer = "", ""
         for m in harmony.messages(text, final):
-            if m.recipient is not None:   # a call: the rest as it is (server/tool_parsers.py's OpenAI)
-                return reasoning, answer + text[m.start:]
-            if m.channel == "analysis":
+            if m.recipient is not None and m.recipient.startswith(harmony.FUNCTIONS):   # a call: the rest as it is
+                return reasoning, answer + text[m.start:]                               # (tool_parsers.OpenAI)
+            if m.channel == "analysis" or m.recipient is not None:   # a built-in tool's message: reasoning too
                 reasoning += m.content
             else:
                 answer += m.content

@@ -164,7 +164,7 @@ class OpenAI(Parser):
     """gpt-oss (harmony messages, server/harmony.py): each call is a message to `functions.NAME`
     whose content is the JSON arguments. With the `openai_gptoss` reasoning parser the text before
     them is the answer; a message to any other recipient (gpt-oss's built-in browser and python
-    tools) is no call, and the text stays text."""
+    tools) is no call and is passed over (the reasoning parser reads it as reasoning), as vLLM's does."""
     keeps_special_tokens = True
 
     def begins(self, text: str) -> int:
@@ -173,14 +173,13 @@ class OpenAI(Parser):
     def calls(self, text: str) -> list[tuple[str, dict]] | None:
         calls = []
         for m in harmony.messages(text):
-            if m.recipient is None:
+            if m.recipient is None or not m.recipient.startswith(harmony.FUNCTIONS):
                 continue
             try:
                 arguments = json.loads(m.content)
             except ValueError:
                 return None
-            calls.append(_call({"name": m.recipient.removeprefix("functions."), "arguments": arguments}, "arguments")
-                         if m.recipient.startswith("functions.") else None)
+            calls.append(_call({"name": m.recipient.removeprefix(harmony.FUNCTIONS), "arguments": arguments}, "arguments"))
         return calls if calls and None not in calls else None
 
 
