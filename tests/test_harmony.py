@@ -2,13 +2,23 @@
 parser and the `openai` tool parser, on texts written by the format's rules (OpenAI's harmony
 guide): whole texts, and streams cut anywhere agreeing with them through both readers as the
 chat route chains them."""
+import json
+import os
 import random
+import shutil
+import subprocess
+import sys
 
 import pytest
+import yaml
+from transformers import AutoTokenizer
 
 from jaxserve.server.reasoning import reasoning_reader
 from jaxserve.server.tool_parsers import OpenAI
 from jaxserve.server.tools import ToolCalls, tool_calls
+from tests.server_harness import BYTES_ENGINE, TEST_ENGINE, bytes_model_dir, store_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 HARMONY = reasoning_reader("openai_gptoss", "<|start|>user<|message|>Hi<|end|><|start|>assistant")
 THINK = "<|channel|>analysis<|message|>User asks 2+2. Simple.<|end|>"
@@ -85,3 +95,54 @@ def test_the_format_is_read_with_special_tokens_kept_and_the_grammar_waits_for_t
     assert HARMONY.keeps_special_tokens and OpenAI.keeps_special_tokens
     assert HARMONY.grammar_after == "<|channel|>final<|message|>"
     assert isinstance(tool_calls({"tools": [{"type": "function", "function": {"name": "f"}}]}, "openai"), ToolCalls)
+
+
+def tool(name: str, cities: list[str]) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": cities}}, "required": ["city"]}}}
+
+
+def test_forced_tool_choice_writes_a_harmony_call(tmp_path_factory):
+    """A forced tool_choice on a harmony prompt (a chat template written by the format's rules,
+    ending `<|start|>assistant`, on the API tests' byte-level model, through run-batch and the
+    chat route with --reasoning-parser openai_gptoss --tool-call-parser openai): a named function
+    gets its call header (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`)
+    after the prompt and its arguments from the first token, "required" the final channel and the
+    list of calls; both answered as that call. (Before, the grammar waited for a final channel
+    the model never wrote: the output was free text, no call.)"""
+    work = tmp_path_factory.mktemp("harmony_forced")
+    model = str(work / "model")
+    shutil.copytree(bytes_model_dir(tmp_path_factory), model)
+    with open(os.path.join(model, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    config["chat_template"] = ("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>"
+                               "{% endfor %}<|start|>assistant")
+    with open(os.path.join(model, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    settings = {**TEST_ENGINE, **BYTES_ENGINE}
+    (work / "engine.yaml").write_text(yaml.safe_dump({**settings, "compilation_cache_dir": store_of(settings)}))
+    tools = [tool("get_weather", ["Paris", "Rome"]), tool("get_time", ["Oslo", "Lima"])]
+    chat = {"model": "bytes", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
+            "max_tokens": 64, "temperature": 0, "return_token_ids": True}
+    bodies = {"named": {**chat, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+              "required": {**chat, "tool_choice": "required", "parallel_tool_calls": False}}
+    lines = [json.dumps({"custom_id": k, "url": "/v1/chat/completions", "body": b}) for k, b in bodies.items()]
+    (work / "in.jsonl").write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.cli", "run-batch", "--model", model,
+                           "--config", str(work / "engine.yaml"), "--served-model-name", "bytes",
+                           "--reasoning-parser", "openai_gptoss", "--enable-auto-tool-choice",
+                           "--tool-call-parser", "openai", "-i", str(work / "in.jsonl"), "-o", str(work / "out.jsonl")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = {o["custom_id"]: o["response"]["body"] for o in map(json.loads, (work / "out.jsonl").read_text().splitlines())}
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt = "<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant"
+    for kind, begun in (("named", "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>"),
+                        ("required", "<|channel|>final<|message|>")):
+        [choice] = out[kind]["choices"]
+        assert out[kind]["prompt_token_ids"] == tok.encode(prompt + begun, add_special_tokens=False), kind
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, kind
+        [call] = choice["message"]["tool_calls"]
+        name, arguments = call["function"]["name"], json.loads(call["function"]["arguments"])
+        assert name == "get_time" if kind == "named" else name in ("get_weather", "get_time"), kind
+        assert arguments["city"] in tools[name == "get_time"]["function"]["parameters"]["properties"]["city"]["enum"]

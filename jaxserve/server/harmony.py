@@ -12,9 +12,10 @@ HEADER names the channel: `<|channel|>analysis` (reasoning), `<|channel|>final` 
 `to=functions.NAME`, after the channel or after the role, and its content is the arguments
 (`<|constrain|>json`). A message to a built-in tool (`to=browser.search`, `to=python`,
 `to=container.exec`) is the model's own work, which a chat completion cannot run: read as
-reasoning, never as content or a call (vLLM's `openai` tool parser calls only `functions.`). The last message ends with a stop token instead of `<|end|>`: `<|return|>`
-after the answer, `<|call|>` after a call; the text does not hold it unless asked to. All of these
-are special tokens: the text is read with special tokens kept.
+reasoning, never as content or a call (vLLM's `openai` tool parser calls only `functions.`).
+The last message ends with a stop token instead of `<|end|>`: `<|return|>` after the answer,
+`<|call|>` after a call; the text does not hold it unless asked to. All of these are special
+tokens: the text is read with special tokens kept.
 """
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ FUNCTIONS = "functions."   # a call's recipient prefix; the others are gpt-oss's
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
 # Where the answer's content begins: a grammar (structured output) applies from there.
 FINAL = CHANNEL + "final" + MESSAGE
+ASSISTANT = START + "assistant"   # how gpt-oss's chat template ends a prompt
+
+
+def call_header(name: str) -> str:
+    """The header of a call of the function `name` (after `<|start|>assistant`): its arguments follow."""
+    return f"{CHANNEL}commentary to={FUNCTIONS}{name} <|constrain|>json{MESSAGE}"
 
 
 class Message(NamedTuple):

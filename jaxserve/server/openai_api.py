@@ -124,11 +124,15 @@ def submit_chat(host, body: dict, request_id: str | None = None) -> Submitted:
     engine = host.require_engine().engine
     tools = tool_calls(body, current_app.config["TOOL_CALL_PARSER"])   # checked before the template sees them
     text, ids = chat_prompt(engine.tokenizer, body)
+    prefill = tools.prefill(text) if tools is not None else ""
+    if prefill:   # harmony: a forced call begun for the model, its grammar from the first token (server/tools.py)
+        text += prefill
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
     reasoning = reasoning_reader(current_app.config["REASONING_PARSER"], text)
     # No max_tokens: up to the context length, after any truncation (SamplingParams.resolve).
     params = sampling_params(body, chat=True, max_tokens=None, tenant=g.get("tenant"),
                              tool_call=tools and tools.constraint, defaults=_defaults(engine),
-                             grammar_after=reasoning.grammar_after if reasoning is not None else "",
+                             grammar_after=reasoning.grammar_after if reasoning is not None and not prefill else "",
                              keep_special_tokens=any(r is not None and r.keeps_special_tokens
                                                      for r in (tools and tools.parser, reasoning)),
                              lora_name=_lora_name(model, host))

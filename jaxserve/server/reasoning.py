@@ -8,7 +8,8 @@ after it as `content`, which tool calls are then read from.
                  other (enable_thinking false) is all answer.
     openai_gptoss gpt-oss (harmony messages, server/harmony.py): the analysis channel is the
                  reasoning, the others the answer; a call's message stays in the answer as it is,
-                 for the `openai` tool parser; a built-in tool's (browser, python) is reasoning. Text not in the format is all answer.
+                 for the `openai` tool parser; a built-in tool's (browser, python) is
+                 reasoning. Text not in the format is all answer.
 
 Either way a prompt whose last think tag is `<think>` has begun the thinking, and one whose last is
 `</think>` has ended it (a template that turns thinking off writes an empty block). A grammar

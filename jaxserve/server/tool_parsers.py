@@ -179,7 +179,8 @@ class OpenAI(Parser):
                 arguments = json.loads(m.content)
             except ValueError:
                 return None
-            calls.append(_call({"name": m.recipient.removeprefix(harmony.FUNCTIONS), "arguments": arguments}, "arguments"))
+            name = m.recipient.removeprefix(harmony.FUNCTIONS)
+            calls.append(_call({"name": name, "arguments": arguments}, "arguments"))
         return calls if calls and None not in calls else None
 
 

@@ -4,6 +4,12 @@
 calls, each `{"name": ..., "parameters": {...}}` with the named function's parameter schema (an
 anyOf over the tools; one call at most with `parallel_tool_calls: false`); a named function
 (`{"type": "function", "function": {"name": ...}}`) constrains it to that function's arguments.
+In the harmony format (gpt-oss: a prompt that ends with `<|start|>assistant`) a forced call's
+output begins in the prompt (`prefill`), so that the grammar holds from the first token: a named
+function's call header (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`,
+the model then writes the arguments, as it writes a call of its own); "required" the final
+channel's (`<|channel|>final<|message|>`), where the list of calls is written, since a call's header
+names its function before the special token that ends it. The model does not reason first.
 `"auto"` (the default when tools are given) leaves the output free and reads the calls the model
 writes in its own syntax, when the server was started with a parser for it
 (`--enable-auto-tool-choice --tool-call-parser NAME` of tool_parsers.PARSERS, as vLLM; a 400 otherwise);
@@ -17,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from jaxserve.server import harmony
 from jaxserve.server.errors import APIError
 from jaxserve.server.tool_parsers import PARSERS, Forced
 from jaxserve.server.validation import field
@@ -31,6 +38,13 @@ class ToolCalls:
     the `parser` that reads calls from it (jaxserve/server/tool_parsers.py)."""
     constraint: StructuredOutput | None
     parser: object
+
+    def prefill(self, prompt: str) -> str:
+        """What the output of a forced call begins with, written after a harmony `prompt`; "" after
+        any other."""
+        if self.constraint is None or not prompt.endswith(harmony.ASSISTANT):
+            return ""
+        return harmony.FINAL if self.parser.name is None else harmony.call_header(self.parser.name)
 
     def split(self, text: str) -> tuple[str, list[dict] | None]:
         """(content, OpenAI tool_calls) of a choice's text; no calls: (text, None)."""
