@@ -30,7 +30,8 @@ is prefilled alone; the others wait until it is running with all prompt tokens b
 computed. Then each is forked from it when admitted: it shares choice 0's pages of the first
 prompt_len - 1 tokens (refcounts) and computes the last prompt token itself, which writes into
 the shared last page through copy-on-write, and samples independently. If choice 0 finished
-before a sibling could be admitted, the sibling is prefilled normally (prefix cache helps).
+before a sibling could be admitted, or released sliding-window pages the sibling would read
+(jaxserve/kv_groups.py), the sibling is prefilled normally (prefix cache helps).
 Forks are exempt from the admission_eagerness cap: their request is already admitted.
 
 Rows: each scheduled row brings num_query_tokens tokens and has num_sampled tokens sampled from
@@ -173,8 +174,9 @@ class Scheduler:
         if not seq.prompt_token_ids:
             raise ValueError(f"request {seq.request_id}: empty prompt")
         # The last sampled token is never written to the cache.
-        need = self.bm.pages_for(seq.num_prompt_tokens + max(seq.sampling.max_tokens, 1) - 1)
-        if need > self.bm.num_pages:
+        need = self.bm.pages_needed(seq.num_prompt_tokens + max(seq.sampling.max_tokens, 1) - 1,
+                                    self.cfg.max_num_batched_tokens)
+        if need > self.bm.num_pages - self.bm.reserved:
             raise ValueError(
                 f"request {seq.request_id}: {seq.num_prompt_tokens} prompt tokens + max_tokens="
                 f"{seq.sampling.max_tokens} need {need} KV pages of {self.bm.page_size} tokens, but the "
@@ -235,7 +237,8 @@ class Scheduler:
             if first is not None and first.status is not SequenceStatus.FINISHED:
                 if first.status is SequenceStatus.WAITING or first.num_computed_tokens < seq.num_prompt_tokens - 1:
                     continue                                 # wait for choice 0's prefill
-                self.bm.fork(first, seq, seq.num_prompt_tokens - 1)
+            if first is not None and first.status is not SequenceStatus.FINISHED and self.bm.fork(
+                    first, seq, seq.num_prompt_tokens - 1):
                 n = 1
                 copies = self.bm.reserve(seq, n)
                 if copies is None:

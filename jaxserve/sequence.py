@@ -95,15 +95,22 @@ class Sequence:
     prompt_logprobs: list = dataclasses.field(default_factory=list)
     # An embedding request's pooling of its prompt's hidden states (jaxserve/pooling.py; set by the engine).
     pooling: Pooled | None = None
-    # Owned by the BlockManager: physical pages, and the chained prefix-cache keys of the
+    # Owned by the BlockManager: physical pages (of KV group 0, and of groups 1.. in group_tables:
+    # jaxserve/kv_groups.py; none without them), and the chained prefix-cache keys of the
     # sequence's first len(page_hashes) full pages.
     page_table: PageTable = dataclasses.field(default_factory=PageTable)
+    group_tables: list[PageTable] = dataclasses.field(default_factory=list)
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None   # 'stop' | 'length' | 'abort'
     # known_token_array's copy and how much of it is filled
     _known: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32), init=False, repr=False)
     _known_len: int = dataclasses.field(default=0, init=False, repr=False)
+
+    @property
+    def page_tables(self) -> list[PageTable]:
+        """Its page table of every KV group, group 0's first."""
+        return [self.page_table, *self.group_tables]
 
     @property
     def lora_id(self) -> int | None:

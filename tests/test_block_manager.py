@@ -266,7 +266,7 @@ def test_a_prompt_going_on_from_an_ended_sequence_shares_its_partial_page():
     pool.compute(b, 2)
     assert pool.read(b.page_table, 12) == b.token_ids and pool.read(a_pages[2:], 2) == [8, 9]
     assert bm.match_prefix(list(range(10)) + [7]).num_tokens == 10          # a's page again
-    assert bm.match_prefix(list(range(9)) + [77, 1]) == (a_pages[:2], b.page_hashes[:2], 8)
+    assert bm.match_prefix(list(range(9)) + [77, 1])[:3] == (a_pages[:2], b.page_hashes[:2], 8)
     assert bm.match_prefix(list(range(10))).num_tokens == 8   # [8, 9] would leave no token to compute
 
 

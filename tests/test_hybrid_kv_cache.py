@@ -1,0 +1,250 @@
+"""The hybrid KV cache (jaxserve/kv_groups.py): sliding-window layers keep only their window's pages.
+
+Block manager: a state machine over sequences with a full group and sliding groups, checked
+against a plain-Python oracle of which pages each group must hold (a sliding group: those from
+the page of position start - w + 1, start the latest step's first query position), of what the
+pages hold (a model of the pool's slots, as tests/test_block_manager.py's), and of the longest
+prefix hit every group can serve (brute force over the cached keys). Engine: greedy tokens of
+seeded gpt-oss and Mistral checkpoints with an 8-token window and 4-token pages, with the hybrid
+cache on and off, equal to transformers' through chunked prefill, a prefix hit, preemption, n > 1
+and n-gram speculation, with freed pages poisoned (NaN) so a released page read shows up; the
+hybrid run holds fewer pages.
+"""
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from jaxserve.block_manager import BlockManager, page_key, root_key
+from jaxserve.kv_groups import NULL_PAGE, KVGroups
+from tests.test_block_manager import BASES, PS, PagePool, seq_of
+
+LAYOUTS = {"full+sliding": (None, 6, 9), "sliding": (5,)}
+
+
+def groups_of(windows):
+    return KVGroups(tuple(windows), (), (), 1)
+
+
+def first_needed(window, position):
+    """Oracle: the first page a query at `position` reads (all of them without a window)."""
+    return 0 if window is None else max(position - window + 1, 0) // PS
+
+
+class GroupPool(PagePool):
+    """PagePool over every group's table: a step writes each token into each group's page."""
+
+    def compute(self, seq, n, proposed=()):
+        tokens = seq.token_ids + list(proposed)
+        for table in seq.page_tables:
+            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                page = table[p // PS]
+                assert page != NULL_PAGE and self.bm.ref_counts[page] == 1 and page not in self.bm.page_key
+                self.slots[page * PS + p % PS] = tokens[p]
+        seq.num_computed_tokens += n
+        if not proposed:
+            self.bm.cache_full_pages(seq, seq.num_computed_tokens)
+
+
+def brute_force_hit(bm, token_ids):
+    """Oracle: the most whole pages h of token_ids such that every full group caches pages 0..h-1
+    and every sliding group the pages a query at h * PS reads."""
+    keys, parent = [], root_key(None)
+    for i in range((len(token_ids) - 1) // PS):
+        parent = page_key(parent, token_ids[i * PS:(i + 1) * PS])
+        keys.append(parent)
+    for h in range(len(keys), -1, -1):
+        if all(keys[i] in cached for w, cached in zip(bm.windows, bm.group_cached)
+               for i in range(first_needed(w, h * PS), h)):
+            return h
+    return 0
+
+
+class HybridMachine(RuleBasedStateMachine):
+    @initialize(num_pages=st.integers(8, 40), layout=st.sampled_from(sorted(LAYOUTS)))
+    def setup(self, num_pages, layout):
+        self.windows = LAYOUTS[layout]
+        self.bm = BlockManager(num_pages, PS, groups=groups_of(self.windows))
+        self.pool = GroupPool(self.bm)
+        self.live = []
+
+    def check_released(self, seq, start):
+        """Right after a reserve for a step from `start`: each sliding table holds exactly the
+        pages from the one of position start - w + 1 on (the oracle), the rest NULL_PAGE."""
+        for w, table in zip(self.windows, seq.page_tables):
+            lo = first_needed(w, start)
+            assert [i for i, p in enumerate(table) if p != NULL_PAGE] == list(range(lo, len(table)))
+
+    @rule(base=st.sampled_from(BASES), cut=st.integers(1, 12), tail=st.lists(st.integers(0, 3), max_size=12),
+          chunk=st.integers(1, 16))
+    def admit(self, base, cut, tail, chunk):
+        seq = seq_of(base[:cut] + tail)
+        hit = self.bm.match_prefix(seq.token_ids)
+        assert hit.num_tokens < seq.num_tokens
+        if hit.num_tokens % PS == 0:   # whole pages: the longest every group serves
+            assert hit.num_tokens == brute_force_hit(self.bm, seq.token_ids) * PS
+        for w, pages in zip(self.windows, [hit.pages, *hit.group_pages]):
+            lo = first_needed(w, hit.num_tokens)
+            assert NULL_PAGE not in pages[lo:] and set(pages[:lo]) <= {NULL_PAGE}
+            assert self.pool.read(pages[lo:], len(pages[lo:]) * PS)[:hit.num_tokens - lo * PS] == \
+                seq.token_ids[lo * PS:hit.num_tokens]
+        n = min(chunk, seq.num_tokens - hit.num_tokens)
+        if not self.bm.admit(seq, hit, n):
+            return
+        copies = self.bm.reserve(seq, n)
+        assert copies is not None
+        self.check_released(seq, seq.num_computed_tokens)
+        self.pool.copy(copies)
+        self.pool.compute(seq, n)
+        self.live.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), n=st.integers(1, 9), new=st.lists(st.integers(0, 3), min_size=1, max_size=3))
+    def extend(self, data, n, new):
+        seq = data.draw(st.sampled_from(self.live))
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.output_token_ids += new
+        n = min(n, seq.num_tokens - seq.num_computed_tokens)
+        copies = self.bm.reserve(seq, n)
+        self.check_released(seq, seq.num_computed_tokens)   # released even when the pool is short
+        if copies is None:
+            return
+        self.pool.copy(copies)
+        self.pool.compute(seq, n)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), proposed=st.lists(st.integers(0, 3), min_size=1, max_size=6), bonus=st.integers(0, 3))
+    def verify(self, data, proposed, bonus):
+        """Speculation: write known tokens and proposals, accept some, roll the rest back."""
+        seq = data.draw(st.sampled_from(self.live))
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.output_token_ids.append(bonus)   # a verify row's first token is its last known one
+        known = seq.num_tokens - seq.num_computed_tokens
+        start = seq.num_computed_tokens
+        copies = self.bm.reserve(seq, known + len(proposed))
+        if copies is None:
+            return
+        self.pool.copy(copies)
+        self.pool.compute(seq, known + len(proposed), proposed)
+        accepted = data.draw(st.integers(0, len(proposed)))
+        seq.output_token_ids += proposed[:accepted] + [bonus]
+        self.bm.rollback(seq, len(proposed) - accepted)
+        assert seq.num_computed_tokens > start   # never before the step's first query position
+        self.bm.cache_full_pages(seq, seq.num_computed_tokens)
+
+    @precondition(lambda self: any(s.num_computed_tokens for s in self.live))
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 3), max_size=3))
+    def fork(self, data, tail):
+        src = data.draw(st.sampled_from([s for s in self.live if s.num_computed_tokens]))
+        k = data.draw(st.integers(1, src.num_computed_tokens))
+        child = seq_of(src.token_ids[:k] + tail + [0])
+        # the oracle: src still holds every page the child's next token reads
+        can = all(NULL_PAGE not in t[first_needed(w, k):self.bm.pages_for(k)]
+                  for w, t in zip(self.windows, src.page_tables) if w is not None)
+        assert self.bm.fork(src, child, k) == can
+        if can:
+            self.live.append(child)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(self.live))   # a finished or a preempted sequence
+        self.bm.free(seq)
+        self.live.remove(seq)
+        assert not any(seq.page_tables)
+
+    @invariant()
+    def refcounts_match_page_tables(self):
+        refs = [0] * self.bm.num_pages
+        for s in self.live:
+            for table in s.page_tables:
+                for p in table:
+                    refs[p] += p != NULL_PAGE
+        assert refs == self.bm.ref_counts
+
+    @invariant()
+    def pages_in_one_state_and_one_group(self):
+        bm = self.bm
+        free, cached = set(bm.free_pages), set(bm.evictable)
+        used = {p for p in range(bm.num_pages) if bm.ref_counts[p] > 0}
+        assert NULL_PAGE not in free | cached | used
+        assert len(free) + len(used) + len(cached) == bm.num_pages - 1
+        owner = {}
+        for s in self.live:
+            for g, table in enumerate(s.page_tables):
+                for p in table:
+                    assert p == NULL_PAGE or owner.setdefault(p, g) == g
+        for g, group_cached in enumerate(bm.group_cached):
+            for key, page in group_cached.items():
+                assert bm.page_key[page] == key and bm.page_group[page] == g and owner.get(page, g) == g
+        assert len(bm.page_key) == sum(map(len, bm.group_cached))
+
+    @invariant()
+    def each_group_reads_back_what_its_next_query_reads(self):
+        for s in self.live:
+            n = s.num_computed_tokens
+            for w, table in zip(self.windows, s.page_tables):
+                lo = first_needed(w, n)
+                released = [i for i, p in enumerate(table) if p == NULL_PAGE]
+                assert released == list(range(len(released))) and len(released) <= lo   # a prefix, none needed
+                live = len(released) * PS
+                assert self.pool.read(table, n)[live:] == s.token_ids[live:n]
+
+
+HybridMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+TestHybridBlockManager = HybridMachine.TestCase
+
+
+def test_groups_of_layer_patterns():
+    """vLLM's grouping: layers of a kind in groups of the fewest of any kind, padded."""
+    gpt_oss = KVGroups.of((128, None) * 12)
+    assert (gpt_oss.windows, gpt_oss.group_size) == ((None, 128), 12)
+    assert gpt_oss.layer_group[:4] == (1, 0, 1, 0) and gpt_oss.layer_entry[:4] == (0, 0, 1, 1)
+    gemma3 = KVGroups.of(tuple(None if i % 6 == 5 else 1024 for i in range(62)))   # 27B: 10 full, 52 sliding
+    assert gemma3.group_size == 10 and gemma3.windows == (None,) + (1024,) * 6
+    assert sorted(zip(gemma3.layer_group, gemma3.layer_entry)) == sorted(set(zip(gemma3.layer_group,
+                                                                                 gemma3.layer_entry)))
+    mistral = KVGroups.of((4096,) * 32)
+    assert (mistral.windows, mistral.group_size, mistral.hybrid) == ((4096,), 32, True)
+    for plain in (KVGroups.of((None,) * 4), KVGroups.of((128, None), enabled=False)):
+        assert plain.windows == (None,) and plain.layer_entry == tuple(range(len(plain.layer_entry)))
+        assert not plain.hybrid
+
+
+def test_a_hit_shrinks_to_what_the_sliding_group_still_caches():
+    """The full pages of a prefix stay (a running sequence holds them), but the sliding group's
+    released pages of it were evicted: no page of the prefix serves a hit (each would need its
+    window's sliding pages); with them cached the whole prefix does."""
+    bm = BlockManager(17, PS, groups=groups_of((None, 4)))
+    pool = GroupPool(bm)
+    a = seq_of(range(24))
+    assert bm.admit(a, bm.match_prefix(a.token_ids), 4)
+    while a.num_computed_tokens < 24:   # 4 tokens a step: the sliding group releases as it goes
+        copies = bm.reserve(a, 4)
+        pool.copy(copies)
+        pool.compute(a, 4)
+    prompt = list(range(16)) + [99]
+    assert bm.match_prefix(prompt).num_tokens == 16
+    assert a.group_tables[0][:5] == [NULL_PAGE] * 4 + [a.group_tables[0][4]] and bm.num_cached_pages == 4
+    b = seq_of([77] * 40)
+    assert bm.admit(b, bm.match_prefix(b.token_ids), 16)    # takes the 4 free pages, then evicts those 4
+    assert bm.num_cached_pages == 0
+    assert bm.match_prefix(prompt).num_tokens == brute_force_hit(bm, prompt) * PS == 0
+    plain = BlockManager(16, PS)
+    c = seq_of(range(24))
+    assert plain.admit(c, plain.match_prefix(c.token_ids), 24)
+    c.num_computed_tokens = 24
+    plain.cache_full_pages(c, 24)
+    assert plain.match_prefix(prompt).num_tokens == 16
+
+
+def test_pool_and_request_checks_count_the_window():
+    """A request needs its full group's pages for the whole context, a sliding group's for a window
+    and a step; the NULL_PAGE is not counted as the pool's."""
+    bm = BlockManager(10, PS, groups=groups_of((None, 4)))
+    assert bm.pages_needed(40, 8) == 10 + 4 and bm.num_free_pages == 9
+    assert BlockManager(10, PS).pages_needed(40, 8) == 10
+    with pytest.raises(ValueError):
+        BlockManager(1, PS, groups=groups_of((4,)))
+    assert np.isclose(bm.usage, 0)
