@@ -265,7 +265,7 @@ def run(config: str, topology: str, model: str | None = None, backend: str | Non
                                   quantize_lm_head=quantize_lm_head or None)
     if ecfg.model is None:
         raise SystemExit("jaxserve check: the config names no model directory (give --model)")
-    cfg = ModelConfig.from_pretrained(ecfg.model)
+    cfg = dataclasses.replace(ModelConfig.from_pretrained(ecfg.model), expert_parallel=ecfg.enable_expert_parallel)
     # a checkpoint stored quantized is served so, as the engine does
     quantization = ecfg.quantization or saved_quantization(ecfg.model)
     ecfg = dataclasses.replace(ecfg, quantize_lm_head=ecfg.quantize_lm_head or saved_lm_head(ecfg.model))

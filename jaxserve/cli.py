@@ -27,9 +27,9 @@ TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 
 def engine_config(args) -> EngineConfig:
-    """--config YAML (with --model, --tp/--sp/--dp, --quantization, --quantize-lm-head, --kv-cache-dtype,
-    --decode-steps, --generation-config, --runner and the LoRA flags on top); with neither, configs/tiny-cpu.yaml
-    when present."""
+    """--config YAML (with --model, --tp/--sp/--dp, --enable-expert-parallel, --quantization, --quantize-lm-head,
+    --kv-cache-dtype, --decode-steps, --generation-config, --runner and the LoRA flags on top); with neither,
+    configs/tiny-cpu.yaml when present."""
     path = args.config or (TINY_CPU_CONFIG if args.model is None and os.path.exists(TINY_CPU_CONFIG) else None)
     cfg = EngineConfig.from_yaml(path, model=args.model) if path else EngineConfig(model=args.model)
     axes = {"model": args.tp, "seq": args.sp, "data": args.dp}
@@ -42,7 +42,8 @@ def engine_config(args) -> EngineConfig:
              "kv_cache_dtype": args.kv_cache_dtype, "decode_steps": args.decode_steps,
              "generation_config": args.generation_config, "runner": args.runner,
              "allow_weight_updates": args.allow_weight_updates or None,
-             "enable_sleep_mode": args.enable_sleep_mode or None}
+             "enable_sleep_mode": args.enable_sleep_mode or None,
+             "enable_expert_parallel": args.enable_expert_parallel or None}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in flags.items() if v is not None})
     modules = args.lora_modules and {**cfg.lora_modules, **dict(map(_lora_module, args.lora_modules))}
     # vLLM's switch for the same routes too, so its deployment scripts work unchanged
@@ -69,6 +70,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, help="tensor-parallel degree (mesh 'model' axis; overrides the config)")
     p.add_argument("--sp", type=int, help="sequence-parallel degree (mesh 'seq' axis)")
     p.add_argument("--dp", type=int, help="data-parallel replicas (mesh 'data' axis; `serve` only)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixtures of experts: split the experts whole over the 'model' axis (each chip holds "
+                        "num_experts / tp of them), not each expert's width; attention and dense layers stay "
+                        "tensor-parallel (vLLM's)")
     p.add_argument("--quantization", choices=QUANTIZATION_MODES,
                    help="quantize the Linear weights at load time: int8 / int4 / int4_asym (zero points) / fp8 (e4m3, a scale per 128 inputs) weight-only, or w8a8 (int8 weights and per-token int8 activations); overrides the config")
     p.add_argument("--quantize-lm-head", action="store_true", help=QUANTIZE_LM_HEAD_HELP)

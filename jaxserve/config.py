@@ -121,6 +121,9 @@ class ModelConfig:
     moe_routing: Routing | None = None
     moe_shared_intermediate_size: int = 0
     moe_shared_gate: bool = False
+    # Expert parallelism (the engine's enable_expert_parallel): the experts' stacks split on their expert
+    # axis over "model", each device holding whole experts (jaxserve/parallel.py), not a share of every one.
+    expert_parallel: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
@@ -263,6 +266,7 @@ class EngineConfig:
     seed: int = 0
     poison_freed_pages: bool = False        # tests: NaN into every freed or newly taken page (tests/test_kv_isolation.py)
     mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"data": 1, "model": 1, "seq": 1})
+    enable_expert_parallel: bool = False    # MoE: whole experts per device over "model" (parallel.py), not a share of each
     # This process's place in a multi-host engine (None: one process). A dict (from YAML or
     # dataclasses.asdict) becomes a DistributedConfig.
     distributed: DistributedConfig | None = None
@@ -346,6 +350,9 @@ class EngineConfig:
                              "to pool; serve embeddings (runner pooling) without it")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"engine config: generation_config must be auto or none, got {self.generation_config!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"engine config: enable_expert_parallel must be true or false, got "
+                             f"{self.enable_expert_parallel!r}")
         if self.decode_steps > 1 and self.speculative is not None:
             raise ValueError("engine config: decode_steps > 1 (multi-step decoding) and speculative decoding "
                              "do not combine; choose one")

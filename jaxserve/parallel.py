@@ -6,7 +6,9 @@ devices (the fastest links). Sequence-parallel prefill nests a shard_map manual 
 inside one manual over "seq", and jax 0.11 requires nested manual axes in mesh order.
   * "model": tensor parallelism, Megatron layout. q/k/v, gate and up are split over their
     output (heads / ffn) and o and down over their input, so each layer costs two
-    all-reduces of the [tokens, hidden] activations and nothing else.
+    all-reduces of the [tokens, hidden] activations and nothing else. A mixture's experts
+    split each one's intermediate dim ("expert_mlp") alike, or with expert parallelism
+    (EXPERT_PARALLEL_RULES) their expert axis: each device holds whole experts.
   * "seq": sequence-parallel prefill (a long prompt split in chunks across devices).
   * "data": independent replicas (each serves its own batches; nothing shared).
 
@@ -43,7 +45,9 @@ LOGICAL_RULES = {
     "heads": "model",
     "kv_heads": "model",
     "mlp": "model",
-    "experts": None,      # MoE: every device holds every expert, its share of each one's "mlp" dim
+    "experts": None,      # MoE stacks: every device holds every expert, its share of each one's width
+    "expert_mlp": "model",
+    "router": None,       # a router's output per expert (and DeepSeek's selection bias): every device routes
     "head_dim": None,
     "latent": None,       # DeepSeek's compressed q and KV (models/mla.py): every device holds them whole
     "positions": None,    # a learned position table (GPT-2): every device holds it whole
@@ -53,6 +57,15 @@ LOGICAL_RULES = {
     "lora_rank": None,
 }
 # A parameter's logical axes come from its family's rules (jaxserve.models.registry).
+
+# Expert parallelism (ModelConfig.expert_parallel, vLLM's --enable-expert-parallel): the stacks split
+# on their expert axis, each device holding num_experts / model whole experts. A fine-grained
+# expert split by width leaves each device slivers (Qwen3-30B-A3B's 768 at TP 8: 96 columns, under
+# one 128-lane TPU tile); whole experts keep each product's full width. It costs no new collective:
+# the activations entering an MoE layer are replicated over "model" under TP anyway, so each device
+# runs its own experts for the tokens routed to them and the one all-reduce TP pays sums the
+# devices' outputs (layers.SparseMoE). Attention, dense MLPs and shared experts stay as TP splits them.
+EXPERT_PARALLEL_RULES = {**LOGICAL_RULES, "experts": "model", "expert_mlp": None}
 
 KV_CACHE_AXES = ("pages", "kv_heads", "page_slots", "head_dim")  # the KV layout: jaxserve/kv_cache.py
 
@@ -102,12 +115,18 @@ def _head_counts(cfg: ModelConfig) -> dict[str, int]:
 def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh,
                     cfg: ModelConfig) -> P:
     """PartitionSpec for logical `axes`; a dim whose units (or size: an int4 scale's input
-    groups) do not divide the mesh axis is replicated."""
+    groups) do not divide the mesh axis is replicated, but for experts under expert parallelism:
+    a ValueError (replicated, each device would hold every expert whole)."""
     units = _head_counts(cfg)
+    rules = EXPERT_PARALLEL_RULES if cfg.expert_parallel else LOGICAL_RULES
     spec = []
     for name, size in zip(axes, shape):
-        mesh_axis = LOGICAL_RULES[name]
+        mesh_axis = rules[name]
         n = mesh.shape[mesh_axis] if mesh_axis else 1
+        if name == "experts" and size % n:
+            raise ValueError(f"expert parallelism gives each device whole experts: the {size} experts do not "
+                             f"divide over the model axis of {n} devices; choose a model axis that divides "
+                             f"{size}, or leave enable_expert_parallel off")
         if n == 1 or units.get(name, size) % n or size % n:
             spec.append(None)
         else:

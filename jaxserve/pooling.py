@@ -82,12 +82,13 @@ class Pooler:
 def configure(ecfg: EngineConfig, model_dir: str) -> tuple[EngineConfig, ModelConfig, Pooler | None]:
     """The engine config with its `runner` resolved (auto: pooling for a sentence-transformers
     directory or a base-model or sequence-classifier architecture, LlamaModel and the like), the
-    model config (config.json, the engine's hf_overrides over it), and the model's pooling (None:
+    model config (config.json, the engine's hf_overrides over it; its experts laid out as
+    enable_expert_parallel asks), and the model's pooling (None:
     runner generate). A pooling checkpoint may lack the LM head (Qwen3-Embedding-8B, base models,
     classifiers): the head is then tied to the embeddings, for the logits of the one token a
     pooling request samples and drops."""
     hf = read_hf_config(model_dir, ecfg.hf_overrides)
-    cfg = ModelConfig.from_hf_dict(hf)
+    cfg = dataclasses.replace(ModelConfig.from_hf_dict(hf), expert_parallel=ecfg.enable_expert_parallel)
     kind = ecfg.runner
     if kind == "auto":
         no_lm_head = causal_lm(cfg.architecture) != cfg.architecture

@@ -117,6 +117,6 @@ PARAM_AXES = {
     ("kv_a_proj_with_mqa", "weight"): ("latent", "embed"),
     ("kv_a_proj_with_mqa", "bias"): ("latent",),
     ("kv_b_proj", "weight"): ("heads", "latent"),
-    ("e_score_correction_bias",): ("experts",),
+    ("e_score_correction_bias",): ("router",),
     **moe.PARAM_AXES,
 }

@@ -31,8 +31,9 @@ from jaxserve.matmul import matmul_t
 
 CHUNK_ELEMENTS = 1 << 24   # a projection's weights dequantized at once (32 MiB in bf16)
 # Under tensor parallelism each device holds its share of every expert's intermediate dim
-# (parallel.LOGICAL_RULES' "mlp"); a quantized stack's scales split with their weight's rows
-# (int8's [experts, out] scales) or as its weight (grouped scales [experts, out, in / 128]).
+# (parallel.LOGICAL_RULES' "expert_mlp"); a quantized stack's scales split with their weight's rows
+# (int8's [experts, out] scales) or as its weight (grouped scales [experts, out, in / 128]). Under
+# expert parallelism (parallel.EXPERT_PARALLEL_RULES) every leaf splits on its expert axis.
 SPLIT = {"gate_proj": P(None, "model", None), "up_proj": P(None, "model", None), "down_proj": P(None, None, "model"),
          "gate_proj_bias": P(None, "model"), "up_proj_bias": P(None, "model")}
 
@@ -125,12 +126,19 @@ def in_chunks(path, x, weights, chosen, experts: dict, glu):
     def chunk(total, first):
         part = jax.tree.map(lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, first, size), experts)
         part = {name: dequantized(leaf, x.dtype) for name, leaf in part.items()}
-        local = chosen - first
-        mine = (local >= 0) & (local < size)
-        y = path(x, jnp.where(mine, weights, 0), jnp.where(mine, local, size), part, glu)
+        y = path(x, *routed_within(weights, chosen, first, size), part, glu)
         return total + y.astype(jnp.float32), None
     total = jnp.zeros(x.shape, jnp.float32)
     return jax.lax.scan(chunk, total, jnp.arange(0, num, size))[0].astype(x.dtype)
+
+
+def routed_within(weights, chosen, first, size: int):
+    """(weights, chosen) of the experts first .. first + size - 1 alone, numbered from 0 (a chunk's,
+    or a device's under expert parallelism): a token's choices of other experts weighted zero and
+    numbered `size`, past the slice's experts."""
+    local = chosen - first
+    mine = (local >= 0) & (local < size)
+    return jnp.where(mine, weights, 0), jnp.where(mine, local, size)
 
 
 def dequantized(leaf, dtype):
@@ -140,8 +148,12 @@ def dequantized(leaf, dtype):
     return jax.vmap(functools.partial(quantization.dequantize, dtype=dtype))(leaf["qweight"], leaf["scale"])
 
 
-def split_specs(experts: dict) -> dict:
-    """shard_map's in_specs of Experts' params (SPLIT; a quantized stack's leaves by their rank)."""
+def split_specs(experts: dict, expert_parallel: bool = False) -> dict:
+    """shard_map's in_specs of Experts' params (SPLIT; a quantized stack's leaves by their rank), or
+    with `expert_parallel` each leaf's expert axis."""
+    if expert_parallel:
+        return jax.tree.map(lambda _: P("model"), experts)
+
     def spec(name, leaf):
         if not isinstance(leaf, dict):
             return SPLIT[name]
@@ -149,10 +161,10 @@ def split_specs(experts: dict) -> dict:
     return {name: spec(name, leaf) for name, leaf in experts.items()}
 
 
-def splits(experts: dict, tp: int) -> bool:
+def splits(experts: dict, tp: int, expert_parallel: bool = False) -> bool:
     """Whether every leaf of `experts` divides as split_specs splits it over `tp` devices (a
     grouped scale's input groups too)."""
     leaves = jax.tree.leaves(experts)
-    specs = jax.tree.leaves(split_specs(experts), is_leaf=lambda s: isinstance(s, P))
+    specs = jax.tree.leaves(split_specs(experts, expert_parallel), is_leaf=lambda s: isinstance(s, P))
     return all(size % tp == 0 for leaf, spec in zip(leaves, specs)
                for size, axis in zip(leaf.shape, spec) if axis == "model")

@@ -56,9 +56,9 @@ def hf_tensor(path: tuple[str, ...], cfg: ModelConfig) -> tuple[str, moe.Interle
 # The MoE families' rules; the sinks split with their query heads, the experts' biases as their weights' outputs.
 PARAM_AXES = {
     ("sinks",): ("heads",),
-    ("gate", "bias"): ("experts",),   # the router's
-    ("experts", "gate_proj_bias"): ("experts", "mlp"),
-    ("experts", "up_proj_bias"): ("experts", "mlp"),
+    ("gate", "bias"): ("router",),
+    ("experts", "gate_proj_bias"): ("experts", "expert_mlp"),
+    ("experts", "up_proj_bias"): ("experts", "expert_mlp"),
     ("experts", "down_proj_bias"): ("experts", "embed"),
     **moe.PARAM_AXES,
 }

@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 from jaxserve import lora, quantization
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.matmul import matmul_t
-from jaxserve.models.experts import Experts, every_expert, grouped_experts, in_chunks, split_specs, splits
+from jaxserve.models.experts import (Experts, every_expert, grouped_experts, in_chunks, routed_within, split_specs,
+                                     splits)
 from jaxserve.models.routing import Routing, route
 
 ROPE_KINDS = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
@@ -146,7 +147,8 @@ class SparseMoE(nn.Module):
     adds its output for every token, with `shared_gate` (Qwen2-MoE) times sigmoid(shared_expert_gate(x)),
     a Linear to one output. Shapes are static whatever the routing, and each token's output depends
     on its own row only (padding rows change nothing). Grouped products on TPU, every expert on CPU
-    and GPU (every_expert)."""
+    and GPU (every_expert). With `expert_parallel` each device of the mesh's "model" axis holds
+    num_experts / model whole experts (parallel.EXPERT_PARALLEL_RULES), and runs them alone."""
     num_experts: int
     top_k: int
     intermediate_size: int
@@ -160,6 +162,7 @@ class SparseMoE(nn.Module):
     shared_intermediate_size: int = 0
     activation: Callable[[Any], Any] = nn.silu   # the shared MLP's
     shared_gate: bool = False
+    expert_parallel: bool = False   # the mesh's "model" axis splits the experts, whole (ModelConfig.expert_parallel)
 
     @nn.compact
     def __call__(self, x):
@@ -179,13 +182,17 @@ class SparseMoE(nn.Module):
             return jax.lax.platform_dependent(*args, cpu=every, cuda=every,
                                               default=functools.partial(in_chunks, grouped_experts, glu=self.glu))
         tp = 1 if self.mesh is None else self.mesh.shape["model"]
-        if tp > 1 and splits(experts, tp):   # split as parallel.LOGICAL_RULES splits "mlp"
-            # Each device's share of every expert gives partial sums, reduced once a token's k rows
-            # are summed: [T, hidden] over the links. Left to XLA, the grouped product's [T * k,
-            # hidden] rows were all-reduced (Qwen3-30B-A3B at TP 4 on v6e: 8x the bytes).
-            run = jax.shard_map(lambda *args, local=run: jax.lax.psum(local(*args), "model"), mesh=self.mesh,
-                                in_specs=(P(), P(), P(), split_specs(experts)), out_specs=P(),
-                                axis_names={"model"}, check_vma=False)
+        if tp > 1 and splits(experts, tp, self.expert_parallel):   # split as parallel's rules split them
+            # Each device's share of every expert (or its own experts) gives partial sums, reduced
+            # once a token's k rows are summed: [T, hidden] over the links. Left to XLA, the grouped
+            # product's [T * k, hidden] rows were all-reduced (Qwen3-30B-A3B at TP 4 on v6e: 8x the bytes).
+            def partial_sum(x, weights, chosen, experts, local=run):
+                if self.expert_parallel:   # this device's experts, numbered from 0; the others' rows weigh 0
+                    size = self.num_experts // tp
+                    weights, chosen = routed_within(weights, chosen, jax.lax.axis_index("model") * size, size)
+                return jax.lax.psum(local(x, weights, chosen, experts), "model")
+            run = jax.shard_map(partial_sum, mesh=self.mesh, out_specs=P(), axis_names={"model"}, check_vma=False,
+                                in_specs=(P(), P(), P(), split_specs(experts, self.expert_parallel)))
         out = run(x, weights, chosen, experts)
         if down_bias is not None:   # once, not once per device: each routed expert's, by its weight
             out = out + (weights[..., None] * down_bias[chosen]).sum(axis=1)

@@ -212,7 +212,8 @@ class DecoderLayer(nn.Module):
             mesh = getattr(meta and meta.kv_sharding, "mesh", None)   # None inside sequence-parallel shard_map
             mlp = SparseMoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
                             experts_product(c), self.dtype, mesh, c.moe_bias, c.moe_softmax_topk, c.moe_routing,
-                            c.moe_shared_intermediate_size, ACTIVATIONS[c.hidden_act], c.moe_shared_gate, name="mlp")
+                            c.moe_shared_intermediate_size, ACTIVATIONS[c.hidden_act], c.moe_shared_gate,
+                            expert_parallel=c.expert_parallel, name="mlp")
         else:
             mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias, ACTIVATIONS[c.hidden_act], self.dtype,
                            name="mlp")

@@ -8,8 +8,8 @@ transformers 5's save_pretrained writes them (it fuses the experts only in memor
 `mlp.experts.E.{gate,up,down}_proj.weight` (Qwen3-MoE, Qwen2-MoE, OLMoE) and
 `block_sparse_moe.experts.E.w1/w3/w2.weight` (Mixtral: w1 gate, w3 up, w2 down); `hf_tensor` names each stacked [experts, ...] param's tensors
 in expert order. Tensor parallelism splits each expert's intermediate dim (every device holds
-1/TP of every expert) and the shared expert's as a dense MLP's; the router and the shared expert's
-gate are replicated.
+1/TP of every expert; with expert parallelism, whole experts: 1/TP of them) and the shared expert's
+as a dense MLP's; the router and the shared expert's gate are replicated.
 """
 from __future__ import annotations
 
@@ -116,14 +116,15 @@ def mixtral_hf_tensor(path: tuple[str, ...], cfg: ModelConfig) -> tuple[str | tu
     return qwen3_moe_hf_tensor(tuple(MIXTRAL_NAMES.get(p, p) for p in path), cfg)
 
 
-# Llama's rules, and the experts' stacked weights split as a dense MLP's, each expert alike.
+# Llama's rules, and the experts' stacked weights split as a dense MLP's, each expert alike (or,
+# with expert parallelism, by expert: parallel.EXPERT_PARALLEL_RULES).
 PARAM_AXES = {
-    ("experts", "gate_proj"): ("experts", "mlp", "embed"),
-    ("experts", "up_proj"): ("experts", "mlp", "embed"),
-    ("experts", "down_proj"): ("experts", "embed", "mlp"),
-    ("gate", "weight"): ("experts", "embed"),   # the router
+    ("experts", "gate_proj"): ("experts", "expert_mlp", "embed"),
+    ("experts", "up_proj"): ("experts", "expert_mlp", "embed"),
+    ("experts", "down_proj"): ("experts", "embed", "expert_mlp"),
+    ("gate", "weight"): ("router", "embed"),
     **llama.PARAM_AXES,
 }
 OLMOE_PARAM_AXES = {**olmo2.QK_NORM_AXES, **PARAM_AXES}   # OLMo 2's split q/k norms
 # The shared expert's gate: a router of one output, replicated as the router.
-QWEN2_MOE_PARAM_AXES = {("shared_expert_gate", "weight"): ("experts", "embed"), **PARAM_AXES}
+QWEN2_MOE_PARAM_AXES = {("shared_expert_gate", "weight"): ("router", "embed"), **PARAM_AXES}

@@ -1,0 +1,141 @@
+"""Expert parallelism (enable_expert_parallel: parallel.EXPERT_PARALLEL_RULES, layers.SparseMoE):
+the experts split whole over the "model" axis. On seeded checkpoints of Qwen3-MoE, OLMoE,
+DeepSeek-V3 (shared experts, grouped routing) and gpt-oss (biased experts; and its experts as
+MXFP4, as the Hub stores them), at model 2 and 4 on fake CPU devices: the engine step's f32 logits
+equal one device's, the engine's greedy tokens equal transformers', int8 experts equal int8 on
+one device, the stacks (and their scales) lie on their expert axis while the router stays whole
+and the shared experts tensor-parallel, and experts that do not divide are refused. All of it in
+one subprocess on 8 fake devices (this file's main): jax starts once."""
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import cli
+from jaxserve.config import EngineConfig
+from tests.conftest import fake_devices_env
+from tests.test_family_engine import ENGINE, engine_tokens, save_with_greedy
+from tests.test_mxfp4 import save_mxfp4_gpt_oss
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAMILIES = ("deepseek_v3", "gpt_oss", "olmoe", "qwen3_moe")   # 8, 4, 4, 4 experts
+ENGINE_MESH = {"deepseek_v3": 2, "gpt_oss": 4, "olmoe": 2, "qwen3_moe": 4}   # one engine run each (suite time)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    """The subprocess's measurements, and transformers' greedy tokens of each family."""
+    dirs, expected = {}, {}
+    for name in FAMILIES:
+        dirs[name] = str(tmp_path_factory.mktemp(name))
+        expected[name] = save_with_greedy(name, dirs[name])
+    dirs["gpt_oss_mxfp4"] = save_mxfp4_gpt_oss(tmp_path_factory.mktemp("gpt_oss_mxfp4"))[0]
+    proc = subprocess.run([sys.executable, "-m", "tests.test_expert_parallel", json.dumps(dirs)], cwd=ROOT,
+                          capture_output=True, text=True, env=fake_devices_env(8), timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "expected": expected}
+
+
+@pytest.mark.parametrize("name", [*FAMILIES, "gpt_oss_mxfp4", "qwen3_moe_int8"])
+def test_logits_equal_one_device(results, name):
+    for model in (2, 4):
+        got = results["logits"][f"{name}@{model}"]
+        assert got["tokens_equal"] and got["max_logit_diff"] < 1e-5, (model, got)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_engine_greedy_equals_transformers(results, name):
+    assert results["engine"][name] == results["expected"][name]
+
+
+@pytest.mark.parametrize("name", [*FAMILIES, "gpt_oss_mxfp4", "qwen3_moe_int8"])
+def test_stacks_split_on_their_expert_axis(results, name):
+    """Every leaf of the stacks (weights, int8 and MXFP4 scales, gpt-oss's biases) on its expert
+    axis and nothing else; the router replicated; DeepSeek's shared expert split by width (TP)."""
+    specs = results["specs"][name]
+    for leaf, spec in specs["experts"].items():
+        assert spec[0] == "model" and not any(spec[1:]), (leaf, spec)
+    assert {"gate_proj", "up_proj", "down_proj"} <= {leaf.split("/")[0] for leaf in specs["experts"]}
+    assert not any(a for spec in specs["router"].values() for a in spec), specs["router"]
+    if name == "deepseek_v3":
+        assert specs["shared"] == ["model", None]
+    if name == "gpt_oss_mxfp4":
+        assert {"gate_proj/scale", "down_proj/qweight", "gate_proj_bias"} <= set(specs["experts"])
+
+
+def test_experts_that_do_not_divide_are_refused(results):
+    assert "the 4 experts do not divide over the model axis of 8 devices" in results["refused"]
+
+
+def test_one_all_reduce_of_the_tokens_and_nothing_else(results):
+    """An MoE layer under EP on 4 devices: no all-to-all, no gather of the experts, only the
+    all-reduce of [tokens, hidden] that TP pays too."""
+    assert results["collectives"] == [["f32[16,64]", "all-reduce"]]
+
+
+def test_flag_reaches_the_engine_config():
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--enable-expert-parallel"])
+    assert cli.engine_config(args).enable_expert_parallel
+    with pytest.raises(ValueError, match="enable_expert_parallel must be true or false"):
+        EngineConfig(enable_expert_parallel="yes")
+
+
+def _specs(params, layer: int) -> dict:
+    """The MoE layer's shardings: its stacks' leaves, its router's, its shared expert's gate_proj."""
+    moe = params["model"][f"layers_{layer}"]["mlp"]
+    flat = jax.tree_util.tree_flatten_with_path(moe["experts"])[0]
+    spec = lambda x: list(x.sharding.spec) + [None] * (x.ndim - len(x.sharding.spec))   # noqa: E731
+    return {"experts": {"/".join(k.key for k in path): spec(x) for path, x in flat},
+            "router": {k: spec(x) for k, x in moe["gate"].items()},
+            "shared": spec(moe["shared_experts"]["gate_proj"]["weight"]) if "shared_experts" in moe else None}
+
+
+def main(dirs: dict[str, str]) -> dict:
+    from jaxserve import LLM, parallel, quantization
+    from jaxserve.checkpoint import load_params
+    from jaxserve.config import ModelConfig
+    from jaxserve.generate import greedy_generate
+    from jaxserve.models import layers
+    from tests.parallel_checks import NEW_TOKENS, prompts, sharded_generate
+
+    out = {"logits": {}, "specs": {}, "engine": {}}
+    runs = [(name, d, None) for name, d in dirs.items()] + [("qwen3_moe_int8", dirs["qwen3_moe"], "int8")]
+    for name, d, mode in runs:
+        cfg = ModelConfig.from_pretrained(d)
+        params = quantization.quantize_params(load_params(d, cfg), mode)
+        ref_tokens, ref_logits = greedy_generate(cfg, params, prompts(), NEW_TOKENS, return_logits=True)
+        ep = dataclasses.replace(cfg, expert_parallel=True)
+        for model in (2, 4):
+            mesh = parallel.make_mesh({"model": model}, jax.devices()[:model])
+            sharded = jax.device_put(params, parallel.param_shardings(params, mesh, ep))
+            tokens, logits = sharded_generate(ep, sharded, mesh, False)
+            out["logits"][f"{name}@{model}"] = {"tokens_equal": tokens.tolist() == ref_tokens,
+                                                "max_logit_diff": float(np.abs(logits - ref_logits).max())}
+        out["specs"][name] = _specs(sharded, cfg.moe_layers[0])
+    for name, model in ENGINE_MESH.items():
+        out["engine"][name] = engine_tokens(dirs[name], mesh={"model": model}, enable_expert_parallel=True)[0]
+    mesh = parallel.make_mesh({"model": 4}, jax.devices()[:4])
+    moe = layers.SparseMoE(8, 2, 32, True, mesh=mesh, expert_parallel=True)
+    x = jax.ShapeDtypeStruct((16, 64), np.float32, sharding=parallel.replicated(mesh))
+    shapes = jax.eval_shape(moe.init, jax.random.key(0), x)
+    ep = dataclasses.replace(ModelConfig.from_pretrained(dirs["qwen3_moe"]), expert_parallel=True)
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                          {"params": parallel.param_shardings(shapes["params"], mesh, ep)})
+    hlo = jax.jit(moe.apply).lower(params, x).compile().as_text()
+    out["collectives"] = re.findall(r"= (\w+\[[\d,]*\])\S* (all-reduce|all-gather|all-to-all|collective-permute)\(", hlo)
+    try:
+        LLM(model=dirs["qwen3_moe"], mesh={"model": 8}, enable_expert_parallel=True, **ENGINE)
+        out["refused"] = "not refused"
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))))
