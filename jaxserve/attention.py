@@ -15,7 +15,12 @@ first, attend with flash over the packed new K/V, every other row through the pa
 (`_pallas_rows`). No lax.cond picks between them: on a GPU each would hold the host until the
 device reached it.
 
-KV layout: jaxserve/kv_cache.py (the one place it is described).
+KV layout: jaxserve/kv_cache.py (the one place it is described). The hybrid KV cache
+(jaxserve/kv_groups.py) changes no kernel: a layer gets its group's pool entry and page table
+(AttentionMetadata.group). A sliding group's entries before its window are NULL_PAGE, which holds
+zeros: the TPU kernel starts at the window's first page; the XLA path (from the block of the
+batch's lowest window start) and the GPU kernel (from a tile's) may read such entries, and mask
+them, and zeros give no NaN through a zero weight (a reused page there might).
 """
 from __future__ import annotations
 
@@ -63,6 +68,12 @@ class AttentionMetadata:
     # Sequence-parallel prefill (sequence_parallel.py): q is this shard's chunk; the new K/V
     # are all-gathered over this mesh axis so every shard writes the whole prompt's K/V.
     seq_axis: str | None = struct.field(pytree_node=False, default=None)
+
+
+    def group(self, g: int) -> "AttentionMetadata":
+        """The metadata of KV group g's layers (page_table [G, S, P] and slot_mapping [G, T] of a
+        hybrid cache, jaxserve/kv_groups.py: each group's pages of the same tokens)."""
+        return self.replace(page_table=self.page_table[g], slot_mapping=self.slot_mapping[g])
 
 
 def resolve_backend(name: str = "auto", platform: str | None = None) -> str:

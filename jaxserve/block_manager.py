@@ -79,6 +79,13 @@ def root_key(cache_salt: str | None, lora_id: int | None = None) -> bytes:
     return hashlib.sha256(json.dumps(["salt", cache_salt, lora_id]).encode()).digest()
 
 
+def sequence_pages(windows: tuple[int | None, ...], page_size: int, num_tokens: int, query_tokens: int) -> int:
+    """The most pages one sequence of num_tokens tokens holds at once in groups of these windows,
+    with steps of at most query_tokens tokens: a sliding group's window and a step's tokens."""
+    n = -(-num_tokens // page_size)
+    return sum(n if w is None else min(n, -(-(w - 1 + query_tokens) // page_size) + 1) for w in windows)
+
+
 class PrefixHit(NamedTuple):
     """Cached pages holding a prompt's first `num_tokens` tokens, and the keys of the full ones (the
     last page may be a partial one, without a key here): group 0's pages, then groups 1..'s
@@ -99,11 +106,10 @@ class BlockManager:
         self.reserved = int(any(w is not None for w in self.windows))   # NULL_PAGE, never allocated
         if num_pages < 1 + self.reserved or page_size < 1:
             raise ValueError(f"need num_pages >= {1 + self.reserved} and page_size >= 1, got {num_pages}, {page_size}")
-        self.num_pages = num_pages
-        self.page_size, self.enable_prefix_caching = page_size, enable_prefix_caching
+        self.num_pages, self.page_size, self.enable_prefix_caching = num_pages, page_size, enable_prefix_caching
         self.ref_counts = [0] * num_pages
         self.free_pages = collections.deque(range(self.reserved, num_pages))
-        self.group_cached = [{} for _ in self.windows]          # per group: key -> page
+        self.group_cached = [{} for _ in self.windows]          # per group: key -> page (group 0's: cached_page)
         self.cached_page = self.group_cached[0]
         self.page_key = {}                                      # page -> key, for every cached page
         self.page_group = {}                                    # page -> its group, likewise
@@ -135,12 +141,6 @@ class BlockManager:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
-
-    def pages_needed(self, num_tokens: int, query_tokens: int) -> int:
-        """The most pages one sequence of num_tokens tokens holds at once (all groups), with steps
-        of at most query_tokens tokens: a sliding group's window and a step's tokens."""
-        n = self.pages_for(num_tokens)
-        return sum(n if w is None else min(n, self.pages_for(w - 1 + query_tokens) + 1) for w in self.windows)
 
     def _first_needed(self, group: int, position: int) -> int:
         """The first page of `group` that a query at `position` may read (0: a full group)."""
@@ -175,8 +175,7 @@ class BlockManager:
 
     def _holds_window(self, keys: list[bytes], n: int, num_tokens: int) -> bool:
         """Whether each group caches those of its first n pages a query at num_tokens reads."""
-        return all(keys[i] in c for g, c in enumerate(self.group_cached)
-                   for i in range(self._first_needed(g, num_tokens), n))
+        return all(keys[i] in c for g, c in enumerate(self.group_cached) for i in range(self._first_needed(g, num_tokens), n))
 
     def _full_hit(self, keys: list[bytes]) -> PrefixHit:
         """The longest hit of whole pages among `keys` (each cached in every full group) that every

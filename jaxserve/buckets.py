@@ -74,12 +74,14 @@ class StepShape(NamedTuple):
         """Positions the step samples from: every token of every decode row."""
         return self.decode_rows * self.decode_q
 
-    def empty_batch(self, max_pages_per_seq: int, padding_slot: int) -> tuple[np.ndarray, ...]:
+    def empty_batch(self, max_pages_per_seq: int, padding_slot: int, groups: int = 1) -> tuple[np.ndarray, ...]:
         """The step's arrays for a batch with nothing in it (nothing written, nothing attended):
-        tokens, positions, slot_mapping, page_table, seq_lens, query_start_loc, logits_index."""
+        tokens, positions, slot_mapping, page_table, seq_lens, query_start_loc, logits_index;
+        groups > 1: slot_mapping and page_table per KV group (jaxserve/kv_groups.py)."""
         t, rows = self.tokens, self.prefill_rows + self.decode_rows
-        return (np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, padding_slot, np.int32),
-                np.zeros((rows, max_pages_per_seq), np.int32), np.zeros(rows, np.int32),
+        lead = (groups,) if groups > 1 else ()
+        return (np.zeros(t, np.int32), np.zeros(t, np.int32), np.full((*lead, t), padding_slot, np.int32),
+                np.zeros((*lead, rows, max_pages_per_seq), np.int32), np.zeros(rows, np.int32),
                 np.zeros(rows + 1, np.int32), np.zeros(self.logit_rows, np.int32))
 
 

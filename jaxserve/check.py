@@ -33,10 +33,11 @@ from jaxserve.buckets import Buckets, StepShape
 from jaxserve.checkpoint import param_shapes, saved_lm_head, saved_quantization
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kv_cache import KVCache, page_bytes_per_chip
+from jaxserve.kv_groups import KVGroups, kv_groups
 from jaxserve.models import build_model
 from jaxserve.executables import lower
 from jaxserve.step import (empty_sequence_parallel_prefill, last_sampled_spec, lower_step, make_multi_step, make_step,
-                           multi_step_arrays, multi_step_variants, page_copy_batches, sampler_lowerings)
+                           multi_step_arrays, multi_step_variants, page_copy_batches, sampler_lowerings, table_groups)
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step_cost import step_cost
 
@@ -117,6 +118,9 @@ class Report(NamedTuple):
     hbm_bytes: int
     results: list[Compiled]
     refusal: str | None    # why the KV pool could not be sized (nothing compiled then)
+    # Tokens of max_model_len sequences the pool holds, and would hold without the hybrid cache
+    # (jaxserve/kv_groups.py; equal for a model without sliding layers).
+    capacity: tuple[int, int] = (0, 0)
 
     @property
     def peak_temp_bytes(self) -> int:
@@ -176,20 +180,26 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
     # Data-parallel replicas are independent engines: one replica's mesh is the one to check.
     mesh = parallel.make_mesh({**sizes, "data": 1}, target.devices[:sizes["seq"] * sizes["model"]])
     model_axis, tpu = mesh.shape["model"], parallel.platform(mesh) == "tpu"
+    groups = kv_groups(cfg, ecfg)
     weight_bytes = sizing.weight_bytes_per_chip(cfg, dtype, model_axis, quantization, ecfg.quantize_lm_head)
     try:
         num_pages = ecfg.num_pages or sizing.kv_pool_pages(cfg, ecfg, dtype, model_axis=model_axis,
                                                            hbm_bytes=target.hbm_bytes, used_bytes=weight_bytes,
                                                            tpu=tpu, chip=target.generation, name=model_name,
-                                                           quantization=quantization)
+                                                           quantization=quantization, groups=groups)
     except sizing.PoolDoesNotFit as e:
         return Report(weight_bytes, 0, 0, target.hbm_bytes, [], str(e))
-    page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=tpu, kv_cache_dtype=ecfg.kv_cache_dtype)
+    page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=tpu, kv_cache_dtype=ecfg.kv_cache_dtype,
+                                     groups=groups)
+    plain = KVGroups.of(cfg.sliding_windows, enabled=False)
+    plain_pages = num_pages * page_bytes // page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=tpu,
+                                                                kv_cache_dtype=ecfg.kv_cache_dtype, groups=plain)
+    capacity = (sizing.context_tokens(cfg, ecfg, groups, num_pages), sizing.context_tokens(cfg, ecfg, plain, plain_pages))
 
     unsharded = param_shapes(cfg, dtype, quantization, ecfg.quantize_lm_head)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           unsharded, parallel.param_shardings(unsharded, mesh, cfg))
-    kv = KVCache.spec(cfg, mesh, num_pages, ecfg.page_size, dtype, ecfg.kv_cache_dtype)
+    kv = KVCache.spec(cfg, mesh, num_pages, ecfg.page_size, dtype, ecfg.kv_cache_dtype, groups)
     pool_bytes = pool_bytes_per_chip(kv)
     model = build_model(cfg, dtype)
     backend = resolve_backend(backend or ecfg.attention_backend, parallel.platform(mesh))
@@ -208,7 +218,8 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
                   lambda s=s, p=p, f=f: lower(
                       multi, params, kv, *multi_step_arrays(
                           s, max_pages, num_pages * ecfg.page_size, last_sampled,
-                          last_sampled_spec(mesh, ecfg.decode_steps, buckets.max_logit_rows), max_len, cfg.vocab_size, p),
+                          last_sampled_spec(mesh, ecfg.decode_steps, buckets.max_logit_rows), max_len, cfg.vocab_size, p,
+                          groups=table_groups(kv)),
                       steps=ecfg.decode_steps, filters=f))
                  for s in shapes if s.plain_decode
                  for p, f in multi_step_variants(parallel.platform(mesh))]
@@ -217,14 +228,14 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
                                   ecfg.max_model_len or cfg.max_position_embeddings, buckets.max_logit_rows)
     if mesh.shape["seq"] > 1:
         work += [(f"sequence-parallel-prefill-{t}", lambda t=t: sequence_parallel_prefill.lower(
-            model, mesh, params, kv, *empty_sequence_parallel_prefill(t, max_pages), backend=backend))
+            model, mesh, params, kv, *empty_sequence_parallel_prefill(t, max_pages, table_groups(kv)), backend=backend))
             for t in buckets.tokens]
     src, dst = next(page_copy_batches([(0, 0)], ecfg.max_num_seqs, num_pages))
     work.append(("page-copy", lambda: KVCache.copy_pages.lower(kv, src, dst)))
     workers = 1 if target.generation in _SPARSECORE else os.cpu_count()
     with concurrent.futures.ThreadPoolExecutor(workers) as executor:   # XLA compiles without the GIL
         results = list(executor.map(lambda w: _compile(*w, pool_bytes), work))
-    return Report(weight_bytes, num_pages, num_pages * page_bytes, target.hbm_bytes, results, None)
+    return Report(weight_bytes, num_pages, num_pages * page_bytes, target.hbm_bytes, results, None, capacity)
 
 
 def format_report(report: Report, header: str) -> str:
@@ -237,6 +248,9 @@ def format_report(report: Report, header: str) -> str:
     lines += [
         f"  weights            {report.weight_bytes / GiB:8.2f} GiB",
         f"  KV pool            {report.kv_bytes / GiB:8.2f} GiB  ({report.num_pages} pages)",
+        f"  KV capacity        {report.capacity[0]:8,d} tokens of full-length sequences" + (
+            "" if report.capacity[0] == report.capacity[1] else f" ({report.capacity[1]:,d} without the hybrid KV cache"
+            + (f": {report.capacity[0] / report.capacity[1]:.2f}x)" if report.capacity[1] else ")")),
         f"  peak temporaries   {report.peak_temp_bytes / GiB:8.2f} GiB  ({peak.name})",
         f"  total              {total / GiB:8.2f} GiB of {report.hbm_bytes / GiB:.2f} GiB HBM: "
         f"{'fits' if report.fits else 'DOES NOT FIT'}",

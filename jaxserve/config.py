@@ -257,6 +257,7 @@ class EngineConfig:
     # `decode_steps` tokens. 1: a program per token.
     decode_steps: int = 1
     enable_prefix_caching: bool = True
+    hybrid_kv_cache: bool = True            # sliding-window layers keep only their window's pages (kv_groups.py)
     admission_eagerness: float = 1.0        # 1.0 admit whenever budget allows; 0.0 only when no decode is running
     attention_backend: str = "auto"         # auto | pallas_tpu | pallas_gpu | xla
     max_queue_size: int = 256               # requests in flight beyond max_num_seqs; more get 429
@@ -267,8 +268,7 @@ class EngineConfig:
     poison_freed_pages: bool = False        # tests: NaN into every freed or newly taken page (tests/test_kv_isolation.py)
     mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"data": 1, "model": 1, "seq": 1})
     enable_expert_parallel: bool = False    # MoE: whole experts per device over "model" (parallel.py), not a share of each
-    # This process's place in a multi-host engine (None: one process). A dict (from YAML or
-    # dataclasses.asdict) becomes a DistributedConfig.
+    # This process's place in a multi-host engine (None: one process); a dict becomes a DistributedConfig.
     distributed: DistributedConfig | None = None
     # Speculative decoding (None: off); a dict (YAML, `LLM(speculative={...})`) becomes a SpeculativeConfig.
     speculative: SpeculativeConfig | None = None
@@ -300,17 +300,14 @@ class EngineConfig:
     # checkpoint directory, in place, between requests (jaxserve/weight_update.py). Off by default: it
     # reads any path the server can.
     allow_weight_updates: bool = False
-    # The server's vLLM sleep mode routes: POST /sleep?level=1|2, POST /wake_up[?tags=...], GET /is_sleeping
-    # (jaxserve/sleep_mode.py: the accelerator's memory given back between an RL trainer's rollouts).
-    # Off by default, as vLLM's --enable-sleep-mode: a client could stop the serving.
+    # The server's vLLM sleep mode routes: POST /sleep?level=1|2, POST /wake_up[?tags=...], GET /is_sleeping (sleep_mode.py:
+    # memory given back between an RL trainer's rollouts). Off by default, as vLLM's: a client could stop the serving.
     enable_sleep_mode: bool = False
-    # What it serves, as vLLM's `runner`: generate (text) | pooling (embeddings, classes and scores,
-    # jaxserve/pooling.py) | auto (pooling for a sentence-transformers model directory, a base-model or a
-    # sequence-classifier architecture, else generate).
+    # What it serves, as vLLM's `runner`: generate (text) | pooling (embeddings, classes and scores, jaxserve/pooling.py)
+    # | auto (pooling for a sentence-transformers model directory, a base-model or a sequence-classifier architecture).
     runner: str = "auto"
-    # vLLM's hf_overrides: keys over the model's config.json, e.g. a Qwen3-Reranker (a causal LM)
-    # served as a cross-encoder: {"architectures": ["Qwen3ForSequenceClassification"],
-    # "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true} (jaxserve/pooling.py).
+    # vLLM's hf_overrides: keys over the model's config.json, e.g. a Qwen3-Reranker (a causal LM) served as a cross-encoder:
+    # {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], ...} (pooling.py).
     hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self):
@@ -350,6 +347,8 @@ class EngineConfig:
                              "to pool; serve embeddings (runner pooling) without it")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"engine config: generation_config must be auto or none, got {self.generation_config!r}")
+        if not isinstance(self.hybrid_kv_cache, bool):   # a YAML "off" string would read as on
+            raise ValueError(f"engine config: hybrid_kv_cache must be true or false, got {self.hybrid_kv_cache!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"engine config: enable_expert_parallel must be true or false, got "
                              f"{self.enable_expert_parallel!r}")

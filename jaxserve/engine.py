@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxserve import lora, parallel, pooling
 from jaxserve import quantization as quant
-from jaxserve.block_manager import BlockManager
+from jaxserve.block_manager import BlockManager, sequence_pages
 from jaxserve.checkpoint import load_for_mesh, resolve_dtype, saved_lm_head, saved_quantization
 from jaxserve.config import EngineConfig
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
@@ -82,8 +82,8 @@ class LLMEngine:
                                        self.ecfg, self.runner.num_pages, self.max_model_len, mesh, self.dtype)
         self.throttle = spec and Throttle(spec, self.model_cfg, self.draft and self.draft.runner.cfg,
                                           jnp.dtype(self.dtype).itemsize)   # which steps speculate
-        self.block_manager = BlockManager(self.runner.num_pages, self.ecfg.page_size,
-                                          self.ecfg.enable_prefix_caching, self.ecfg.poison_freed_pages)
+        self.block_manager = BlockManager(self.runner.num_pages, self.ecfg.page_size, self.ecfg.enable_prefix_caching,
+                                          self.ecfg.poison_freed_pages, self.runner.kv_groups)
         self.scheduler = Scheduler(self.ecfg, self.block_manager, self.max_model_len)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_cfg.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids)
@@ -133,11 +133,12 @@ class LLMEngine:
             raise InvalidRequest(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
                                  f"has {len(prompt_token_ids)} tokens{tokens}", param="prompt")
         # The last sampled token is never written to the cache (max_tokens 0 samples one, dropped).
-        pages = self.block_manager.pages_for(len(prompt_token_ids) + max(params.max_tokens, 1) - 1)
-        if pages > self.block_manager.num_pages:
+        bm, written = self.block_manager, len(prompt_token_ids) + max(params.max_tokens, 1) - 1
+        pages = sequence_pages(bm.windows, bm.page_size, written, self.ecfg.max_num_batched_tokens)
+        if pages > bm.num_pages - bm.reserved:
             raise InvalidRequest(f"{len(prompt_token_ids)} prompt tokens + max_tokens={params.max_tokens} need "
                                  f"{pages} KV pages of {self.ecfg.page_size} tokens, but the pool has "
-                                 f"{self.block_manager.num_pages}; shorten the prompt or lower max_tokens",
+                                 f"{bm.num_pages - bm.reserved}; shorten the prompt or lower max_tokens",
                                  param="prompt")
         request_id = request_id or f"req-{next(self._ids)}"
         arrival = arrival_time if arrival_time is not None else time.monotonic()

@@ -26,7 +26,10 @@ dequantized copy of the cache is never made. Scales add 4 bytes per head_dim val
 512 bytes per page and KV head below page_size 128).
 
 The cache is one argument of the jitted step, donated and updated in place: a layer writes its
-new K/V with `LayerKV.write` and the step returns the new cache. Which page holds what is the
+new K/V with `LayerKV.write` and the step returns the new cache. With KV groups (the hybrid cache
+of sliding-window models, jaxserve/kv_groups.py) it holds group_size entries, not one per layer:
+layer l uses entry `layer(l)[0]` through its group's page table (the step's page_table and
+slot_mapping then have a leading group axis), and a page id names that page in every entry. Which page holds what is the
 block manager's business (jaxserve/block_manager.py); this module holds the arrays, their size
 in pages and bytes, and the whole-page operations (copy-on-write copies, poisoning).
 """
@@ -40,6 +43,7 @@ from flax import struct
 
 from jaxserve import parallel
 from jaxserve.config import ModelConfig
+from jaxserve.kv_groups import KVGroups
 from jaxserve.quantization import quantize_rows
 
 
@@ -93,13 +97,17 @@ class LayerKV:
 
 @struct.dataclass
 class KVCache:
-    layers: tuple[LayerKV, ...]
+    layers: tuple[LayerKV, ...]   # one per model layer, or with KV groups one per group entry
+    # The hybrid cache's map of layers to entries and page tables (jaxserve/kv_groups.py); None:
+    # one entry per layer, one page table (static: a program is traced for its layout).
+    groups: KVGroups | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def spec(cls, cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype,
-             kv_cache_dtype: str = "auto") -> "KVCache":
+             kv_cache_dtype: str = "auto", groups: KVGroups | None = None) -> "KVCache":
         """The cache as ShapeDtypeStructs with their shardings (to lower a step without memory).
-        dtype: the model's; kv_cache_dtype: "auto" (the model's), "int8" or "fp8"."""
+        dtype: the model's; kv_cache_dtype: "auto" (the model's), "int8" or "fp8"; groups: its
+        KV groups (None or one full group: a pool entry per layer)."""
         platform = parallel.platform(mesh)
         sharding = parallel.kv_cache_sharding(cfg, mesh)   # scales too: KV heads on axis 1
         shape = (num_pages, cfg.num_kv_heads, page_size, pool_head_dim(cfg.head_dim, platform))
@@ -108,18 +116,25 @@ class KVCache:
         if kv_cache_dtype != "auto":
             scale_shape = (num_pages, cfg.num_kv_heads, 1, scale_lanes(page_size, platform))
             scale = jax.ShapeDtypeStruct(scale_shape, jnp.float32, sharding=sharding)
-        return cls(tuple(LayerKV(pool, pool, scale, scale) for _ in range(cfg.num_layers)))
+        groups = groups if groups is not None and groups.num_groups > 1 else None
+        entries = cfg.num_layers if groups is None else groups.group_size
+        return cls(tuple(LayerKV(pool, pool, scale, scale) for _ in range(entries)), groups)
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype,
-              kv_cache_dtype: str = "auto") -> "KVCache":
+              kv_cache_dtype: str = "auto", groups: KVGroups | None = None) -> "KVCache":
         """A zeroed cache (scales of 1), each array created on its devices already sharded."""
         def filled(x, value):
             return None if x is None else _filler(x.shape, x.dtype, value, x.sharding)()
 
-        spec = cls.spec(cfg, mesh, num_pages, page_size, dtype, kv_cache_dtype)
+        spec = cls.spec(cfg, mesh, num_pages, page_size, dtype, kv_cache_dtype, groups)
         return cls(tuple(LayerKV(filled(x.k, 0), filled(x.v, 0), filled(x.k_scale, 1), filled(x.v_scale, 1))
-                         for x in spec.layers))
+                         for x in spec.layers), spec.groups)
+
+    def layer(self, i: int) -> tuple[int, int | None]:
+        """Model layer i's pool entry, and its group's index into the step's page tables and slot
+        mappings (None: they have no group axis)."""
+        return (i, None) if self.groups is None else (self.groups.layer_entry[i], self.groups.layer_group[i])
 
     @property
     def num_pages(self) -> int:
@@ -216,8 +231,9 @@ def _whole_tpu_lanes(n: int, platform: str) -> int:
 
 
 def page_bytes_per_chip(cfg: ModelConfig, dtype, page_size: int, model_axis: int, tpu: bool,
-                        kv_cache_dtype: str = "auto") -> int:
-    """K and V of one page in every layer (with their scales when quantized), on one chip (KV
+                        kv_cache_dtype: str = "auto", groups: KVGroups | None = None) -> int:
+    """K and V of one page in every layer (with KV groups: in a group's group_size layers; with
+    their scales when quantized), on one chip (KV
     heads split over "model" when they divide). On TPU the pool's two minor dims (page slots,
     head_dim) are stored in whole (sublanes, 128 lanes) tiles, so a head_dim of 32 takes 128
     lanes, and a page's scales of one KV head whole 128 lanes (scale_lanes)."""
@@ -229,4 +245,5 @@ def page_bytes_per_chip(cfg: ModelConfig, dtype, page_size: int, model_axis: int
     per_head = slots * dim * itemsize + (4 * scale_lanes(page_size, platform) if kv_cache_dtype != "auto" else 0)
     mesh = jax.sharding.AbstractMesh((1, 1, model_axis), parallel.MESH_AXES)
     split = model_axis if "model" in parallel.kv_cache_sharding(cfg, mesh).spec else 1
-    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head // split
+    layers = cfg.num_layers if groups is None else groups.group_size
+    return 2 * layers * cfg.num_kv_heads * per_head // split

@@ -26,7 +26,7 @@ class Batch(NamedTuple):
 
 
 def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pages: int,
-         page_size: int, ready: frozenset[StepShape] | None = None) -> Batch:
+         page_size: int, ready: frozenset[StepShape] | None = None, groups: int = 1) -> Batch:
     """The scheduled rows as the step's fixed-shape host arrays (see the runner's docstring):
     prefill rows first, those without a cached prefix leading (jaxserve/attention.py runs them
     through the flash kernel), then decode rows (one token, or a verify row's 1 + k) longest context
@@ -34,7 +34,9 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     builds the others: buckets.cover); decode rows are 1 + k wide only in a step with a verify
     row. A row sampling n tokens has its last n positions in logits_index and its sequence n
     times in sampling_seqs. A PENDING input token (a decode row's token sampled by the step
-    still running) is left for the device to read (`pending`)."""
+    still running) is left for the device to read (`pending`). groups > 1 (KV groups,
+    jaxserve/kv_groups.py): page_table [groups, rows, P] and slot_mapping [groups, T], a row's
+    pages of each group (NULL_PAGE where a sliding window released them)."""
     prefill = sorted((s for s in out.scheduled if s.is_prefill_row), key=lambda s: s.seq.num_computed_tokens > 0)
     decode = sorted((s for s in out.scheduled if not s.is_prefill_row),
                     key=lambda s: -s.seq.num_computed_tokens)
@@ -71,18 +73,21 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     seq_lens[index] = starts + counts
     # pages holding each row's context (a multi-step decode's: after its last step)
     used = -(-(starts + [s.num_computed for _, s in real]) // page_size)
-    page_table = np.zeros((len(rows), max_pages_per_seq), np.int32)
+    page_table = np.zeros((groups, len(rows), max_pages_per_seq), np.int32)
     for (r, s), u in zip(real, used.tolist()):   # a numpy copy a row (sequence.PageTable)
-        page_table[r, :u] = s.seq.page_table.array()[:u]
+        for g, table in enumerate(s.seq.page_tables):
+            page_table[g, r, :u] = table.array()[:u]
     num_real = int(qsl[-1])
     tokens, positions = np.zeros(t, np.int32), np.zeros(t, np.int32)
     tokens[:num_real] = list(itertools.chain.from_iterable(queries))
     positions[:num_real] = _ranges(starts, counts)
     lora_slots = np.zeros(t, np.int32)
     lora_slots[:num_real] = np.repeat([s.seq.lora_slot for _, s in real], counts)
-    pages = page_table[np.repeat(index, counts), positions[:num_real] // page_size]
-    slots = np.full(t, num_pages * page_size, np.int32)  # padding: not written
-    slots[:num_real] = pages * page_size + positions[:num_real] % page_size
+    pages = page_table[:, np.repeat(index, counts), positions[:num_real] // page_size]
+    slots = np.full((groups, t), num_pages * page_size, np.int32)  # padding: not written
+    slots[:, :num_real] = pages * page_size + positions[:num_real] % page_size
+    if groups == 1:   # no group axis: the arrays of a cache without groups
+        page_table, slots = page_table[0], slots[0]
     # A row sampling k tokens: its last k positions, and its sequence k times.
     logits_index = np.zeros(sd * dq, np.int32)  # sampled positions first
     logits_index[:sampled.sum()] = _ranges(cursors + counts - sampled, sampled)

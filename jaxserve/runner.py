@@ -32,6 +32,7 @@ from jaxserve.compilations import CompileCounter
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.executables import Executables, abstract, context_digest, key
 from jaxserve.kv_cache import KVCache, page_bytes_per_chip
+from jaxserve.kv_groups import kv_groups
 from jaxserve.lora import Adapters, StepLora
 from jaxserve.models import build_model
 from jaxserve.packing import pack
@@ -40,7 +41,7 @@ from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step import (make_multi_step, make_step, multi_step_variant, multi_step_variants, page_copy_batches,
-                           serving_sample)
+                           serving_sample, table_groups)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class ModelRunner:
         self.max_pages_per_seq = sizing.pages_per_seq(cfg, engine_cfg)
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh, cfg))
         self.lora = lora   # LoRA adapters' slots (jaxserve/lora.py): each step then takes a StepLora
+        self.kv_groups = kv_groups(cfg, engine_cfg)   # the hybrid cache's layers and page tables
         self.num_pages = engine_cfg.num_pages or self._pages_that_fit()
         # Multi-host: process 0 broadcasts every step (see jaxserve/multihost.py); the others
         # build the same runner and `follow`. The pool size must agree (free memory may not).
@@ -78,7 +80,9 @@ class ModelRunner:
                 [np.array([self.num_pages], np.int32)] if multihost.is_leader() else None)[0][0])
             multihost.warmup()
             self.broadcaster = multihost.Broadcaster() if multihost.is_leader() else None
-        self.kv_cache = KVCache.zeros(cfg, self.mesh, self.num_pages, self.page_size, dtype, engine_cfg.kv_cache_dtype)
+        self.kv_cache = KVCache.zeros(cfg, self.mesh, self.num_pages, self.page_size, dtype, engine_cfg.kv_cache_dtype,
+                                      self.kv_groups)
+        self.table_groups = table_groups(self.kv_cache)   # the step's page tables' group axis (1: none)
         self.buckets = Buckets(engine_cfg, self.mesh.shape["seq"], parallel.platform(self.mesh), self.backend)
         self.max_copies = engine_cfg.max_num_seqs
         self._step = make_step(self.model, cfg, self.mesh, self.backend)
@@ -111,13 +115,14 @@ class ModelRunner:
         stats = device.memory_stats() or {}
         if "bytes_limit" not in stats:   # CPU: kv_cache_mb, and at least one full-length sequence
             page_bytes = page_bytes_per_chip(self.cfg, self.dtype, self.page_size, 1, tpu=False,
-                                             kv_cache_dtype=self.ecfg.kv_cache_dtype)
-            return max(self.ecfg.kv_cache_mb * 2**20 // page_bytes, self.max_pages_per_seq)
+                                             kv_cache_dtype=self.ecfg.kv_cache_dtype, groups=self.kv_groups)
+            return max(self.ecfg.kv_cache_mb * 2**20 // page_bytes, sizing.pool_pages_per_seq(self.cfg, self.ecfg,
+                                                                                           self.kv_groups))
         # an accelerator: a share of what the (placed) weights leave free, or a clear refusal
         return sizing.kv_pool_pages(
             self.cfg, self.ecfg, self.dtype, model_axis=self.mesh.shape["model"], hbm_bytes=stats["bytes_limit"],
             used_bytes=stats.get("bytes_in_use", 0), tpu=device.platform == "tpu",
-            chip=sizing.TPU_DEVICE_KINDS.get(device.device_kind, device.device_kind),
+            chip=sizing.TPU_DEVICE_KINDS.get(device.device_kind, device.device_kind), groups=self.kv_groups,
             name=f"{self.cfg.architecture} ({self.cfg.num_params / 1e9:.1f}B parameters)")
 
     # ---- one step ----
@@ -133,7 +138,7 @@ class ModelRunner:
         plp_counts = metadata = None
         if rest:
             batch = pack(dataclasses.replace(out, scheduled=rest), self.buckets, self.max_pages_per_seq,
-                         self.num_pages, self.page_size, self.ready_shapes)
+                         self.num_pages, self.page_size, self.ready_shapes, self.table_groups)
             seqs = batch.sampling_seqs
             lora = () if self.lora is None else (batch.lora_slots,)   # the op's first array (see `replay`)
             token_src = np.full(len(batch.arrays[0]), -1, np.int32)   # >= 0: the previous step's row
@@ -218,8 +223,10 @@ class ModelRunner:
         seq, n, start = s.seq, s.num_query_tokens, s.seq.num_computed_tokens
         tokens = np.zeros(bucket(n, self.buckets.tokens), np.int32)
         tokens[:n] = s.query_token_ids
-        row = np.zeros(self.max_pages_per_seq, np.int32)
-        row[:len(seq.page_table)] = seq.page_table
+        rows = np.zeros((len(seq.page_tables), self.max_pages_per_seq), np.int32)
+        for row, table in zip(rows, seq.page_tables):
+            row[:len(table)] = table
+        row = rows if self.table_groups > 1 else rows[0]
         seqs = [seq] if s.num_sampled else []
         return _Op([_SEQUENCE_PARALLEL], (tokens, np.array([n, start], np.int32), row), seqs,
                    metadata_for(seqs, seeds, 1, self.max_model_len))

@@ -66,7 +66,7 @@ import bisect
 import dataclasses
 
 from jaxserve.config import EngineConfig
-from jaxserve.block_manager import NO_HIT, BlockManager
+from jaxserve.block_manager import NO_HIT, BlockManager, sequence_pages
 from jaxserve.sequence import PENDING, Sequence, SequenceStatus
 
 
@@ -174,8 +174,8 @@ class Scheduler:
         if not seq.prompt_token_ids:
             raise ValueError(f"request {seq.request_id}: empty prompt")
         # The last sampled token is never written to the cache.
-        need = self.bm.pages_needed(seq.num_prompt_tokens + max(seq.sampling.max_tokens, 1) - 1,
-                                    self.cfg.max_num_batched_tokens)
+        need = sequence_pages(self.bm.windows, self.bm.page_size, seq.num_prompt_tokens + max(seq.sampling.max_tokens, 1) - 1,
+                              self.cfg.max_num_batched_tokens)
         if need > self.bm.num_pages - self.bm.reserved:
             raise ValueError(
                 f"request {seq.request_id}: {seq.num_prompt_tokens} prompt tokens + max_tokens="

@@ -35,7 +35,8 @@ def sequence_parallel_prefill(model, mesh, params, kv_cache, tokens, num_tokens,
 
     tokens: int32[T], T a multiple of the "seq" size, real tokens first then padding;
     num_cached: tokens of this sequence already in the cache (the new ones follow them);
-    page_table_row: int32[P], the sequence's pages (covering num_cached + num_tokens).
+    page_table_row: int32[P], the sequence's pages (covering num_cached + num_tokens); with KV
+    groups (jaxserve/kv_groups.py) [G, P], its pages of each group.
     Returns (float32[1, vocab] logits of the last new token, updated kv_cache).
     """
     cfg: ModelConfig = model.cfg
@@ -52,7 +53,7 @@ def sequence_parallel_prefill(model, mesh, params, kv_cache, tokens, num_tokens,
         # Every shard writes all T tokens' K/V (gathered in attention), so it needs all slots.
         idx = jnp.arange(t)
         pos = num_cached + idx
-        page = page_table_row[jnp.minimum(pos // page_size, page_table_row.shape[0] - 1)]
+        page = page_table_row[..., jnp.minimum(pos // page_size, page_table_row.shape[-1] - 1)]
         slots = jnp.where(idx < num_tokens, page * page_size + pos % page_size,
                           num_pages * page_size)  # out of range: padding is not written
         positions = num_cached + s * chunk + jnp.arange(chunk)
@@ -61,7 +62,7 @@ def sequence_parallel_prefill(model, mesh, params, kv_cache, tokens, num_tokens,
         # pages past the prompt's last token: they hold no K/V of this sequence.
         real = jnp.clip(num_tokens - s * chunk, 0, chunk)
         meta = AttentionMetadata(
-            positions=positions, slot_mapping=slots, page_table=page_table_row[None],
+            positions=positions, slot_mapping=slots, page_table=page_table_row[..., None, :],
             seq_lens=(num_cached + s * chunk + real)[None],
             query_start_loc=jnp.stack([0, real]).astype(jnp.int32),
             max_q=chunk, backend=backend, seq_axis="seq", kv_sharding=kv_spec,

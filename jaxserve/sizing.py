@@ -17,7 +17,9 @@ from jax.sharding import AbstractMesh
 from jaxserve import parallel
 from jaxserve.checkpoint import param_shapes
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.block_manager import sequence_pages
 from jaxserve.kv_cache import page_bytes_per_chip
+from jaxserve.kv_groups import KVGroups
 
 GiB = 2**30
 # HBM per chip that XLA:TPU lets a program use (16, 95 and 32 GiB chips, as libtpu 0.0.42's
@@ -57,29 +59,47 @@ def weight_bytes_per_chip(cfg: ModelConfig, dtype, model_axis: int, quantization
 
 
 def pages_per_seq(cfg: ModelConfig, ecfg: EngineConfig) -> int:
-    """Pages of one sequence at the longest context the engine serves."""
+    """Pages of one sequence at the longest context the engine serves (of one KV group)."""
     return -(-(ecfg.max_model_len or cfg.max_position_embeddings) // ecfg.page_size)
 
 
+def pool_pages_per_seq(cfg: ModelConfig, ecfg: EngineConfig, groups: KVGroups | None = None) -> int:
+    """Pool pages one longest sequence needs: of each KV group (a sliding group: its window and a
+    step's tokens, jaxserve/kv_groups.py), and the reserved NULL_PAGE of a hybrid cache."""
+    if groups is None:
+        return pages_per_seq(cfg, ecfg)
+    return int(groups.hybrid) + sequence_pages(groups.windows, ecfg.page_size, pages_per_seq(cfg, ecfg) * ecfg.page_size,
+                                               ecfg.max_num_batched_tokens)
+
+
+def context_tokens(cfg: ModelConfig, ecfg: EngineConfig, groups: KVGroups, num_pages: int) -> int:
+    """Tokens of the max_model_len sequences that num_pages pages hold at once (`jaxserve check`)."""
+    reserved = int(groups.hybrid)
+    per_seq = pool_pages_per_seq(cfg, ecfg, groups) - reserved
+    return (num_pages - reserved) // per_seq * pages_per_seq(cfg, ecfg) * ecfg.page_size
+
+
 def kv_pool_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, *, model_axis: int, hbm_bytes: int,
-                  used_bytes: int, tpu: bool, chip: str, name: str, quantization: str | None = None) -> int:
+                  used_bytes: int, tpu: bool, chip: str, name: str, quantization: str | None = None,
+                  groups: KVGroups | None = None) -> int:
     """KV pages per pool: kv_memory_fraction of the HBM that `used_bytes` (the placed weights)
-    leave free on each chip. Raises PoolDoesNotFit, naming the smallest "model" mesh size that
+    leave free on each chip, a page of `groups`' group_size layers (jaxserve/kv_groups.py; None:
+    every layer). Raises PoolDoesNotFit, naming the smallest "model" mesh size that
     would fit (weights held as `quantization`, None: as ecfg says), when that is fewer pages than
     one max_model_len sequence needs."""
     quantization = quantization or ecfg.quantization
     def pages(model_axis: int, used: int) -> int:
         free = max(hbm_bytes - used, 0)
-        page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu, ecfg.kv_cache_dtype)
+        page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu, ecfg.kv_cache_dtype, groups)
         return int(free * ecfg.kv_memory_fraction) // page_bytes
 
-    need, got = pages_per_seq(cfg, ecfg), pages(model_axis, used_bytes)
+    need, got = pool_pages_per_seq(cfg, ecfg, groups), pages(model_axis, used_bytes)
     if got >= need:
         return got
     what = f"{name} {jnp.dtype(dtype).name}"
     why = (f"on {model_axis} {chip} chip(s) the weights take {used_bytes / GiB:.2f} GiB of "
            f"{hbm_bytes / GiB:.2f} GiB per chip, leaving room for {got} KV pages of the {need} "
-           f"that one {need * ecfg.page_size}-token sequence needs")
+           f"that one {pages_per_seq(cfg, ecfg) * ecfg.page_size}-token sequence needs")
     wider = (m for m in (2 ** i for i in range(int(math.log2(MAX_CHIPS)) + 1)) if m > model_axis)
     fits = next((m for m in wider
                  if pages(m, weight_bytes_per_chip(cfg, dtype, m, quantization, ecfg.quantize_lm_head)) >= need), None)

@@ -94,7 +94,8 @@ def wake_up(engine, tags: list[str] | None = None) -> None:
         for stored in engine.sleeping[tag]:
             if tag == "kv_cache":   # zeroed as at start, by the same (cached) programs
                 r = stored.owner
-                r.kv_cache = KVCache.zeros(r.cfg, r.mesh, r.num_pages, r.page_size, r.dtype, r.ecfg.kv_cache_dtype)
+                r.kv_cache = KVCache.zeros(r.cfg, r.mesh, r.num_pages, r.page_size, r.dtype, r.ecfg.kv_cache_dtype,
+                                          r.kv_groups)
             else:
                 _restore(stored)
             jax.block_until_ready(getattr(stored.owner, stored.name))   # the memory is taken when this returns

@@ -37,10 +37,12 @@ def make_multi_step(model, cfg: ModelConfig, mesh, backend: str, length: int):
     return functools.partial(multi_step_decode, model, length=length, **make_step(model, cfg, mesh, backend).keywords)
 
 
-def step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled, lora=None) -> tuple:
+def step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled, lora=None,
+                groups: int = 1) -> tuple:
     """The step's arrays for an empty batch of `shape`, none of its tokens PENDING (see model_step);
-    with `lora` (LoRA adapters' weights) its StepLora, every token on slot 0."""
-    batch = shape.empty_batch(max_pages_per_seq, padding_slot)
+    with `lora` (LoRA adapters' weights) its StepLora, every token on slot 0; `groups`: the page
+    tables' (Buckets.empty_batch)."""
+    batch = shape.empty_batch(max_pages_per_seq, padding_slot, groups)
     return *batch, np.full(shape.tokens, -1, np.int32), last_sampled, *empty_lora(shape, lora)
 
 
@@ -50,11 +52,11 @@ def empty_lora(shape: StepShape, lora) -> tuple:
 
 
 def multi_step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled, last_run,
-                      max_model_len: int, vocab_size: int, penalties: bool, lora=None) -> tuple:
+                      max_model_len: int, vocab_size: int, penalties: bool, lora=None, groups: int = 1) -> tuple:
     """multi_step_decode's arrays for an empty batch of a decode `shape`: the step's, no row
     running a step or with PENDING tokens, the sampler's metadata (the plain variant's, or with
     penalties and a bias), with `lora` weights its StepLora."""
-    *arrays, last_sampled = step_arrays(shape, max_pages_per_seq, padding_slot, last_sampled)
+    *arrays, last_sampled = step_arrays(shape, max_pages_per_seq, padding_slot, last_sampled, groups=groups)
     md = sampler_variants(shape.logit_rows, max_model_len, vocab_size)[int(penalties)]
     none = np.zeros(shape.logit_rows, np.int32)
     return *arrays, none, none, last_sampled, last_run, md, *empty_lora(shape, lora)
@@ -71,7 +73,8 @@ def lower_step(step, params, kv_cache, shape: StepShape, max_pages_per_seq: int,
     """`step` (from make_step) lowered for `shape` over an empty batch; `last_sampled`: an array
     or last_sampled_spec; `lora`: LoRA adapters' weights, or None."""
     return step.func.lower(*step.args, params, kv_cache,
-                           *step_arrays(shape, max_pages_per_seq, padding_slot, last_sampled, lora),
+                           *step_arrays(shape, max_pages_per_seq, padding_slot, last_sampled, lora,
+                                        table_groups(kv_cache)),
                            num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q,
                            **step.keywords)
 
@@ -101,9 +104,15 @@ def sampler_lowerings(rows: list[int], vocab_size: int, mesh, max_model_len: int
             for name, args in sampler_args(rows, vocab_size, mesh, max_model_len)]
 
 
-def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int) -> tuple:
-    """sequence_parallel_prefill's arrays for no token (nothing written)."""
-    return np.zeros(tokens, np.int32), np.int32(0), np.int32(0), np.zeros(max_pages_per_seq, np.int32)
+def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int, groups: int = 1) -> tuple:
+    """sequence_parallel_prefill's arrays for no token (nothing written); `groups`: table_groups."""
+    row = np.zeros((groups, max_pages_per_seq) if groups > 1 else max_pages_per_seq, np.int32)
+    return np.zeros(tokens, np.int32), np.int32(0), np.int32(0), row
+
+
+def table_groups(kv_cache) -> int:
+    """The leading group axis of a step's page tables and slot mappings for this cache (1: none)."""
+    return 1 if kv_cache.groups is None else kv_cache.groups.num_groups
 
 
 def page_copy_batches(copies, max_copies: int, num_pages: int):
@@ -195,7 +204,7 @@ def multi_step_decode(model, params, kv_cache, tokens, positions, slot_mapping, 
         running = k < row_steps
         ahead = jnp.maximum(jnp.minimum(k, row_steps - 1), 0)   # a row past its steps stays on its last
         pos = positions + ahead
-        page = page_table[jnp.arange(rows), pos // page_size]
+        page = page_table[..., jnp.arange(rows), pos // page_size]   # [G, rows] with KV groups
         slots = jnp.where(running, page * page_size + pos % page_size, no_slot)
         logits, kv_cache, _ = model_step(model, params, kv_cache, tokens, pos, slots, page_table, seq_lens + ahead,
                                          query_start_loc, logits_index, no_src, last_sampled, lora, backend=backend,

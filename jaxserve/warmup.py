@@ -53,7 +53,7 @@ def warm_up(runner, background: bool = False) -> int:
         for t in runner.buckets.tokens:
             _, runner.kv_cache = runner._run("sequence_parallel_prefill", runner._sp_prefill,
                                              (runner.params, runner.kv_cache),
-                                             empty_sequence_parallel_prefill(t, runner.max_pages_per_seq))
+                                             empty_sequence_parallel_prefill(t, runner.max_pages_per_seq, runner.table_groups))
     runner.copy_pages([(0, 0)])
     if runner.ecfg.poison_freed_pages:   # the test build's poisoning (runner.poison_pages), of no page
         runner.poison_pages(SchedulerOutput([], [], []), [])
@@ -91,7 +91,7 @@ class Background:
         try:
             # A scratch pool on a CPU (see the module docstring): serving holds the real one.
             scratch = (KVCache.zeros(runner.cfg, runner.mesh, runner.num_pages, runner.page_size, runner.dtype,
-                                     runner.ecfg.kv_cache_dtype)
+                                     runner.ecfg.kv_cache_dtype, runner.kv_groups)
                        if parallel.platform(runner.mesh) == "cpu" else None)
             step = os.cpu_count() or 1
             for i in range(0, len(shapes), step):
@@ -131,7 +131,7 @@ def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
              for args, filters in _multi_steps(runner, shapes)]
     if beside and runner.prefills_sequence_parallel:
         work += [_lowering("sequence_parallel_prefill", runner._sp_prefill, (runner.params, kv),
-                           empty_sequence_parallel_prefill(t, runner.max_pages_per_seq))
+                           empty_sequence_parallel_prefill(t, runner.max_pages_per_seq, runner.table_groups))
                  for t in runner.buckets.tokens]
     work += [_lowering("sample", serving_sample, (), args, length=runner.buckets.max_logit_rows)
              for _, args in sampler_args(rows, runner.cfg.vocab_size, runner.mesh, runner.max_model_len)]
@@ -174,7 +174,7 @@ def _step_args(runner, shape: StepShape) -> tuple[tuple, dict]:
     """The step's arrays for an empty batch of `shape` (the latest sampled tokens: zeros, as the
     runner starts with; not the runner's own, which serving may be replacing), its static arguments."""
     return (step_arrays(shape, runner.max_pages_per_seq, runner.num_pages * runner.page_size,
-                        runner.no_sampled_tokens(), _lora_weights(runner)),
+                        runner.no_sampled_tokens(), _lora_weights(runner), runner.table_groups),
             dict(num_prefill_rows=shape.prefill_rows, max_q=shape.max_q, decode_q=shape.decode_q))
 
 
@@ -185,7 +185,8 @@ def _multi_steps(runner, shapes: list[StepShape]) -> list[tuple[tuple, bool | No
         return []
     return [(multi_step_arrays(s, runner.max_pages_per_seq, runner.num_pages * runner.page_size,
                                runner.no_sampled_tokens(), runner.no_sampled_tokens(runner.ecfg.decode_steps),
-                               runner.max_model_len, runner.cfg.vocab_size, penalties, _lora_weights(runner)),
+                               runner.max_model_len, runner.cfg.vocab_size, penalties, _lora_weights(runner),
+                               runner.table_groups),
              filters)
             for s in shapes if s.plain_decode for penalties, filters in multi_step_variants(parallel.platform(runner.mesh))]
 

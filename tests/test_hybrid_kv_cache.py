@@ -10,13 +10,18 @@ cache on and off, equal to transformers' through chunked prefill, a prefix hit, 
 and n-gram speculation, with freed pages poisoned (NaN) so a released page read shows up; the
 hybrid run holds fewer pages.
 """
+import json
+import os
+import subprocess
+import sys
+
 import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jaxserve.block_manager import BlockManager, page_key, root_key
+from jaxserve.block_manager import BlockManager, page_key, root_key, sequence_pages
 from jaxserve.kv_groups import NULL_PAGE, KVGroups
 from tests.test_block_manager import BASES, PS, PagePool, seq_of
 
@@ -243,8 +248,127 @@ def test_pool_and_request_checks_count_the_window():
     """A request needs its full group's pages for the whole context, a sliding group's for a window
     and a step; the NULL_PAGE is not counted as the pool's."""
     bm = BlockManager(10, PS, groups=groups_of((None, 4)))
-    assert bm.pages_needed(40, 8) == 10 + 4 and bm.num_free_pages == 9
-    assert BlockManager(10, PS).pages_needed(40, 8) == 10
+    assert sequence_pages(bm.windows, PS, 40, 8) == 10 + 4 and bm.num_free_pages == 9
+    assert sequence_pages(BlockManager(10, PS).windows, PS, 40, 8) == 10
     with pytest.raises(ValueError):
         BlockManager(1, PS, groups=groups_of((4,)))
     assert np.isclose(bm.usage, 0)
+
+
+# ---- the engine ----
+WINDOW, NEW_TOKENS = 8, 28
+# 4-token pages and 8-token chunks: every prompt is prefilled in chunks, every sequence spans
+# several windows; freed and newly taken pages are poisoned with NaN.
+ENGINE = dict(page_size=PS, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8, prefill_chunk_size=8,
+              max_prefill_seqs=2, num_pages=96, compilation_cache_dir=None, poison_freed_pages=True)
+TINY_POOL = {"gpt_oss": 30, "mistral_window": 12}   # preempts: 4 running sequences need more
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(5)
+    first = rng.integers(0, 256, 30).tolist()
+    return [first, first[:24] + rng.integers(0, 256, 18).tolist(), rng.integers(0, 256, 20).tolist()]
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_POOL))
+def checkpoint(request, tmp_path_factory):
+    """(name, model dir, transformers' greedy tokens of each prompt) of a seeded checkpoint with an
+    8-token window: gpt-oss (sliding and full layers alternate: two groups), Mistral (all sliding)."""
+    from tests.hf_models import hf_greedy, save_byte_tokenizer, save_hf_model
+    d = str(tmp_path_factory.mktemp(request.param))
+    hf = save_hf_model(request.param, d, sliding_window=WINDOW)
+    save_byte_tokenizer(d)
+    return request.param, d, [hf_greedy(hf, p, NEW_TOKENS)[0] for p in _prompts()]
+
+
+def generate(model_dir: str, n: int = 1, **engine):
+    """Each prompt's choices' greedy tokens (the first prompt alone first: the others then find its
+    prefix cached), the most pages in use after any schedule, and the engine."""
+    from jaxserve import LLM, SamplingParams
+    llm = LLM(model=model_dir, **{**ENGINE, **engine})
+    scheduler, bm = llm.llm_engine.scheduler, llm.llm_engine.block_manager
+    peak, schedule = [0], scheduler.schedule
+
+    def watched(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        peak[0] = max(peak[0], bm.num_used_pages)
+        return out
+    scheduler.schedule = watched
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=n)
+    prompts = _prompts()
+    outs = llm.generate(prompts[:1], sp, use_tqdm=False) + llm.generate(prompts[1:], sp, use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs], peak[0], llm.llm_engine
+
+
+def test_greedy_tokens_match_transformers_with_the_hybrid_cache_on_and_off(checkpoint):
+    _, d, expected = checkpoint
+    on, on_peak, engine = generate(d)
+    off, off_peak, plain = generate(d, hybrid_kv_cache=False)
+    assert on == off == [[e] for e in expected]
+    assert engine.runner.kv_groups.hybrid and not plain.runner.kv_groups.hybrid
+    assert engine.block_manager.prefix_hit_tokens > 0     # the second prompt found the first's prefix
+    # out-of-window pages were released: fewer bytes held (a page holds group_size layers' K/V)
+    assert on_peak * engine.runner.kv_groups.group_size < off_peak * plain.runner.kv_groups.group_size
+
+
+def test_preemption_and_forks_with_the_hybrid_cache(checkpoint):
+    name, d, expected = checkpoint
+    tokens, _, engine = generate(d, n=2, num_pages=TINY_POOL[name])
+    assert tokens == [[e, e] for e in expected]
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_speculation_with_the_hybrid_cache(checkpoint):
+    _, d, expected = checkpoint
+    spec = {"method": "ngram", "num_tokens": 3, "ngram_min": 1, "ngram_max": 2, "disable_by_batch_size": 8}
+    tokens, _, engine = generate(d, speculative=spec)
+    assert tokens == [[e] for e in expected]
+    assert engine.stats["spec_verify_rows"] > 0
+
+
+def test_multi_step_decodes_with_the_hybrid_cache(checkpoint):
+    """decode_steps 4: the device computes each step's slots from the (grouped) page tables."""
+    _, d, expected = checkpoint
+    tokens, _, engine = generate(d, decode_steps=4)
+    assert tokens == [[e] for e in expected]
+    assert engine.stats["multi_step_decodes"] > 0
+
+
+def test_sequence_parallel_prefill_and_tensor_parallelism_with_the_hybrid_cache(checkpoint):
+    """Meshes seq 2 (each prefill chunk split over 2 devices, the grouped page rows whole on each)
+    and model 2, on fake CPU devices in a subprocess (this file's main)."""
+    from tests.conftest import fake_devices_env
+    _, d, expected = checkpoint
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "tests.test_hybrid_kv_cache", d], cwd=root, capture_output=True,
+                          text=True, env=fake_devices_env(2), timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for mesh, tokens in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        assert tokens == [[e] for e in expected], mesh
+
+
+if __name__ == "__main__":   # the meshes' runs, on the fake devices of this process
+    print(json.dumps({json.dumps(mesh): generate(sys.argv[1], mesh=mesh)[0]
+                      for mesh in ({"seq": 2}, {"model": 2})}))
+
+
+def test_capacity_of_sliding_window_models():
+    """`jaxserve check`'s KV capacity: gpt-oss-20b's layers alternate full and a 128-token window,
+    so its pages (of 12 layers, not 24) hold about twice the tokens of 32k-token sequences; Gemma 3
+    27B's (10 of 62 layers full, the 52 sliding in 6 groups of 10) 4.6 times, counting each sliding
+    group's window and a whole 1024-token step; Llama's as many as before."""
+    from jaxserve import sizing
+    from jaxserve.config import EngineConfig, ModelConfig
+    from jaxserve.kv_cache import page_bytes_per_chip
+    from jaxserve.kv_groups import kv_groups
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name, low, high in (("gpt-oss-20b", 1.9, 2.0), ("gemma-3-27b", 4.5, 4.7), ("llama3-8b", 1.0, 1.0)):
+        cfg = ModelConfig.from_pretrained(os.path.join(root, "configs", "models", name))
+        ecfg = EngineConfig(max_model_len=32768, page_size=16, max_num_batched_tokens=1024)
+        pool = 80 * 2**30   # bytes of KV pages
+
+        def tokens(groups):
+            pages = pool // page_bytes_per_chip(cfg, "bfloat16", 16, 1, False, groups=groups)
+            return sizing.context_tokens(cfg, ecfg, groups, pages)
+        gain = tokens(kv_groups(cfg, ecfg)) / tokens(KVGroups.of(cfg.sliding_windows, enabled=False))
+        assert low <= gain <= high, (name, gain)

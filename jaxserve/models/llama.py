@@ -246,11 +246,15 @@ class LlamaModel(nn.Module):
 
     def __call__(self, tokens, positions, kv_cache: KVCache | None = None, meta=None):
         x = self.embed(tokens, positions)
-        new_layers = []
+        if kv_cache is None:
+            for layer in self.layers:
+                x, _ = layer(x, positions, None, meta)
+            return self.norm(x), None
+        entries = list(kv_cache.layers)
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, positions, None if kv_cache is None else kv_cache.layers[i], meta)
-            new_layers.append(kv)
-        return self.norm(x), (None if kv_cache is None else KVCache(tuple(new_layers)))
+            e, group = kv_cache.layer(i)   # the hybrid cache: its pool entry and page table (kv_cache.py)
+            x, entries[e] = layer(x, positions, entries[e], meta if group is None else meta.group(group))
+        return self.norm(x), kv_cache.replace(layers=tuple(entries))
 
     def attend_embeddings(self, hidden):   # the tied LM head, as nn.Embed.attend but through matmul_t
         return matmul_t(hidden.astype(self.dtype), self.embed_tokens.embedding)

@@ -70,8 +70,9 @@ class DraftProposer:
                              f"target's ({target_cfg.vocab_size}); a draft must share the target's tokenizer")
         # As many prefill rows a draft step as a target step: every sequence catches up when
         # speculation resumes after steps the throttle kept plain (throttle.py), and each new one.
+        # Its pool is addressed by the target's one page table: one group (jaxserve/kv_groups.py).
         draft_ecfg = dataclasses.replace(ecfg, model=draft_dir, speculative=None, num_pages=num_pages,
-                                         max_model_len=max_model_len)
+                                         max_model_len=max_model_len, hybrid_kv_cache=False)
         params = load_for_mesh(draft_dir, cfg, dtype, ecfg.quantization, mesh, ecfg.quantize_lm_head)
         self.runner = ModelRunner(cfg, params, draft_ecfg, mesh=mesh, dtype=dtype)
         self.num_tokens = ecfg.speculative.num_tokens
