@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -132,7 +133,7 @@ class ModelConfig:
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
 
-    @property
+    @functools.cached_property   # traces the family's init: once per config, not per caller
     def num_params(self) -> int:
         """Exact, from the family's parameter shapes (traced abstractly: nothing is allocated)."""
         import jax  # importing jaxserve starts no JAX
