@@ -8,7 +8,7 @@ engines get the same KV memory (kv_cache_mb: the hybrid pool's pages hold half t
 has twice the pages); per setting and pool: output tokens/s per round, the KV memory in use at its
 peak, preemptions, and whether every output equals the first setting's.
 
-  python -m benchmarks.hybrid_kv_cache --kv-mb 640,160 --rounds 2
+  python -m benchmarks.hybrid_kv_cache --kv-mb 640,160 --rounds 2 --out benchmarks/results/hybrid_kv_cache_cpu.md
 """
 from __future__ import annotations
 
