@@ -33,7 +33,7 @@ import traceback
 import numpy as np
 
 from jaxserve import LLM
-from jaxserve.config import SpeculativeConfig
+from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.engine import TINY_MODEL_DIR
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured import StructuredOutput

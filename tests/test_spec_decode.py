@@ -17,7 +17,8 @@ import transformers
 import jaxserve.runner as runner_module
 from jaxserve import LLM, SamplingParams, cli
 from jaxserve.compilations import CompileCounter
-from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.engine import TINY_MODEL_DIR
 from jaxserve.packing import pack
 from jaxserve.roofline import Peaks

@@ -68,7 +68,8 @@ import time
 
 import numpy as np
 
-from jaxserve.config import ModelConfig, SpeculativeConfig
+from jaxserve.config import ModelConfig
+from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.roofline import CostModel, device_peaks
 
 MEAN_OVER_ROWS = 64      # the acceptance's running mean
