@@ -57,31 +57,44 @@ def snapshot(bm):
     return (list(bm.ref_counts), list(bm.free_pages), list(bm.evictable), dict(bm.cached_page))
 
 
-class BlockManagerMachine(RuleBasedStateMachine):
-    @initialize(num_pages=st.integers(4, 24), caching=st.booleans())
-    def setup(self, num_pages, caching):
-        self.bm = BlockManager(num_pages, PS, enable_prefix_caching=caching)
-        self.pool = PagePool(self.bm)
-        self.live = []
-        self.prefix_of_key = {}   # every key ever registered -> the token prefix it names
+class SequenceMachine(RuleBasedStateMachine):
+    """Admit, extend and verify rules over self.bm, self.pool and self.live (a subclass sets them up
+    in its @initialize), with hooks for what a machine checks beyond them."""
+    max_tail = 6              # the most tokens added after a base prompt's cut
+    verify_from_known = False  # a verify row starts at a known token (one is sampled when none is left)
 
-    @rule(base=st.sampled_from(BASES), cut=st.integers(1, 12), tail=st.lists(st.integers(0, 3), max_size=6),
-          chunk=st.integers(1, 16))
-    def admit(self, base, cut, tail, chunk):
-        seq = seq_of(base[:cut] + tail)
-        hit = self.bm.match_prefix(seq.token_ids)
+    unallocated = frozenset()  # pages no sequence is given (a table entry of one holds no reference)
+
+    def tables_of(self, seq):
+        return [seq.page_table]
+
+    def snapshot(self):
+        """What a reserve or admit that fails must leave unchanged."""
+        return snapshot(self.bm)
+
+    def check_hit(self, seq, hit):
         assert hit == self.bm.match_prefix(seq.token_ids)          # same tokens, same pages
-        assert hit.num_tokens < seq.num_tokens                     # the last token is left to compute
         assert self.pool.read(hit.pages, hit.num_tokens) == seq.token_ids[:hit.num_tokens]
+
+    def after_reserve(self, seq, start):
+        """Checks right after a reserve for a step from `start` (successful or not)."""
+
+    @rule(data=st.data(), base=st.sampled_from(BASES), cut=st.integers(1, 12), chunk=st.integers(1, 16))
+    def admit(self, data, base, cut, chunk):
+        seq = seq_of(base[:cut] + data.draw(st.lists(st.integers(0, 3), max_size=self.max_tail)))
+        hit = self.bm.match_prefix(seq.token_ids)
+        assert hit.num_tokens < seq.num_tokens                     # the last token is left to compute
+        self.check_hit(seq, hit)
         n = min(chunk, seq.num_tokens - hit.num_tokens)
-        before = snapshot(self.bm)
+        before = self.snapshot()
         if not self.bm.admit(seq, hit, n):
-            assert snapshot(self.bm) == before
+            assert self.snapshot() == before
             return
         # (a partial page is left out of the hit when the pool has no page for its copy)
         assert seq.num_computed_tokens in (hit.num_tokens, len(hit.keys) * PS)
         copies = self.bm.reserve(seq, n)   # as the scheduler: a partial page hit is copied first
         assert copies is not None          # admit left room for the copy
+        self.after_reserve(seq, seq.num_computed_tokens)
         self.pool.copy(copies)
         self.pool.compute(seq, n)
         self.live.append(seq)
@@ -93,10 +106,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if seq.num_computed_tokens == seq.num_tokens:
             seq.output_token_ids += new                            # as if sampled
         n = min(n, seq.num_tokens - seq.num_computed_tokens)
-        before = snapshot(self.bm)
+        before = self.snapshot()
         copies = self.bm.reserve(seq, n)
+        self.after_reserve(seq, seq.num_computed_tokens)
         if copies is None:
-            assert snapshot(self.bm) == before
+            assert self.snapshot() == before
             return
         for src, dst in copies:    # the source stays with its other holders or in the prefix cache
             assert self.bm.ref_counts[src] >= 1 or src in self.bm.evictable
@@ -112,11 +126,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """A verify row: reserve and write the known tokens left and k proposals, accept a prefix
         of the proposals and a token after it, roll the rest back, then cache full pages."""
         seq = data.draw(st.sampled_from(self.live))
+        if self.verify_from_known and seq.num_computed_tokens == seq.num_tokens:
+            seq.output_token_ids.append(bonus)   # a verify row's first token is its last known one
         known = seq.num_tokens - seq.num_computed_tokens
-        before = snapshot(self.bm)
+        start = seq.num_computed_tokens
+        before = self.snapshot()
         copies = self.bm.reserve(seq, known + len(proposed))
+        self.after_reserve(seq, start)
         if copies is None:
-            assert snapshot(self.bm) == before
+            assert self.snapshot() == before
             return
         assert len(seq.page_table) == self.bm.pages_for(seq.num_tokens + len(proposed))
         self.pool.copy(copies)
@@ -124,17 +142,44 @@ class BlockManagerMachine(RuleBasedStateMachine):
         accepted = data.draw(st.integers(0, len(proposed)))
         seq.output_token_ids += proposed[:accepted] + [bonus]
         self.rollback_and_check(seq, len(proposed) - accepted)
+        assert seq.num_computed_tokens > start or not known   # never before the step's first query position
         self.bm.cache_full_pages(seq, seq.num_computed_tokens)
 
+    def can_fork(self, src, k):
+        """The oracle: whether src still holds every page a child of its first k tokens reads."""
+        return True
+
     @precondition(lambda self: any(s.num_computed_tokens for s in self.live))
-    @rule(data=st.data(), new=st.lists(st.integers(0, 3), max_size=3))
-    def rollback(self, data, new):
-        """Roll back any number of computed tokens; outputs past the new end may then change."""
-        seq = data.draw(st.sampled_from([s for s in self.live if s.num_computed_tokens]))
-        self.rollback_and_check(seq, data.draw(st.integers(1, seq.num_computed_tokens)))
-        keep = max(seq.num_computed_tokens, seq.num_prompt_tokens) - seq.num_prompt_tokens
-        if new:
-            seq.output_token_ids = seq.output_token_ids[:keep] + new
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 3), max_size=3))
+    def fork(self, data, tail):
+        src = data.draw(st.sampled_from([s for s in self.live if s.num_computed_tokens]))
+        k = data.draw(st.integers(1, src.num_computed_tokens))
+        child = seq_of(src.token_ids[:k] + tail + [0])
+        can = self.can_fork(src, k)
+        assert self.bm.fork(src, child, k) == can
+        if can:
+            self.live.append(child)
+
+    @invariant()
+    def refcounts_match_page_tables(self):
+        refs = [0] * self.bm.num_pages
+        for s in self.live:
+            for table in self.tables_of(s):
+                for p in table:
+                    refs[p] += p not in self.unallocated
+        assert refs == self.bm.ref_counts
+
+    @invariant()
+    def every_page_in_exactly_one_state(self):
+        bm = self.bm
+        free, cached = set(bm.free_pages), set(bm.evictable)
+        used = {p for p in range(bm.num_pages) if bm.ref_counts[p] > 0}
+        assert len(free) == len(bm.free_pages) and len(cached) == len(bm.evictable)
+        assert not (free & cached) and not (free & used) and not (cached & used)
+        assert not (self.unallocated & (free | cached | used))
+        assert len(free) + len(used) + len(cached) == bm.num_pages - len(self.unallocated)
+        assert bm.num_free_pages + bm.num_used_pages == bm.num_pages - len(self.unallocated)
+        assert cached <= set(bm.page_key) and not (free & set(bm.page_key))
 
     def rollback_and_check(self, seq, num_tokens):
         end = seq.num_computed_tokens - num_tokens
@@ -147,14 +192,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for p in dropped:   # released unless another sequence holds it
             assert self.bm.ref_counts[p] == others.count(p)
 
+
+class BlockManagerMachine(SequenceMachine):
+    @initialize(num_pages=st.integers(4, 24), caching=st.booleans())
+    def setup(self, num_pages, caching):
+        self.bm = BlockManager(num_pages, PS, enable_prefix_caching=caching)
+        self.pool = PagePool(self.bm)
+        self.live = []
+        self.prefix_of_key = {}   # every key ever registered -> the token prefix it names
+
     @precondition(lambda self: any(s.num_computed_tokens for s in self.live))
-    @rule(data=st.data(), tail=st.lists(st.integers(0, 3), max_size=3))
-    def fork(self, data, tail):
-        src = data.draw(st.sampled_from([s for s in self.live if s.num_computed_tokens]))
-        k = data.draw(st.integers(1, src.num_computed_tokens))
-        child = seq_of(src.token_ids[:k] + tail + [0])
-        self.bm.fork(src, child, k)
-        self.live.append(child)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 3), max_size=3))
+    def rollback(self, data, new):
+        """Roll back any number of computed tokens; outputs past the new end may then change."""
+        seq = data.draw(st.sampled_from([s for s in self.live if s.num_computed_tokens]))
+        self.rollback_and_check(seq, data.draw(st.integers(1, seq.num_computed_tokens)))
+        keep = max(seq.num_computed_tokens, seq.num_prompt_tokens) - seq.num_prompt_tokens
+        if new:
+            seq.output_token_ids = seq.output_token_ids[:keep] + new
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -169,24 +224,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert seq.page_table == []
 
     @invariant()
-    def refcounts_match_page_tables(self):
-        refs = [0] * self.bm.num_pages
-        for s in self.live:
-            for p in s.page_table:
-                refs[p] += 1
-        assert refs == self.bm.ref_counts
-
-    @invariant()
-    def every_page_in_exactly_one_state(self):
-        bm = self.bm
-        free, cached = set(bm.free_pages), set(bm.evictable)
-        used = {p for p in range(bm.num_pages) if bm.ref_counts[p] > 0}
-        assert len(free) == len(bm.free_pages) and len(cached) == len(bm.evictable)
-        assert not (free & cached) and not (free & used) and not (cached & used)
-        assert len(free) + len(used) + len(cached) == bm.num_pages
-        assert bm.num_free_pages + bm.num_used_pages == bm.num_pages
-        assert cached <= set(bm.page_key) and not (free & set(bm.page_key))
-        assert {bm.cached_page[k]: k for k in bm.cached_page} == bm.page_key
+    def cached_pages_keyed_both_ways(self):
+        assert {self.bm.cached_page[k]: k for k in self.bm.cached_page} == self.bm.page_key
 
     @invariant()
     def sequences_read_back_their_tokens(self):

@@ -19,11 +19,11 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from jaxserve.block_manager import BlockManager, page_key, root_key, sequence_pages
 from jaxserve.kv_groups import NULL_PAGE, KVGroups
-from tests.test_block_manager import BASES, PS, PagePool, seq_of
+from tests.test_block_manager import PS, PagePool, SequenceMachine, seq_of
 
 LAYOUTS = {"full+sliding": (None, 6, 9), "sliding": (5,)}
 
@@ -66,13 +66,37 @@ def brute_force_hit(bm, token_ids):
     return 0
 
 
-class HybridMachine(RuleBasedStateMachine):
+class HybridMachine(SequenceMachine):
+    """tests/test_block_manager.py's admit, extend and verify rules over groups; a sliding group's
+    pages are released as a reserve's step moves on (even when it then fails for want of pages)."""
+    max_tail = 12
+    verify_from_known = True
+    unallocated = frozenset({NULL_PAGE})
+
+    def tables_of(self, seq):
+        return seq.page_tables
+
     @initialize(num_pages=st.integers(8, 40), layout=st.sampled_from(sorted(LAYOUTS)))
     def setup(self, num_pages, layout):
         self.windows = LAYOUTS[layout]
         self.bm = BlockManager(num_pages, PS, groups=groups_of(self.windows))
         self.pool = GroupPool(self.bm)
         self.live = []
+
+    def snapshot(self):
+        """Nothing: a reserve that fails has still released out-of-window pages."""
+
+    def check_hit(self, seq, hit):
+        if hit.num_tokens % PS == 0:   # whole pages: the longest every group serves
+            assert hit.num_tokens == brute_force_hit(self.bm, seq.token_ids) * PS
+        for w, pages in zip(self.windows, [hit.pages, *hit.group_pages]):
+            lo = first_needed(w, hit.num_tokens)
+            assert NULL_PAGE not in pages[lo:] and set(pages[:lo]) <= {NULL_PAGE}
+            assert self.pool.read(pages[lo:], len(pages[lo:]) * PS)[:hit.num_tokens - lo * PS] == \
+                seq.token_ids[lo * PS:hit.num_tokens]
+
+    def after_reserve(self, seq, start):
+        self.check_released(seq, start)
 
     def check_released(self, seq, start):
         """Right after a reserve for a step from `start`: each sliding table holds exactly the
@@ -81,75 +105,10 @@ class HybridMachine(RuleBasedStateMachine):
             lo = first_needed(w, start)
             assert [i for i, p in enumerate(table) if p != NULL_PAGE] == list(range(lo, len(table)))
 
-    @rule(base=st.sampled_from(BASES), cut=st.integers(1, 12), tail=st.lists(st.integers(0, 3), max_size=12),
-          chunk=st.integers(1, 16))
-    def admit(self, base, cut, tail, chunk):
-        seq = seq_of(base[:cut] + tail)
-        hit = self.bm.match_prefix(seq.token_ids)
-        assert hit.num_tokens < seq.num_tokens
-        if hit.num_tokens % PS == 0:   # whole pages: the longest every group serves
-            assert hit.num_tokens == brute_force_hit(self.bm, seq.token_ids) * PS
-        for w, pages in zip(self.windows, [hit.pages, *hit.group_pages]):
-            lo = first_needed(w, hit.num_tokens)
-            assert NULL_PAGE not in pages[lo:] and set(pages[:lo]) <= {NULL_PAGE}
-            assert self.pool.read(pages[lo:], len(pages[lo:]) * PS)[:hit.num_tokens - lo * PS] == \
-                seq.token_ids[lo * PS:hit.num_tokens]
-        n = min(chunk, seq.num_tokens - hit.num_tokens)
-        if not self.bm.admit(seq, hit, n):
-            return
-        copies = self.bm.reserve(seq, n)
-        assert copies is not None
-        self.check_released(seq, seq.num_computed_tokens)
-        self.pool.copy(copies)
-        self.pool.compute(seq, n)
-        self.live.append(seq)
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data(), n=st.integers(1, 9), new=st.lists(st.integers(0, 3), min_size=1, max_size=3))
-    def extend(self, data, n, new):
-        seq = data.draw(st.sampled_from(self.live))
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.output_token_ids += new
-        n = min(n, seq.num_tokens - seq.num_computed_tokens)
-        copies = self.bm.reserve(seq, n)
-        self.check_released(seq, seq.num_computed_tokens)   # released even when the pool is short
-        if copies is None:
-            return
-        self.pool.copy(copies)
-        self.pool.compute(seq, n)
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data(), proposed=st.lists(st.integers(0, 3), min_size=1, max_size=6), bonus=st.integers(0, 3))
-    def verify(self, data, proposed, bonus):
-        """Speculation: write known tokens and proposals, accept some, roll the rest back."""
-        seq = data.draw(st.sampled_from(self.live))
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.output_token_ids.append(bonus)   # a verify row's first token is its last known one
-        known = seq.num_tokens - seq.num_computed_tokens
-        start = seq.num_computed_tokens
-        copies = self.bm.reserve(seq, known + len(proposed))
-        if copies is None:
-            return
-        self.pool.copy(copies)
-        self.pool.compute(seq, known + len(proposed), proposed)
-        accepted = data.draw(st.integers(0, len(proposed)))
-        seq.output_token_ids += proposed[:accepted] + [bonus]
-        self.bm.rollback(seq, len(proposed) - accepted)
-        assert seq.num_computed_tokens > start   # never before the step's first query position
-        self.bm.cache_full_pages(seq, seq.num_computed_tokens)
-
-    @precondition(lambda self: any(s.num_computed_tokens for s in self.live))
-    @rule(data=st.data(), tail=st.lists(st.integers(0, 3), max_size=3))
-    def fork(self, data, tail):
-        src = data.draw(st.sampled_from([s for s in self.live if s.num_computed_tokens]))
-        k = data.draw(st.integers(1, src.num_computed_tokens))
-        child = seq_of(src.token_ids[:k] + tail + [0])
-        # the oracle: src still holds every page the child's next token reads
-        can = all(NULL_PAGE not in t[first_needed(w, k):self.bm.pages_for(k)]
-                  for w, t in zip(self.windows, src.page_tables) if w is not None)
-        assert self.bm.fork(src, child, k) == can
-        if can:
-            self.live.append(child)
+    def can_fork(self, src, k):
+        """The oracle: src still holds every page the child's next token reads."""
+        return all(NULL_PAGE not in t[first_needed(w, k):self.bm.pages_for(k)]
+                   for w, t in zip(self.windows, src.page_tables) if w is not None)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -160,21 +119,9 @@ class HybridMachine(RuleBasedStateMachine):
         assert not any(seq.page_tables)
 
     @invariant()
-    def refcounts_match_page_tables(self):
-        refs = [0] * self.bm.num_pages
-        for s in self.live:
-            for table in s.page_tables:
-                for p in table:
-                    refs[p] += p != NULL_PAGE
-        assert refs == self.bm.ref_counts
-
-    @invariant()
-    def pages_in_one_state_and_one_group(self):
+    def pages_in_one_group(self):
+        """(and in one state: the shared invariant, with the NULL_PAGE in none)"""
         bm = self.bm
-        free, cached = set(bm.free_pages), set(bm.evictable)
-        used = {p for p in range(bm.num_pages) if bm.ref_counts[p] > 0}
-        assert NULL_PAGE not in free | cached | used
-        assert len(free) + len(used) + len(cached) == bm.num_pages - 1
         owner = {}
         for s in self.live:
             for g, table in enumerate(s.page_tables):
