@@ -135,19 +135,22 @@ class Buckets:
 
     def warmup_shapes(self, prefills_sequence_parallel: bool) -> list[StepShape]:
         """Every shape the batched step runs in (without prefill rows when prefills run
-        sequence-parallel on their own)."""
+        sequence-parallel on their own): with step_shapes "largest", only the largest two."""
         shapes = [StepShape(sd * dq, sd, 0, dq, dq) for dq in self.decode_qs for sd in self.decode]
         if not prefills_sequence_parallel:
             shapes += [StepShape(t, self.decode[-1], sp, max_q, dq) for dq in self.decode_qs for t in self.tokens
                        for sp in self.prefill_rows for max_q in self.max_q_options(t, dq)]
-        return shapes
+        return largest(shapes) if self.ecfg.step_shapes == "largest" else shapes
 
 
 def largest(shapes: list[StepShape]) -> list[StepShape]:
-    """The largest decode shape and the largest shape with prefill rows among `shapes` (every
-    shape of warmup_shapes fits one of them: `cover`)."""
-    families = [[s for s in shapes if not s.prefill_rows], [s for s in shapes if s.prefill_rows]]
-    return [max(f, key=lambda s: (s.tokens, s.prefill_rows, s.max_q, s.decode_rows, s.decode_q)) for f in families if f]
+    """The largest decode shape and the largest shape with prefill rows among `shapes`, of each
+    decode row width (every shape of warmup_shapes fits one of them: `cover`; a step without
+    verify rows keeps its plain width)."""
+    families = {}
+    for s in shapes:
+        families.setdefault((bool(s.prefill_rows), s.decode_q), []).append(s)
+    return [max(f, key=lambda s: (s.tokens, s.prefill_rows, s.max_q, s.decode_rows)) for f in families.values()]
 
 
 def cover(shape: StepShape, ready: frozenset[StepShape] | None) -> StepShape:
@@ -161,4 +164,4 @@ def cover(shape: StepShape, ready: frozenset[StepShape] | None) -> StepShape:
             and s.prefill_rows >= shape.prefill_rows and s.max_q >= shape.max_q]
     if not fits:
         raise ValueError(f"no step shape built yet holds {shape.name}")
-    return min(fits, key=lambda s: (s.tokens, s.decode_rows, s.prefill_rows, s.max_q))
+    return min(fits, key=lambda s: (s.tokens, s.decode_rows, s.prefill_rows, s.max_q, s.decode_q))

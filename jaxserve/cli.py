@@ -28,7 +28,7 @@ TINY_CPU_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 def engine_config(args) -> EngineConfig:
     """--config YAML (with --model, --tp/--sp/--dp, --enable-expert-parallel, --quantization, --quantize-lm-head,
-    --kv-cache-dtype, --decode-steps, --generation-config, --runner and the LoRA flags on top); with neither,
+    --kv-cache-dtype, --decode-steps, --step-shapes, --generation-config, --runner and the LoRA flags on top); with neither,
     configs/tiny-cpu.yaml when present."""
     path = args.config or (TINY_CPU_CONFIG if args.model is None and os.path.exists(TINY_CPU_CONFIG) else None)
     cfg = EngineConfig.from_yaml(path, model=args.model) if path else EngineConfig(model=args.model)
@@ -39,7 +39,7 @@ def engine_config(args) -> EngineConfig:
     if args.hf_overrides:
         cfg = dataclasses.replace(cfg, hf_overrides=json.loads(args.hf_overrides))
     flags = {"quantization": args.quantization, "quantize_lm_head": args.quantize_lm_head or None,
-             "kv_cache_dtype": args.kv_cache_dtype, "decode_steps": args.decode_steps,
+             "kv_cache_dtype": args.kv_cache_dtype, "decode_steps": args.decode_steps, "step_shapes": args.step_shapes,
              "generation_config": args.generation_config, "runner": args.runner,
              "allow_weight_updates": args.allow_weight_updates or None,
              "enable_sleep_mode": args.enable_sleep_mode or None,
@@ -81,6 +81,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3) with per-token scales")
     p.add_argument("--decode-steps", type=int, help="decode steps one device program runs while every "
                    "sequence decodes (multi-step decoding; 1: one a program)")
+    p.add_argument("--step-shapes", choices=["all", "largest"], help="all (default): a step program per "
+                   "batch bucket, all compiled at warm-up; largest: only the largest decode and prefill shapes, "
+                   "every batch padded into them (a faster start-up, more padding)")
     p.add_argument("--generation-config", choices=["auto", "none"],
                    help="auto (default): the model's generation_config.json sampling settings (temperature, top_p, "
                         "top_k, min_p, repetition_penalty) are the defaults of requests that leave them out, as "

@@ -225,6 +225,11 @@ class EngineConfig:
     decode_steps: int = 1
     enable_prefix_caching: bool = True
     hybrid_kv_cache: bool = True            # sliding-window layers keep only their window's pages (kv_groups.py)
+    # The step shapes a batch may run in (buckets.py): all (each bucket its own program, compiled at
+    # warm-up) | largest (the largest decode shape and the largest shape with prefill rows only,
+    # of each decode width, every batch padded up into one of them: 2 step programs to build, 4
+    # with speculative decoding; a faster start-up for more padding in every step).
+    step_shapes: str = "all"
     admission_eagerness: float = 1.0        # 1.0 admit whenever budget allows; 0.0 only when no decode is running
     attention_backend: str = "auto"         # auto | pallas_tpu | pallas_gpu | xla
     max_queue_size: int = 256               # requests in flight beyond max_num_seqs; more get 429
@@ -314,6 +319,8 @@ class EngineConfig:
                              "to pool; serve embeddings (runner pooling) without it")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"engine config: generation_config must be auto or none, got {self.generation_config!r}")
+        if self.step_shapes not in ("all", "largest"):
+            raise ValueError(f"engine config: step_shapes must be all or largest, got {self.step_shapes!r}")
         if not isinstance(self.hybrid_kv_cache, bool):   # a YAML "off" string would read as on
             raise ValueError(f"engine config: hybrid_kv_cache must be true or false, got {self.hybrid_kv_cache!r}")
         if not isinstance(self.enable_expert_parallel, bool):
@@ -355,7 +362,7 @@ class EngineConfig:
     HOST_ONLY = ("model", "kv_cache_mb", "kv_memory_fraction", "enable_prefix_caching", "admission_eagerness",
                  "max_queue_size", "max_failed_steps", "request_timeout_s", "compilation_cache_dir", "seed",
                  "poison_freed_pages", "generation_config", "lora_modules", "allow_runtime_lora_updating",
-                 "allow_weight_updates", "enable_sleep_mode")
+                 "allow_weight_updates", "enable_sleep_mode", "step_shapes")
 
     def program_settings(self) -> dict[str, Any]:
         """The settings that may decide a compiled program: what the executable store is keyed on,

@@ -244,7 +244,7 @@ def check_data_parallel(model_dir: str) -> dict:
     ref = greedy_generate(cfg, checkpoint.load_params(model_dir, cfg), ps, NEW_TOKENS)
     ecfg = EngineConfig(model=model_dir, mesh={"data": 2, "model": 2}, max_num_seqs=4,
                         max_num_batched_tokens=32, prefill_chunk_size=32, max_model_len=64,
-                        num_pages=32, page_size=8, compilation_cache_dir=None)
+                        num_pages=32, page_size=8, compilation_cache_dir=None, step_shapes="largest")
     dp = factory.build_client(ecfg)
     assert isinstance(dp, DataParallelEngine)
     sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -276,7 +276,8 @@ def check_engine_sequence_parallel(model_dir: str, shape: dict) -> dict:
     ref = greedy_generate(cfg, checkpoint.load_params(model_dir, cfg), ps, NEW_TOKENS)
     ecfg = EngineConfig(model=model_dir, mesh=shape, max_num_seqs=4, max_num_batched_tokens=32,
                         prefill_chunk_size=32, max_prefill_seqs=1, max_model_len=96, num_pages=48,
-                        page_size=8, compilation_cache_dir=None, poison_freed_pages=True)
+                        page_size=8, compilation_cache_dir=None, poison_freed_pages=True,
+                        step_shapes="largest")
     engine = LLMEngine(ecfg, mesh=parallel.make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))]))
     engine.warmup()
     calls, run = [], engine.runner._run

@@ -25,9 +25,10 @@ from tests.hf_models import save_engine_model
 
 # The test engines' executable stores (store_of) and start locks (built_once), kept between runs.
 TEST_STORE = os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")
-# Few buckets: 4 decode shapes (1-8 sequences, one page bucket) + 2 prefill shapes to compile.
+# Few step shapes: the largest decode (8 sequences) and prefill (32 tokens) only, every batch padded
+# into them (the background warm-up's first stage, for good: tests/test_warmup.py checks the rest).
 TEST_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, prefill_chunk_size=32, max_prefill_seqs=1,
-                   max_model_len=128, page_size=32, num_pages=64)
+                   max_model_len=128, page_size=32, num_pages=64, step_shapes="largest")
 READY_TIMEOUT_S = 900   # a cold compilation cache on a busy 2-core machine
 
 # The API tests' server (test_server.py, test_server_extras.py, test_slow_clients.py,

@@ -45,7 +45,7 @@ def schemas() -> list[dict]:
 REGEX = r"[A-Z][a-z]{1,6} [0-9]{2,4}"
 CHOICES = ("yes", "no", "a longer answer")
 ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=64, prefill_chunk_size=32, max_prefill_seqs=2,
-              max_model_len=256, page_size=16, num_pages=272)
+              max_model_len=256, page_size=16, num_pages=272, step_shapes="largest")
 
 
 def warm_llm():

@@ -135,7 +135,7 @@ def base_model_dir(path: str, model) -> str:
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = dict(max_model_len=128, page_size=8, max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=16,
-              max_prefill_seqs=2, compilation_cache_dir=None)
+              max_prefill_seqs=2, compilation_cache_dir=None, step_shapes="largest")
 
 
 @pytest.fixture(scope="module")

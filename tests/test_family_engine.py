@@ -22,7 +22,7 @@ NEW_TOKENS = 24
 # second prompt find the first one's 32-token prefix in the cache.
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16, max_prefill_seqs=1,
               page_size=8, max_model_len=128, num_pages=64, enable_prefix_caching=True,
-              compilation_cache_dir=None)
+              compilation_cache_dir=None, step_shapes="largest")
 # Under TP, one checkpoint per family, each at one mesh, TP 2 and TP 4 alternating in name order:
 # llama_mqa's one KV head and the 2 KV heads of the TP-4 families are replicated, and the two
 # 6-head ALiBi families take one mesh each. The other Llama variants (Granite's: scalar constants),

@@ -207,7 +207,8 @@ WINDOW, NEW_TOKENS = 8, 28
 # 4-token pages and 8-token chunks: every prompt is prefilled in chunks, every sequence spans
 # several windows; freed and newly taken pages are poisoned with NaN.
 ENGINE = dict(page_size=PS, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8, prefill_chunk_size=8,
-              max_prefill_seqs=2, num_pages=96, compilation_cache_dir=None, poison_freed_pages=True)
+              max_prefill_seqs=2, num_pages=96, compilation_cache_dir=None, poison_freed_pages=True,
+              step_shapes="largest")
 TINY_POOL = {"gpt_oss": 30, "mistral_window": 12}   # preempts: 4 running sequences need more
 
 

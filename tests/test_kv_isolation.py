@@ -45,7 +45,7 @@ def model(tmp_path_factory):
 def _run(model, backend, poison, kv_cache_dtype="auto", decode_steps=1):
     engine = LLMEngine(EngineConfig(model=model, attention_backend=backend, max_num_seqs=4,
                                     max_num_batched_tokens=16, prefill_chunk_size=16, max_prefill_seqs=1,
-                                    max_model_len=128, num_pages=6, poison_freed_pages=poison,
+                                    max_model_len=128, num_pages=6, poison_freed_pages=poison, step_shapes="largest",
                                     kv_cache_dtype=kv_cache_dtype, decode_steps=decode_steps))
     launch, multi_steps = engine._launch, []
     engine._launch = lambda o: (multi_steps.append(o.decode_steps > 1), launch(o))[1]

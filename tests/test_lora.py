@@ -26,7 +26,8 @@ from tests.hf_models import save_byte_tokenizer, save_hf_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEW_TOKENS = 12
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=16, max_prefill_seqs=1,
-              page_size=8, max_model_len=128, num_pages=64, compilation_cache_dir=None)
+              page_size=8, max_model_len=128, num_pages=64, compilation_cache_dir=None,
+              step_shapes="largest")
 # The engines that run their rows (up to 9: [base, a1, a2] x prompts) once, not warmed up: all
 # prefill in one step and decode together to the end, so they compile few step shapes (the int8
 # engine 2, not 5; chunked prefill of adapter rows: the tests on ENGINE).

@@ -25,7 +25,7 @@ from tests.hf_models import save_engine_model
 # The three prompts prefill in one step and decode together to the end: an engine compiles 2 step
 # shapes (one prompt a step: 4, the prompts admitted and finished a step apart).
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=32, max_prefill_seqs=3,
-              max_model_len=128, kv_cache_mb=4, compilation_cache_dir=None)
+              max_model_len=128, kv_cache_mb=4, compilation_cache_dir=None, step_shapes="largest")
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 84, 104, 101, 32, 102, 111, 114], [256, 100, 101, 102]]
 NEW_TOKENS = 16
 

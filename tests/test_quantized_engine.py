@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # together to the end, so an engine compiles two step shapes (with max_prefill_seqs 1 it compiled
 # four, the prompts admitted and finished a step apart: a TP-4 engine's run 18 s -> 9 s).
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=32, max_prefill_seqs=3,
-              max_model_len=256, kv_cache_mb=8, compilation_cache_dir=None)
+              max_model_len=256, kv_cache_mb=8, compilation_cache_dir=None, step_shapes="largest")
 PROMPTS = ["The for statement is used to", "A function definition defines", "The import statement"]
 # (weight quantization, kv_cache_dtype, mesh)
 # w8a8's Linears shard as in w8a8+head, which adds the tied head's int8 copy; int8's hold the same

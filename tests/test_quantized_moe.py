@@ -25,7 +25,7 @@ MODES = ("int8", "int4", "fp8", "mxfp4")
 # every Linear's inputs whole groups of 128 (4 heads of 32), an expert width of 256: two groups per device at TP 2
 SHAPES = dict(hidden_size=128, moe_intermediate_size=256, intermediate_size=256, head_dim=32)
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=64, max_model_len=128,
-              kv_cache_mb=4, compilation_cache_dir=None)
+              kv_cache_mb=4, compilation_cache_dir=None, step_shapes="largest")
 NEW_TOKENS = 16
 
 

@@ -24,7 +24,7 @@ from tests.hf_models import save_byte_tokenizer, save_hf_model
 QUERY = "what is a llama?"
 DOCUMENTS = ["a llama is a camelid", "paris is in france", "llamas live in the andes", "no"]
 ENGINE = dict(max_model_len=128, page_size=16, max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk_size=64,
-              max_prefill_seqs=2, compilation_cache_dir=None)
+              max_prefill_seqs=2, compilation_cache_dir=None, step_shapes="largest")
 
 
 def save_classifier(name: str, path: str, labels: list[str]):

@@ -102,6 +102,25 @@ def test_serving_while_warm_up_builds_in_the_background(setup, monkeypatch):
     assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
 
 
+def test_step_shapes_largest_builds_and_runs_only_the_two_largest(setup):
+    d, prompts, ref = setup
+    engine = LLMEngine(EngineConfig(model=d, step_shapes="largest", **SMALL))
+    runner = engine.runner
+    assert [s.name for s in runner.buckets.warmup_shapes(False)] == ["decode-4", "prefill-32x1q32"]
+    engine.warmup(background=True)   # nothing is left for a background thread
+    assert runner.background_warmup is None and runner.wait_warm(timeout=0)
+    # Two step programs built ("all": 5). In a process of its own, 9 compilations in all against 23.
+    assert sum(k[0] == "step" for k in runner.executables.table) == 2
+    warm = CompileCounter.count
+    steps = _step_tokens(runner)
+    greedy, _ = _serve(engine, prompts)
+    assert greedy == ref
+    assert set(steps) == {4, 32} and CompileCounter.count == warm
+    assert runner.ready_shapes == frozenset(largest(Buckets(EngineConfig(**SMALL)).warmup_shapes(False)))
+    with pytest.raises(ValueError, match="step_shapes must be all or largest"):
+        EngineConfig(step_shapes="smallest")
+
+
 def test_cover_picks_the_smallest_ready_shape_that_holds_the_batch():
     buckets = Buckets(EngineConfig(model=None, max_num_seqs=16, max_num_batched_tokens=128, prefill_chunk_size=128,
                                    max_prefill_seqs=2))
@@ -119,6 +138,14 @@ def test_cover_picks_the_smallest_ready_shape_that_holds_the_batch():
     assert cover(by_name["prefill-64x2q32"], ready).name == "prefill-64x2q64"
     assert cover(by_name["prefill-64x1q64"], ready).name == "prefill-64x2q64"
     assert cover(by_name["prefill-128x1q32"], ready).name == "prefill-128x2q128"
+    # With speculation, the largest of each decode width; a plain batch keeps the plain width,
+    # also where a verify-width prefill shape holds as many tokens.
+    spec = Buckets(EngineConfig(model=None, max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=32,
+                                max_prefill_seqs=1, speculative={"method": "ngram", "num_tokens": 3}))
+    first = largest(spec.warmup_shapes(False))
+    assert [s.name for s in first] == ["decode-8", "decode-8v4", "prefill-64x1q32", "prefill-64x1q32v4"]
+    for s in spec.warmup_shapes(False):
+        assert cover(s, frozenset(first)).decode_q == s.decode_q
 
 
 def test_decode_buckets_start_at_8_rows_and_double_on_tpu_and_gpu():
