@@ -135,7 +135,7 @@ class Buckets:
 
     def warmup_shapes(self, prefills_sequence_parallel: bool) -> list[StepShape]:
         """Every shape the batched step runs in (without prefill rows when prefills run
-        sequence-parallel on their own): with step_shapes "largest", only the largest two."""
+        sequence-parallel on their own); with step_shapes "largest", only `largest` of them."""
         shapes = [StepShape(sd * dq, sd, 0, dq, dq) for dq in self.decode_qs for sd in self.decode]
         if not prefills_sequence_parallel:
             shapes += [StepShape(t, self.decode[-1], sp, max_q, dq) for dq in self.decode_qs for t in self.tokens

@@ -93,7 +93,7 @@ class ModelRunner:
         self._last_run = self.no_sampled_tokens(self.ecfg.decode_steps)   # the latest multi-step decode's samples
         self._last_rows: dict[int, int] = {}
         self._unsampled_logits = None   # the batched step's, while its sampler waits (`sample`)
-        # The step shapes a batch may run in (None: any): step_shapes "largest"'s two, or while warm-up
+        # The step shapes a batch may run in (None: any): step_shapes "largest"'s, or while warm-up
         # builds the others in the background, those built so far (jaxserve/warmup.py).
         self.ready_shapes = (frozenset(self.buckets.warmup_shapes(self.prefills_sequence_parallel))
                              if engine_cfg.step_shapes == "largest" else None)
