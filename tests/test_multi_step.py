@@ -12,8 +12,8 @@ from jaxserve import LLM
 from jaxserve.compilations import CompileCounter
 from jaxserve.sampling_params import SamplingParams as P
 
-# One prefill row of up to 32 tokens: 3 prefill shapes to warm up rather than 18 (multi-step
-# decoding is about decode-only steps).
+# One prefill row of up to 32 tokens, and only the largest decode and prefill shapes (step_shapes):
+# multi-step decoding is about decode-only steps.
 ENGINE = dict(model=None, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64, max_prefill_seqs=1,
               prefill_chunk_size=32, compilation_cache_dir=None, step_shapes="largest")
 STEPS = 4
