@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as HFRustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
+from jaxserve.server import validation
 from jaxserve.tokenizer import (HFTokenizer, IncrementalDetokenizer, SentencePieceTokenizer,
                                 load_tokenizer)
 
@@ -244,6 +245,25 @@ def test_chat_template_tools_and_options_match_transformers(hf_dir, tmp_path, op
     assert load_tokenizer(str(tmp_path)).apply_chat_template(TOOL_CONVERSATION, tools=TOOLS, **options) == expected
     assert '"name": "weather"' in expected and ("<think>" in expected) == (options.get("enable_thinking") is False)
     assert expected.endswith("It is 12") == bool(options.get("continue_final_message"))
+
+
+# The two ways templates read an assistant's earlier reasoning: Qwen3's and gpt-oss's.
+REASONING_TEMPLATE = ("{%- for m in messages %}{{ m.role }}:{% if m.reasoning_content is string %}<think>"
+                      "{{ m.reasoning_content }}</think>{% endif %}{% if m.thinking %}[{{ m.thinking }}]{% endif %}"
+                      "{{ m.content }}|{% endfor %}")
+
+
+@pytest.mark.parametrize("key", ["reasoning_content", "reasoning"])
+def test_chat_messages_keep_an_assistants_reasoning(hf_dir, tmp_path, key):
+    shutil.copy(os.path.join(hf_dir, "tokenizer.json"), tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": REASONING_TEMPLATE}))
+    body = {"messages": [{"role": "user", "content": "2+2?", key: "not an assistant's"},
+                         {"role": "assistant", "content": "4", key: "Adding."},
+                         {"role": "user", "content": "And 3+3?"}]}
+    tokenizer = load_tokenizer(str(tmp_path))
+    text = tokenizer.apply_chat_template(validation.messages(body), add_generation_prompt=False)
+    assert text == "user:2+2?|assistant:<think>Adding.</think>[Adding.]4|user:And 3+3?|"
 
 
 def stream(tokenizer, prompt, output, skip, rng):

@@ -290,7 +290,10 @@ def messages(body: dict) -> list[dict]:
     """Chat messages, normalised for the chat template: content a string (text parts joined by
     newlines, as vLLM), "developer" becomes "system"; an assistant's tool_calls keep each call's
     id, name and arguments, parsed to an object (templates write them with tojson), and it may
-    then have no content; a tool message keeps its tool_call_id. Any message keeps its `name`."""
+    then have no content; a tool message keeps its tool_call_id. Any message keeps its `name`.
+    An assistant's earlier reasoning (`reasoning_content`, or `reasoning` as newer clients send it)
+    reaches the template under both names templates read: Qwen3's `reasoning_content`, gpt-oss's
+    `thinking`."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise APIError(400, "'messages' must be a non-empty list", param="messages")
@@ -316,6 +319,9 @@ def messages(body: dict) -> list[dict]:
         if calls is not None and role == "assistant":
             message["tool_calls"] = _tool_calls(i, calls)
         message.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
+        reasoning = m.get("reasoning_content", m.get("reasoning"))
+        if role == "assistant" and isinstance(reasoning, str):
+            message["reasoning_content"] = message["thinking"] = reasoning
         out.append(message)
     return out
 
