@@ -65,7 +65,7 @@ def main(argv=None) -> str:
                      f"{best.profile.summary(best.seconds)['decode_step_ms']:.2f}",
                      "yes" if best.outputs == first else f"{sum(a == b for a, b in zip(best.outputs, first))} of {len(first)}"])
     return publish(
-        "Multi-step decoding", "multi_step", argv, args.out,
+        "Multi-step decoding and step shapes", "multi_step", argv, args.out,
         f"Model: {model_summary(model_dir)}. {workload_text(args)}, {args.max_num_batched_tokens} tokens a step.", "",
         *markdown_table(["setting", "warm-up s (compilations)", "output tok/s per round", f"best / {label(settings[0])}",
                          "host ms per decode token step", f"outputs equal {label(settings[0])}'s"], rows))

@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-every", type=int, default=2000, help="every N-th engine step raises")
     p.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla")
     p.add_argument("--decode-steps", type=int, default=1, help="the engine's decode_steps (multi-step decoding)")
+    p.add_argument("--step-shapes", choices=["all", "largest"], default="all", help="the engine's step_shapes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "soak"))
     args = p.parse_args(argv)
@@ -73,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args, command: str = "") -> dict:
+    engine = {**ENGINE, "decode_steps": args.decode_steps, "step_shapes": args.step_shapes}
     with tempfile.TemporaryDirectory() as workdir:
-        server = Server(workdir, {**ENGINE, "compilation_cache_dir": args.compilation_cache_dir,
-                                  "decode_steps": args.decode_steps}, args.fault_every)
+        server = Server(workdir, {**engine, "compilation_cache_dir": args.compilation_cache_dir}, args.fault_every)
         try:
             server.wait_ready()
             result = soak(server, args)
@@ -84,7 +85,7 @@ def run(args, command: str = "") -> dict:
             result["exit_code"], result["decode_steps"] = server.stop(), args.decode_steps
         finally:
             server.kill()
-    return {**report_header(command, args), "engine": ENGINE, "plot": os.path.basename(args.out) + ".png",
+    return {**report_header(command, args), "engine": engine, "plot": os.path.basename(args.out) + ".png",
             **result, "checks": checks(result)}
 
 

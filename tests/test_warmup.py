@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from jaxserve import warmup
+from jaxserve import cli, warmup
 from jaxserve.buckets import Buckets, cover, largest
 from jaxserve.checkpoint import load_params
 from jaxserve.compilations import CompileCounter
@@ -119,6 +119,9 @@ def test_step_shapes_largest_builds_and_runs_only_the_two_largest(setup):
     assert runner.ready_shapes == frozenset(largest(Buckets(EngineConfig(**SMALL)).warmup_shapes(False)))
     with pytest.raises(ValueError, match="step_shapes must be all or largest"):
         EngineConfig(step_shapes="smallest")
+    parser = cli.build_parser()
+    assert cli.engine_config(parser.parse_args(["serve", "--step-shapes", "largest"])).step_shapes == "largest"
+    assert cli.engine_config(parser.parse_args(["serve"])).step_shapes == "all"
 
 
 def test_cover_picks_the_smallest_ready_shape_that_holds_the_batch():
