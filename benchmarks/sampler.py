@@ -5,10 +5,11 @@ full-vocabulary sort it replaced (kept here as the baseline), in one process.
     three) for real chips, no chip attached: XLA:TPU on a compile-only v6e device (libtpu),
     and XLA:GPU + ptxas on a compile-only H100 (the jax-cuda12-plugin and an H100 target
     description, jaxserve/assets/targets), as `jaxserve check` compiles them;
-  * run time on this machine's CPU of a batch that takes the filter path (temperature 0.8,
-    top_p 0.9, top_k 50 on half the rows), the two arms alternating, medians.
+  * run time on this machine's CPU of batches that take the filter path (temperature 0.8; top_p
+    0.9 alone, top_k 50 alone, or both with top_k on half the rows), the two arms alternating, medians.
 
     python -m benchmarks.sampler [--vocab 128256] [--rows 8] [--targets v6e,h100,cpu] [--cpu-rows 1,8,64]
+                                 [--filters top_p,top_k,both]
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ from jaxserve.step import sampler_args, serving_sample
 SELECT = sampling._top_k_top_p_threshold
 
 
-def sort_threshold(scaled, top_k, top_p):
+def sort_threshold(scaled, top_k, top_p, filters=None):
     """The threshold as jaxserve computed it before the radix select: one descending sort of
-    each row over the vocabulary, the top-p mass as a cumulative sum in that order."""
+    each row over the vocabulary, the top-p mass as a cumulative sum in that order. `filters` as
+    the radix select's."""
     rows, vocab = scaled.shape
     k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
 
@@ -48,8 +50,12 @@ def sort_threshold(scaled, top_k, top_p):
         n = jnp.maximum(jnp.where(top_p < 1.0, n_p, k), 1)
         return jnp.take_along_axis(desc, (n - 1)[:, None], axis=-1)
 
-    return jax.lax.cond(jnp.any(k < vocab) | jnp.any(top_p < 1.0), by_sorting,
-                        lambda x: jnp.full((rows, 1), -jnp.inf, x.dtype), scaled)
+    def keep_all(x):
+        return jnp.full((rows, 1), -jnp.inf, x.dtype)
+
+    if filters is not None:
+        return (by_sorting if filters else keep_all)(scaled)
+    return jax.lax.cond(jnp.any(k < vocab) | jnp.any(top_p < 1.0), by_sorting, keep_all, scaled)
 
 
 ARMS = {"sort": sort_threshold, "radix select": SELECT}
@@ -79,10 +85,15 @@ def compile_seconds(target: str, rows: int, vocab: int) -> dict[str, list[tuple[
     return out
 
 
-def cpu_run_ms(rows: int, vocab: int, rounds: int) -> dict[str, float]:
+# The batches timed: top_p alone (what most clients send), top_k alone, and both (top_k on half the rows).
+FILTERS = {"top_p": lambda i: dict(top_p=0.9), "top_k": lambda i: dict(top_k=50),
+           "both": lambda i: dict(top_p=0.9, top_k=50 if i % 2 else 0)}
+
+
+def cpu_run_ms(rows: int, vocab: int, rounds: int, filters: str) -> dict[str, float]:
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(rows, vocab)).astype(np.float32) * 3)
-    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50 if i % 2 else 0, seed=i) for i in range(rows)]
+    params = [SamplingParams(temperature=0.8, seed=i, **FILTERS[filters](i)) for i in range(rows)]
     md = sampling.SamplingMetadata.build(params, [[0]] * rows, [[]] * rows, list(range(rows)), rows)
     calls = {}
     for arm in ARMS:
@@ -105,6 +116,7 @@ def main(argv=None) -> None:
     ap.add_argument("--targets", default="v6e,h100,cpu")
     ap.add_argument("--cpu-rows", default="1,8,64")
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--filters", default=",".join(FILTERS), help="the batches timed on the CPU: " + ", ".join(FILTERS))
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "sampler_compile.md"))
     args = ap.parse_args(argv)
     lines = ["# Sampler threshold: radix select against sort\n", f"Command: `{command_line('sampler', argv)}`",
@@ -121,11 +133,12 @@ def main(argv=None) -> None:
     rows = []
     for vocab in sorted({32000, args.vocab}):
         for r in map(int, args.cpu_rows.split(",")):
-            ms = cpu_run_ms(r, vocab, args.rounds)
-            sort_ms, select_ms = ms["sort"], ms["radix select"]
-            rows.append([vocab, r, f"{sort_ms:.2f}", f"{select_ms:.2f}", f"{sort_ms / select_ms:.2f}x"])
-            print(*rows[-1], flush=True)
-    lines += markdown_table(["vocab", "rows", "sort ms", "radix select ms", "ratio"], rows, (0, 1, 2, 3, 4))
+            for filters in args.filters.split(","):
+                ms = cpu_run_ms(r, vocab, args.rounds, filters)
+                sort_ms, select_ms = ms["sort"], ms["radix select"]
+                rows.append([vocab, r, filters, f"{sort_ms:.2f}", f"{select_ms:.2f}", f"{sort_ms / select_ms:.2f}x"])
+                print(*rows[-1], flush=True)
+    lines += markdown_table(["vocab", "rows", "filters", "sort ms", "radix select ms", "ratio"], rows, (0, 1, 3, 4, 5))
     write_keeping_notes(args.out, "\n".join(lines) + "\n")
 
 

@@ -167,7 +167,8 @@ def threshold_oracle(x, k, p):
 
 def test_top_k_top_p_threshold_matches_the_float64_oracle():
     """The radix select's threshold over rows with ties at every boundary (rounded logits),
-    masked tokens (-inf) and top_k beyond the unmasked count, as the sampler's filters see them."""
+    masked tokens (-inf) and top_k beyond the unmasked count, as the sampler's filters see them;
+    batches with both filters, with top-p alone and with top-k alone."""
     rng = np.random.default_rng(6)
     checked = ambiguous = 0
     for trial in range(24):
@@ -180,6 +181,10 @@ def test_top_k_top_p_threshold_matches_the_float64_oracle():
             x[:, 0] = 0.0
         top_k = rng.choice([0, 1, 2, 5, 50, vocab, vocab + 3], size=rows).astype(np.int32)
         top_p = rng.choice([1.0, 0.95, 0.5, 0.1, 1e-3], size=rows).astype(np.float32)
+        if trial // 4 % 3 == 1:   # no row asks for top-k (its select is skipped), or none for top-p
+            top_k = rng.choice([0, vocab, vocab + 3], size=rows).astype(np.int32)
+        elif trial // 4 % 3 == 2:
+            top_p[:] = 1.0
         got = np.asarray(_top_k_top_p_threshold(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p)))
         got = got[:, 0]
         for i in range(rows):
