@@ -302,21 +302,23 @@ def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array
     XLA:TPU compiled the sampler ~10x slower with one over the vocabulary (benchmarks/results/
     sampler_compile.md); each threshold is a radix select instead, 32 passes of a compare and a
     sum, and only when a row needs it (`filters` None: a conditional decides; True/False: the
-    caller knows). Each of the two selects also runs only when a row asks for its filter: most
-    requests set top_p alone, some top_k alone."""
+    caller knows). With conditionals, each of the two selects also runs only when a row asks for
+    its filter: most requests set top_p alone, some top_k alone. Without, both run (the first
+    branch of each is right for every row)."""
     rows, vocab = scaled.shape
     k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+    branch = jax.lax.cond if filters is None else (lambda _, first, second: first())
 
     def by_selecting(x):
         keys = _ordered_keys(x)
-        kth = jax.lax.cond(jnp.any(k < vocab), lambda: _largest_key_holding(keys, jnp.ones((), jnp.int32), k),
-                           lambda: jnp.min(keys, axis=-1))   # top-k off: every key holds
+        kth = branch(jnp.any(k < vocab), lambda: _largest_key_holding(keys, jnp.ones((), jnp.int32), k),
+                     lambda: jnp.min(keys, axis=-1))   # top-k off: every key holds
 
         def nucleus():
             probs = jax.nn.softmax(jnp.where(keys >= kth[:, None], x, -jnp.inf), axis=-1)
             # the maximum: a row's float32 mass may sum to just under a top_p close to 1
             return jnp.where(top_p < 1.0, jnp.maximum(_largest_key_holding(keys, probs, top_p), kth), kth)
-        return _from_ordered_keys(jax.lax.cond(jnp.any(top_p < 1.0), nucleus, lambda: kth))[:, None]
+        return _from_ordered_keys(branch(jnp.any(top_p < 1.0), nucleus, lambda: kth))[:, None]
 
     def keep_all(x):
         return jnp.full((rows, 1), -jnp.inf, x.dtype)

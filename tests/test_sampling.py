@@ -187,6 +187,9 @@ def test_top_k_top_p_threshold_matches_the_float64_oracle():
             top_p[:] = 1.0
         got = np.asarray(_top_k_top_p_threshold(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p)))
         got = got[:, 0]
+        # a GPU's multi-step decode: no conditional, both selects run; the same thresholds
+        branch_free = _top_k_top_p_threshold(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p), True)
+        np.testing.assert_array_equal(np.asarray(branch_free)[:, 0], got)
         for i in range(rows):
             want, close = threshold_oracle(x[i], int(top_k[i]), float(top_p[i]))
             ambiguous += close
