@@ -319,7 +319,7 @@ def messages(body: dict) -> list[dict]:
         if calls is not None and role == "assistant":
             message["tool_calls"] = _tool_calls(i, calls)
         message.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
-        reasoning = m.get("reasoning_content", m.get("reasoning"))
+        reasoning = m.get("reasoning_content") or m.get("reasoning")
         if role == "assistant" and isinstance(reasoning, str):
             message["reasoning_content"] = message["thinking"] = reasoning
         out.append(message)
