@@ -79,10 +79,16 @@ class StepShape(NamedTuple):
         tokens, positions, slot_mapping, page_table, seq_lens, query_start_loc, logits_index;
         groups > 1: slot_mapping and page_table per KV group (jaxserve/kv_groups.py)."""
         t, rows = self.tokens, self.prefill_rows + self.decode_rows
-        lead = (groups,) if groups > 1 else ()
-        return (np.zeros(t, np.int32), np.zeros(t, np.int32), np.full((*lead, t), padding_slot, np.int32),
-                np.zeros((*lead, rows, max_pages_per_seq), np.int32), np.zeros(rows, np.int32),
+        return (np.zeros(t, np.int32), np.zeros(t, np.int32),
+                drop_lone_group(np.full((groups, t), padding_slot, np.int32)),
+                drop_lone_group(np.zeros((groups, rows, max_pages_per_seq), np.int32)), np.zeros(rows, np.int32),
                 np.zeros(rows + 1, np.int32), np.zeros(self.logit_rows, np.int32))
+
+
+def drop_lone_group(array: np.ndarray) -> np.ndarray:
+    """A page table or slot mapping built with a leading KV-group axis, as a step takes it: a
+    cache without groups (one) takes it without that axis (jaxserve/kv_groups.py)."""
+    return array[0] if len(array) == 1 else array
 
 
 class PlatformBuckets(NamedTuple):

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxserve import pooling, prompt_logprobs
-from jaxserve.buckets import Buckets, StepShape, bucket, cover
+from jaxserve.buckets import Buckets, StepShape, bucket, cover, drop_lone_group
 from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence import PENDING
 
@@ -86,8 +86,7 @@ def pack(out: SchedulerOutput, buckets: Buckets, max_pages_per_seq: int, num_pag
     pages = page_table[:, np.repeat(index, counts), positions[:num_real] // page_size]
     slots = np.full((groups, t), num_pages * page_size, np.int32)  # padding: not written
     slots[:, :num_real] = pages * page_size + positions[:num_real] % page_size
-    if groups == 1:   # no group axis: the arrays of a cache without groups
-        page_table, slots = page_table[0], slots[0]
+    page_table, slots = drop_lone_group(page_table), drop_lone_group(slots)
     # A row sampling k tokens: its last k positions, and its sequence k times.
     logits_index = np.zeros(sd * dq, np.int32)  # sampled positions first
     logits_index[:sampled.sum()] = _ranges(cursors + counts - sampled, sampled)

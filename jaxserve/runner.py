@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxserve import multihost, parallel, pooling, prompt_logprobs, sizing, warmup
 from jaxserve.attention import resolve_backend
-from jaxserve.buckets import Buckets, bucket
+from jaxserve.buckets import Buckets, bucket, drop_lone_group
 from jaxserve.compilations import CompileCounter
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.executables import Executables, abstract, context_digest, key
@@ -227,9 +227,8 @@ class ModelRunner:
         rows = np.zeros((len(seq.page_tables), self.max_pages_per_seq), np.int32)
         for row, table in zip(rows, seq.page_tables):
             row[:len(table)] = table
-        row = rows if self.table_groups > 1 else rows[0]
         seqs = [seq] if s.num_sampled else []
-        return _Op([_SEQUENCE_PARALLEL], (tokens, np.array([n, start], np.int32), row), seqs,
+        return _Op([_SEQUENCE_PARALLEL], (tokens, np.array([n, start], np.int32), drop_lone_group(rows)), seqs,
                    metadata_for(seqs, seeds, 1, self.max_model_len))
 
     def replay(self, message: list[np.ndarray]) -> list[SampleOutput | None]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxserve import parallel
 from jaxserve.attention import AttentionMetadata
-from jaxserve.buckets import StepShape
+from jaxserve.buckets import StepShape, drop_lone_group
 from jaxserve.config import ModelConfig
 from jaxserve.lora import StepLora
 from jaxserve.sampling import PenaltyCounts, sample, sampler_variants, uses_filters
@@ -106,7 +106,7 @@ def sampler_lowerings(rows: list[int], vocab_size: int, mesh, max_model_len: int
 
 def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int, groups: int = 1) -> tuple:
     """sequence_parallel_prefill's arrays for no token (nothing written); `groups`: table_groups."""
-    row = np.zeros((groups, max_pages_per_seq) if groups > 1 else max_pages_per_seq, np.int32)
+    row = drop_lone_group(np.zeros((groups, max_pages_per_seq), np.int32))
     return np.zeros(tokens, np.int32), np.int32(0), np.int32(0), row
 
 
