@@ -36,12 +36,10 @@ SELECT = sampling._top_k_top_p_threshold
 
 def sort_threshold(scaled, top_k, top_p, filters=None):
     """The threshold as jaxserve computed it before the radix select: one descending sort of
-    each row over the vocabulary, the top-p mass as a cumulative sum in that order. `filters` as
-    the radix select's."""
-    rows, vocab = scaled.shape
-    k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+    each row over the vocabulary, the top-p mass as a cumulative sum in that order."""
+    vocab = scaled.shape[1]
 
-    def by_sorting(x):
+    def by_sorting(x, k):
         desc = jnp.sort(x, axis=-1, descending=True)
         in_k = jnp.arange(vocab)[None, :] < k[:, None]
         probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
@@ -50,12 +48,7 @@ def sort_threshold(scaled, top_k, top_p, filters=None):
         n = jnp.maximum(jnp.where(top_p < 1.0, n_p, k), 1)
         return jnp.take_along_axis(desc, (n - 1)[:, None], axis=-1)
 
-    def keep_all(x):
-        return jnp.full((rows, 1), -jnp.inf, x.dtype)
-
-    if filters is not None:
-        return (by_sorting if filters else keep_all)(scaled)
-    return jax.lax.cond(jnp.any(k < vocab) | jnp.any(top_p < 1.0), by_sorting, keep_all, scaled)
+    return sampling.filtered_threshold(by_sorting, scaled, top_k, top_p, filters)
 
 
 ARMS = {"sort": sort_threshold, "radix select": SELECT}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -295,21 +295,32 @@ def _largest_key_holding(keys: jax.Array, weights: jax.Array, target: jax.Array)
     return jax.lax.fori_loop(0, 32, fix_bit, jnp.zeros(keys.shape[0], jnp.uint32))
 
 
+def filtered_threshold(threshold: Callable, scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                       filters: bool | None = None) -> jax.Array:
+    """`threshold(scaled, k)` [S, 1] when a row filters by top-k or top-p, else -inf for every
+    row (all survive). k is top_k with 0 and values above the vocabulary read as the vocabulary.
+    `filters` None: a conditional decides; True/False: the caller knows."""
+    rows, vocab = scaled.shape
+    k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+    if filters is not None:
+        return threshold(scaled, k) if filters else jnp.full((rows, 1), -jnp.inf, scaled.dtype)
+    return jax.lax.cond(jnp.any(k < vocab) | jnp.any(top_p < 1.0), threshold,
+                        lambda x, _: jnp.full((rows, 1), -jnp.inf, x.dtype), scaled, k)
+
+
 def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
                            filters: bool | None = None) -> jax.Array:
     """Per row, the smallest logit that survives top-k then top-p (top-p over the top-k
     renormalised probabilities). Ties with it survive too (as HF's warpers keep them). No sort:
     XLA:TPU compiled the sampler ~10x slower with one over the vocabulary (benchmarks/results/
     sampler_compile.md); each threshold is a radix select instead, 32 passes of a compare and a
-    sum, and only when a row needs it (`filters` None: a conditional decides; True/False: the
-    caller knows). With conditionals, each of the two selects also runs only when a row asks for
-    its filter: most requests set top_p alone, some top_k alone. Without, both run (the first
-    branch of each is right for every row)."""
-    rows, vocab = scaled.shape
-    k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+    sum, and only when a row needs it (`filtered_threshold`). With conditionals, each of the two
+    selects also runs only when a row asks for its filter: most requests set top_p alone, some
+    top_k alone. Without, both run (the first branch of each is right for every row)."""
+    vocab = scaled.shape[1]
     branch = jax.lax.cond if filters is None else (lambda _, first, second: first())
 
-    def by_selecting(x):
+    def by_selecting(x, k):
         keys = _ordered_keys(x)
         kth = branch(jnp.any(k < vocab), lambda: _largest_key_holding(keys, jnp.ones((), jnp.int32), k),
                      lambda: jnp.min(keys, axis=-1))   # top-k off: every key holds
@@ -320,12 +331,7 @@ def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array
             return jnp.where(top_p < 1.0, jnp.maximum(_largest_key_holding(keys, probs, top_p), kth), kth)
         return _from_ordered_keys(branch(jnp.any(top_p < 1.0), nucleus, lambda: kth))[:, None]
 
-    def keep_all(x):
-        return jnp.full((rows, 1), -jnp.inf, x.dtype)
-
-    if filters is not None:
-        return (by_selecting if filters else keep_all)(scaled)
-    return jax.lax.cond(jnp.any(k < vocab) | jnp.any(top_p < 1.0), by_selecting, keep_all, scaled)
+    return filtered_threshold(by_selecting, scaled, top_k, top_p, filters)
 
 
 def _gumbel(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
