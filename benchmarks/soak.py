@@ -82,11 +82,11 @@ def run(args, command: str = "") -> dict:
             result = soak(server, args)
             if any(r["outcome"].startswith("LOST") for r in result["requests"]):   # what the server saw
                 result["server_log"] = server.log_tail(16000)
-            result["exit_code"], result["decode_steps"] = server.stop(), args.decode_steps
+            result["exit_code"] = server.stop()
         finally:
             server.kill()
-    return {**report_header(command, args), "engine": engine, "plot": os.path.basename(args.out) + ".png",
-            **result, "checks": checks(result)}
+    report = {**report_header(command, args), "engine": engine, "plot": os.path.basename(args.out) + ".png", **result}
+    return {**report, "checks": checks(report)}
 
 
 class Server:
@@ -183,8 +183,9 @@ def soak(server: Server, args) -> dict:
             "requests": [vars(r) for r in results]}
 
 
-def checks(result: dict) -> list[dict]:
-    reqs, samples, d = result["requests"], result["samples"], result["duration_s"]
+def checks(report: dict) -> list[dict]:
+    """Pass or fail, with the figure, for a run's report (its result and the engine it ran)."""
+    reqs, samples, d = report["requests"], report["samples"], report["duration_s"]
     outcomes = collections.Counter(r["outcome"] for r in reqs)
     lost = [r for r in reqs if r["outcome"].startswith("LOST")]
     fifth = d / 5
@@ -193,28 +194,28 @@ def checks(result: dict) -> list[dict]:
     ttfts = _ttfts(reqs)
     first = percentiles([t for s, t in ttfts if s < fifth])["p99"]
     last = percentiles([t for s, t in ttfts if s >= d - fifth])["p99"]
-    faults = result["final"]["failed_steps"] - result["start"]["failed_steps"]
-    preempted = result["final"]["preemptions"] - result["start"]["preemptions"]
-    multi = result["final"]["multi_step_decodes"] - result["start"]["multi_step_decodes"]
+    faults = report["final"]["failed_steps"] - report["start"]["failed_steps"]
+    preempted = report["final"]["preemptions"] - report["start"]["preemptions"]
+    multi = report["final"]["multi_step_decodes"] - report["start"]["multi_step_decodes"]
     stepped = [{"check": "multi-step decodes ran (decode_steps > 1)", "ok": multi > 0, "value": f"{multi:g}"}
-               ] if result["decode_steps"] > 1 else []
+               ] if report["engine"]["decode_steps"] > 1 else []
     return stepped + [
         {"check": "every accepted request ended with full output or a clear error",
          "value": f"{len(lost)} lost of {len(reqs)}" + (f" (first: {lost[0]['outcome']})" if lost else ""),
          "ok": not lost},
         {"check": "free KV pages back to the start",
-         "ok": result["final"]["free_pages"] == result["start"]["free_pages"],
-         "value": f"{result['start']['free_pages']:g} -> {result['final']['free_pages']:g}"},
+         "ok": report["final"]["free_pages"] == report["start"]["free_pages"],
+         "value": f"{report['start']['free_pages']:g} -> {report['final']['free_pages']:g}"},
         {"check": f"RSS growth after warm-up < {MAX_RSS_GROWTH:.0%}", "ok": rss_peak < rss_warm * (1 + MAX_RSS_GROWTH),
          "value": f"{rss_warm:.0f} -> peak {rss_peak:.0f} MiB ({rss_peak / rss_warm - 1:+.1%})"},
         {"check": TTFT_CHECK,
          "ok": first is not None and last is not None and last <= MAX_TTFT_RATIO * first,
-         "value": f"{first or 0:.0f} ms -> {last or 0:.0f} ms"},
+         "value": " -> ".join("no samples" if v is None else f"{v:.0f} ms" for v in (first, last))},
         {"check": "engine faults injected and failed cleanly", "ok": faults > 0 and outcomes["engine_error"] > 0,
          "value": f"{faults:g} failed steps, {outcomes['engine_error']} requests failed"},
         {"check": "long prompts forced preemption", "ok": preempted > 0, "value": f"{preempted:g} preemptions"},
-        {"check": "the server exits 0 on SIGTERM afterwards", "ok": result.get("exit_code") == 0,
-         "value": str(result.get("exit_code"))},
+        {"check": "the server exits 0 on SIGTERM afterwards", "ok": report.get("exit_code") == 0,
+         "value": str(report.get("exit_code"))},
     ]
 
 
