@@ -17,7 +17,7 @@ import yaml
 
 from jaxserve import check_cli
 from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_MODES, QUANTIZE_LM_HEAD_HELP, RUNNERS, DistributedConfig,
-                             EngineConfig)
+                             EngineConfig, read_hf_config)
 from jaxserve.server.reasoning import PARSERS as REASONING_PARSERS
 from jaxserve.server.tool_parsers import PARSERS
 
@@ -133,12 +133,26 @@ def _add_app_args(p: argparse.ArgumentParser) -> None:
                         "openai_gptoss (gpt-oss's analysis channel)")
 
 
-def _app_options(args) -> dict:
-    """create_app's keywords from _add_app_args' flags; ValueError if they do not go together."""
+def _app_options(args, cfg: EngineConfig) -> dict:
+    """create_app's keywords from _add_app_args' flags; ValueError if they do not go together.
+    A model that writes harmony messages (gpt-oss, or any read by the `openai` tool parser) gets
+    the openai_gptoss reasoning parser unless another is named: its answer is then read out of
+    them, never returned raw, as vLLM always reads gpt-oss's."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call syntax)")
-    return dict(served_model_name=args.served_model_name, reasoning_parser=args.reasoning_parser,
+    reasoning = args.reasoning_parser
+    if reasoning is None and (args.tool_call_parser == "openai" or _model_type(cfg) == "gpt_oss"):
+        reasoning = "openai_gptoss"
+    return dict(served_model_name=args.served_model_name, reasoning_parser=reasoning,
                 tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+
+
+def _model_type(cfg: EngineConfig) -> str | None:
+    """The served model's config.json model_type (None: the embedded model, or a directory without one)."""
+    try:
+        return None if cfg.model is None else read_hf_config(cfg.model, cfg.hf_overrides).get("model_type")
+    except FileNotFoundError:
+        return None
 
 
 def _add_serve(sub) -> None:
@@ -200,7 +214,7 @@ def serve(args) -> int:
         if args.request_timeout is not None:
             cfg = dataclasses.replace(cfg, request_timeout_s=args.request_timeout)
         api_keys = None if args.api_keys_file is None else read_api_keys(args.api_keys_file)
-        options = _app_options(args)
+        options = _app_options(args, cfg)
     except (ValueError, OSError, yaml.YAMLError) as e:
         sys.exit(f"jaxserve serve: {e}")
     if cfg.distributed is not None and not cfg.distributed.is_leader:
@@ -279,7 +293,8 @@ def run_batch(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg, options = engine_config(args), _app_options(args)
+        cfg = engine_config(args)
+        options = _app_options(args, cfg)
     except ValueError as e:
         sys.exit(f"jaxserve run-batch: {e}")
     app, code = create_app(cfg, **options), 0

@@ -13,6 +13,7 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
+from jaxserve import cli
 from jaxserve.server.reasoning import reasoning_reader
 from jaxserve.server.tool_parsers import OpenAI
 from jaxserve.server.tools import ToolCalls, tool_calls
@@ -89,6 +90,24 @@ def test_streams_cut_anywhere_agree_with_the_whole(text):
 
 def named(calls):
     return calls and [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+@pytest.mark.parametrize("model_type, flags, parser", [
+    ("gpt_oss", [], "openai_gptoss"),
+    ("llama", ["--enable-auto-tool-choice", "--tool-call-parser", "openai"], "openai_gptoss"),
+    ("gpt_oss", ["--reasoning-parser", "qwen3"], "qwen3"),   # a parser named stays
+    ("llama", ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], None),
+])
+def test_harmony_text_is_read_as_harmony_without_a_reasoning_parser(tmp_path, model_type, flags, parser):
+    """`jaxserve serve` of a gpt-oss model, or with the `openai` tool parser, reads harmony
+    messages with no --reasoning-parser: the answer apart, not the raw text with its tokens."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    args = cli.build_parser().parse_args(["serve", "--model", str(tmp_path), *flags])
+    options = cli._app_options(args, cli.engine_config(args))
+    assert options["reasoning_parser"] == parser
+    if parser == "openai_gptoss":
+        text = THINK + "<|start|>assistant<|channel|>final<|message|>It is 4.<|return|>"
+        assert reasoning_reader(parser, "").parts(text) == ("User asks 2+2. Simple.", "It is 4.")
 
 
 def test_the_format_is_read_with_special_tokens_kept_and_the_grammar_waits_for_the_answer():
