@@ -229,11 +229,11 @@ def checkpoint(request, tmp_path_factory):
     return request.param, d, [hf_greedy(hf, p, NEW_TOKENS)[0] for p in _prompts()]
 
 
-def generate(model_dir: str, n: int = 1, **engine):
+def generate(model_dir: str, n: int = 1, llm=None, **engine):
     """Each prompt's choices' greedy tokens (the first prompt alone first: the others then find its
-    prefix cached), the most pages in use after any schedule, and the engine."""
+    prefix cached), the most pages in use after any schedule, and the engine (`llm`'s, else a new one)."""
     from jaxserve import LLM, SamplingParams
-    llm = LLM(model=model_dir, **{**ENGINE, **engine})
+    llm = llm or LLM(model=model_dir, **{**ENGINE, **engine})
     scheduler, bm = llm.llm_engine.scheduler, llm.llm_engine.block_manager
     peak, schedule = [0], scheduler.schedule
 
@@ -280,6 +280,26 @@ def test_multi_step_decodes_with_the_hybrid_cache(checkpoint):
     tokens, _, engine = generate(d, decode_steps=4)
     assert tokens == [[e] for e in expected]
     assert engine.stats["multi_step_decodes"] > 0
+
+
+def test_sleep_and_wake_up_with_the_hybrid_cache(checkpoint):
+    """A level-1 sleep drops every group's pages and forgets their cached prefixes; woken, the
+    same greedy tokens (a prefix still cached in some group would read zeroed pages), nothing compiled."""
+    from jaxserve import LLM
+    from jaxserve.compilations import CompileCounter
+    _, d, expected = checkpoint
+    llm = LLM(model=d, **ENGINE)
+    tokens, _, engine = generate(d, llm=llm)
+    bm = engine.block_manager
+    assert tokens == [[e] for e in expected] and bm.num_cached_pages > 0 and engine.runner.kv_groups.hybrid
+    llm.sleep(level=1)
+    assert bm.num_cached_pages == 0 and bm.num_used_pages == 0
+    compiles = CompileCounter.count
+    llm.wake_up()
+    hits = bm.prefix_hit_tokens
+    again, _, _ = generate(d, llm=llm)
+    assert again == tokens and CompileCounter.count == compiles
+    assert bm.prefix_hit_tokens > hits   # the second prompt found the first's prefix cached anew
 
 
 def test_sequence_parallel_prefill_and_tensor_parallelism_with_the_hybrid_cache(checkpoint):
