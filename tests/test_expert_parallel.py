@@ -2,10 +2,11 @@
 the experts split whole over the "model" axis. On seeded checkpoints of Qwen3-MoE, OLMoE,
 DeepSeek-V3 (shared experts, grouped routing) and gpt-oss (biased experts; and its experts as
 MXFP4, as the Hub stores them), at model 2 and 4 on fake CPU devices: the engine step's f32 logits
-equal one device's, the engine's greedy tokens equal transformers', int8 experts equal int8 on
-one device, the stacks (and their scales) lie on their expert axis while the router stays whole
-and the shared experts tensor-parallel, and experts that do not divide are refused. All of it in
-one subprocess on 8 fake devices (this file's main): jax starts once."""
+equal one device's, the engine's greedy tokens equal transformers' (DeepSeek's with
+sequence-parallel prefill too), int8 experts equal int8 on one device, the stacks (and their
+scales) lie on their expert axis while the router stays whole and the shared experts
+tensor-parallel, and experts that do not divide are refused. All of it in one subprocess on 8
+fake devices (this file's main): jax starts once."""
 import dataclasses
 import json
 import os
@@ -25,7 +26,10 @@ from tests.test_mxfp4 import save_mxfp4_gpt_oss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ("deepseek_v3", "gpt_oss", "olmoe", "qwen3_moe")   # 8, 4, 4, 4 experts
-ENGINE_MESH = {"deepseek_v3": 2, "gpt_oss": 4, "olmoe": 2, "qwen3_moe": 4}   # one engine run each (suite time)
+# One engine run each (suite time). DeepSeek's prefills sequence-parallel too: each chunk's tokens
+# split over "seq", the experts over "model".
+ENGINE_MESH = {"deepseek_v3": {"model": 2, "seq": 2}, "gpt_oss": {"model": 4}, "olmoe": {"model": 2},
+               "qwen3_moe": {"model": 4}}
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +122,8 @@ def main(dirs: dict[str, str]) -> dict:
             out["logits"][f"{name}@{model}"] = {"tokens_equal": tokens.tolist() == ref_tokens,
                                                 "max_logit_diff": float(np.abs(logits - ref_logits).max())}
         out["specs"][name] = _specs(sharded, cfg.moe_layers[0])
-    for name, model in ENGINE_MESH.items():
-        out["engine"][name] = engine_tokens(dirs[name], mesh={"model": model}, enable_expert_parallel=True)[0]
+    for name, mesh in ENGINE_MESH.items():
+        out["engine"][name] = engine_tokens(dirs[name], mesh=mesh, enable_expert_parallel=True)[0]
     mesh = parallel.make_mesh({"model": 4}, jax.devices()[:4])
     moe = layers.SparseMoE(8, 2, 32, True, mesh=mesh, expert_parallel=True)
     x = jax.ShapeDtypeStruct((16, 64), np.float32, sharding=parallel.replicated(mesh))
