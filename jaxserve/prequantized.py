@@ -56,7 +56,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve import mxfp4
-from jaxserve.quantization import GROUP, MXFP4, ZERO, pack_int4
+from jaxserve.quantization import GROUP, MXFP4, ROUTERS, ZERO, pack_int4
 
 COMPRESSED_INT8 = ("int-quantized", "naive-quantized")
 COMPRESSED_INT4 = "pack-quantized"
@@ -170,19 +170,27 @@ def _compressed_tensors(qc: dict) -> Stored:
             raise _unsupported(f"format {fmt!r} with weights {w} in {name}")
     if len(schemes) != 1:
         raise _unsupported(f"{'no' if not schemes else 'mixed'} weight schemes")
-    _lm_head_alone(qc.get("ignore"), "ignore")
+    _unquantized_alone(qc.get("ignore"), "ignore", lm_head=True)
     (mode, strategy), = schemes
     if mode == "fp8":
         return Stored(mode, lambda tensor, name: _fp8_leaves(name, tensor, "_scale", block=strategy == "block"))
     return Stored(mode, _read_int8 if mode == "int8" else lambda tensor, name: _read_packed(mode, tensor, name))
 
 
-def _lm_head_alone(unquantized: list | None, key: str) -> None:
-    """The modules a checkpoint leaves unquantized (its `key`) are the LM head alone, as read."""
-    if set(unquantized or []) - {"lm_head"}:
-        raise _unsupported(f"layers left unquantized besides lm_head: {key} {unquantized}")
-    if "lm_head" not in (unquantized or []):
+def _unquantized_alone(unquantized: list | None, key: str, lm_head: bool) -> None:
+    """The modules a checkpoint leaves unquantized (its `key`) are the LM head (which must be
+    among them when `lm_head`) and MoE routers alone, as read."""
+    others = [m for m in unquantized or [] if m != "lm_head" and not _router(m)]
+    if others:
+        raise _unsupported(f"layers left unquantized besides lm_head and the routers: {key} {others}")
+    if lm_head and "lm_head" not in (unquantized or []):
         raise _unsupported("a quantized lm_head")
+
+
+def _router(module: str) -> bool:
+    """Whether a module name, or an LLM Compressor pattern ("re:.*mlp.gate$"), names MoE routers,
+    which are read unquantized (AutoAWQ's and LLM Compressor's MoE checkpoints leave them so)."""
+    return module.removeprefix("re:").removesuffix("$").rsplit(".", 1)[-1] in ROUTERS
 
 
 def _weight_only(what: str) -> None:
@@ -243,10 +251,10 @@ def _gptq(qc: dict) -> Stored:
 
 def _awq(qc: dict) -> Stored:
     scheme = (qc.get("bits"), qc.get("group_size"), qc.get("zero_point"), str(qc.get("version")).lower())
-    if scheme != (4, GROUP, True, "gemm") or qc.get("modules_to_not_convert"):
+    if scheme != (4, GROUP, True, "gemm"):
         raise _unsupported(f"AWQ bits={qc.get('bits')} group_size={qc.get('group_size')} zero_point="
-                           f"{qc.get('zero_point')} version={qc.get('version')!r} modules_to_not_convert="
-                           f"{qc.get('modules_to_not_convert')}")
+                           f"{qc.get('zero_point')} version={qc.get('version')!r}")
+    _unquantized_alone(qc.get("modules_to_not_convert"), "modules_to_not_convert", lm_head=False)
     undo = np.argsort(AWQ_ORDER)
 
     def by_output(words: np.ndarray) -> np.ndarray:   # [rows, out / 8] AWQ-packed -> [rows, out]

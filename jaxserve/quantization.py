@@ -18,7 +18,7 @@ A quantized Linear holds `qweight` and a scale in place of `weight` ([out, in] a
     do, one mode with one params tree. Load-time `fp8` scales each group by its largest magnitude / 448;
   * w8a8: qweight int8 [out, in], channel_scale f32 [out] (the activations' per-token scales exist only in the step).
 A mixture's stacked expert weight [experts, out, in] (EXPERT_MODES) is each expert's Linear
-weight quantized alike: its param becomes {"qweight", "scale"} with a leading experts axis
+weight quantized alike: its param becomes {"qweight", "scale"} (int4_asym's with "zero") with a leading experts axis
 (jaxserve/models/experts.py dequantizes them as its products consume them); MXFP4, gpt-oss's
 checkpoints' experts alone, holds jaxserve/mxfp4.py's leaves (a uint8 scale says so).
 The mode is read from the scale's name, rank and dtype and the qweight's dtype (int4: uint8, fp8:
@@ -74,7 +74,7 @@ HEAD = "lm_head"              # the LM head's Linear, kept in the model dtype un
 TIED_EMBEDDING = ("model", "embed_tokens", "embedding")   # every family's table, [vocab, hidden]
 EXPERTS = "experts"           # layers.SparseMoE's stacked expert weights, quantized in EXPERT_MODES
 MXFP4 = "mxfp4"               # a mode of checkpoints only: experts as stored, the rest unquantized
-EXPERT_MODES = ("int8", "int4", "fp8", MXFP4)   # w8a8's activations and int4_asym's zero points have no expert product
+EXPERT_MODES = ("int8", "int4", "int4_asym", "fp8", MXFP4)   # w8a8's activations have no expert product
 ROUTERS = ("gate", "shared_expert_gate")   # MoE routers' Linears, kept in the model dtype: their outputs pick and weigh experts
 BLOCK_ELEMENTS = 1 << 15      # CPU: weight elements dequantized at once (128 KiB in f32)
 # TPU: rows up to which int4 and fp8 take _group_rows_dot (the smallest decode bucket): its dot

@@ -5,22 +5,26 @@ attention's projections, kv_b_proj among them, e4m3 in 128x128 blocks with their
 transformers on the same weights dequantized as the format defines (fp8 times its block's
 scale_inv, in f32). transformers 5.24 reading the FP8 files themselves on CPU gives other logits
 (4.5 apart at most, where ours and its own on the dequantized weights are 1e-5 apart). The block
-writer is tests/test_prequantized_fp8.py's."""
+writer is tests/test_prequantized_fp8.py's. And a seeded Qwen3-MoE in AutoAWQ's format (4 bits with
+zero points, every expert's projections among them, the routers left unconverted), its experts
+kept int4_asym, against transformers on its weights dequantized."""
 import json
 import os
 import pathlib
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
+from jaxserve import LLM, SamplingParams, prequantized, quantization
 from jaxserve.checkpoint import load_params
 from jaxserve.config import ModelConfig
-from jaxserve.models import build_model
+from jaxserve.models import build_model, experts
 from jaxserve.quantization import weight_bytes
-from tests.hf_models import save_hf_model
-from tests.test_prequantized import reference
+from tests.hf_models import hf_greedy, save_byte_tokenizer, save_hf_model
+from tests.test_prequantized import awq, reference
 from tests.test_prequantized_fp8 import fp8_blocks
 
 # every projection's inputs whole 128-wide blocks: hidden, both latent ranks, 4 heads x 32 values
@@ -88,14 +92,121 @@ def test_deepseek_v3_fp8_loads_experts_in_fp8_and_matches_transformers(deepseek_
 def test_deepseek_v3_quantized_at_load_runs_its_latent_attention(deepseek_fp8_dir):
     """`--quantization int8` on DeepSeek: kv_b_proj int8 too (used in parts, dequantized whole in
     the step); the logits' mean error under 15% of the unquantized ones' spread (measured 9%: the
-    experts alone quantized 0.9%, the attention alone 8.7%, this random tiny model's norms amplify)."""
+    experts alone quantized 0.9%, the attention alone 8.7%, this random tiny model's norms amplify).
+    `int4_asym` (zero points: kv_b_proj's and every expert's among them) gives the logits of its
+    weights dequantized."""
     float_dir = deepseek_fp8_dir[1]
     cfg = ModelConfig.from_pretrained(float_dir)
     model = build_model(cfg)
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, 24))
-    logits = {}
-    for mode in (None, "int8"):
-        params = load_params(float_dir, cfg, quantization=mode)
-        logits[mode] = np.asarray(model.apply({"params": params}, ids, np.arange(24)[None], method=model.forward_logits))
-    assert params["model"]["layers_0"]["self_attn"]["kv_b_proj"]["qweight"].dtype == np.int8
-    assert np.abs(logits["int8"] - logits[None]).mean() < 0.15 * logits[None].std()
+
+    def logits(params):
+        return np.asarray(model.apply({"params": params}, ids, np.arange(24)[None], method=model.forward_logits))
+    full, int8 = (logits(load_params(float_dir, cfg, quantization=mode)) for mode in (None, "int8"))
+    assert np.abs(int8 - full).mean() < 0.15 * full.std()
+    asym = load_params(float_dir, cfg, quantization="int4_asym")
+    assert "zero" in asym["model"]["layers_0"]["self_attn"]["kv_b_proj"]
+    assert "zero" in asym["model"]["layers_1"]["mlp"]["experts"]["down_proj"]
+    np.testing.assert_allclose(logits(asym), logits(dequantized_params(asym)), atol=1e-4, rtol=1e-4)
+
+
+def dequantized_params(tree):
+    """A params tree with each quantized Linear's leaves as its `weight` and each quantized stack
+    as its weights, in f32 (quantization.dequantize, zero-point offsets included)."""
+    if not isinstance(tree, dict):
+        return tree
+    if "qweight" not in tree:
+        return {k: dequantized_params(v) for k, v in tree.items()}
+    if tree["qweight"].ndim == 3:
+        return experts.dequantized(tree, jnp.float32)
+    rest = {k: v for k, v in tree.items() if k not in quantization.LEAVES}
+    return {**rest, "weight": quantization.dequantize(tree["qweight"], tree["scale"], zero=tree.get("zero"))}
+
+
+# every Linear's inputs whole groups of 128 (4 heads of 32), its outputs whole words of 8
+QWEN3_MOE_SHAPES = dict(hidden_size=128, moe_intermediate_size=256, intermediate_size=256, head_dim=32)
+
+
+def asym_groups(w: np.ndarray):
+    """AutoAWQ's quantization of a weight [out, in]: per 128 inputs, 16 levels from the group's
+    minimum to its maximum (0 among them); (codes 0..15, f16 scales, zero points 0..15), each
+    [out, ...], weight ~ scale * (code - zero point)."""
+    out, inp = w.shape
+    groups = w.reshape(out, inp // 128, 128)
+    low, high = np.minimum(groups.min(-1), 0), np.maximum(groups.max(-1), 0)
+    scale = ((high - low) / 15).astype(np.float16)
+    zeros = np.round(-low / scale.astype(np.float32))
+    codes = np.clip(np.round(groups / scale[..., None].astype(np.float32)) + zeros[..., None], 0, 15)
+    return codes.reshape(out, inp).astype(np.int32), scale, zeros.astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_awq(tmp_path_factory) -> tuple[str, str, list[list[int]]]:
+    """(the AWQ checkpoint, its weights dequantized in f32, transformers' greedy tokens on those)."""
+    from safetensors.numpy import save_file
+    from safetensors.torch import load_file
+
+    d, float_dir = (str(tmp_path_factory.mktemp(name)) for name in ("qwen3_moe_awq", "qwen3_moe_awq_dequantized"))
+    save_hf_model("qwen3_moe", d, seed=2, **QWEN3_MOE_SHAPES)
+    save_byte_tokenizer(d)
+    tensors, dequantized = {}, {}
+    for name, x in load_file(os.path.join(d, "model.safetensors")).items():   # per-expert, as on the Hub
+        x = x.float().numpy()
+        if name.endswith("proj.weight"):   # attention's, the dense MLP's and every expert's; not the routers
+            codes, scale, zeros = awq_args = asym_groups(x)
+            base = name.removesuffix("weight")
+            tensors.update({base + k: np.ascontiguousarray(v) for k, v in awq(*awq_args).items()})
+            x = (scale.astype(np.float32).repeat(128, 1) * (codes - zeros.repeat(128, 1))).astype(np.float32)
+        else:
+            tensors[name] = x
+        dequantized[name] = x
+    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, os.path.join(float_dir, "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads(pathlib.Path(d, "config.json").read_text())
+    pathlib.Path(float_dir, "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
+    pathlib.Path(d, "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
+        "modules_to_not_convert": ["gate"]}}))
+    hf = reference(float_dir)
+    return d, float_dir, [hf_greedy(hf, p, 12)[0] for p in awq_prompts(hf.config.vocab_size)]
+
+
+def awq_prompts(vocab: int) -> list[list[int]]:
+    return [np.random.RandomState(i).randint(1, vocab, 10 + 3 * i).tolist() for i in range(3)]
+
+
+def test_qwen3_moe_awq_loads_experts_as_int4_asym_and_matches_transformers(qwen3_moe_awq):
+    """Experts stacked as stored (int4 codes, a scale and a zero-point offset per 128 inputs),
+    the router in f32; logits within 1e-4 of transformers' on the dequantized weights, and the
+    engine's greedy tokens its."""
+    awq_dir, float_dir, expected = qwen3_moe_awq
+    cfg = ModelConfig.from_pretrained(awq_dir)
+    params = load_params(awq_dir, cfg)
+    moe = params["model"]["layers_1"]["mlp"]
+    down = moe["experts"]["down_proj"]
+    assert down["qweight"].dtype == np.uint8 and down["qweight"].shape == (cfg.num_experts, 128, 128)
+    assert down["scale"].shape == down["zero"].shape == (cfg.num_experts, 128, 2)
+    assert moe["gate"]["weight"].dtype == np.float32
+    ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, 24))
+    model = build_model(cfg)
+    ours = model.apply({"params": params}, ids, np.arange(24)[None], method=model.forward_logits)
+    with torch.no_grad():
+        want = reference(float_dir)(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), want, atol=1e-4, rtol=1e-4)
+    llm = LLM(model=awq_dir, max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=64, max_model_len=128,
+              kv_cache_mb=4, compilation_cache_dir=None, step_shapes="largest")
+    out = llm.generate([{"prompt_token_ids": p} for p in awq_prompts(cfg.vocab_size)],
+                       SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == expected
+
+
+def test_routers_may_be_left_unconverted_and_nothing_else():
+    """AutoAWQ's `modules_to_not_convert` and LLM Compressor's `ignore` may name MoE routers (read
+    unquantized anyway) beside lm_head; another module left unquantized is refused."""
+    assert all(map(prequantized._router, ["gate", "model.layers.3.mlp.gate", "re:.*mlp.gate$", "shared_expert_gate"]))
+    assert not any(map(prequantized._router, ["gate_proj", "re:.*mlp.gate_proj$", "model.layers.0.mlp.experts.0.up_proj"]))
+    awq_config = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    for config in ({**awq_config, "modules_to_not_convert": ["model.layers.0.mlp.down_proj"]},):
+        with pytest.raises(ValueError, match="left unquantized besides lm_head and the routers"):
+            prequantized._awq(config)
+    assert prequantized._awq({**awq_config, "modules_to_not_convert": ["gate", "lm_head"]}).mode == "int4_asym"

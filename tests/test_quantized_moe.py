@@ -1,4 +1,4 @@
-"""Quantized mixture-of-experts weights (`--quantization int8 | int4 | fp8` on the stacked experts,
+"""Quantized mixture-of-experts weights (`--quantization int8 | int4 | int4_asym | fp8` on the stacked experts,
 jaxserve/models/experts.py): both expert paths against a numpy dequantize-then-matmul oracle, a
 seeded Qwen3-MoE through the engine quantized against unquantized, tensor parallelism 2 against
 one device, and the weight bytes (what is refused: tests/test_moe.py)."""
@@ -21,7 +21,7 @@ from tests.conftest import fake_devices_env
 from tests.hf_models import save_byte_tokenizer, save_hf_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = ("int8", "int4", "fp8", "mxfp4")
+MODES = ("int8", "int4", "int4_asym", "fp8", "mxfp4")
 # every Linear's inputs whole groups of 128 (4 heads of 32), an expert width of 256: two groups per device at TP 2
 SHAPES = dict(hidden_size=128, moe_intermediate_size=256, intermediate_size=256, head_dim=32)
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=64, max_model_len=128,
@@ -45,7 +45,8 @@ def numpy_dequantize(leaves: dict) -> np.ndarray:
         values = np.concatenate([low, high], axis=-1).astype(np.float32)
     else:   # fp8
         values = q.astype(np.float32).reshape(*q.shape[:-1], -1, 128)
-    return (values * scale[..., None]).reshape(*q.shape[:-1], -1)
+    zero = np.asarray(leaves.get("zero", np.zeros_like(scale)), np.float32)   # int4_asym's offsets
+    return (values * scale[..., None] - zero[..., None]).reshape(*q.shape[:-1], -1)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -90,8 +91,10 @@ def greedy(llm: LLM, vocab: int) -> list[list[int]]:
 
 def test_quantized_moe_logits_and_bytes(qwen3_moe):
     """The seeded Qwen3-MoE's logits quantized against unquantized, their mean error relative to
-    their spread (measured: int8 0.019, fp8 0.086, int4 0.36: random weights, every Linear quantized), and the bytes of its expert stacks: int8 1/4 of f32 plus a scale a
-    row (f32), fp8 1/4 plus a scale per 128 inputs, int4 1/8 plus a scale per 128; the router stays in f32."""
+    their spread (measured: int8 0.019, fp8 0.086, int4 0.36, int4_asym 0.30: random weights, every Linear
+    quantized), and the bytes of its expert stacks: int8 1/4 of f32 plus a scale a row (f32), fp8 1/4
+    plus a scale per 128 inputs, int4 1/8 plus a scale per 128, int4_asym a zero-point offset more; the
+    router stays in f32."""
     cfg = ModelConfig.from_pretrained(qwen3_moe)
     model = build_model(cfg)
     tokens = np.random.RandomState(1).randint(0, cfg.vocab_size, (2, 24))
@@ -100,36 +103,38 @@ def test_quantized_moe_logits_and_bytes(qwen3_moe):
     ref = np.asarray(model.apply({"params": full}, tokens, positions, method=model.forward_logits))
     moe = ("model", "layers_1", "mlp")
     full_stacks = quantization.node(full, moe + ("experts",)).values()
-    for mode, tol, bits, scale_every in (("int8", 0.03, 8, None), ("fp8", 0.12, 8, 128), ("int4", 0.45, 4, 128)):
+    for mode, tol, bits, scale_every, scales in (("int8", 0.03, 8, None, 1), ("fp8", 0.12, 8, 128, 1),
+                                                 ("int4", 0.45, 4, 128, 1), ("int4_asym", 0.4, 4, 128, 2)):
         params = load_params(qwen3_moe, cfg, quantization=mode)
         got = np.asarray(model.apply({"params": params}, tokens, positions, method=model.forward_logits))
         assert np.abs(got - ref).mean() < tol * ref.std(), (mode, np.abs(got - ref).mean(), ref.std())
         stacks = quantization.node(params, moe + ("experts",))
-        assert quantization.weight_bytes(stacks) == sum(w.size * bits // 8 + 4 * w.size // (scale_every or w.shape[-1])
-                                                        for w in full_stacks), mode
+        assert quantization.weight_bytes(stacks) == sum(
+            w.size * bits // 8 + scales * 4 * w.size // (scale_every or w.shape[-1]) for w in full_stacks), mode
         assert quantization.node(params, moe + ("gate",))["weight"].dtype == jnp.float32
 
 
 def test_int8_engine_greedy_and_tensor_parallel(qwen3_moe):
     """The engine's greedy continuations with int8 weights agree with unquantized ones, up to
     their first difference, for a third of the tokens (a random model's near ties: its logits'
-    argmax agree at 92% of positions, and a continuation differs from its first change on), and int4 at TP 2 (each expert's width split,
-    its down projection's grouped scales with it) gives one device's tokens exactly."""
+    argmax agree at 92% of positions, and a continuation differs from its first change on), and
+    int4_asym at TP 2 (each expert's width split, its down projection's grouped scales and
+    zero-point offsets with it) gives one device's tokens exactly."""
     vocab = ModelConfig.from_pretrained(qwen3_moe).vocab_size
     ref = greedy(LLM(model=qwen3_moe, **ENGINE), vocab)
     int8 = greedy(LLM(model=qwen3_moe, quantization="int8", **ENGINE), vocab)
     prefix = [next((i for i, (a, b) in enumerate(zip(r, q)) if a != b), len(r)) for r, q in zip(ref, int8)]
     assert sum(prefix) >= NEW_TOKENS, (prefix, ref, int8)
-    one = greedy(LLM(model=qwen3_moe, quantization="int4", **ENGINE), vocab)
+    one = greedy(LLM(model=qwen3_moe, quantization="int4_asym", **ENGINE), vocab)
     proc = subprocess.run([sys.executable, "-m", "tests.test_quantized_moe", qwen3_moe], cwd=ROOT,
                           capture_output=True, text=True, env=fake_devices_env(2), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert eval(proc.stdout.strip().splitlines()[-1]) == one
 
 
-if __name__ == "__main__":   # the int4 engine at TP 2 on fake devices: its greedy tokens
+if __name__ == "__main__":   # the int4_asym engine at TP 2 on fake devices: its greedy tokens
     model_dir = sys.argv[1]
-    llm = LLM(model=model_dir, quantization="int4", mesh={"model": 2}, **ENGINE)
+    llm = LLM(model=model_dir, quantization="int4_asym", mesh={"model": 2}, **ENGINE)
     specs = jax.tree.map(lambda x: x.sharding.spec, llm.llm_engine.runner.params["model"]["layers_1"]["mlp"]["experts"])
-    assert specs["down_proj"]["scale"][2] == "model", specs
+    assert specs["down_proj"]["scale"][2] == specs["down_proj"]["zero"][2] == "model", specs
     print(greedy(llm, llm.llm_engine.model_cfg.vocab_size))

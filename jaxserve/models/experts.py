@@ -42,7 +42,7 @@ class Experts(nn.Module):
     """Every expert's gated-MLP weights stacked [experts, out, in] (Linear's layout) under HF's
     per-expert names: gate_proj, up_proj, down_proj; with `use_bias` their biases [experts, out]
     too (gpt-oss's), as `<name>_bias`. Returns them by name, for grouped_experts or every_expert;
-    a quantized stack as its {"qweight", "scale"}, for in_chunks."""
+    a quantized stack as its {"qweight", "scale"} (int4_asym's with "zero"), for in_chunks."""
     num_experts: int
     intermediate_size: int
     dtype: jnp.dtype = jnp.float32
@@ -145,7 +145,8 @@ def dequantized(leaf, dtype):
     """A stack's weights [experts, out, in] in `dtype`: as they are, or dequantized expert by expert."""
     if not isinstance(leaf, dict):
         return leaf
-    return jax.vmap(functools.partial(quantization.dequantize, dtype=dtype))(leaf["qweight"], leaf["scale"])
+    return jax.vmap(functools.partial(quantization.dequantize, dtype=dtype))(leaf["qweight"], leaf["scale"],
+                                                                             zero=leaf.get(quantization.ZERO))
 
 
 def split_specs(experts: dict, expert_parallel: bool = False) -> dict:

@@ -58,7 +58,7 @@ class Weight(nn.Module):
     def __call__(self):
         if self.has_variable("params", "qweight"):
             return quantization.dequantize(self.get_variable("params", "qweight"), self.get_variable("params", "scale"),
-                                           self.dtype)
+                                           self.dtype, zero=self.get_variable("params", quantization.ZERO))
         return self.param("weight", nn.initializers.lecun_normal(in_axis=-1, out_axis=-2), self.shape, self.dtype)
 
 
