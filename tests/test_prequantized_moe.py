@@ -81,6 +81,11 @@ def test_deepseek_v3_fp8_loads_experts_in_fp8_and_matches_transformers(deepseek_
     elements = sum(x["qweight"].size for x in moe["experts"].values())
     assert weight_bytes(moe["experts"]) == elements + 4 * elements // 128
     assert params["model"]["layers_0"]["self_attn"]["kv_b_proj"]["qweight"].dtype == ml_dtypes.float8_e4m3fn
+    assert_logits_match(cfg, params, float_dir)
+
+
+def assert_logits_match(cfg, params, float_dir):
+    """Our logits of 24 random tokens with `params` within 1e-4 of transformers' with float_dir's model."""
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, 24))
     model = build_model(cfg)
     ours = model.apply({"params": params}, ids, np.arange(24)[None], method=model.forward_logits)
@@ -187,12 +192,7 @@ def test_qwen3_moe_awq_loads_experts_as_int4_asym_and_matches_transformers(qwen3
     assert down["qweight"].dtype == np.uint8 and down["qweight"].shape == (cfg.num_experts, 128, 128)
     assert down["scale"].shape == down["zero"].shape == (cfg.num_experts, 128, 2)
     assert moe["gate"]["weight"].dtype == np.float32
-    ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, 24))
-    model = build_model(cfg)
-    ours = model.apply({"params": params}, ids, np.arange(24)[None], method=model.forward_logits)
-    with torch.no_grad():
-        want = reference(float_dir)(torch.tensor(ids)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(ours), want, atol=1e-4, rtol=1e-4)
+    assert_logits_match(cfg, params, float_dir)
     llm = LLM(model=awq_dir, max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=64, max_model_len=128,
               kv_cache_mb=4, compilation_cache_dir=None, step_shapes="largest")
     out = llm.generate([{"prompt_token_ids": p} for p in awq_prompts(cfg.vocab_size)],
