@@ -302,10 +302,12 @@ def filtered_threshold(threshold: Callable, scaled: jax.Array, top_k: jax.Array,
     `filters` None: a conditional decides; True/False: the caller knows."""
     rows, vocab = scaled.shape
     k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+
+    def keep_all(x, _):
+        return jnp.full((rows, 1), -jnp.inf, x.dtype)
     if filters is not None:
-        return threshold(scaled, k) if filters else jnp.full((rows, 1), -jnp.inf, scaled.dtype)
-    return jax.lax.cond(jnp.any(k < vocab) | jnp.any(top_p < 1.0), threshold,
-                        lambda x, _: jnp.full((rows, 1), -jnp.inf, x.dtype), scaled, k)
+        return (threshold if filters else keep_all)(scaled, k)
+    return jax.lax.cond(jnp.any(k < vocab) | jnp.any(top_p < 1.0), threshold, keep_all, scaled, k)
 
 
 def _top_k_top_p_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
