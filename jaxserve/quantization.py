@@ -180,10 +180,11 @@ def dequantize(qweight, scale, dtype=jnp.float32, zero=None):
     if scale.ndim == 1:
         return (qweight.astype(jnp.float32) * scale[:, None]).astype(dtype)
     out, groups = scale.shape
-    w = jnp.concatenate([p.reshape(out, groups, -1) for p in _grouped_parts(qweight, scale, jnp.float32)], axis=-1)
-    if zero is not None:
-        w = w - zero[..., None]
-    return w.reshape(out, -1).astype(dtype)
+    parts = [p.reshape(out, groups, -1) for p in _grouped_parts(qweight, scale, jnp.float32)]
+    if zero is not None:   # in each part: subtracted after the concatenation, XLA:TPU kept a chunk
+        # of experts dequantized in memory (25 MiB against 0.8: benchmarks/results/expert_parallel.md)
+        parts = [p - zero[..., None] for p in parts]
+    return jnp.concatenate(parts, axis=-1).reshape(out, -1).astype(dtype)
 
 
 def _dot(x, qweight, scale, zero, dtype):

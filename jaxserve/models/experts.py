@@ -9,10 +9,11 @@ every_expert as an unquantized stack, the tokens routed elsewhere weighted zero,
 outputs summed. So no whole stack is ever dequantized: XLA:TPU already copies a whole bf16 stack
 for each ragged_dot (the [experts, out, in] layout transposed), and given a whole dequantized
 stack it kept that copy, the dequantized one and more (int8 1.5x, int4 3x, fp8 3.5x the bf16
-stack's bytes, compiled for v6e). Chunked, a Qwen3-30B-A3B layer at 8 tokens needs 0.6 / 73 /
-13 MiB of temporaries (int8 / int4 / fp8) where bf16 needs 385; at gpt-oss-120b's shapes (2880
-wide) XLA:TPU instead copies each whole packed stack to the loop's layout before it (int8 3.1 GB,
-MXFP4 1.9 GB, bf16 2.1 GB), which storing the stacks [experts, in, out] for TPU would avoid. The
+stack's bytes, compiled for v6e). Chunked, a Qwen3-30B-A3B layer at 8 tokens needs 0.6 / 0.7 /
+0.8 / 13 MiB of temporaries (int8 / int4 / int4_asym / fp8; benchmarks/results/expert_parallel.md)
+where bf16 needs 385; at gpt-oss-120b's shapes (2880 wide) XLA:TPU instead copies each whole
+packed stack to the loop's layout before it (int8 3.1 GB, MXFP4 1.9 GB, bf16 2.1 GB), which
+storing the stacks [experts, in, out] for TPU would avoid. The
 cost: each chunk's grouped product runs over all the rows (the others past its groups), and a
 chunk's every_expert is its share of the unchunked one.
 """
