@@ -16,10 +16,18 @@ holds group_size layers' K/V, so a token of a full layer costs what it did, and 
 holds about w + the step's query tokens of each sequence, whatever its context.
 
 Hybrid only where it helps: a model with no sliding layer, or with `EngineConfig.hybrid_kv_cache`
-off (vLLM: --disable-hybrid-kv-cache-manager), or with a draft model (whose pool is addressed by
-the target's one page table, spec_decode/draft.py), is one full group of all its layers: today's
-cache, page tables and programs, unchanged. A model whose layers all slide with one window
-(Mistral v0.1) is one sliding group: today's arrays, with its old pages released.
+off (vLLM: --disable-hybrid-kv-cache-manager), is one full group of all its layers: today's cache,
+page tables and programs, unchanged. A model whose layers all slide with one window (Mistral
+v0.1) is one sliding group: today's arrays, with its old pages released.
+
+A draft model (spec_decode/draft.py) has a pool of its own, addressed by one of the target's page
+tables: group 0's, which is a full group whenever the model has full-attention layers (`of` puts
+them first). A page id names a page in every pool entry, the draft's pool too, and a full group
+keeps every page of a sequence until it ends, so the draft reads and writes its pages as with one
+group (the draft's pool entries of the sliding groups' pages go unused). A model whose layers all
+slide has no such table (released entries point at NULL_PAGE, where the draft's full-attention
+layers, and its catch-up from a sequence's first token, would read): with a draft it stays one
+full group of all its layers, as without the hybrid cache.
 
 Released pages: a sliding group's page-table entry for pages out of its window points at
 NULL_PAGE, which the block manager never allocates (so it holds zeros forever: a poisoned or
@@ -68,9 +76,9 @@ class KVGroups:
 
 def kv_groups(cfg, ecfg) -> KVGroups:
     """An engine's groups: its model's sliding windows (one as long as max_model_len releases
-    nothing: full), hybrid unless the config turns it off or a draft model shares the target's page
-    tables."""
+    nothing: full), hybrid unless the config turns it off, or a draft model needs a full group's
+    page table and no layer is full (see the module docstring)."""
     draft = ecfg.speculative is not None and ecfg.speculative.method == "draft"
     max_len = ecfg.max_model_len or cfg.max_position_embeddings
     windows = tuple(w if w is not None and w < max_len else None for w in cfg.sliding_windows)
-    return KVGroups.of(windows, ecfg.hybrid_kv_cache and not draft)
+    return KVGroups.of(windows, ecfg.hybrid_kv_cache and not (draft and None not in windows))

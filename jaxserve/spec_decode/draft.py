@@ -7,10 +7,14 @@ proposal is kept while it equals the sample: jaxserve/engine.py, `_accept`) keep
 distribution at any temperature, as for n-gram lookup. Sampling the draft (full q) would accept
 more at temperature > 0 but needs q's probabilities in the verify step; not done.
 
-KV: the draft has its own page pool (its own runner, jaxserve/runner.py) with the target's
-num_pages and page_size, addressed by the target's page tables. So the block manager's
-allocation, copy-on-write, rollback (bookkeeping only), preemption and freeing serve it as they
-are; the target's page copies of each step are applied to the draft's pool too. Per sequence the
+KV: the draft has its own page pool (its own runner, jaxserve/runner.py, one KV group of all the
+draft's layers) with the target's num_pages and page_size, addressed by the target's page table
+of group 0 (`seq.page_table`): the only one without the hybrid KV cache, a full group's with it
+(jaxserve/kv_groups.py: a target whose layers all slide keeps one full group when served with a
+draft), whose pages stay until the sequence ends. So the block manager's allocation,
+copy-on-write, rollback (bookkeeping only), preemption and freeing serve it as they are; the
+target's page copies of each step (every group's) are applied to the draft's pool too. The pages
+of the target's sliding groups are unused in the draft's pool. Per sequence the
 proposer keeps how many leading tokens have their draft K/V in the pages (`_Written`):
   * at most the target's computed tokens: the pages past them may be gone (rollback, preemption);
   * a new sequence (a prefix-cache hit, an n > 1 fork) and a preempted one start from 0: a page
@@ -70,7 +74,7 @@ class DraftProposer:
                              f"target's ({target_cfg.vocab_size}); a draft must share the target's tokenizer")
         # As many prefill rows a draft step as a target step: every sequence catches up when
         # speculation resumes after steps the throttle kept plain (throttle.py), and each new one.
-        # Its pool is addressed by the target's one page table: one group (jaxserve/kv_groups.py).
+        # Its pool is addressed by the target's group 0 page table, a full one: one group (see above).
         draft_ecfg = dataclasses.replace(ecfg, model=draft_dir, speculative=None, num_pages=num_pages,
                                          max_model_len=max_model_len, hybrid_kv_cache=False)
         params = load_for_mesh(draft_dir, cfg, dtype, ecfg.quantization, mesh, ecfg.quantize_lm_head)
@@ -118,7 +122,8 @@ class DraftProposer:
 
     def _view(self, seq: Sequence) -> Sequence:
         """The draft's side of `seq`: its known tokens as the prompt, its computed tokens those
-        whose draft K/V are in the pages, the target's page table; its outputs will be the proposals."""
+        whose draft K/V are in the pages, the target's group 0 page table (a full group's); its
+        outputs will be the proposals."""
         return Sequence(seq_id=seq.seq_id, request_id=seq.request_id, prompt_token_ids=seq.token_ids,
                         sampling=GREEDY, page_table=seq.page_table, num_computed_tokens=self._valid(seq),
                         status=SequenceStatus.RUNNING)
