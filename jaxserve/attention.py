@@ -101,7 +101,8 @@ def _hopper_or_newer() -> bool:
 
 def attend(q, k, v, kv: LayerKV | None, meta: AttentionMetadata | None, *, sliding_window: int | None,
            sm_scale: float, soft_cap: float | None = None, alibi_slopes=None, sinks=None):
-    """q [.., H, D], k/v [.., KVH, D]; kv: this layer's pages (None: dense attention, no cache).
+    """q [.., H, D], k/v [.., KVH, D]; kv: this layer's pages (None: dense attention, no cache;
+    without a V pool, kv.v None, v must be k: the values are the keys, read from the K pages).
     Returns (output like q, the updated LayerKV or None). soft_cap: scores become
     soft_cap * tanh(scores / soft_cap) (Gemma 2). alibi_slopes: f32[H] for all H query heads
     (BLOOM, MPT), or None: slope * key position is added to the scores (pallas_kernels/scores.py).

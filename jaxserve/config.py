@@ -153,6 +153,12 @@ class ModelConfig:
         per_expert = 3 * hidden * width + (2 * width + hidden if self.moe_bias else 0)
         return self.num_params - len(self.moe_layers) * unused * per_expert
 
+    @property
+    def values_are_keys(self) -> bool:
+        """Whether attention's values are its keys, so the KV cache holds K alone: latent
+        attention's one KV head, [c_kv, k_rope], is both (models/mla.py)."""
+        return self.mla is not None
+
     def serving(self, max_model_len: int) -> "ModelConfig":
         """This config as an engine serving sequences of up to max_model_len tokens runs it: the
         RoPE kinds that choose their frequencies by the context see that length. A learned

@@ -20,7 +20,8 @@ from jaxserve.models import build_model
 
 def contiguous_kv_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32):
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    return KVCache(tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)))
+    return KVCache(tuple(LayerKV(jnp.zeros(shape, dtype), None if cfg.values_are_keys else jnp.zeros(shape, dtype))
+                         for _ in range(cfg.num_layers)))
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_q"), donate_argnames=("kv",))

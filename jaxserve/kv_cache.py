@@ -9,6 +9,11 @@ sequence's pages are a row of the page table. Sharded over KV heads (parallel.kv
 axis 1). On TPU head_dim is stored padded to whole 128 lanes (`pool_head_dim`; attention pads
 q/k/v to it and cuts the output back).
 
+Latent attention (DeepSeek, models/mla.py) attends with values equal to its keys: its cache holds
+K alone (`ModelConfig.values_are_keys`; LayerKV.v and v_scale None), and every attention path
+reads the values from the K pages (pallas_kernels/paged_attention: v_pages None), which halves
+both the pool and the bytes a step reads.
+
 Quantized caches (`kv_cache_dtype` int8 or fp8, e4m3): K and V are stored in that dtype with one
 float32 scale per (page slot, KV head), k_scale / v_scale [num_pages, num_kv_heads, 1, lanes]:
 slot s of a page's KV head h is [page, h, 0, s]; lanes is page_size, on TPU rounded up to whole
@@ -59,15 +64,16 @@ def storage_dtype(kv_cache_dtype: str, model_dtype):
 class LayerKV:
     """One layer's page pools (and, quantized, their scales)."""
     k: jax.Array   # [num_pages, num_kv_heads, page_size, head_dim]
-    v: jax.Array
+    v: jax.Array | None   # like k; None: the values are the keys (values_are_keys), read from k
     k_scale: jax.Array | None = None   # float32 [num_pages, num_kv_heads, 1, lanes]; None: not quantized
-    v_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None   # None also when v is
 
     def write(self, k, v, slot_mapping, platform: str = "cpu") -> tuple["LayerKV", tuple[jax.Array, jax.Array]]:
         """Scatter new K/V [T, KVH, D] into their slots; out-of-range slots (padding) are dropped.
         Returns the updated pools and the new K/V as the pools give them back: in the pools'
         dtype, or for quantized pools stored * scale in k's dtype (what a kernel that takes
-        this step's K/V directly, the flash path, must see to agree with the pages).
+        this step's K/V directly, the flash path, must see to agree with the pages). Without a
+        V pool (the values are the keys) v is not written, and k is given back for both.
         platform: of the pools' devices; on TPU 1-byte pools are written in whole pages."""
         ps = self.k.shape[2]
         # Indexed as (page, offset), not through a flat reshape: for T = 1 XLA CPU turns the flat
@@ -75,19 +81,20 @@ class LayerKV:
         page, offset = slot_mapping // ps, slot_mapping % ps
         scatter = _put_rows if platform != "tpu" else _put_whole_pages if self.k.dtype.itemsize == 1 else _put_heads
 
-        def put(pages, x):
-            return scatter(pages, x, page, offset)
+        def put(pages, scales, x):
+            """(pages, scales) with x [T, KVH, D] written, and x as they give it back."""
+            if scales is None:
+                x = x.astype(pages.dtype)
+                return scatter(pages, x, page, offset), None, x
+            stored, scale = quantize_rows(x, pages.dtype)
+            return (scatter(pages, stored, page, offset), scales.at[page, :, 0, offset].set(scale, mode="drop"),
+                    _dequantize(stored, scale, x.dtype))
 
-        def put_scales(scales, x):
-            return scales.at[page, :, 0, offset].set(x, mode="drop")
-
-        if self.k_scale is None:
-            k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
-            return LayerKV(put(self.k, k), put(self.v, v)), (k, v)
-        (k_stored, k_scale), (v_stored, v_scale) = quantize_rows(k, self.k.dtype), quantize_rows(v, self.v.dtype)
-        written = LayerKV(put(self.k, k_stored), put(self.v, v_stored), put_scales(self.k_scale, k_scale),
-                          put_scales(self.v_scale, v_scale))
-        return written, (_dequantize(k_stored, k_scale, k.dtype), _dequantize(v_stored, v_scale, v.dtype))
+        k_pages, k_scale, k = put(self.k, self.k_scale, k)
+        if self.v is None:
+            return LayerKV(k_pages, None, k_scale), (k, k)
+        v_pages, v_scale, v = put(self.v, self.v_scale, v)
+        return LayerKV(k_pages, v_pages, k_scale, v_scale), (k, v)
 
     def constrain(self, sharding) -> "LayerKV":
         """Re-assert the pools' sharding (after the write: left alone, XLA may reshard the cache
@@ -118,7 +125,8 @@ class KVCache:
             scale = jax.ShapeDtypeStruct(scale_shape, jnp.float32, sharding=sharding)
         groups = groups if groups is not None and groups.num_groups > 1 else None
         entries = cfg.num_layers if groups is None else groups.group_size
-        return cls(tuple(LayerKV(pool, pool, scale, scale) for _ in range(entries)), groups)
+        v_pool, v_scale = (None, None) if cfg.values_are_keys else (pool, scale)
+        return cls(tuple(LayerKV(pool, v_pool, scale, v_scale) for _ in range(entries)), groups)
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, mesh, num_pages: int, page_size: int, dtype,
@@ -232,8 +240,8 @@ def _whole_tpu_lanes(n: int, platform: str) -> int:
 
 def page_bytes_per_chip(cfg: ModelConfig, dtype, page_size: int, model_axis: int, tpu: bool,
                         kv_cache_dtype: str = "auto", groups: KVGroups | None = None) -> int:
-    """K and V of one page in every layer (with KV groups: in a group's group_size layers; with
-    their scales when quantized), on one chip (KV
+    """K and V of one page in every layer (K alone when the values are the keys; with KV groups:
+    in a group's group_size layers; with their scales when quantized), on one chip (KV
     heads split over "model" when they divide). On TPU the pool's two minor dims (page slots,
     head_dim) are stored in whole (sublanes, 128 lanes) tiles, so a head_dim of 32 takes 128
     lanes, and a page's scales of one KV head whole 128 lanes (scale_lanes)."""
@@ -246,4 +254,5 @@ def page_bytes_per_chip(cfg: ModelConfig, dtype, page_size: int, model_axis: int
     mesh = jax.sharding.AbstractMesh((1, 1, model_axis), parallel.MESH_AXES)
     split = model_axis if "model" in parallel.kv_cache_sharding(cfg, mesh).spec else 1
     layers = cfg.num_layers if groups is None else groups.group_size
-    return 2 * layers * cfg.num_kv_heads * per_head // split
+    pools = 1 if cfg.values_are_keys else 2
+    return pools * layers * cfg.num_kv_heads * per_head // split

@@ -4,6 +4,7 @@ save round trip and the engine with a prefix hit): the engine's KV pool holds th
 head of kv_lora_rank + qk_rope_head_dim dims; the Hub's config.json files read to transformers'
 softmax scale and RoPE; tensor parallelism; a V3-architecture step compiled for a TPU."""
 import dataclasses
+import json
 import os
 
 import jax.numpy as jnp
@@ -21,12 +22,12 @@ from jaxserve.kv_cache import page_bytes_per_chip
 from jaxserve.models.layers import rope_frequencies
 from jaxserve.models.mla import LatentDims
 from jaxserve.models.routing import Routing
-from tests.test_family_engine import ENGINE, save_with_greedy, tensor_parallel_tokens, tp_meshes
+from tests.test_family_engine import ENGINE, engine_tokens, save_with_greedy, tensor_parallel_tokens, tp_meshes
 from tests.test_tpu_compile import ROOT, assert_serves, with_ci_layers
 
 YARN_V3 = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
            "original_max_position_embeddings": 4096}
-# config.json of DeepSeek-V3 (R1's is the same), DeepSeek-V2-Lite and Moonlight-16B-A3B as on the Hub
+# config.json of DeepSeek-V3 (R1's is the same) and DeepSeek-V2-Lite as on the Hub
 # (the keys transformers reads).
 DEEPSEEK_V3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280,
                    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
@@ -49,11 +50,9 @@ DEEPSEEK_V2_LITE = dict(architectures=["DeepseekV2ForCausalLM"], model_type="dee
 # model_type -> transformers' config, attention and rotary classes
 HF_CLASSES = {"deepseek_v2": (tf.DeepseekV2Config, v2.DeepseekV2Attention, v2.DeepseekV2RotaryEmbedding),
               "deepseek_v3": (tf.DeepseekV3Config, v3.DeepseekV3Attention, v3.DeepseekV3RotaryEmbedding)}
-MOONLIGHT = dict(DEEPSEEK_V3, vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
-                 num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
-                 n_routed_experts=64, routed_scaling_factor=2.446, q_lora_rank=None, n_group=1, topk_group=1,
-                 num_experts_per_tok=6, first_k_dense_replace=1, rms_norm_eps=1e-5, rope_theta=50000.0,
-                 rope_scaling=None, max_position_embeddings=8192, bos_token_id=163584, eos_token_id=163585)
+# Moonlight-16B-A3B's (V3's architecture), as configs/moonlight-16b-a3b-v6e-4.yaml serves it.
+with open(os.path.join(ROOT, "configs", "models", "moonlight-16b-a3b", "config.json")) as f:
+    MOONLIGHT = json.load(f)
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +66,9 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
 
 def test_v3_config_as_published_and_its_latent_kv_bytes():
     """DeepSeek-V3: MoE from layer 3, 8 groups of 32 experts (4 kept), sigmoid scores with the
-    selection bias, one shared expert; its KV cache per token and layer, one 576-dim head as K
-    and as V (2.25 KiB in bf16), is 1/35.6 of per-head K/V (128 heads of 192 + 128 dims)."""
+    selection bias, one shared expert; its KV cache per token and layer, one 576-dim head held
+    once, as K (the values are the keys: 1.125 KiB in bf16), is 1/71.1 of per-head K/V (128 heads
+    of 192 + 128 dims)."""
     cfg = ModelConfig.from_hf_dict(DEEPSEEK_V3)
     assert cfg.mla == LatentDims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                                  q_lora_rank=1536)
@@ -79,7 +79,8 @@ def test_v3_config_as_published_and_its_latent_kv_bytes():
     assert cfg.norm_topk_prob and cfg.rope_interleaved
     latent = page_bytes_per_chip(cfg, jnp.bfloat16, page_size=1, model_axis=1, tpu=False) // cfg.num_layers
     per_head = 2 * cfg.num_heads * (128 + 64 + 128)   # bf16 K (nope + rope) and V, every head
-    assert latent == 2 * 576 * 2 == 2304 and per_head == 81920
+    assert cfg.values_are_keys
+    assert latent == 576 * 2 == 1152 and per_head == 81920
 
 
 @pytest.mark.parametrize("hf_config", [DEEPSEEK_V3, DEEPSEEK_V2_LITE, MOONLIGHT], ids=["v3", "v2_lite", "moonlight"])
@@ -98,12 +99,18 @@ def test_softmax_scale_and_rope_as_transformers(hf_config):
     assert scale == pytest.approx(rotary.attention_scaling)
 
 
-def test_engine_kv_pool_holds_the_latent(checkpoints):
-    """Every layer's pools: one KV head of kv_lora_rank 32 + qk_rope_head_dim 8."""
-    llm = LLM(model=checkpoints["deepseek_v3"][0], **ENGINE)
+def test_engine_kv_pool_holds_the_latent_once(checkpoints):
+    """Every layer's pool: one KV head of kv_lora_rank 32 + qk_rope_head_dim 8, as K alone (no V
+    pool: the values are the keys). Through the Pallas TPU kernels (interpret mode: flash for
+    fresh prefill rows, the paged kernel for the rest, both reading V from K) the greedy tokens
+    are transformers' (the XLA path's: tests/test_moe.py)."""
+    d, want = checkpoints["deepseek_v3"]
+    llm = LLM(model=d, **ENGINE, attention_backend="pallas_tpu")
     layers = llm.llm_engine.runner.kv_cache.layers
     assert len(layers) == 3
-    assert {x.shape for layer in layers for x in (layer.k, layer.v)} == {(ENGINE["num_pages"], 1, 8, 40)}
+    assert {layer.k.shape for layer in layers} == {(ENGINE["num_pages"], 1, 8, 40)}
+    assert all(layer.v is None and layer.v_scale is None for layer in layers)
+    assert engine_tokens(d, llm)[0] == want
 
 
 def test_tensor_parallel_matches_transformers(checkpoints):

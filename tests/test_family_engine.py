@@ -52,10 +52,10 @@ def _prompts(vocab: int) -> list[list[int]]:
             rng.integers(0, vocab, 21).tolist()]
 
 
-def engine_tokens(model_dir: str, **engine) -> tuple[list[list[int]], float]:
+def engine_tokens(model_dir: str, llm: LLM | None = None, **engine) -> tuple[list[list[int]], float]:
     """Greedy tokens of the prompts (the first run alone, filling the prefix cache), and the
-    prefix-cache hit rate."""
-    llm = LLM(model=model_dir, **ENGINE, **engine)
+    prefix-cache hit rate; llm: an engine already made of the model (None: one of ENGINE, engine)."""
+    llm = llm or LLM(model=model_dir, **ENGINE, **engine)
     prompts = _prompts(llm.llm_engine.model_cfg.vocab_size)
     sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts[:1], sp, use_tqdm=False) + llm.generate(prompts[1:], sp, use_tqdm=False)

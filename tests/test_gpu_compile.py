@@ -114,7 +114,7 @@ def test_flash_full_tile_loop_is_as_lean_as_attention_mgpu():
     assert sum(full.values()) <= 1.05 * sum(theirs[0].values()), (sum(full.values()), sum(theirs[0].values()))
 
 
-PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, score mods, pool dtype[, kv_splits])
+PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, mods, pool dtype[, kv_splits])
     "decode-d32": (32, None, 1, 16, 64, "", "bfloat16"),  # 64-byte swizzle
     "decode-d64": (64, None, 1, 16, 64, "", "bfloat16"),
     "mixed-d96": (96, None, 64, 16, 64, "", "bfloat16"),  # 64-byte swizzle, 3 spans a row
@@ -136,23 +136,27 @@ PAGED = {  # name: (head_dim, sliding_window, max_q, page_size, kv_block, score 
     "decode-d64-window-softcap-alibi-int8-split3": (64, 1024, 1, 16, 64, "softcap-alibi", "int8", 3),
     # Attention sinks (gpt-oss): each row's log-sum-exp written unsplit too, the sink added by XLA.
     "mixed-d64-window-sinks": (64, 128, 64, 16, 64, "sinks", "bfloat16"),
+    # No V pool (latent attention): the K tile serves as V, one copy a page.
+    "mixed-d128-values_are_keys": (128, None, 64, 16, 64, "values_are_keys", "bfloat16"),
+    "decode-d128-int8-values_are_keys": (128, None, 1, 16, 64, "values_are_keys", "int8"),
 }
 
 
 @pytest.mark.parametrize("name", PAGED)
 def test_paged_kernel_compiles_for_h100(h100, name, monkeypatch, capfd):
-    head_dim, window, max_q, page_size, kv_block, score_mods, pool_dtype, *kv_splits = PAGED[name]
+    head_dim, window, max_q, page_size, kv_block, mods, pool_dtype, *kv_splits = PAGED[name]
     tokens, num_heads, num_kv_heads, num_pages, seqs, pages_per_seq = 125, 32, 8, 512, 64, 64
     pages = spec(h100, (num_pages, num_kv_heads, page_size, head_dim), jnp.dtype(pool_dtype))
     scales = spec(h100, (num_pages, num_kv_heads, 1, page_size), jnp.float32) if pool_dtype != "bfloat16" else None
-    args = [spec(h100, (tokens, num_heads, head_dim)), pages, pages,
+    v_pages, v_scales = (None, None) if "values_are_keys" in mods else (pages, scales)
+    args = [spec(h100, (tokens, num_heads, head_dim)), pages, v_pages,
             spec(h100, (seqs, pages_per_seq), jnp.int32), spec(h100, (seqs,), jnp.int32),
-            spec(h100, (seqs + 1,), jnp.int32), *(spec(h100, (num_heads,), jnp.float32) if mod in score_mods else None
-                                                  for mod in ("alibi", "sinks")), scales]
+            spec(h100, (seqs + 1,), jnp.int32), *(spec(h100, (num_heads,), jnp.float32) if mod in mods else None
+                                                  for mod in ("alibi", "sinks")), scales, v_scales]
     kernel = functools.partial(paged_gpu.ragged_paged_attention, max_q=max_q, sm_scale=head_dim ** -0.5,
-                               sliding_window=window, soft_cap=30.0 if "softcap" in score_mods else None,
+                               sliding_window=window, soft_cap=30.0 if "softcap" in mods else None,
                                kv_block=kv_block, kv_splits=kv_splits[0] if kv_splits else None)
-    fn = jax.jit(lambda *a: kernel(*a[:-3], alibi_slopes=a[-3], sinks=a[-2], k_scale=a[-1], v_scale=a[-1]))
+    fn = jax.jit(lambda *a: kernel(*a[:-4], alibi_slopes=a[-4], sinks=a[-3], k_scale=a[-2], v_scale=a[-1]))
     regs, spills = compile_for_h100(fn, args, monkeypatch, capfd)
     print(f"paged {name}: {regs} registers, {spills} bytes spilled")
     assert regs <= 255 and spills == 0, (regs, spills)

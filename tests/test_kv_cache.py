@@ -1,5 +1,6 @@
 """KVCache against numpy: the write of new K/V into slots (quantized too), whole-page copies and
 fills, and its size in bytes against the sizing arithmetic the runner and `jaxserve check` use;
+a cache without V pools (latent attention) through every attention path;
 int8 / fp8 caches through the engine: held-out perplexity and pages at the same memory."""
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from jaxserve import LLM, attention, cli, kv_cache, parallel
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kv_cache import KVCache, LayerKV, page_bytes_per_chip
 from jaxserve.quantization import quantize_rows
+from tests.test_paged_attention import CACHED, FRESH, assert_close, attend_case
 
 CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=64)
@@ -180,3 +182,21 @@ def test_quantized_cache_holds_more_pages_and_keeps_perplexity_within_one_percen
     cfg, pages = llm.llm_engine.model_cfg, llm.llm_engine.runner.num_pages
     assert pages == 4 * 2**20 // page_bytes_per_chip(cfg, jnp.float32, 16, 1, False, "int8")
     assert pages >= 3.5 * (4 * 2**20 // page_bytes_per_chip(cfg, jnp.float32, 16, 1, False))
+
+
+def test_pool_head_dim_pads_only_on_tpu():
+    assert [kv_cache.pool_head_dim(d, "tpu") for d in (32, 64, 96, 128, 256)] == [128, 128, 128, 128, 256]
+    assert [kv_cache.pool_head_dim(d, p) for d in (32, 96) for p in ("cpu", "gpu")] == [32, 32, 96, 96]
+
+
+# pallas_gpu int8: 50 s in interpret mode (tests/test_paged_attention.py); its dequantize in place
+# serves a V pool the same way.
+@pytest.mark.parametrize("backend, kv_dtype", [(b, kv) for b in ("xla", "pallas_tpu") for kv in ("auto", "int8")]
+                         + [("pallas_gpu", "auto")])
+def test_values_are_read_from_the_key_pages(backend, kv_dtype):
+    """Without a V pool (latent attention) a step writes K alone and every path (flash for the
+    fresh rows, the paged kernels for the cached and decode rows) reads the values from the K
+    pages (quantized: through K's scales), against the oracle given the K pages as V."""
+    for seqs in (FRESH, CACHED):
+        out, case = attend_case(seqs, backend, kv_dtype=kv_dtype, values_are_keys=True)
+        assert_close(out, case)

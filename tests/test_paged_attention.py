@@ -264,12 +264,14 @@ CACHED = [(20, 20), (5, 37), (0, 0), (1, 40), (1, 1), (0, 0)]  # row 1: 32 token
 MIXED = [(20, 20), (5, 37), (6, 6), (1, 40), (1, 1), (0, 0)]
 
 
-def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="auto", **mods):
+def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="auto", values_are_keys=False,
+                **mods):
     """attend() on a runner-style step (prefill rows first): returns (output, case with the
     written pages), for the naive oracle. pool_head_dim > 64: pools with zero lanes past head_dim
     64, as TPU pools store them (kv_cache.pool_head_dim); the returned pages are cut back to 64.
     kv_dtype int8 / fp8: quantized pools, scales in 128 lanes (NaN past page_size 16) as a TPU
-    stores them; the returned pages are the written ones dequantized."""
+    stores them; the returned pages are the written ones dequantized. values_are_keys: no V pool
+    (latent attention): the new K is V too, and the returned V pages are the K pages."""
     case = make_case(2, seqs=seqs, num_kv_heads=2, group=2, head_dim=64, page_size=16,
                      dtype="float32", pad_tokens=5, sliding_window=sliding_window, **mods)
     rng = np.random.default_rng(3)
@@ -290,9 +292,14 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="
         (k_pool, k_scale, _), (v_pool, v_scale, _) = (quantized(x, kv_cache.KV_CACHE_DTYPES[kv_dtype], lanes=128)
                                                       for x in (pools.k, pools.v))
         pools = kv_cache.LayerKV(k_pool, v_pool, k_scale, v_scale)
+    if values_are_keys:
+        v, pools = k, pools.replace(v=None, v_scale=None)
     out, written = attention.attend(case["q"], k, v, pools, meta, sliding_window=sliding_window,
                                                sm_scale=case["sm_scale"], soft_cap=case["soft_cap"],
                                                alibi_slopes=case["alibi_slopes"], sinks=case["sinks"])
+    if values_are_keys:   # K alone written
+        assert written.v is None
+        written = written.replace(v=written.k, v_scale=written.k_scale)
     k_pages, v_pages = written.k, written.v
     if kv_dtype != "auto":
         k_pages, v_pages = (np.asarray(x, np.float64) * slot_scales(scale, ps)[..., None]
@@ -328,11 +335,6 @@ def test_attend_through_lane_padded_pools_matches_oracle(backend):
         out, case = attend_case(seqs, backend, pool_head_dim=128)
         assert out.shape[-1] == 64
         assert_close(out, case)
-
-
-def test_pool_head_dim_pads_only_on_tpu():
-    assert [kv_cache.pool_head_dim(d, "tpu") for d in (32, 64, 96, 128, 256)] == [128, 128, 128, 128, 256]
-    assert [kv_cache.pool_head_dim(d, p) for d in (32, 96) for p in ("cpu", "gpu")] == [32, 32, 96, 96]
 
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])

@@ -8,8 +8,9 @@ W_UK is absorbed into the queries and W_UV applied after the weighted sum, so at
 multi-query attention over the latent itself:
 
   * the cache holds, per token, ONE KV head of kv_lora_rank + qk_rope_head_dim dims (576 for
-    V3): [c_kv, k_rope], stored as K and as V in the ordinary page pools, so every attention path
-    (XLA, the Pallas kernels, quantized KV, prefix caching) serves it unchanged; the family's
+    V3): [c_kv, k_rope], which is both the key and the value, so it is stored once, in the K
+    pool (ModelConfig.values_are_keys: no V pool), and every attention path (XLA, the Pallas
+    kernels, quantized KV, prefix caching) reads the values from the K pages; the family's
     ModelConfig says num_kv_heads 1 and that head_dim, its `mla` the sizes;
   * each query head is [q_nope W_UK, q_rope] (kv_lora_rank + qk_rope_head_dim dims), so its
     score with a token is q_nope . k_nope + q_rope . k_rope, transformers' score; scaled by

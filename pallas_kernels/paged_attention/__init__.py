@@ -12,7 +12,8 @@ One call shape (kernel modules are imported on demand by jaxserve.attention.page
                                    alibi_slopes=None, sinks=None, interpret=False)
 
 q [T, H, D]; k/v pages [num_pages, KVH, page_size, D] (H a multiple of KVH; why heads come
-before page slots: the KV layout in jaxserve/kv_cache.py); page_table
+before page slots: the KV layout in jaxserve/kv_cache.py); v_pages None: the values are the keys
+(latent attention), each kernel reads them from the K pages it has already read; page_table
 int32[S, pages_per_seq]; seq_lens int32[S], the KV length after this step; query_start_loc
 int32[S + 1]: sequence s owns tokens [query_start_loc[s], query_start_loc[s + 1]), which sit at
 positions seq_lens[s] - q_len .. seq_lens[s] - 1 and whose K/V are already in the pages. max_q:

@@ -33,6 +33,9 @@ scales of KV head h beside them (loaded by the threads: too small for TMA); once
 it is dequantized (stored * scale, 64 rows at a time in registers) into one tile in q's dtype
 that the wgmmas read. The copies of the next tile stay in flight meanwhile. Pools in q's dtype
 skip all of this.
+
+Without V pages (the values are the keys: latent attention) a tile's K operand serves as its V:
+one copy per page, and nothing to wait for before P @ V.
 """
 import functools
 
@@ -49,15 +52,19 @@ MASK_VALUE = wgmma.MASK_VALUE
 ROWS = 64  # (token, head in group) rows per program: wgmma's M
 
 
-def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem, k_smem, v_smem, o_smem,
-            q_bar, k_bar, v_bar, slope_smem=None, stored_smem=None, scale_smem=None, lse_smem=None,
+def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, *refs, q_smem, kv_smem, o_smem, q_bar, kv_bar,
+            slope_smem=None, stored_smem=None, scale_smem=None, lse_smem=None,
             group, block_q, pages_per_tile, kv_splits, sm_scale, sliding_window, soft_cap, alibi, lse, interpret):
-    # Inputs after v: [ALiBi slopes [KVH, ROWS]], [K and V scales [N, KVH, 1, lanes]], then the
-    # output [splits, KVH, rows, D] (and with lse, each row's log-sum-exp [splits, KVH, rows]).
-    # Quantized: stored_smem, scale_smem are the (K, V) pages and scales as copied in.
+    # Inputs after q: the K (and V) pages [N, KVH, page_size, D], [ALiBi slopes [KVH, ROWS]], [their
+    # scales [N, KVH, 1, lanes]], then the output [splits, KVH, rows, D] (and with lse, each row's
+    # log-sum-exp [splits, KVH, rows]). kv_smem, kv_bar: the K (and V) operand tiles and copy
+    # barriers; quantized, stored_smem and scale_smem are their pages and scales as copied in.
+    pools = len(kv_smem)   # 1: the values are the keys
     refs, outs = (refs[:-2], refs[-2:]) if lse else (refs[:-1], refs[-1:])
+    page_refs, refs = refs[:pools], refs[pools:]
     slope_ref, *scale_refs = refs if alibi else (None, *refs)
     quantized = bool(scale_refs)
+    k_ref = page_refs[0]
     jc, h, s = lax.axis_index("q"), lax.axis_index("kv_heads"), lax.axis_index("seqs")
     j, split = lax.div(jc, kv_splits), lax.rem(jc, kv_splits)
     page_size, head_dim = k_ref.shape[2], k_ref.shape[3]
@@ -82,7 +89,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
         plgpu.copy_gmem_to_smem(q_ref.at[h, _block_rows(t0, s, block_q)], q_smem, q_bar)
         if alibi:
             plgpu.copy_gmem_to_smem(slope_ref.at[h], slope_smem, q_bar)
-        landing = stored_smem if quantized else (k_smem, v_smem)   # where K and V pages are copied to
+        landing = stored_smem if quantized else kv_smem   # where K and V pages are copied to
         scales = tuple(zip(scale_refs, scale_smem)) if quantized else ()
 
         def tile_pages(c):
@@ -95,7 +102,7 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
         def fetch(pages, slot):
             for p, page in enumerate(pages):
                 rows = pl.ds(p * page_size, page_size)
-                for src, dst, bar in zip((k_ref, v_ref), landing, (k_bar, v_bar)):
+                for src, dst, bar in zip(page_refs, landing, kv_bar):
                     plgpu.copy_gmem_to_smem(src.at[page, h], dst.at[slot, rows], bar.at[slot])
                 # A page's scales of head h (4 bytes a slot) are too few bytes for a TMA copy
                 # (whole 128 bytes): the threads load them, unrolled so the loads overlap.
@@ -120,8 +127,8 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
         def operand(kv, slot):
             """The K (kv 0) or V (1) tile of `slot` as wgmma reads it, once its copies are in."""
             if not quantized:
-                return (k_smem, v_smem)[kv].at[slot]
-            stored, scale, dst = stored_smem[kv].at[slot], scale_smem[kv].at[slot], (k_smem, v_smem)[kv]
+                return kv_smem[kv].at[slot]
+            stored, scale, dst = stored_smem[kv].at[slot], scale_smem[kv].at[slot], kv_smem[kv]
             for r in range(0, tile, ROWS):   # 64 rows at a time: a wgmma-layout block of registers
                 rows = pl.ds(r, ROWS)
                 row_scale = wgmma.layout_cast(scale.at[rows][...], plgpu.Layout.WGMMA.reduce(1), interpret=interpret)
@@ -151,9 +158,10 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
             with jax.named_scope("k_wait"):  # regions of the kernel's trace (wgmma.compiler_params)
                 pl.when(c + 1 < count)(lambda: fetch(pages, 1 - slot))  # the other slot was freed at c - 1
                 pages = tile_pages(c + 2)
-                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(kv_bar[0].at[slot])
             with jax.named_scope("qk"):
-                scores = wgmma.matmul(q_smem, operand(0, slot), transpose_b=True, interpret=interpret)
+                k_tile = operand(0, slot)
+                scores = wgmma.matmul(q_smem, k_tile, transpose_b=True, interpret=interpret)
             with jax.named_scope("mask"):
                 kv_pos = (tile_lo + c) * tile + iota(1)
                 if modified:
@@ -165,8 +173,10 @@ def _kernel(qsl_ref, seq_lens_ref, table_ref, q_ref, k_ref, v_ref, *refs, q_smem
             with jax.named_scope("softmax"):
                 p, acc, m, l = wgmma.online_softmax(scores, acc, m, l, scale=scale, dtype=q_smem.dtype)
             with jax.named_scope("v_wait"):
-                plgpu.barrier_wait(v_bar.at[slot])
-                v_tile = operand(1, slot)
+                v_tile = k_tile   # the values are the keys: S = Q K^T is done with the tile
+                if pools == 2:
+                    plgpu.barrier_wait(kv_bar[1].at[slot])
+                    v_tile = operand(1, slot)
                 # The last tile's slots past the sequence's length hold stale (maybe inf or NaN)
                 # data, which a zero weight does not cancel: zero them in V.
                 kv0 = (tile_lo + c) * tile
@@ -242,6 +252,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
                            trace_dir=None, interpret=False):
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
     query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len (sets the grid).
+    v_pages None (and v_scale None): the values are the keys, read from the K tiles.
     Returns [T, H, D], 0 for tokens outside [query_start_loc[0], query_start_loc[-1]).
     soft_cap, alibi_slopes, sinks (f32[H] or None): pallas_kernels/scores.py. k_scale, v_scale: f32
     [N, KVH, 1, lanes >= page_size] or None: quantized pools (int8, fp8; jaxserve/kv_cache.py) hold
@@ -290,12 +301,12 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     # Pages land double-buffered in the wgmma operands, or quantized in their own buffers and are
     # dequantized into one operand tile each.
     operand_tile = (tile, head_dim) if quantized else (2, tile, head_dim)
+    pools = (k_pages,) if v_pages is None else (k_pages, v_pages)
     scratch = dict(
-        q_smem=smem(ROWS, head_dim), k_smem=smem(*operand_tile), v_smem=smem(*operand_tile),
+        q_smem=smem(ROWS, head_dim), kv_smem=[smem(*operand_tile) for _ in pools],
         o_smem=plgpu.SMEM((ROWS, head_dim), q.dtype),  # output, untiled
         q_bar=plgpu.Barrier(num_arrivals=1 + alibi),  # Q (and slopes)
-        k_bar=plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2),  # K pages, per slot
-        v_bar=plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2))
+        kv_bar=[plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=2) for _ in pools])  # pages, per slot
     if alibi:
         scratch["slope_smem"] = plgpu.SMEM((ROWS,), jnp.float32)  # ALiBi slopes of the rows
     out_type = jax.ShapeDtypeStruct((kv_splits, *q_blocks.shape), q.dtype)
@@ -305,11 +316,11 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         out_type = (out_type, jax.ShapeDtypeStruct(out_type.shape[:-1], jnp.float32))
     scales = ()
     if quantized:
-        scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
+        scales = tuple(x.astype(jnp.float32) for x in (k_scale, v_scale)[:len(pools)])
         stored = wgmma.tiled_smem(k_pages.dtype, head_dim)
-        scratch.update(stored_smem=[stored(2, tile, head_dim) for _ in "kv"],
-                       scale_smem=[plgpu.SMEM((2, tile), jnp.float32) for _ in "kv"])
-    copies_in_flight = 1 + alibi + 2 * 2 * pages_per_tile  # Q (and slopes), then K and V pages of both slots
+        scratch.update(stored_smem=[stored(2, tile, head_dim) for _ in pools],
+                       scale_smem=[plgpu.SMEM((2, tile), jnp.float32) for _ in pools])
+    copies_in_flight = 1 + alibi + len(pools) * 2 * pages_per_tile  # Q (and slopes), then pages of both slots
     kernel = plgpu.kernel(
         functools.partial(_kernel, group=group, block_q=block_q, pages_per_tile=pages_per_tile, kv_splits=kv_splits,
                           sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi,
@@ -321,7 +332,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
         grid_names=("q", "kv_heads", "seqs"),
         interpret=wgmma.interpret_params(copies_in_flight) if interpret else None,
     )
-    out = kernel(query_start_loc, seq_lens, page_table, q_blocks, k_pages, v_pages, *slopes, *scales)
+    out = kernel(query_start_loc, seq_lens, page_table, q_blocks, *pools, *slopes, *scales)
     # The tokens' rows, [splits, KVH, t, group, D] (lse without D), merged after the gather: it
     # drops the rows that hold no token (most of a decode block's) and those no program wrote.
     gather = lambda x: x.at[:, :, rows].get(mode="fill", fill_value=0)  # noqa: E731

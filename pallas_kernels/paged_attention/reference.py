@@ -14,7 +14,9 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, page_table, seq_lens, query_
                                max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None,
                                sinks=None):
     """XLA path for ragged paged attention: scatter the flat queries into [S, max_q], attend
-    densely against each sequence's gathered pages, gather the rows back to [T]."""
+    densely against each sequence's gathered pages, gather the rows back to [T]. v_pages None:
+    the values are the keys."""
+    v_pages = k_pages if v_pages is None else v_pages
     t, h, d = q.shape
     s_max, p = page_table.shape
     _, kvh, ps, _ = k_pages.shape

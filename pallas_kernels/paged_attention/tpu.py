@@ -12,7 +12,8 @@ copied HBM -> VMEM by hand with async DMAs through the scalar-prefetched page ta
 buffers deep: the next item's copy is in flight while the current one is computed. One DMA per
 (page, KV head) moves a contiguous [page_size, head_dim] slab: page_size a multiple of the
 sublane tile (8 rows f32, 16 bf16), so the chunk buffer is filled in whole tiles. Softmax is
-online, in f32 VMEM scratch; rows of other sequences are masked.
+online, in f32 VMEM scratch; rows of other sequences are masked. Without V pages (the values are
+the keys: latent attention) a chunk's K buffer serves as its V, one DMA per page.
 
 m and l are kept lane-replicated ([rows, 128]) and chunks are a multiple of 128 keys, the layout
 Mosaic handles without relayouts. ALiBi slopes and sink logits arrive the same way, one
@@ -42,16 +43,20 @@ def _lanes(x, n):
 
 
 def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  # SMEM
-            q_ref, k_hbm, v_hbm,  # q block [g * block_q, D]; pages [N, KVH, ps, D] in HBM
-            *refs,  # [ALiBi slopes], [sinks] ([g * block_q, 128] each), [k/v scales in HBM], out, scratch
-            block_q, pages_per_chunk, pages_per_seq, sm_scale, sliding_window, soft_cap, alibi, sinks, quantized):
+            q_ref, *refs,  # q block [g * block_q, D]; K (and V) pages [N, KVH, ps, D] in HBM,
+            # [ALiBi slopes], [sinks] ([g * block_q, 128] each), [K (and V) scales in HBM], out, scratch
+            block_q, pages_per_chunk, pages_per_seq, sm_scale, sliding_window, soft_cap, alibi, sinks, quantized,
+            pools):
+    # pools: 2 (K and V pages), or 1 (K alone: the values are the keys).
+    pages_hbm, refs = refs[:pools], refs[pools:]
     slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
     sink_ref, refs = (refs[0], refs[1:]) if sinks else (None, refs)
-    if quantized:   # scales [N, KVH, 1, lanes] in HBM, and their chunk buffers [2, pages, 1, lanes]
-        ks_hbm, vs_hbm, o_ref, ks_buf, vs_buf, *refs = refs
-    else:
-        o_ref, *refs = refs
-    k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
+    scales_hbm, refs = (refs[:pools], refs[pools:]) if quantized else ((), refs)   # [N, KVH, 1, lanes] each
+    o_ref, refs = refs[0], refs[1:]
+    scale_bufs, refs = (refs[:pools], refs[pools:]) if quantized else ((), refs)   # [2, pages, 1, lanes] each
+    page_bufs, (sems, m_ref, l_ref, acc_ref) = refs[:pools], refs[pools:]
+    k_hbm, k_buf = pages_hbm[0], page_bufs[0]
+    ks_buf, vs_buf = (scale_bufs[0], scale_bufs[-1]) if quantized else (None, None)
     h, i = pl.program_id(0), pl.program_id(1)
     page_size = k_hbm.shape[2]
     chunk = k_buf.shape[1]
@@ -81,10 +86,10 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
             page = page_lo + c * pages_per_chunk + j
             phys = page_table_ref[s * pages_per_seq + jnp.minimum(page, pages_per_seq - 1)]
             rows_j = pl.ds(pl.multiple_of(j * page_size, page_size), page_size)
-            # Page phys of KV head h: one contiguous [page_size, D] slab, whole tiles.
-            copies = [(k_hbm.at[phys, h], k_buf.at[slot, rows_j]), (v_hbm.at[phys, h], v_buf.at[slot, rows_j])]
-            if quantized:   # the page's scales of KV head h: [1, lanes], one row of whole (1, 128) tiles
-                copies += [(ks_hbm.at[phys, h], ks_buf.at[slot, j]), (vs_hbm.at[phys, h], vs_buf.at[slot, j])]
+            # Page phys of KV head h: one contiguous [page_size, D] slab, whole tiles; its scales
+            # of KV head h: [1, lanes], one row of whole (1, 128) tiles.
+            copies = [(src.at[phys, h], dst.at[slot, rows_j]) for src, dst in zip(pages_hbm, page_bufs)]
+            copies += [(src.at[phys, h], dst.at[slot, j]) for src, dst in zip(scales_hbm, scale_bufs)]
             for kind, (src, dst) in enumerate(copies):
                 dma = pltpu.make_async_copy(src, dst, sems.at[kind, slot])
                 pl.when(page < page_end)(getattr(dma, action))
@@ -99,7 +104,8 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
     def compute(s, c, slot):
         offset, page_lo, page_end, _ = span(s)
         kv0 = (page_lo + c * pages_per_chunk) * page_size
-        k, v = k_buf[slot].astype(q_ref.dtype), v_buf[slot].astype(q_ref.dtype)
+        k = k_buf[slot].astype(q_ref.dtype)
+        v = page_bufs[-1][slot].astype(q_ref.dtype) if pools == 2 else k
         # Buffer rows past the sequence's last page, and its last page's slots past its length,
         # hold stale (maybe inf or NaN) data, which a zero weight does not cancel: zero them in v.
         kv_end = jnp.minimum(page_end * page_size, seq_lens_ref[s])
@@ -108,7 +114,8 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
         scores = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32) * sm_scale
         if quantized:
-            scores *= _scale_row(ks_buf, slot, page_size, kv0, kv_end, chunk)
+            k_scales = _scale_row(ks_buf, slot, page_size, kv0, kv_end, chunk)
+            scores *= k_scales
         tok = tok0 + (lax.broadcasted_iota(jnp.int32, scores.shape, 0) & (block_q - 1))
         q_pos = tok + offset
         kv_pos = kv0 + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
@@ -124,7 +131,9 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
         p = jnp.where(mask, jnp.exp(scores - _lanes(m_next, chunk)), 0.0)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         m_ref[...] = m_next
-        weights = p * _scale_row(vs_buf, slot, page_size, kv0, kv_end, chunk) if quantized else p
+        weights = p
+        if quantized:
+            weights *= _scale_row(vs_buf, slot, page_size, kv0, kv_end, chunk) if pools == 2 else k_scales
         pv = jnp.dot(weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
         acc_ref[...] = acc_ref[...] * _lanes(alpha, acc_ref.shape[1]) + pv
 
@@ -186,7 +195,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
                            max_q, sm_scale, sliding_window=None, soft_cap=None, alibi_slopes=None, sinks=None,
                            k_scale=None, v_scale=None, block_rows=256, kv_block=256, interpret=False):
     """q [T, H, D]; k/v pages [N, KVH, page_size, D]; page_table int32[S, P]; seq_lens int32[S];
-    query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len. Returns [T, H, D],
+    query_start_loc int32[S + 1]; max_q: static bound on any sequence's q_len. v_pages None (and
+    v_scale None): the values are the keys, read from the K pages' buffers. Returns [T, H, D],
     0 for tokens outside [query_start_loc[0], query_start_loc[-1]). soft_cap, alibi_slopes and
     sinks (f32[H] or None): pallas_kernels/scores.py. k_scale, v_scale: f32 [N, KVH, 1, lanes] or
     None: quantized pools (int8, fp8; jaxserve/kv_cache.py), read as they are; the scales multiply
@@ -234,8 +244,9 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     blk_end = search(query_start_loc[:-1], starts + block_q, side="left").astype(jnp.int32)
 
     block = pl.BlockSpec((None, None, rows, head_dim), lambda h, i, *_: (h, i, 0, 0))
-    in_specs = [block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
-    inputs = [qb, k_pages, v_pages]
+    pools = [k_pages] if v_pages is None else [k_pages, v_pages]
+    in_specs = [block] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools)
+    inputs = [qb, *pools]
     for per_head in (alibi_slopes, sinks):   # row (head in group, token) of KV head h: its head's value
         if per_head is not None:
             per_row = jnp.repeat(per_head.astype(jnp.float32).reshape(num_kv_heads, group), block_q, axis=1)
@@ -244,13 +255,13 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     quantized = k_scale is not None
     scale_bufs = []
     if quantized:
-        inputs += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
-        in_specs += [pl.BlockSpec(memory_space=pl.ANY)] * 2
-        scale_bufs = [pltpu.VMEM((2, pages_per_chunk, 1, k_scale.shape[-1]), jnp.float32)] * 2
+        inputs += [x.astype(jnp.float32) for x in (k_scale, v_scale)[:len(pools)]]
+        in_specs += [pl.BlockSpec(memory_space=pl.ANY)] * len(pools)
+        scale_bufs = [pltpu.VMEM((2, pages_per_chunk, 1, k_scale.shape[-1]), jnp.float32)] * len(pools)
     kernel = functools.partial(
         _kernel, block_q=block_q, pages_per_chunk=pages_per_chunk, pages_per_seq=pages_per_seq,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, alibi=alibi_slopes is not None,
-        sinks=sinks is not None, quantized=quantized)
+        sinks=sinks is not None, quantized=quantized, pools=len(pools))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -258,10 +269,9 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
             grid=(num_kv_heads, num_blocks),
             in_specs=in_specs,
             out_specs=block,
-            scratch_shapes=scale_bufs + [
-                pltpu.VMEM((2, pages_per_chunk * page_size, head_dim), k_pages.dtype),
-                pltpu.VMEM((2, pages_per_chunk * page_size, head_dim), v_pages.dtype),
-                pltpu.SemaphoreType.DMA((4 if quantized else 2, 2)),
+            scratch_shapes=scale_bufs + [pltpu.VMEM((2, pages_per_chunk * page_size, head_dim), x.dtype)
+                                         for x in pools] + [
+                pltpu.SemaphoreType.DMA((len(pools) * (1 + quantized), 2)),
                 pltpu.VMEM((rows, LANES), jnp.float32),
                 pltpu.VMEM((rows, LANES), jnp.float32),
                 pltpu.VMEM((rows, head_dim), jnp.float32),

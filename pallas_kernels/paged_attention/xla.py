@@ -31,7 +31,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     k_scale, v_scale: f32 [num_pages, KVH, 1, lanes >= page_size] or None: quantized pools (int8,
     fp8) hold K / scale and V / scale per (slot, KV head), slot s's scale in lane s (layout:
     jaxserve/kv_cache.py); the scales multiply the scores and the attention weights, so no
-    dequantized K or V is formed.
+    dequantized K or V is formed. v_pages None: the values are the keys (latent attention), read
+    from k_pages once (with k_scale).
     Pages are gathered whole from the pool as it is: no 2-D view of it, which on TPU (tiled
     dimensions merged) or under KV-head sharding (sharded axis merged) would cost a copy or an
     all-gather of the whole pool per read, and on CPU measured no faster in this layout."""
@@ -39,6 +40,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     s_max, p = page_table.shape
     _, kvh, ps, _ = k_pages.shape
     g = h // kvh
+    if v_pages is None:
+        v_scale = k_scale
     bp = max(1, min(p, block_tokens // ps))  # pages per block
     bt = bp * ps
     page_table = jnp.pad(page_table, ((0, 0), (0, -p % bp)))
@@ -81,7 +84,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     def block(j, carry):
         m, l, acc = carry
         pages = lax.dynamic_slice_in_dim(page_table, j * bp, bp, axis=1)  # [S, bp]
-        k, v = (gather(x, pages).astype(q.dtype) for x in (k_pages, v_pages))
+        k = gather(k_pages, pages).astype(q.dtype)
+        v = k if v_pages is None else gather(v_pages, pages).astype(q.dtype)
         s = jnp.einsum("skrd,skjd->skrj", qp, k, preferred_element_type=jnp.float32) * sm_scale
         if k_scale is not None:
             s = s * gather_scales(k_scale, pages)[:, :, None, :]
