@@ -36,7 +36,7 @@ from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.sequence import Sequence
 from jaxserve.sleep_mode import require_awake
 from jaxserve.spec_decode import ngram
-from jaxserve.spec_decode.draft import DraftProposer, default_draft_dir
+from jaxserve.spec_decode.draft import DraftProposer, draft_model
 from jaxserve.spec_decode.throttle import Throttle
 from jaxserve.structured.grammar import Grammars
 from jaxserve.token_limits import check_token_ids, sequence_limits
@@ -73,13 +73,13 @@ class LLMEngine:
             params = quant.quantize_params(params, self.ecfg.quantization or saved_quantization(model_dir),
                                            lm_head=self.ecfg.quantize_lm_head or saved_lm_head(model_dir))
         self.loras = lora.Adapters(self.model_cfg, self.ecfg, mesh, self.dtype) if self.ecfg.serves_lora else None
-        self.runner = ModelRunner(self.model_cfg, params, self.ecfg, mesh=mesh, dtype=self.dtype, lora=self.loras)
+        draft = draft_model(self.ecfg, model_dir, TINY_MODEL_DIR)   # (directory, config) or None
+        self.runner = ModelRunner(self.model_cfg, params, self.ecfg, mesh=mesh, dtype=self.dtype, lora=self.loras,
+                                  draft_cfg=draft and draft[1])
         self.max_model_len = self.runner.max_model_len
         spec = self.ecfg.speculative
-        self.draft = None   # the draft-model proposer (speculative method draft)
-        if spec is not None and spec.method == "draft":
-            self.draft = DraftProposer(spec.model or default_draft_dir(model_dir, TINY_MODEL_DIR), self.model_cfg,
-                                       self.ecfg, self.runner.num_pages, self.max_model_len, mesh, self.dtype)
+        self.draft = draft and DraftProposer(*draft, self.model_cfg, self.ecfg, self.runner.num_pages,
+                                             self.max_model_len, mesh, self.dtype)   # the draft-model proposer
         self.throttle = spec and Throttle(spec, self.model_cfg, self.draft and self.draft.runner.cfg,
                                           jnp.dtype(self.dtype).itemsize)   # which steps speculate
         self.block_manager = BlockManager(self.runner.num_pages, self.ecfg.page_size, self.ecfg.enable_prefix_caching,

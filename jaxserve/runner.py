@@ -55,20 +55,22 @@ class SampleResult(NamedTuple):
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, engine_cfg: EngineConfig, mesh=None,
-                 dtype=jnp.float32, lora: Adapters | None = None):
+                 dtype=jnp.float32, lora: Adapters | None = None, draft_cfg: ModelConfig | None = None):
         CompileCounter.install()
         self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
         self.cfg = cfg = cfg.serving(self.max_model_len)
         self.ecfg, self.dtype = engine_cfg, dtype
         self.mesh = mesh if mesh is not None else parallel.make_mesh(engine_cfg.mesh)
-        self.backend = resolve_backend(engine_cfg.attention_backend, parallel.platform(self.mesh))
+        self.backend = resolve_backend(engine_cfg.attention_backend, parallel.platform(self.mesh), cfg.head_dim,
+                                       engine_cfg.kv_cache_dtype)
         self.model = build_model(cfg, dtype)
         self.page_size = engine_cfg.page_size
         self.max_pages_per_seq = sizing.pages_per_seq(cfg, engine_cfg)
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh, cfg))
         self.lora = lora   # LoRA adapters' slots (jaxserve/lora.py): each step then takes a StepLora
         self.kv_groups = kv_groups(cfg, engine_cfg)   # the hybrid cache's layers and page tables
-        self.num_pages = engine_cfg.num_pages or self._pages_that_fit()
+        # draft_cfg: the draft model's, whose pool will have this pool's pages (spec_decode/draft.py)
+        self.num_pages = engine_cfg.num_pages or self._pages_that_fit(draft_cfg)
         # Multi-host: process 0 broadcasts every step (see jaxserve/multihost.py); the others
         # build the same runner and `follow`. The pool size must agree (free memory may not).
         self.broadcaster = None
@@ -111,7 +113,7 @@ class ModelRunner:
         (sequence_parallel_prefill) and the batched step takes only the decode rows."""
         return self.mesh.shape["seq"] > 1
 
-    def _pages_that_fit(self) -> int:
+    def _pages_that_fit(self, draft_cfg: ModelConfig | None) -> int:
         device = self.mesh.local_devices[0]
         stats = device.memory_stats() or {}
         if "bytes_limit" not in stats:   # CPU: kv_cache_mb, and at least one full-length sequence
@@ -124,7 +126,7 @@ class ModelRunner:
             self.cfg, self.ecfg, self.dtype, model_axis=self.mesh.shape["model"], hbm_bytes=stats["bytes_limit"],
             used_bytes=stats.get("bytes_in_use", 0), tpu=device.platform == "tpu",
             chip=sizing.TPU_DEVICE_KINDS.get(device.device_kind, device.device_kind), groups=self.kv_groups,
-            name=f"{self.cfg.architecture} ({self.cfg.num_params / 1e9:.1f}B parameters)")
+            name=f"{self.cfg.architecture} ({self.cfg.num_params / 1e9:.1f}B parameters)", draft=draft_cfg)
 
     # ---- one step ----
     def launch(self, out: SchedulerOutput, seeds: dict[int, int], sample_later: bool = False) -> "Launched":

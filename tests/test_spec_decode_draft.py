@@ -6,14 +6,15 @@ tokens: the draft's paged KV kept in step through rollback, preemption, forks, p
 steps the throttle kept plain), and sampled tokens that follow the target's distribution."""
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from jaxserve import SamplingParams
+from jaxserve import SamplingParams, sizing
 from jaxserve.compilations import CompileCounter
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import TINY_MODEL_DIR
 from jaxserve.spec_decode.draft import default_draft_dir
 from tests.target_distribution import DRAWS, chi_square_p, exact_triples, sampled_triples
@@ -31,6 +32,29 @@ def test_config_is_checked():
         default_draft_dir("/models/other", TINY_MODEL_DIR)
     with pytest.raises(ValueError, match="is for method draft"):
         EngineConfig(speculative={"method": "ngram", "model": DRAFT_DIR})
+
+
+def test_accelerator_pool_leaves_room_for_the_draft():
+    """On an accelerator the target's pool is sized before the draft loads, and the draft's own
+    pool gets as many pages: the draft's weights come off the free HBM and each page costs the
+    target's and the draft's K/V (bf16: 2 bytes x 2 (K, V) x layers x KV heads x head_dim x slots)."""
+    target, draft = (ModelConfig.from_pretrained(d) for d in (TINY_MODEL_DIR, DRAFT_DIR))
+    ecfg = EngineConfig(page_size=16)
+    hbm, used = 2 ** 31, 2 ** 28
+
+    def pages(**kw):
+        return sizing.kv_pool_pages(target, ecfg, jnp.bfloat16, model_axis=1, hbm_bytes=hbm, used_bytes=used,
+                                    tpu=False, chip="h100", name="tiny", **kw)
+
+    def page_bytes(c):
+        return 2 * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 16
+
+    assert pages() == int((hbm - used) * ecfg.kv_memory_fraction) // page_bytes(target)
+    got = pages(draft=draft)
+    draft_weights = 2 * draft.num_params   # bf16
+    both = page_bytes(target) + page_bytes(draft)
+    assert got == int((hbm - used - draft_weights) * ecfg.kv_memory_fraction) // both
+    assert got * both + draft_weights <= hbm - used
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,16 @@ def default_draft_dir(target_dir: str, tiny_model_dir: str) -> str:
     return os.path.join(tiny_model_dir, "draft")
 
 
+def draft_model(ecfg: EngineConfig, target_dir: str, tiny_model_dir: str) -> tuple[str, ModelConfig] | None:
+    """The draft model's directory and config (speculative method draft), or None: read before the
+    target's pool is sized, which makes room for the draft's weights and pool (sizing.py)."""
+    spec = ecfg.speculative
+    if spec is None or spec.method != "draft":
+        return None
+    draft_dir = spec.model or default_draft_dir(target_dir, tiny_model_dir)
+    return draft_dir, ModelConfig.from_pretrained(draft_dir)
+
+
 @dataclasses.dataclass
 class _Written:
     """The draft's K/V in a sequence's pages: its first `valid` tokens, then (maybe) `tail`, the
@@ -66,9 +76,8 @@ class _Written:
 
 
 class DraftProposer:
-    def __init__(self, draft_dir: str, target_cfg: ModelConfig, ecfg: EngineConfig, num_pages: int,
+    def __init__(self, draft_dir: str, cfg: ModelConfig, target_cfg: ModelConfig, ecfg: EngineConfig, num_pages: int,
                  max_model_len: int, mesh, dtype):
-        cfg = ModelConfig.from_pretrained(draft_dir)
         if cfg.vocab_size != target_cfg.vocab_size:
             raise ValueError(f"engine config: the draft model's vocabulary ({cfg.vocab_size} tokens) is not the "
                              f"target's ({target_cfg.vocab_size}); a draft must share the target's tokenizer")
