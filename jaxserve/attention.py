@@ -76,9 +76,11 @@ class AttentionMetadata:
         return self.replace(page_table=self.page_table[g], slot_mapping=self.slot_mapping[g])
 
 
-def resolve_backend(name: str = "auto", platform: str | None = None) -> str:
+def resolve_backend(name: str = "auto", platform: str | None = None, head_dim: int | None = None,
+                    kv_cache_dtype: str = "auto") -> str:
     """`auto` picks the Pallas kernel of the platform (of the mesh's devices; None: the default
-    device's), and the XLA path on CPU."""
+    device's), and the XLA path on CPU, and on a GPU whose paged kernel does not take the model's
+    head_dim (None: any) in its KV pools (of kv_cache_dtype)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; choose one of {BACKENDS}")
     if name != "auto":
@@ -86,6 +88,9 @@ def resolve_backend(name: str = "auto", platform: str | None = None) -> str:
     platform = platform or jax.default_backend()
     if platform in ("gpu", "cuda") and not _hopper_or_newer():
         return "xla"   # the GPU kernels are Mosaic GPU, which needs sm_90 (Hopper) or newer
+    if platform in ("gpu", "cuda") and head_dim is not None and not importlib.import_module(
+            "pallas_kernels.paged_attention.gpu").fits(head_dim, kv_cache_dtype != "auto"):
+        return "xla"
     return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
 
 

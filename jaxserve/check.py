@@ -202,7 +202,8 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
     kv = KVCache.spec(cfg, mesh, num_pages, ecfg.page_size, dtype, ecfg.kv_cache_dtype, groups)
     pool_bytes = pool_bytes_per_chip(kv)
     model = build_model(cfg, dtype)
-    backend = resolve_backend(backend or ecfg.attention_backend, parallel.platform(mesh))
+    backend = resolve_backend(backend or ecfg.attention_backend, parallel.platform(mesh), cfg.head_dim,
+                              ecfg.kv_cache_dtype)
     step = make_step(model, cfg, mesh, backend)
     max_pages = sizing.pages_per_seq(cfg, ecfg)
     buckets = Buckets(ecfg, mesh.shape["seq"], parallel.platform(mesh), backend)
@@ -288,7 +289,8 @@ def run(config: str, topology: str, model: str | None = None, backend: str | Non
     name = os.path.basename(os.path.normpath(ecfg.model))
     seq = ecfg.mesh.get("seq", 1)
     platform = target.devices[0].platform
-    buckets = Buckets(ecfg, seq, platform, resolve_backend(backend or ecfg.attention_backend, platform))
+    buckets = Buckets(ecfg, seq, platform, resolve_backend(backend or ecfg.attention_backend, platform, cfg.head_dim,
+                                                           ecfg.kv_cache_dtype))
     shapes = quick_shapes(buckets.warmup_shapes(seq > 1))
     report = check(ecfg, cfg, target, model_name=name, dtype=dtype, backend=backend,
                    shapes=shapes if quick else None, samplers=not quick, quantization=quantization)

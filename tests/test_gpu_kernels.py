@@ -14,6 +14,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_in
 from pallas_kernels.flash_attention import gpu as flash_gpu
 from pallas_kernels.flash_attention.reference import causal_attention
 from pallas_kernels.paged_attention import gpu as paged_gpu
+from jaxserve.attention import resolve_backend
 from jaxserve.kv_cache import KV_CACHE_DTYPES
 from tests.test_flash_attention import GPU_INTERPRET as INTERPRET
 from tests.test_paged_attention import TOL, cases, mixed_batch, quantized
@@ -212,3 +213,20 @@ def test_flash_fits_refuses_head_dims_past_wgmma():
         jax.jit(lambda q: flash_gpu.flash_attention(q, q, q, block_q=64, block_kv=64)).trace(q).lower(
             lowering_platforms=("cuda",))
     assert not flash_gpu.fits(320, jnp.bfloat16)
+
+
+def test_auto_backend_serves_with_xla_where_the_paged_kernel_refuses():
+    """Latent attention's 576-dim head is past wgmma's 256, and a quantized pool's head_dim must
+    be a multiple of 32: the paged kernel refuses them, so on a GPU `auto` serves such a model
+    through the XLA path instead of failing at warm-up; a TPU pads them and takes them."""
+    q = jax.ShapeDtypeStruct((8, 16, 576), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((4, 1, 16, 576), jnp.bfloat16)
+    table, lens, qsl = (jax.ShapeDtypeStruct(s, jnp.int32) for s in ((2, 2), (2,), (3,)))
+    with pytest.raises(ValueError, match="head_dim 576"):
+        jax.jit(lambda *a: paged_gpu.ragged_paged_attention(*a, max_q=4, sm_scale=0.1)).trace(
+            q, pages, None, table, lens, qsl)
+    assert [resolve_backend("auto", "gpu", d, kv) for d, kv in ((128, "auto"), (576, "auto"), (80, "auto"),
+                                                                  (80, "int8"), (96, "fp8"))] == [
+        "pallas_gpu", "xla", "pallas_gpu", "xla", "pallas_gpu"]
+    assert resolve_backend("auto", "tpu", 576, "int8") == "pallas_tpu"
+    assert resolve_backend("pallas_gpu", "gpu", 576) == "pallas_gpu"   # named: the kernel says why not

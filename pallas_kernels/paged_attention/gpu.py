@@ -231,6 +231,12 @@ def _merge_splits(out, lse, sinks=None):
     return (weights[..., None] * out.astype(jnp.float32)).sum(axis=0).astype(out.dtype)
 
 
+def fits(head_dim: int, quantized: bool = False) -> bool:
+    """Whether the kernel takes this head_dim: wgmma's K and N, a multiple of 16 up to 256 (of
+    32 for quantized pools: a row of whole 32-byte swizzle spans). Latent attention's 576 is not."""
+    return head_dim % (32 if quantized else 16) == 0 and head_dim <= 256
+
+
 # Programs that keep every SM of an H100 / H200 (132) busy: two resident per SM, as a program's
 # SMEM (about 100 KB at head_dim 128) allows.
 BUSY_PROGRAMS = 2 * 132
@@ -273,7 +279,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     group = num_heads // num_kv_heads
     tile = max(kv_block, page_size)
     quantized = k_scale is not None
-    if head_dim % (32 if quantized else 16) or head_dim > 256 or tile % 64 or tile % page_size or group > ROWS:
+    if not fits(head_dim, quantized) or tile % 64 or tile % page_size or group > ROWS:
         raise ValueError(f"head_dim {head_dim}: need a multiple of {32 if quantized else 16} up to 256 (wgmma's "
                          f"K and N); kv tile {tile}: a multiple of 64 and of page_size {page_size}; "
                          f"group {group}: at most {ROWS}")
