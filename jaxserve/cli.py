@@ -135,23 +135,27 @@ def _add_app_args(p: argparse.ArgumentParser) -> None:
 
 def _app_options(args, cfg: EngineConfig) -> dict:
     """create_app's keywords from _add_app_args' flags; ValueError if they do not go together.
-    A model that writes harmony messages (gpt-oss, or any read by the `openai` tool parser) gets
-    the openai_gptoss reasoning parser unless another is named: its answer is then read out of
-    them, never returned raw, as vLLM always reads gpt-oss's."""
+    Unless a reasoning parser is named, a family's own (registry.Architecture: gpt-oss's harmony
+    messages) is used, and the `openai` tool parser's text is read as harmony too: the answer is
+    then read out of them, never returned raw, as vLLM always reads gpt-oss's."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call syntax)")
-    reasoning = args.reasoning_parser
-    if reasoning is None and (args.tool_call_parser == "openai" or _model_type(cfg) == "gpt_oss"):
+    reasoning = args.reasoning_parser or _family_reasoning_parser(cfg)
+    if reasoning is None and args.tool_call_parser == "openai":
         reasoning = "openai_gptoss"
     return dict(served_model_name=args.served_model_name, reasoning_parser=reasoning,
                 tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
 
 
-def _model_type(cfg: EngineConfig) -> str | None:
-    """The served model's config.json model_type (None: the embedded model, or a directory without one)."""
+def _family_reasoning_parser(cfg: EngineConfig) -> str | None:
+    """The served model's family's reasoning parser (None: none, the embedded model, or a directory
+    without a config.json naming an architecture jaxserve serves)."""
+    from jaxserve.models import registry   # here: it imports every family (flax), which --help needs not
+
     try:
-        return None if cfg.model is None else read_hf_config(cfg.model, cfg.hf_overrides).get("model_type")
-    except FileNotFoundError:
+        names = [] if cfg.model is None else read_hf_config(cfg.model, cfg.hf_overrides).get("architectures") or []
+        return registry.architecture(names[0]).reasoning_parser if names else None
+    except (FileNotFoundError, ValueError):
         return None
 
 

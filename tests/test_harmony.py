@@ -92,16 +92,17 @@ def named(calls):
     return calls and [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
-@pytest.mark.parametrize("model_type, flags, parser", [
-    ("gpt_oss", [], "openai_gptoss"),
-    ("llama", ["--enable-auto-tool-choice", "--tool-call-parser", "openai"], "openai_gptoss"),
-    ("gpt_oss", ["--reasoning-parser", "qwen3"], "qwen3"),   # a parser named stays
-    ("llama", ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], None),
+@pytest.mark.parametrize("architecture, flags, parser", [
+    ("GptOssForCausalLM", [], "openai_gptoss"),
+    ("LlamaForCausalLM", ["--enable-auto-tool-choice", "--tool-call-parser", "openai"], "openai_gptoss"),
+    ("GptOssForCausalLM", ["--reasoning-parser", "qwen3"], "qwen3"),   # a parser named stays
+    ("LlamaForCausalLM", ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], None),
+    ("NoSuchForCausalLM", [], None),
 ])
-def test_harmony_text_is_read_as_harmony_without_a_reasoning_parser(tmp_path, model_type, flags, parser):
+def test_harmony_text_is_read_as_harmony_without_a_reasoning_parser(tmp_path, architecture, flags, parser):
     """`jaxserve serve` of a gpt-oss model, or with the `openai` tool parser, reads harmony
     messages with no --reasoning-parser: the answer apart, not the raw text with its tokens."""
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
     args = cli.build_parser().parse_args(["serve", "--model", str(tmp_path), *flags])
     options = cli._app_options(args, cli.engine_config(args))
     assert options["reasoning_parser"] == parser

@@ -38,6 +38,9 @@ class Architecture:
     param_axes: dict[tuple[str, ...], tuple[str, ...]]
     conv1d: bool = False
     experts_transposed: bool = False
+    # The reasoning parser the family's text is read with unless another is named (jaxserve/cli.py):
+    # gpt-oss writes harmony messages, never meant to be returned raw.
+    reasoning_parser: str | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -68,7 +71,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Glm4MoeForCausalLM": Architecture(glm.glm4_moe_config, llama.LlamaForCausalLM, deepseek.hf_tensor,
                                        deepseek.PARAM_AXES),
     "GptOssForCausalLM": Architecture(gpt_oss.gpt_oss_config, llama.LlamaForCausalLM, gpt_oss.hf_tensor,
-                                      gpt_oss.PARAM_AXES, experts_transposed=True),
+                                      gpt_oss.PARAM_AXES, experts_transposed=True, reasoning_parser="openai_gptoss"),
     "GPTJForCausalLM": Architecture(gptj.gptj_config, LayerNormForCausalLM, gptj.hf_tensor, LAYERNORM_AXES),
     "GPTNeoXForCausalLM": Architecture(gpt_neox.gpt_neox_config, LayerNormForCausalLM, gpt_neox.hf_tensor,
                                        LAYERNORM_AXES),
