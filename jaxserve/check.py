@@ -9,6 +9,8 @@ Every computation warm-up would compile (the step for every bucket, the sampler,
 sequence-parallel prefills) goes through XLA:TPU and Mosaic TPU, or XLA:GPU, Mosaic GPU and
 ptxas. Per chip it reports the weights, the KV pool the runner would size, the step
 temporaries, whether that fits in HBM, and what each step costs (step_cost.py).
+With a draft model (speculative method draft) it sizes the pool as the engine does, with room for
+the draft's weights and its own pool, and compiles the draft runner's warm-up too ("draft-...").
 Exit status 1 when it does not fit or does not compile.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 import pathlib
 import re
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +41,7 @@ from jaxserve.executables import lower
 from jaxserve.step import (empty_sequence_parallel_prefill, last_sampled_spec, lower_step, make_multi_step, make_step,
                            multi_step_arrays, multi_step_variants, page_copy_batches, sampler_lowerings, table_groups)
 from jaxserve.sequence_parallel import sequence_parallel_prefill
+from jaxserve.spec_decode.draft import draft_model
 from jaxserve.step_cost import step_cost
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ _TOPOLOGY_3D = {1: "2x2x1", 2: "2x2x1", 4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32:
 # Cloud TPU names count TensorCores for v5p (two per chip: v5p-8 is 4 chips), chips for v5e and v6e.
 _CORES_PER_CHIP = {"v5p": 2, "v5e": 1, "v6e": 1}
 H100_TARGET = pathlib.Path(__file__).parent / "assets" / "targets" / "h100_sxm.txtpb"
+TINY_MODEL_DIR = pathlib.Path(__file__).parent / "assets" / "tiny"   # engine.TINY_MODEL_DIR
 # Chips whose compiler offloads scatters to their SparseCores (the sampler's penalties do): libtpu
 # 0.0.42's SparseCore code generator crashes the process (SIGSEGV) when another compilation runs
 # beside it (2 threads: most runs), so for these one computation compiles at a time.
@@ -112,15 +116,21 @@ class Compiled(NamedTuple):
 
 
 class Report(NamedTuple):
-    weight_bytes: int
-    num_pages: int
-    kv_bytes: int
+    weight_bytes: int      # the target's (a draft model's: draft_weight_bytes)
+    num_pages: int         # of each pool (the target's, and a draft model's own)
+    kv_bytes: int          # every pool's, draft_kv_bytes of them the draft model's
     hbm_bytes: int
     results: list[Compiled]
     refusal: str | None    # why the KV pool could not be sized (nothing compiled then)
     # Tokens of max_model_len sequences the pool holds, and would hold without the hybrid cache
     # (jaxserve/kv_groups.py; equal for a model without sliding layers).
     capacity: tuple[int, int] = (0, 0)
+    draft_weight_bytes: int = 0   # a draft model's (speculative method draft; 0: none)
+    draft_kv_bytes: int = 0
+
+    @property
+    def all_weight_bytes(self) -> int:
+        return self.weight_bytes + self.draft_weight_bytes
 
     @property
     def peak_temp_bytes(self) -> int:
@@ -128,7 +138,7 @@ class Report(NamedTuple):
 
     @property
     def fits(self) -> bool:
-        return self.refusal is None and self.weight_bytes + self.kv_bytes + self.peak_temp_bytes <= self.hbm_bytes
+        return self.refusal is None and self.all_weight_bytes + self.kv_bytes + self.peak_temp_bytes <= self.hbm_bytes
 
     @property
     def compiles(self) -> bool:
@@ -166,13 +176,23 @@ def quick_shapes(shapes: list[StepShape]) -> list[StepShape]:
     return [decode[-1], decode[0]] + [s for s in shapes if s.prefill_rows][-1:]
 
 
+def draft_of(ecfg: EngineConfig) -> tuple[str, ModelConfig] | None:
+    """The engine config's draft model (speculative method draft): its directory and config, as
+    the engine reads them (spec_decode/draft.py), or None."""
+    return draft_model(ecfg, ecfg.model or str(TINY_MODEL_DIR), str(TINY_MODEL_DIR))
+
+
 def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: str, dtype=jnp.bfloat16,
           backend: str | None = None, shapes: list[StepShape] | None = None, samplers: bool = True,
           sampler_rows: list[int] | None = None, quantization: str | None = None) -> Report:
     """Size the KV pool as the runner would on `target` and compile what warm-up compiles (or, for
     a quicker look, only `shapes` of the step and, with `samplers`, the sampler variants of
     their logit rows, or of `sampler_rows` only). `quantization`: how the weights are held (None:
-    as ecfg says; a checkpoint's own mode, such as gpt-oss's mxfp4, is no engine config's)."""
+    as ecfg says; a checkpoint's own mode, such as gpt-oss's mxfp4, is no engine config's).
+    With a draft model (speculative method draft) the pool makes room for the draft's weights and
+    its own pool of as many pages (sizing.kv_pool_pages), and what the draft's runner warms up
+    compiles too, named "draft-...": every shape of its own buckets, or the quick_shapes of them
+    when `shapes` is given, and, with `samplers`, the sampler variants of their logit rows."""
     quantization = quantization or ecfg.quantization
     sizes = {"data": 1, "seq": 1, "model": 1, **ecfg.mesh}
     if np.prod(list(sizes.values())) > target.chips:
@@ -182,32 +202,63 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
     model_axis, tpu = mesh.shape["model"], parallel.platform(mesh) == "tpu"
     groups = kv_groups(cfg, ecfg)
     weight_bytes = sizing.weight_bytes_per_chip(cfg, dtype, model_axis, quantization, ecfg.quantize_lm_head)
+    draft, draft_weight_bytes, draft_kv_bytes = draft_of(ecfg), 0, 0
+    if draft is not None:   # held as the draft proposer loads it (checkpoint.load_for_mesh)
+        draft_dir, draft_cfg = draft
+        draft_quantization = ecfg.quantization or saved_quantization(draft_dir)
+        draft_lm_head = ecfg.quantize_lm_head or saved_lm_head(draft_dir)
+        draft_weight_bytes = sizing.weight_bytes_per_chip(draft_cfg, dtype, model_axis, draft_quantization,
+                                                          draft_lm_head)
     try:
         num_pages = ecfg.num_pages or sizing.kv_pool_pages(cfg, ecfg, dtype, model_axis=model_axis,
                                                            hbm_bytes=target.hbm_bytes, used_bytes=weight_bytes,
                                                            tpu=tpu, chip=target.generation, name=model_name,
-                                                           quantization=quantization, groups=groups)
+                                                           quantization=quantization, groups=groups,
+                                                           draft=draft and draft[1])
     except sizing.PoolDoesNotFit as e:
-        return Report(weight_bytes, 0, 0, target.hbm_bytes, [], str(e))
+        return Report(weight_bytes, 0, 0, target.hbm_bytes, [], str(e), draft_weight_bytes=draft_weight_bytes)
     page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=tpu, kv_cache_dtype=ecfg.kv_cache_dtype,
                                      groups=groups)
     plain = KVGroups.of(cfg.sliding_windows, enabled=False)
     plain_pages = num_pages * page_bytes // page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=tpu,
                                                                 kv_cache_dtype=ecfg.kv_cache_dtype, groups=plain)
     capacity = (sizing.context_tokens(cfg, ecfg, groups, num_pages), sizing.context_tokens(cfg, ecfg, plain, plain_pages))
+    work = _lowerings(ecfg, cfg, mesh, num_pages, dtype, quantization, backend, shapes, samplers, sampler_rows)
+    if draft is not None:   # the draft runner's engine config, as DraftProposer makes it
+        draft_ecfg = dataclasses.replace(ecfg, model=draft_dir, speculative=None, num_pages=num_pages,
+                                         max_model_len=ecfg.max_model_len or cfg.max_position_embeddings,
+                                         hybrid_kv_cache=False, quantize_lm_head=draft_lm_head)
+        draft_kv_bytes = num_pages * page_bytes_per_chip(draft_cfg, dtype, ecfg.page_size, model_axis, tpu=tpu,
+                                                         kv_cache_dtype=ecfg.kv_cache_dtype)
+        work += _lowerings(draft_ecfg, draft_cfg, mesh, num_pages, dtype, draft_quantization, backend, None,
+                           samplers, None, quick=shapes is not None, prefix="draft-")
+    workers = 1 if target.generation in _SPARSECORE else os.cpu_count()
+    with concurrent.futures.ThreadPoolExecutor(workers) as executor:   # XLA compiles without the GIL
+        results = list(executor.map(lambda w: _compile(*w), work))
+    return Report(weight_bytes, num_pages, num_pages * page_bytes + draft_kv_bytes, target.hbm_bytes, results, None,
+                  capacity, draft_weight_bytes, draft_kv_bytes)
 
+
+def _lowerings(ecfg: EngineConfig, cfg: ModelConfig, mesh, num_pages: int, dtype, quantization: str | None,
+               backend: str | None, shapes: list[StepShape] | None, samplers: bool, sampler_rows: list[int] | None,
+               quick: bool = False, prefix: str = "") -> list[tuple[str, Callable, int]]:
+    """(name, lowering, one layer's pool bytes) of each computation the warm-up of a runner of
+    `cfg` under `ecfg` compiles, with a pool of num_pages pages (see `check`; `quick`: the
+    quick_shapes of its own when no `shapes`), each name after `prefix`."""
+    groups = kv_groups(cfg, ecfg)
     unsharded = param_shapes(cfg, dtype, quantization, ecfg.quantize_lm_head)
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           unsharded, parallel.param_shardings(unsharded, mesh, cfg))
     kv = KVCache.spec(cfg, mesh, num_pages, ecfg.page_size, dtype, ecfg.kv_cache_dtype, groups)
-    pool_bytes = pool_bytes_per_chip(kv)
     model = build_model(cfg, dtype)
     backend = resolve_backend(backend or ecfg.attention_backend, parallel.platform(mesh), cfg.head_dim,
                               ecfg.kv_cache_dtype)
     step = make_step(model, cfg, mesh, backend)
     max_pages = sizing.pages_per_seq(cfg, ecfg)
     buckets = Buckets(ecfg, mesh.shape["seq"], parallel.platform(mesh), backend)
-    shapes = shapes or buckets.warmup_shapes(mesh.shape["seq"] > 1)
+    if shapes is None:
+        shapes = buckets.warmup_shapes(mesh.shape["seq"] > 1)
+        shapes = list(dict.fromkeys(quick_shapes(shapes))) if quick else shapes   # one decode bucket: once
 
     last_sampled = last_sampled_spec(mesh, buckets.max_logit_rows)
     work = [(s.name, lambda s=s: lower_step(step, params, kv, s, max_pages, num_pages * ecfg.page_size, last_sampled))
@@ -233,22 +284,25 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
             for t in buckets.tokens]
     src, dst = next(page_copy_batches([(0, 0)], ecfg.max_num_seqs, num_pages))
     work.append(("page-copy", lambda: KVCache.copy_pages.lower(kv, src, dst)))
-    workers = 1 if target.generation in _SPARSECORE else os.cpu_count()
-    with concurrent.futures.ThreadPoolExecutor(workers) as executor:   # XLA compiles without the GIL
-        results = list(executor.map(lambda w: _compile(*w, pool_bytes), work))
-    return Report(weight_bytes, num_pages, num_pages * page_bytes, target.hbm_bytes, results, None, capacity)
+    pool_bytes = pool_bytes_per_chip(kv)
+    return [(prefix + name, lowered, pool_bytes) for name, lowered in work]
 
 
 def format_report(report: Report, header: str) -> str:
+    # with a draft model: the target's and the draft's weights, and both pools (as many pages each)
+    weights = f"  weights            {report.all_weight_bytes / GiB:8.2f} GiB" + (
+        f"  ({report.weight_bytes / GiB:.2f} GiB target + {report.draft_weight_bytes / GiB:.2f} GiB draft)"
+        if report.draft_weight_bytes else "")
     lines = [header]
     if report.refusal:
-        return "\n".join(lines + [f"  weights            {report.weight_bytes / GiB:8.2f} GiB",
-                                  f"DOES NOT FIT: {report.refusal}"])
+        return "\n".join(lines + [weights, f"DOES NOT FIT: {report.refusal}"])
     peak = max(report.results, key=lambda r: r.temp_bytes)
-    total = report.weight_bytes + report.kv_bytes + report.peak_temp_bytes
+    total = report.all_weight_bytes + report.kv_bytes + report.peak_temp_bytes
     lines += [
-        f"  weights            {report.weight_bytes / GiB:8.2f} GiB",
-        f"  KV pool            {report.kv_bytes / GiB:8.2f} GiB  ({report.num_pages} pages)",
+        weights,
+        f"  KV pool            {report.kv_bytes / GiB:8.2f} GiB  ({report.num_pages} pages" + (
+            f"; the draft's own pool of as many: {report.draft_kv_bytes / GiB:.2f} GiB)" if report.draft_kv_bytes
+            else ")"),
         f"  KV capacity        {report.capacity[0]:8,d} tokens of full-length sequences" + (
             "" if report.capacity[0] == report.capacity[1] else f" ({report.capacity[1]:,d} without the hybrid KV cache"
             + (f": {report.capacity[0] / report.capacity[1]:.2f}x)" if report.capacity[1] else ")")),
@@ -285,6 +339,10 @@ def run(config: str, topology: str, model: str | None = None, backend: str | Non
     quantization = ecfg.quantization or saved_quantization(ecfg.model)
     ecfg = dataclasses.replace(ecfg, quantize_lm_head=ecfg.quantize_lm_head or saved_lm_head(ecfg.model))
     dtype = jnp.float32 if ecfg.dtype == "float32" else jnp.bfloat16   # auto: bf16 on TPU and GPU
+    try:
+        draft = draft_of(ecfg)
+    except (OSError, ValueError) as e:   # no config.json where the draft should be, or no draft named
+        raise SystemExit(f"jaxserve check: the draft model (speculative method draft): {e}")
     target = target_slice(topology)
     name = os.path.basename(os.path.normpath(ecfg.model))
     seq = ecfg.mesh.get("seq", 1)
@@ -297,7 +355,8 @@ def run(config: str, topology: str, model: str | None = None, backend: str | Non
     weights = jnp.dtype(dtype).name + (f", {quantization} weights" if quantization else "") + (
         " and LM head" if ecfg.quantize_lm_head else "")
     header = (f"jaxserve check: {name} ({cfg.num_params / 1e9:.2f}B parameters, {weights}) "
-              f"with {config} on {target.name} ({target.chips} chip(s)), mesh {ecfg.mesh}"
-              f"{', quick: 3 step shapes, no sampler' if quick else ''}, per chip:")
+              + (f"drafted by {draft[0]} ({draft[1].num_params / 1e9:.2f}B parameters) " if draft else "")
+              + f"with {config} on {target.name} ({target.chips} chip(s)), mesh {ecfg.mesh}"
+              f"{', quick: 3 step shapes' + (' each' if draft else '') + ', no sampler' if quick else ''}, per chip:")
     print(format_report(report, header))
     return 0 if report.fits and report.compiles else 1

@@ -9,6 +9,7 @@ libtpu is part of the test install (`make test`); without it these tests fail, t
     largest and smallest decode and the largest prefill bucket (every bucket: `jaxserve check`),
     through `jaxserve check`'s own code, and the sampler's variants; no step copies a whole KV pool;
   * a small Qwen3-MoE with int4 experts on v6e;
+  * the embedded model with its draft model: both sized and compiled, as the engine sizes them;
   * Llama-3-8B bf16 on one v5e chip is refused, with what would fit.
 """
 import concurrent.futures
@@ -250,6 +251,33 @@ def test_multi_step_decodes_compile():
     assert [r.name for r in report.results] == ([s.name for s in shapes] + [
         f"{s.name}-x8{v}" for s in shapes for v in ("", "-penalties-bias")] + ["page-copy"])
     assert_serves(report, "tiny on v6e-1, decode_steps 8")
+
+
+def test_check_sizes_and_compiles_a_draft_model():
+    """The embedded model drafted by its draft checkpoint (speculative method draft) on v5e-1, as
+    the engine sizes it (sizing.kv_pool_pages with the draft: fewer pages than alone): the
+    draft's weights and its own pool of as many pages reported and counted in the total, and
+    the draft runner's step shapes compiled beside the target's (its own buckets, no proposals:
+    the draft's quick shapes, here all 2 of them), named draft-..."""
+    ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "tiny-cpu.yaml"), model=TINY, max_num_seqs=8,
+                                  speculative={"method": "draft", "num_tokens": 4})
+    cfg, draft = ModelConfig.from_pretrained(TINY), ModelConfig.from_pretrained(os.path.join(TINY, "draft"))
+    tpu = check.tpu_slice("v5e-1")
+    shapes = [s for s in Buckets(ecfg, platform="tpu").warmup_shapes(False) if s.name == "decode-8"]
+    report = check.check(ecfg, cfg, tpu, model_name="tiny", dtype=jnp.bfloat16, shapes=shapes, samplers=False)
+    assert_serves(report, "tiny drafted by tiny/draft on v5e-1")
+    weights = sizing.weight_bytes_per_chip(cfg, jnp.bfloat16, 1)
+    size = functools.partial(sizing.kv_pool_pages, cfg, ecfg, jnp.bfloat16, model_axis=1, hbm_bytes=tpu.hbm_bytes,
+                             used_bytes=weights, tpu=True, chip="v5e", name="tiny")
+    assert report.num_pages == size(draft=draft) < size()
+    page, draft_page = (check.page_bytes_per_chip(c, jnp.bfloat16, ecfg.page_size, 1, tpu=True) for c in (cfg, draft))
+    assert report.kv_bytes == report.num_pages * (page + draft_page)
+    assert report.draft_kv_bytes == report.num_pages * draft_page
+    assert report.weight_bytes == weights
+    assert report.draft_weight_bytes == sizing.weight_bytes_per_chip(draft, jnp.bfloat16, 1) > 0
+    assert [r.name for r in report.results] == ["decode-8", "page-copy", "draft-decode-8",
+                                                "draft-prefill-128x2q128", "draft-page-copy"]
+    assert "GiB draft)" in check.format_report(report, "tiny")
 
 
 # One chip and TP 8, as in the shipped configs/llama3-8b-v6e-1 and -v5e-8 (v6e-4 and the rest:
