@@ -34,6 +34,7 @@ from jaxserve.attention import resolve_backend
 from jaxserve.buckets import Buckets, StepShape
 from jaxserve.checkpoint import param_shapes, saved_lm_head, saved_quantization
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine import TINY_MODEL_DIR
 from jaxserve.kv_cache import KVCache, page_bytes_per_chip
 from jaxserve.kv_groups import KVGroups, kv_groups
 from jaxserve.models import build_model
@@ -53,7 +54,6 @@ _TOPOLOGY_3D = {1: "2x2x1", 2: "2x2x1", 4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32:
 # Cloud TPU names count TensorCores for v5p (two per chip: v5p-8 is 4 chips), chips for v5e and v6e.
 _CORES_PER_CHIP = {"v5p": 2, "v5e": 1, "v6e": 1}
 H100_TARGET = pathlib.Path(__file__).parent / "assets" / "targets" / "h100_sxm.txtpb"
-TINY_MODEL_DIR = pathlib.Path(__file__).parent / "assets" / "tiny"   # engine.TINY_MODEL_DIR
 # Chips whose compiler offloads scatters to their SparseCores (the sampler's penalties do): libtpu
 # 0.0.42's SparseCore code generator crashes the process (SIGSEGV) when another compilation runs
 # beside it (2 threads: most runs), so for these one computation compiles at a time.
@@ -179,7 +179,7 @@ def quick_shapes(shapes: list[StepShape]) -> list[StepShape]:
 def draft_of(ecfg: EngineConfig) -> tuple[str, ModelConfig] | None:
     """The engine config's draft model (speculative method draft): its directory and config, as
     the engine reads them (spec_decode/draft.py), or None."""
-    return draft_model(ecfg, ecfg.model or str(TINY_MODEL_DIR), str(TINY_MODEL_DIR))
+    return draft_model(ecfg, ecfg.model or TINY_MODEL_DIR, TINY_MODEL_DIR)
 
 
 def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: str, dtype=jnp.bfloat16,
