@@ -86,8 +86,9 @@ def kv_pool_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, *, model_axis: in
     leave free on each chip, a page of `groups`' group_size layers (jaxserve/kv_groups.py; None:
     every layer). draft: a draft model's config (speculative method draft), whose weights are
     placed after the pool is sized and whose own pool has as many pages, a page of all its layers
-    (spec_decode/draft.py): its weights come off the free memory and its page joins each page's
-    bytes. Raises PoolDoesNotFit, naming the smallest "model" mesh size that would fit (weights
+    (spec_decode/draft.py): its weights (held as ecfg says, as the proposer loads them; not as a
+    target checkpoint stored quantized is) come off the free memory and its page joins each
+    page's bytes. Raises PoolDoesNotFit, naming the smallest "model" mesh size that would fit (weights
     held as `quantization`, None: as ecfg says), when that is fewer pages than one max_model_len
     sequence needs."""
     quantization = quantization or ecfg.quantization
@@ -95,7 +96,8 @@ def kv_pool_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, *, model_axis: in
         free = max(hbm_bytes - used, 0)
         page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu, ecfg.kv_cache_dtype, groups)
         if draft is not None:
-            free = max(free - weight_bytes_per_chip(draft, dtype, model_axis, quantization, ecfg.quantize_lm_head), 0)
+            free = max(free - weight_bytes_per_chip(draft, dtype, model_axis, ecfg.quantization,
+                                                    ecfg.quantize_lm_head), 0)
             page_bytes += page_bytes_per_chip(draft, dtype, ecfg.page_size, model_axis, tpu, ecfg.kv_cache_dtype)
         return int(free * ecfg.kv_memory_fraction) // page_bytes
 
