@@ -159,6 +159,11 @@ class ModelConfig:
         attention's one KV head, [c_kv, k_rope], is both (models/mla.py)."""
         return self.mla is not None
 
+    @property
+    def kv_pools(self) -> int:
+        """Page pools the KV cache holds a layer: K and V, or K alone when the values are the keys."""
+        return 1 if self.values_are_keys else 2
+
     def serving(self, max_model_len: int) -> "ModelConfig":
         """This config as an engine serving sequences of up to max_model_len tokens runs it: the
         RoPE kinds that choose their frequencies by the context see that length. A learned

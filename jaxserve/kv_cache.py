@@ -254,5 +254,4 @@ def page_bytes_per_chip(cfg: ModelConfig, dtype, page_size: int, model_axis: int
     mesh = jax.sharding.AbstractMesh((1, 1, model_axis), parallel.MESH_AXES)
     split = model_axis if "model" in parallel.kv_cache_sharding(cfg, mesh).spec else 1
     layers = cfg.num_layers if groups is None else groups.group_size
-    pools = 1 if cfg.values_are_keys else 2
-    return pools * layers * cfg.num_kv_heads * per_head // split
+    return cfg.kv_pools * layers * cfg.num_kv_heads * per_head // split

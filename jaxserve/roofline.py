@@ -95,8 +95,7 @@ class CostModel:
         # and every expert (a batch's tokens route to most of them).
         read_params = n - (0 if cfg.tie_word_embeddings else self.head_params)
         self.weight_bytes = read_params * itemsize
-        pools = 1 if cfg.values_are_keys else 2   # K and V, or K alone (latent attention)
-        self.kv_bytes_per_token = pools * cfg.num_kv_heads * d * itemsize    # one layer
+        self.kv_bytes_per_token = cfg.kv_pools * cfg.num_kv_heads * d * itemsize    # K (and V), one layer
         self.layers_by_window = collections.Counter(cfg.sliding_windows)
 
     def step(self, rows: list[tuple[int, int, int]]) -> StepCost:
