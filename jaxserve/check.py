@@ -42,7 +42,7 @@ from jaxserve.executables import lower
 from jaxserve.step import (empty_sequence_parallel_prefill, last_sampled_spec, lower_step, make_multi_step, make_step,
                            multi_step_arrays, multi_step_variants, page_copy_batches, sampler_lowerings, table_groups)
 from jaxserve.sequence_parallel import sequence_parallel_prefill
-from jaxserve.spec_decode.draft import draft_model
+from jaxserve.spec_decode.draft import DraftModel, draft_model
 from jaxserve.step_cost import step_cost
 
 log = logging.getLogger(__name__)
@@ -176,20 +176,21 @@ def quick_shapes(shapes: list[StepShape]) -> list[StepShape]:
     return [decode[-1], decode[0]] + [s for s in shapes if s.prefill_rows][-1:]
 
 
-def draft_of(ecfg: EngineConfig) -> tuple[str, ModelConfig] | None:
-    """The engine config's draft model (speculative method draft): its directory and config, as
-    the engine reads them (spec_decode/draft.py), or None."""
-    return draft_model(ecfg, ecfg.model or TINY_MODEL_DIR, TINY_MODEL_DIR)
+def draft_of(ecfg: EngineConfig, cfg: ModelConfig) -> DraftModel | None:
+    """The engine config's draft model (speculative method draft) for the model of `cfg`, as the
+    engine reads it (spec_decode/draft.py), or None."""
+    return draft_model(ecfg, ecfg.model or TINY_MODEL_DIR, cfg, TINY_MODEL_DIR)
 
 
 def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: str, dtype=jnp.bfloat16,
           backend: str | None = None, shapes: list[StepShape] | None = None, samplers: bool = True,
-          sampler_rows: list[int] | None = None, quantization: str | None = None) -> Report:
+          sampler_rows: list[int] | None = None, quantization: str | None = None,
+          draft: DraftModel | None = None) -> Report:
     """Size the KV pool as the runner would on `target` and compile what warm-up compiles (or, for
     a quicker look, only `shapes` of the step and, with `samplers`, the sampler variants of
     their logit rows, or of `sampler_rows` only). `quantization`: how the weights are held (None:
     as ecfg says; a checkpoint's own mode, such as gpt-oss's mxfp4, is no engine config's).
-    With a draft model (speculative method draft) the pool makes room for the draft's weights and
+    With a `draft` model (draft_of: speculative method draft) the pool makes room for the draft's weights and
     its own pool of as many pages (sizing.kv_pool_pages), and what the draft's runner warms up
     compiles too, named "draft-...": every shape of its own buckets, or the quick_shapes of them
     when `shapes` is given, and, with `samplers`, the sampler variants of their logit rows."""
@@ -202,19 +203,16 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
     model_axis, tpu = mesh.shape["model"], parallel.platform(mesh) == "tpu"
     groups = kv_groups(cfg, ecfg)
     weight_bytes = sizing.weight_bytes_per_chip(cfg, dtype, model_axis, quantization, ecfg.quantize_lm_head)
-    draft, draft_weight_bytes, draft_kv_bytes = draft_of(ecfg), 0, 0
-    if draft is not None:   # held as the draft proposer loads it (checkpoint.load_for_mesh)
-        draft_dir, draft_cfg = draft
-        draft_quantization = ecfg.quantization or saved_quantization(draft_dir)
-        draft_lm_head = ecfg.quantize_lm_head or saved_lm_head(draft_dir)
-        draft_weight_bytes = sizing.weight_bytes_per_chip(draft_cfg, dtype, model_axis, draft_quantization,
-                                                          draft_lm_head)
+    draft_weight_bytes = draft_kv_bytes = 0
+    if draft is not None:   # held as the draft proposer loads it
+        draft_weight_bytes = sizing.weight_bytes_per_chip(draft.cfg, dtype, model_axis, draft.quantization,
+                                                          draft.quantize_lm_head)
     try:
         num_pages = ecfg.num_pages or sizing.kv_pool_pages(cfg, ecfg, dtype, model_axis=model_axis,
                                                            hbm_bytes=target.hbm_bytes, used_bytes=weight_bytes,
                                                            tpu=tpu, chip=target.generation, name=model_name,
                                                            quantization=quantization, groups=groups,
-                                                           draft=draft and draft[1])
+                                                           draft=draft)
     except sizing.PoolDoesNotFit as e:
         return Report(weight_bytes, 0, 0, target.hbm_bytes, [], str(e), draft_weight_bytes=draft_weight_bytes)
     page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu=tpu, kv_cache_dtype=ecfg.kv_cache_dtype,
@@ -225,12 +223,10 @@ def check(ecfg: EngineConfig, cfg: ModelConfig, target: Slice, *, model_name: st
     capacity = (sizing.context_tokens(cfg, ecfg, groups, num_pages), sizing.context_tokens(cfg, ecfg, plain, plain_pages))
     work = _lowerings(ecfg, cfg, mesh, num_pages, dtype, quantization, backend, shapes, samplers, sampler_rows)
     if draft is not None:   # the draft runner's engine config, as DraftProposer makes it
-        draft_ecfg = dataclasses.replace(ecfg, model=draft_dir, speculative=None, num_pages=num_pages,
-                                         max_model_len=ecfg.max_model_len or cfg.max_position_embeddings,
-                                         hybrid_kv_cache=False, quantize_lm_head=draft_lm_head)
-        draft_kv_bytes = num_pages * page_bytes_per_chip(draft_cfg, dtype, ecfg.page_size, model_axis, tpu=tpu,
+        draft_ecfg = draft.engine_config(ecfg, num_pages, ecfg.max_model_len or cfg.max_position_embeddings)
+        draft_kv_bytes = num_pages * page_bytes_per_chip(draft.cfg, dtype, ecfg.page_size, model_axis, tpu=tpu,
                                                          kv_cache_dtype=ecfg.kv_cache_dtype)
-        work += _lowerings(draft_ecfg, draft_cfg, mesh, num_pages, dtype, draft_quantization, backend, None,
+        work += _lowerings(draft_ecfg, draft.cfg, mesh, num_pages, dtype, draft.quantization, backend, None,
                            samplers, None, quick=shapes is not None, prefix="draft-")
     workers = 1 if target.generation in _SPARSECORE else os.cpu_count()
     with concurrent.futures.ThreadPoolExecutor(workers) as executor:   # XLA compiles without the GIL
@@ -335,14 +331,15 @@ def run(config: str, topology: str, model: str | None = None, backend: str | Non
     if ecfg.model is None:
         raise SystemExit("jaxserve check: the config names no model directory (give --model)")
     cfg = dataclasses.replace(ModelConfig.from_pretrained(ecfg.model), expert_parallel=ecfg.enable_expert_parallel)
-    # a checkpoint stored quantized is served so, as the engine does
+    try:
+        draft = draft_of(ecfg, cfg)
+    except (OSError, ValueError) as e:   # no config.json where the draft should be, no draft named,
+        # or another vocabulary
+        raise SystemExit(f"jaxserve check: the draft model (speculative method draft): {e}")
+    # a checkpoint stored quantized is served so, as the engine does (the draft's: draft_of)
     quantization = ecfg.quantization or saved_quantization(ecfg.model)
     ecfg = dataclasses.replace(ecfg, quantize_lm_head=ecfg.quantize_lm_head or saved_lm_head(ecfg.model))
     dtype = jnp.float32 if ecfg.dtype == "float32" else jnp.bfloat16   # auto: bf16 on TPU and GPU
-    try:
-        draft = draft_of(ecfg)
-    except (OSError, ValueError) as e:   # no config.json where the draft should be, or no draft named
-        raise SystemExit(f"jaxserve check: the draft model (speculative method draft): {e}")
     target = target_slice(topology)
     name = os.path.basename(os.path.normpath(ecfg.model))
     seq = ecfg.mesh.get("seq", 1)
@@ -351,11 +348,11 @@ def run(config: str, topology: str, model: str | None = None, backend: str | Non
                                                            ecfg.kv_cache_dtype))
     shapes = quick_shapes(buckets.warmup_shapes(seq > 1))
     report = check(ecfg, cfg, target, model_name=name, dtype=dtype, backend=backend,
-                   shapes=shapes if quick else None, samplers=not quick, quantization=quantization)
+                   shapes=shapes if quick else None, samplers=not quick, quantization=quantization, draft=draft)
     weights = jnp.dtype(dtype).name + (f", {quantization} weights" if quantization else "") + (
         " and LM head" if ecfg.quantize_lm_head else "")
     header = (f"jaxserve check: {name} ({cfg.num_params / 1e9:.2f}B parameters, {weights}) "
-              + (f"drafted by {draft[0]} ({draft[1].num_params / 1e9:.2f}B parameters) " if draft else "")
+              + (f"drafted by {draft.dir} ({draft.cfg.num_params / 1e9:.2f}B parameters) " if draft else "")
               + f"with {config} on {target.name} ({target.chips} chip(s)), mesh {ecfg.mesh}"
               f"{', quick: 3 step shapes' + (' each' if draft else '') + ', no sampler' if quick else ''}, per chip:")
     print(format_report(report, header))

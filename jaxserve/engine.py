@@ -73,13 +73,13 @@ class LLMEngine:
             params = quant.quantize_params(params, self.ecfg.quantization or saved_quantization(model_dir),
                                            lm_head=self.ecfg.quantize_lm_head or saved_lm_head(model_dir))
         self.loras = lora.Adapters(self.model_cfg, self.ecfg, mesh, self.dtype) if self.ecfg.serves_lora else None
-        draft = draft_model(self.ecfg, model_dir, TINY_MODEL_DIR)   # (directory, config) or None
+        draft = draft_model(self.ecfg, model_dir, self.model_cfg, TINY_MODEL_DIR)
         self.runner = ModelRunner(self.model_cfg, params, self.ecfg, mesh=mesh, dtype=self.dtype, lora=self.loras,
-                                  draft_cfg=draft and draft[1])
+                                  draft=draft)
         self.max_model_len = self.runner.max_model_len
         spec = self.ecfg.speculative
-        self.draft = draft and DraftProposer(*draft, self.model_cfg, self.ecfg, self.runner.num_pages,
-                                             self.max_model_len, mesh, self.dtype)   # the draft-model proposer
+        self.draft = draft and DraftProposer(draft, self.ecfg, self.runner.num_pages, self.max_model_len, mesh,
+                                             self.dtype)   # the draft-model proposer
         self.throttle = spec and Throttle(spec, self.model_cfg, self.draft and self.draft.runner.cfg,
                                           jnp.dtype(self.dtype).itemsize)   # which steps speculate
         self.block_manager = BlockManager(self.runner.num_pages, self.ecfg.page_size, self.ecfg.enable_prefix_caching,

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,9 @@ from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step import (make_multi_step, make_step, multi_step_variant, multi_step_variants, page_copy_batches,
                            serving_sample, table_groups)
 
+if TYPE_CHECKING:   # the draft imports this module
+    from jaxserve.spec_decode.draft import DraftModel
+
 log = logging.getLogger(__name__)
 
 
@@ -55,7 +58,7 @@ class SampleResult(NamedTuple):
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, engine_cfg: EngineConfig, mesh=None,
-                 dtype=jnp.float32, lora: Adapters | None = None, draft_cfg: ModelConfig | None = None):
+                 dtype=jnp.float32, lora: Adapters | None = None, draft: DraftModel | None = None):
         CompileCounter.install()
         self.max_model_len = engine_cfg.max_model_len or cfg.max_position_embeddings
         self.cfg = cfg = cfg.serving(self.max_model_len)
@@ -69,8 +72,8 @@ class ModelRunner:
         self.params = jax.device_put(params, parallel.param_shardings(params, self.mesh, cfg))
         self.lora = lora   # LoRA adapters' slots (jaxserve/lora.py): each step then takes a StepLora
         self.kv_groups = kv_groups(cfg, engine_cfg)   # the hybrid cache's layers and page tables
-        # draft_cfg: the draft model's, whose pool will have this pool's pages (spec_decode/draft.py)
-        self.num_pages = engine_cfg.num_pages or self._pages_that_fit(draft_cfg)
+        # draft: a draft model, whose pool will have this pool's pages (spec_decode/draft.py)
+        self.num_pages = engine_cfg.num_pages or self._pages_that_fit(draft)
         # Multi-host: process 0 broadcasts every step (see jaxserve/multihost.py); the others
         # build the same runner and `follow`. The pool size must agree (free memory may not).
         self.broadcaster = None
@@ -113,7 +116,7 @@ class ModelRunner:
         (sequence_parallel_prefill) and the batched step takes only the decode rows."""
         return self.mesh.shape["seq"] > 1
 
-    def _pages_that_fit(self, draft_cfg: ModelConfig | None) -> int:
+    def _pages_that_fit(self, draft: DraftModel | None) -> int:
         device = self.mesh.local_devices[0]
         stats = device.memory_stats() or {}
         if "bytes_limit" not in stats:   # CPU: kv_cache_mb, and at least one full-length sequence
@@ -126,7 +129,7 @@ class ModelRunner:
             self.cfg, self.ecfg, self.dtype, model_axis=self.mesh.shape["model"], hbm_bytes=stats["bytes_limit"],
             used_bytes=stats.get("bytes_in_use", 0), tpu=device.platform == "tpu",
             chip=sizing.TPU_DEVICE_KINDS.get(device.device_kind, device.device_kind), groups=self.kv_groups,
-            name=f"{self.cfg.architecture} ({self.cfg.num_params / 1e9:.1f}B parameters)", draft=draft_cfg)
+            name=f"{self.cfg.architecture} ({self.cfg.num_params / 1e9:.1f}B parameters)", draft=draft)
 
     # ---- one step ----
     def launch(self, out: SchedulerOutput, seeds: dict[int, int], sample_later: bool = False) -> "Launched":

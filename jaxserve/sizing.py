@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,9 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.block_manager import sequence_pages
 from jaxserve.kv_cache import page_bytes_per_chip
 from jaxserve.kv_groups import KVGroups
+
+if TYPE_CHECKING:   # the draft's runner imports this module
+    from jaxserve.spec_decode.draft import DraftModel
 
 GiB = 2**30
 # HBM per chip that XLA:TPU lets a program use (16, 95 and 32 GiB chips, as libtpu 0.0.42's
@@ -81,14 +85,13 @@ def context_tokens(cfg: ModelConfig, ecfg: EngineConfig, groups: KVGroups, num_p
 
 def kv_pool_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, *, model_axis: int, hbm_bytes: int,
                   used_bytes: int, tpu: bool, chip: str, name: str, quantization: str | None = None,
-                  groups: KVGroups | None = None, draft: ModelConfig | None = None) -> int:
+                  groups: KVGroups | None = None, draft: DraftModel | None = None) -> int:
     """KV pages per pool: kv_memory_fraction of the HBM that `used_bytes` (the placed weights)
     leave free on each chip, a page of `groups`' group_size layers (jaxserve/kv_groups.py; None:
-    every layer). draft: a draft model's config (speculative method draft), whose weights are
-    placed after the pool is sized and whose own pool has as many pages, a page of all its layers
-    (spec_decode/draft.py): its weights (held as ecfg says, as the proposer loads them; not as a
-    target checkpoint stored quantized is) come off the free memory and its page joins each
-    page's bytes. Raises PoolDoesNotFit, naming the smallest "model" mesh size that would fit (weights
+    every layer). draft: a draft model (speculative method draft), whose weights are placed
+    after the pool is sized and whose own pool has as many pages, a page of all its layers
+    (spec_decode/draft.py): its weights (held as the proposer loads them) come off the free
+    memory and its page joins each page's bytes. Raises PoolDoesNotFit, naming the smallest "model" mesh size that would fit (weights
     held as `quantization`, None: as ecfg says), when that is fewer pages than one max_model_len
     sequence needs."""
     quantization = quantization or ecfg.quantization
@@ -96,9 +99,9 @@ def kv_pool_pages(cfg: ModelConfig, ecfg: EngineConfig, dtype, *, model_axis: in
         free = max(hbm_bytes - used, 0)
         page_bytes = page_bytes_per_chip(cfg, dtype, ecfg.page_size, model_axis, tpu, ecfg.kv_cache_dtype, groups)
         if draft is not None:
-            free = max(free - weight_bytes_per_chip(draft, dtype, model_axis, ecfg.quantization,
-                                                    ecfg.quantize_lm_head), 0)
-            page_bytes += page_bytes_per_chip(draft, dtype, ecfg.page_size, model_axis, tpu, ecfg.kv_cache_dtype)
+            free = max(free - weight_bytes_per_chip(draft.cfg, dtype, model_axis, draft.quantization,
+                                                    draft.quantize_lm_head), 0)
+            page_bytes += page_bytes_per_chip(draft.cfg, dtype, ecfg.page_size, model_axis, tpu, ecfg.kv_cache_dtype)
         return int(free * ecfg.kv_memory_fraction) // page_bytes
 
     need, got = pool_pages_per_seq(cfg, ecfg, groups), pages(model_axis, used_bytes)

@@ -4,6 +4,8 @@ seeded sampling with n = 2 forks), greedy equal to transformers, every proposal 
 model's own greedy continuation of the sequence (transformers' draft model over the known
 tokens: the draft's paged KV kept in step through rollback, preemption, forks, prefix hits and
 steps the throttle kept plain), and sampled tokens that follow the target's distribution."""
+import dataclasses
+import json
 import os
 
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ from jaxserve import SamplingParams, sizing
 from jaxserve.compilations import CompileCounter
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import TINY_MODEL_DIR
-from jaxserve.spec_decode.draft import default_draft_dir
+from jaxserve.spec_decode.draft import default_draft_dir, draft_model
 from tests.target_distribution import DRAWS, chi_square_p, exact_triples, sampled_triples
 from tests.test_spec_decode import CASES, PROMPTS, _run, check_throttled_run, plain_llm, plain_outputs, warm_llm
 
@@ -24,22 +26,42 @@ DRAFT = {"method": "draft", "num_tokens": 3, "disable_by_batch_size": 8}   # as 
 DRAFT_DIR = os.path.join(TINY_MODEL_DIR, "draft")
 
 
-def test_config_is_checked():
-    spec = EngineConfig(speculative=DRAFT).speculative
+def test_config_is_checked(tmp_path):
+    ecfg = EngineConfig(speculative=DRAFT)
+    spec, target = ecfg.speculative, ModelConfig.from_pretrained(TINY_MODEL_DIR)
     assert (spec.method, spec.model, spec.num_tokens) == ("draft", None, 3)
     assert default_draft_dir(TINY_MODEL_DIR, TINY_MODEL_DIR) == DRAFT_DIR
     with pytest.raises(ValueError, match="needs `model`"):
         default_draft_dir("/models/other", TINY_MODEL_DIR)
     with pytest.raises(ValueError, match="is for method draft"):
         EngineConfig(speculative={"method": "ngram", "model": DRAFT_DIR})
+    assert draft_model(EngineConfig(), TINY_MODEL_DIR, target, TINY_MODEL_DIR) is None
+    draft = draft_model(ecfg, TINY_MODEL_DIR, target, TINY_MODEL_DIR)
+    assert (draft.dir, draft.cfg, draft.quantization, draft.quantize_lm_head) == (
+        DRAFT_DIR, ModelConfig.from_pretrained(DRAFT_DIR), None, False)
+    with pytest.raises(ValueError, match="draft must share the target's tokenizer"):
+        draft_model(ecfg, TINY_MODEL_DIR, dataclasses.replace(target, vocab_size=target.vocab_size + 1),
+                    TINY_MODEL_DIR)
+    # a draft stored quantized (here an AWQ config.json) is held so, as loading it does
+    config = json.load(open(os.path.join(DRAFT_DIR, "config.json")))
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                                     "version": "gemm"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    stored = draft_model(EngineConfig(speculative={**DRAFT, "model": str(tmp_path)}), "/models/other", target,
+                         TINY_MODEL_DIR)
+    assert stored.quantization == "int4_asym"
+    assert draft_model(EngineConfig(speculative={**DRAFT, "model": str(tmp_path)}, quantization="int8"),
+                       "/models/other", target, TINY_MODEL_DIR).quantization == "int8"
 
 
 def test_accelerator_pool_leaves_room_for_the_draft():
     """On an accelerator the target's pool is sized before the draft loads, and the draft's own
     pool gets as many pages: the draft's weights come off the free HBM and each page costs the
     target's and the draft's K/V (bf16: 2 bytes x 2 (K, V) x layers x KV heads x head_dim x slots)."""
-    target, draft = (ModelConfig.from_pretrained(d) for d in (TINY_MODEL_DIR, DRAFT_DIR))
-    ecfg = EngineConfig(page_size=16)
+    target = ModelConfig.from_pretrained(TINY_MODEL_DIR)
+    ecfg = EngineConfig(page_size=16, speculative=DRAFT)
+    drafted = draft_model(ecfg, TINY_MODEL_DIR, target, TINY_MODEL_DIR)
+    draft = drafted.cfg
     hbm, used = 2 ** 31, 2 ** 28
 
     def pages(**kw):
@@ -50,7 +72,7 @@ def test_accelerator_pool_leaves_room_for_the_draft():
         return 2 * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 16
 
     assert pages() == int((hbm - used) * ecfg.kv_memory_fraction) // page_bytes(target)
-    got = pages(draft=draft)
+    got = pages(draft=drafted)
     draft_weights = 2 * draft.num_params   # bf16
     both = page_bytes(target) + page_bytes(draft)
     assert got == int((hbm - used - draft_weights) * ecfg.kv_memory_fraction) // both

@@ -261,15 +261,18 @@ def test_check_sizes_and_compiles_a_draft_model():
     the draft's quick shapes, here all 2 of them), named draft-..."""
     ecfg = EngineConfig.from_yaml(os.path.join(ROOT, "configs", "tiny-cpu.yaml"), model=TINY, max_num_seqs=8,
                                   speculative={"method": "draft", "num_tokens": 4})
-    cfg, draft = ModelConfig.from_pretrained(TINY), ModelConfig.from_pretrained(os.path.join(TINY, "draft"))
+    cfg = ModelConfig.from_pretrained(TINY)
+    drafted = check.draft_of(ecfg, cfg)
+    draft = drafted.cfg
     tpu = check.tpu_slice("v5e-1")
     shapes = [s for s in Buckets(ecfg, platform="tpu").warmup_shapes(False) if s.name == "decode-8"]
-    report = check.check(ecfg, cfg, tpu, model_name="tiny", dtype=jnp.bfloat16, shapes=shapes, samplers=False)
+    report = check.check(ecfg, cfg, tpu, model_name="tiny", dtype=jnp.bfloat16, shapes=shapes, samplers=False,
+                         draft=drafted)
     assert_serves(report, "tiny drafted by tiny/draft on v5e-1")
     weights = sizing.weight_bytes_per_chip(cfg, jnp.bfloat16, 1)
     size = functools.partial(sizing.kv_pool_pages, cfg, ecfg, jnp.bfloat16, model_axis=1, hbm_bytes=tpu.hbm_bytes,
                              used_bytes=weights, tpu=True, chip="v5e", name="tiny")
-    assert report.num_pages == size(draft=draft) < size()
+    assert report.num_pages == size(draft=drafted) < size()
     page, draft_page = (check.page_bytes_per_chip(c, jnp.bfloat16, ecfg.page_size, 1, tpu=True) for c in (cfg, draft))
     assert report.kv_bytes == report.num_pages * (page + draft_page)
     assert report.draft_kv_bytes == report.num_pages * draft_page

@@ -39,7 +39,7 @@ import os
 import time
 import weakref
 
-from jaxserve.checkpoint import load_for_mesh
+from jaxserve.checkpoint import load_for_mesh, saved_lm_head, saved_quantization
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
@@ -57,14 +57,39 @@ def default_draft_dir(target_dir: str, tiny_model_dir: str) -> str:
     return os.path.join(tiny_model_dir, "draft")
 
 
-def draft_model(ecfg: EngineConfig, target_dir: str, tiny_model_dir: str) -> tuple[str, ModelConfig] | None:
-    """The draft model's directory and config (speculative method draft), or None: read before the
-    target's pool is sized, which makes room for the draft's weights and pool (sizing.py)."""
+@dataclasses.dataclass(frozen=True)
+class DraftModel:
+    """A draft model: its directory, its config, and its weights as the proposer holds them (the
+    engine config's quantization and quantize_lm_head, else as its checkpoint was saved)."""
+    dir: str
+    cfg: ModelConfig
+    quantization: str | None
+    quantize_lm_head: bool
+
+    def engine_config(self, ecfg: EngineConfig, num_pages: int, max_model_len: int) -> EngineConfig:
+        """The draft runner's: the target's buckets (as many prefill rows a draft step as a target
+        step: every sequence catches up when speculation resumes after steps the throttle kept
+        plain, throttle.py, and each new one), the target's pool size, one KV group (its pool is
+        addressed by the target's group-0 page table, a full one: see above)."""
+        return dataclasses.replace(ecfg, model=self.dir, speculative=None, num_pages=num_pages,
+                                   max_model_len=max_model_len, hybrid_kv_cache=False,
+                                   quantize_lm_head=self.quantize_lm_head)
+
+
+def draft_model(ecfg: EngineConfig, target_dir: str, target_cfg: ModelConfig, tiny_model_dir: str) -> DraftModel | None:
+    """The draft model (speculative method draft), or None: read before the target's pool is
+    sized, which makes room for the draft's weights and pool (sizing.py). A draft must share the
+    target's tokenizer: another vocabulary is refused here, for the engine and `jaxserve check`."""
     spec = ecfg.speculative
     if spec is None or spec.method != "draft":
         return None
     draft_dir = spec.model or default_draft_dir(target_dir, tiny_model_dir)
-    return draft_dir, ModelConfig.from_pretrained(draft_dir)
+    cfg = ModelConfig.from_pretrained(draft_dir)
+    if cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(f"engine config: the draft model's vocabulary ({cfg.vocab_size} tokens) is not the "
+                         f"target's ({target_cfg.vocab_size}); a draft must share the target's tokenizer")
+    return DraftModel(draft_dir, cfg, ecfg.quantization or saved_quantization(draft_dir),
+                      ecfg.quantize_lm_head or saved_lm_head(draft_dir))
 
 
 @dataclasses.dataclass
@@ -76,18 +101,10 @@ class _Written:
 
 
 class DraftProposer:
-    def __init__(self, draft_dir: str, cfg: ModelConfig, target_cfg: ModelConfig, ecfg: EngineConfig, num_pages: int,
-                 max_model_len: int, mesh, dtype):
-        if cfg.vocab_size != target_cfg.vocab_size:
-            raise ValueError(f"engine config: the draft model's vocabulary ({cfg.vocab_size} tokens) is not the "
-                             f"target's ({target_cfg.vocab_size}); a draft must share the target's tokenizer")
-        # As many prefill rows a draft step as a target step: every sequence catches up when
-        # speculation resumes after steps the throttle kept plain (throttle.py), and each new one.
-        # Its pool is addressed by the target's group 0 page table, a full one: one group (see above).
-        draft_ecfg = dataclasses.replace(ecfg, model=draft_dir, speculative=None, num_pages=num_pages,
-                                         max_model_len=max_model_len, hybrid_kv_cache=False)
-        params = load_for_mesh(draft_dir, cfg, dtype, ecfg.quantization, mesh, ecfg.quantize_lm_head)
-        self.runner = ModelRunner(cfg, params, draft_ecfg, mesh=mesh, dtype=dtype)
+    def __init__(self, draft: DraftModel, ecfg: EngineConfig, num_pages: int, max_model_len: int, mesh, dtype):
+        params = load_for_mesh(draft.dir, draft.cfg, dtype, draft.quantization, mesh, draft.quantize_lm_head)
+        self.runner = ModelRunner(draft.cfg, params, draft.engine_config(ecfg, num_pages, max_model_len),
+                                  mesh=mesh, dtype=dtype)
         self.num_tokens = ecfg.speculative.num_tokens
         self._written: weakref.WeakKeyDictionary[Sequence, _Written] = weakref.WeakKeyDictionary()
 
