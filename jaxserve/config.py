@@ -69,6 +69,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False         # RMSNorm over each head of q and of k, before RoPE (Qwen3)
     qk_norm_per_head: bool = True  # False: qk_norm over the whole q and k projections, all heads together (OLMo 2)
+    qk_layernorm: bool = False    # LayerNorm over each head of q and of k, a weight for each head (Command R+, StableLM 2)
     hidden_act: str = "silu"      # the gated MLP's activation (models.layers.ACTIVATIONS)
     # Gemma: norms scale by (offset + weight), embeddings by sqrt(hidden_size), norms also after
     # attention and after the MLP ("sandwich"), an attention scale other than 1/sqrt(head_dim),

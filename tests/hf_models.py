@@ -1,4 +1,6 @@
 """Small seeded Hugging Face checkpoints for parity tests (written with save_pretrained)."""
+import re
+
 import torch
 import transformers as tf
 
@@ -70,10 +72,12 @@ CONFIGS = {
     # Llama's gated MLP in the LayerNorm decoder: StableLM's parallel block (one norm) and q/k/v
     # biases, RoPE on a quarter of each head; Cohere's bias-free LayerNorm, parallel block, RoPE in
     # pairs, logit scale; Cohere 2's window on 2 of 3 layers, the third without RoPE.
-    "stablelm_parallel": (tf.StableLmConfig, dict(num_attention_heads=4, num_key_value_heads=2, use_qkv_bias=True,
-                                                  use_parallel_residual=True, eos_token_id=None, bos_token_id=None)),
-    "cohere_parallel": (tf.CohereConfig, dict(num_attention_heads=4, num_key_value_heads=2, logit_scale=0.25,
-                                              pad_token_id=0, eos_token_id=None, bos_token_id=None)),
+    # StableLM 2 12B's and Command R+'s q and k LayerNormed per head (their weights spread below)
+    "stablelm_qk_layernorm": (tf.StableLmConfig, dict(num_attention_heads=4, num_key_value_heads=2, use_qkv_bias=True,
+                                                      use_parallel_residual=True, qk_layernorm=True,
+                                                      eos_token_id=None, bos_token_id=None)),
+    "cohere_qk_norm": (tf.CohereConfig, dict(num_attention_heads=4, num_key_value_heads=2, logit_scale=0.25,
+                                             use_qk_norm=True, pad_token_id=0, eos_token_id=None, bos_token_id=None)),
     "cohere2_window_nope": (tf.Cohere2Config, dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
                                                    sliding_window=12, sliding_window_pattern=3, logit_scale=0.25,
                                                    pad_token_id=0, eos_token_id=None, bos_token_id=None)),
@@ -211,12 +215,12 @@ def save_hf_model(name: str, out_dir: str, seed: int = 0, auto_class=tf.AutoMode
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
     if name in ("deepseek_v3", "deepseek_v2_lite", "glm4_moe", "qwen2_moe", "gpt_oss", "gpt_neox_parallel", "phi_partial",
                 "starcoder2_window", "gpt_bigcode_mqa", "gpt2_conv1d", "gptj_interleaved", "glm_interleaved", "glm4_sandwich", "olmo3_window",
-                "smollm3_nope", "seed_oss_bias", "helium_interleaved", "ernie4_5_bias", "exaone4_nope", "stablelm_parallel",
-                "cohere_parallel", "cohere2_window_nope"):
+                "smollm3_nope", "seed_oss_bias", "helium_interleaved", "ernie4_5_bias", "exaone4_nope", "stablelm_qk_layernorm",
+                "cohere_qk_norm", "cohere2_window_nope"):
         # norms start at (1, 0), biases at 0: make them matter
         with torch.no_grad():
             for name_, p in model.named_parameters():
-                if name_.endswith("norm.weight"):
+                if re.search(r"norms?(\.\d+)?\.weight$", name_):   # StableLM's per-head q_layernorm.norms.<h>
                     p.normal_(1, 0.5)
                 elif name_.endswith("bias"):
                     p.normal_(0, 0.1)

@@ -32,13 +32,12 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16, 
 # one KV head), GPT-J (Phi's block; its RoPE pairs stay within a head) and GLM (Phi-3's fused MLP,
 # Gemma 2's norms), OLMo 3 (OLMo 2's sharded q/k norms, Mistral's windows), Ministral, Seed-OSS, Helium,
 # ERNIE 4.5 (Llama's projections, biased or not; GLM's RoPE pairs), SmolLM3 and EXAONE 4 (NoPE layers,
-# Qwen3's per-head norms), StableLM and Cohere (Llama's MLP under Llama's rules, Phi's block)
-# change nothing that is sharded.
+# Qwen3's per-head norms), StableLM (Command R+'s per-head q/k LayerNorms, split with their heads)
+# and Cohere 2 (Llama's MLP under Llama's rules, Phi's block) change nothing that is sharded.
 TP_SKIP = {"llama_mha", "llama_gqa_rope3", "granite_multipliers", "gemma_geglu", "gemma3_multimodal",
            "gpt_neox_parallel", "starcoder2_window", "gpt_bigcode_mqa", "gptj_interleaved", "glm_interleaved",
            "glm4_sandwich", "olmo3_window", "ministral_layer_types", "smollm3_nope", "seed_oss_bias",
-           "helium_interleaved", "ernie4_5_bias", "exaone4_nope", "stablelm_parallel", "cohere_parallel",
-           "cohere2_window_nope"}
+           "helium_interleaved", "ernie4_5_bias", "exaone4_nope", "stablelm_qk_layernorm", "cohere2_window_nope"}
 
 
 def tp_meshes(names) -> dict[str, dict]:

@@ -96,12 +96,12 @@ def test_config_reads_family_features(pair):
         "glm_interleaved": lambda c: c.rope_interleaved and c.rope_scaling.rotary_fraction == 0.5 and c.qkv_bias
         and not c.o_bias and not c.sandwich_norms,
         "glm4_sandwich": lambda c: c.rope_interleaved and c.sandwich_norms and c.pre_norms and c.qkv_bias,
-        "stablelm_parallel": lambda c: c.gated_mlp and c.shared_block_norm and c.qkv_bias and c.norm_bias
-        and c.rope_scaling.rotary_fraction == 0.25,
-        "cohere_parallel": lambda c: c.gated_mlp and c.shared_block_norm and c.rope_interleaved and not c.norm_bias
-        and c.logits_scaling == 4.0 and c.tie_word_embeddings,
+        "stablelm_qk_layernorm": lambda c: c.gated_mlp and c.shared_block_norm and c.qkv_bias and c.norm_bias
+        and c.rope_scaling.rotary_fraction == 0.25 and c.qk_layernorm and not c.qk_norm,
+        "cohere_qk_norm": lambda c: c.gated_mlp and c.shared_block_norm and c.rope_interleaved and not c.norm_bias
+        and c.logits_scaling == 4.0 and c.tie_word_embeddings and c.qk_layernorm and not c.qk_norm,
         "cohere2_window_nope": lambda c: c.sliding_windows == (12, 12, None) and c.nope_layers == (2,)
-        and c.logits_scaling == 4.0,
+        and c.logits_scaling == 4.0 and not c.qk_layernorm,
         "starcoder2_window": lambda c: c.sliding_windows == (12, 12) and c.num_kv_heads == 2 and c.norm_bias
         and c.mlp_bias and not c.parallel_residual and c.tie_word_embeddings,
         "olmo2": lambda c: c.qk_norm and not c.qk_norm_per_head and c.sandwich_norms and not c.pre_norms,

@@ -3,7 +3,8 @@ Cohere2ForCausalLM): the LayerNorm decoder (models/layernorm_decoder.py) with Ll
 
 Cohere specifics, all from config.json: LayerNorms without biases; a parallel block with one
 LayerNorm; RoPE rotating adjacent pairs of dims; biases only with `attention_bias`; tied
-embeddings; logits multiplied by `logit_scale` (a divisor here, as Granite's logits_scaling).
+embeddings; logits multiplied by `logit_scale` (a divisor here, as Granite's logits_scaling);
+with `use_qk_norm` (Command R+) q and k LayerNormed per head, a weight [heads, head_dim] each.
 Cohere 2 adds a sliding window on the layers `layer_types` calls sliding (three of every four),
 and only those rotate: its full-attention layers have no RoPE.
 """
@@ -17,15 +18,13 @@ from jaxserve.models.layers import rope_from_hf
 
 
 def cohere_config(hf: dict[str, Any], common: dict[str, Any], **family) -> ModelConfig:
-    if hf.get("use_qk_norm"):
-        raise ValueError("Cohere with use_qk_norm (Command R+) is not supported")
     theta, scaling = rope_from_hf(hf)
     bias = hf.get("attention_bias", False)
     return llama._config(hf, common, rms_norm_eps=hf.get("layer_norm_eps", 1e-5), rope_theta=theta,
                          rope_scaling=scaling, rope_interleaved=True, qkv_bias=bias, o_bias=bias,
                          tie_word_embeddings=hf.get("tie_word_embeddings", True),
                          logits_scaling=1.0 / hf.get("logit_scale", 0.0625), gated_mlp=True, parallel_residual=True,
-                         shared_block_norm=True, **family)
+                         shared_block_norm=True, qk_layernorm=bool(hf.get("use_qk_norm")), **family)
 
 
 def cohere2_config(hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:

@@ -16,8 +16,9 @@ What config.json chooses:
     GPT-NeoX; a split in whole heads, as tensor parallelism makes, keeps each head's q, k and v
     together), or three (MPT's fused Wqkv is read as three row ranges);
   * the MLP: plain, or gated as Llama's (`gated_mlp`: StableLM, Cohere);
-  * a LayerNorm after the embedding (BLOOM), q, k and v clamped (MPT), per-layer sliding
-    windows (StarCoder 2, Cohere 2), layers without RoPE (Cohere 2), an LM head bias (Phi).
+  * a LayerNorm after the embedding (BLOOM), q, k and v clamped (MPT), q and k LayerNormed per
+    head (Command R+, StableLM 2 12B), per-layer sliding windows (StarCoder 2, Cohere 2), layers
+    without RoPE (Cohere 2), an LM head bias (Phi).
 """
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ def hf_name(path: tuple[str, ...], names: dict[str, str], layers: str) -> str:
     return ".".join(parts)
 
 
-# Megatron layout as Llama's (llama.PARAM_AXES); the fused projection splits in whole heads.
+# Megatron layout as Llama's (llama.PARAM_AXES); the fused projection splits in whole heads, and
+# the per-head q and k norms' weights [heads, head_dim] (ModelConfig.qk_layernorm) with their heads.
 PARAM_AXES = {("qkv_proj", "weight"): ("heads", "embed"), ("qkv_proj", "bias"): ("heads",),
               ("embed_positions", "embedding"): ("positions", "embed"),
+              ("q_norm", "weight"): ("heads", "head_dim"), ("k_norm", "weight"): ("kv_heads", "head_dim"),
               **llama.PARAM_AXES, ("bias",): ("embed",)}   # LayerNorm biases
 
 

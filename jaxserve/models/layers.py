@@ -85,14 +85,16 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """torch.nn.LayerNorm, computed in float32 (BLOOM, MPT)."""
+    """torch.nn.LayerNorm over the last axis, computed in float32 (BLOOM, MPT). With per_head, a
+    weight for each head of x [..., heads, head_dim] (Cohere's and StableLM's q and k norms)."""
     eps: float
     use_bias: bool
     dtype: jnp.dtype = jnp.float32
+    per_head: bool = False
 
     @nn.compact
     def __call__(self, x):
-        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        w = self.param("weight", nn.initializers.ones, x.shape[-2 if self.per_head else -1:], self.dtype)
         xf = x.astype(jnp.float32)
         xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps) * w.astype(jnp.float32)

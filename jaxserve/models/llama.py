@@ -23,8 +23,8 @@ from jaxserve import attention
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache
 from jaxserve.matmul import matmul_t
-from jaxserve.models.layers import (ACTIVATIONS, GatedMLP, Linear, RMSNorm, SparseMoE, apply_rope, experts_product,
-                                    rope_frequencies, rope_from_hf)
+from jaxserve.models.layers import (ACTIVATIONS, GatedMLP, LayerNorm, Linear, RMSNorm, SparseMoE, apply_rope,
+                                    experts_product, rope_frequencies, rope_from_hf)
 from jaxserve.models.mla import LatentAttention
 
 
@@ -176,6 +176,9 @@ class Attention(nn.Module):
         v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
         if c.qk_norm and c.qk_norm_per_head:   # Qwen3, Gemma 3
             q, k = qk_norm(q, k)
+        if c.qk_layernorm:   # Command R+, StableLM 2 12B
+            q, k = (LayerNorm(c.rms_norm_eps, False, self.dtype, per_head=True, name=name)(a)
+                    for name, a in (("q_norm", q), ("k_norm", k)))
         # Positions: ALiBi (BLOOM, MPT), a learned table added to the embeddings (GPT-2), none on
         # NoPE layers (SmolLM3, EXAONE 4, Cohere 2), else RoPE.
         alibi = None if c.alibi_slopes is None else jnp.asarray(c.alibi_slopes, jnp.float32)

@@ -106,7 +106,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                                        llama.PARAM_AXES),
     "SmolLM3ForCausalLM": Architecture(llama_variants.smollm3_config, llama.LlamaForCausalLM, llama.hf_tensor,
                                        llama.PARAM_AXES),
-    "StableLmForCausalLM": Architecture(stablelm.stablelm_config, LayerNormForCausalLM, llama.hf_tensor,
+    "StableLmForCausalLM": Architecture(stablelm.stablelm_config, LayerNormForCausalLM, stablelm.hf_tensor,
                                         LAYERNORM_AXES),
     "Starcoder2ForCausalLM": Architecture(starcoder2.starcoder2_config, LayerNormForCausalLM, starcoder2.hf_tensor,
                                           LAYERNORM_AXES),
