@@ -29,7 +29,7 @@ from jaxserve.block_manager import BlockManager, sequence_pages
 from jaxserve.checkpoint import load_for_mesh, resolve_dtype, saved_lm_head, saved_quantization
 from jaxserve.config import EngineConfig
 from jaxserve.outputs import CompletionOutput, Request, RequestOutput, join
-from jaxserve.runner import Launched, ModelRunner, SampleResult
+from jaxserve.runner import ModelRunner, SampleResult
 from jaxserve.sampling import reads_outputs, samples_ahead
 from jaxserve.sampling_params import InvalidRequest, PoolingParams, SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput
@@ -38,6 +38,7 @@ from jaxserve.sleep_mode import require_awake
 from jaxserve.spec_decode import ngram
 from jaxserve.spec_decode.draft import DraftProposer, draft_model
 from jaxserve.spec_decode.throttle import Throttle
+from jaxserve.step_ops import Launched
 from jaxserve.structured.grammar import Grammars
 from jaxserve.token_limits import check_token_ids, sequence_limits
 from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -124,9 +125,6 @@ class LLMEngine:
             raise InvalidRequest("prompt is empty", param="prompt")
         check_token_ids(prompt_token_ids, params, self.model_cfg.vocab_size)
         adapter = lora.resolve(self.loras, params.lora_name)
-        if params.prompt_logprobs is not None and self.runner.prefills_sequence_parallel:
-            raise InvalidRequest("prompt_logprobs is not supported with sequence-parallel prefill",
-                                 param="prompt_logprobs")
         total = len(prompt_token_ids) + (params.max_tokens if pooled is None else 0)
         if total > self.max_model_len:
             tokens = "" if pooled else f" and max_tokens is {params.max_tokens} ({total} in total)"

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,7 @@ from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step import (make_multi_step, make_step, multi_step_variant, multi_step_variants, page_copy_batches,
                            serving_sample, table_groups)
+from jaxserve.step_ops import MULTI_STEP, POOL, PROMPT_LOGPROBS, SAMPLE, SEQUENCE_PARALLEL, STEP, Launched, Op
 
 if TYPE_CHECKING:   # the draft imports this module
     from jaxserve.spec_decode.draft import DraftModel
@@ -139,9 +140,15 @@ class ModelRunner:
         just before, which must have sampled it (see jaxserve/engine.py). `sample_later`: the
         batched step's sampler waits, its logits on the device, for `sample`."""
         split = self.prefills_sequence_parallel
-        ops = [self._sequence_parallel_op(s, seeds) for s in out.scheduled if split and s.is_prefill_row]
+        ops, plp_counts, metadata = [], [], None   # plp_counts: each prompt-logprobs op's counts, in order
+        for s in out.scheduled:
+            if split and s.is_prefill_row:
+                ops.append(self._sequence_parallel_op(s, seeds))
+                plp = prompt_logprobs.pack([(s, 0)], len(ops[-1].arrays[0]))
+                if plp is not None:   # scored from its hidden states
+                    ops.append(Op([PROMPT_LOGPROBS], plp[2], plp[0], None))
+                    plp_counts.append(plp[1])
         rest = [s for s in out.scheduled if not (split and s.is_prefill_row)]
-        plp_counts = metadata = None
         if rest:
             batch = pack(dataclasses.replace(out, scheduled=rest), self.buckets, self.max_pages_per_seq,
                          self.num_pages, self.page_size, self.ready_shapes, self.table_groups)
@@ -163,17 +170,18 @@ class ModelRunner:
                 # which compiled variant (multi_step_variants): filters -1 None, 0 False, 1 True
                 filters = multi_step_variant(multi_step_variants(parallel.platform(self.mesh)), md, self.cfg.vocab_size)
                 filters = -1 if filters is None else int(filters)
-                ops.append(_Op([_MULTI_STEP, self.ecfg.decode_steps, filters],
+                ops.append(Op([MULTI_STEP, self.ecfg.decode_steps, filters],
                                (*lora, *batch.arrays, token_src, row_steps, pending), seqs, md))
             else:
-                ops.append(_Op([_STEP, batch.num_prefill_rows, batch.max_q, batch.decode_q, int(sample_later)],
+                ops.append(Op([STEP, batch.num_prefill_rows, batch.max_q, batch.decode_q, int(sample_later)],
                                (*lora, *batch.arrays, token_src), seqs, None if sample_later else metadata()))
             self._last_rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
             if batch.prompt_logprobs is not None:   # scored from that step's hidden states
-                plp_seqs, plp_counts, plp_arrays = batch.prompt_logprobs
-                ops.append(_Op([_PROMPT_LOGPROBS], plp_arrays, plp_seqs, None))
+                plp_seqs, counts, plp_arrays = batch.prompt_logprobs
+                ops.append(Op([PROMPT_LOGPROBS], plp_arrays, plp_seqs, None))
+                plp_counts.append(counts)
             if batch.pooling is not None:   # pooled from that step's hidden states
-                ops.append(_Op([_POOL], batch.pooling[1], batch.pooling[0], None))
+                ops.append(Op([POOL], batch.pooling[1], batch.pooling[0], None))
         message = [np.asarray(out.page_copies, np.int32).reshape(-1, 2)]
         for op in ops:
             message += op.message()
@@ -187,30 +195,30 @@ class ModelRunner:
         (grammar masks and penalty history from the sequences' outputs as the host knows them now:
         the engine collected the step before first), as a message of its own (multi-host)."""
         md = launched.sampler_arrays()
-        message = [np.zeros((0, 2), np.int32), *_Op([_SAMPLE], (), [], md).message()]
+        message = [np.zeros((0, 2), np.int32), *Op([SAMPLE], (), [], md).message()]
         if self.broadcaster is not None:
             message = self.broadcaster.send(message)
         [sampled] = self.replay(message)
-        step = next(i for i, op in enumerate(launched.ops) if op.static[0] == _STEP)
+        step = next(i for i, op in enumerate(launched.ops) if op.static[0] == STEP)
         return launched._replace(sampled=[sampled if i == step else s for i, s in enumerate(launched.sampled)],
                                  sampler_arrays=None)
 
     def collect(self, launched: "Launched") -> dict[int, list[SampleResult]]:
         """Wait for a launched batch; returns seq_id -> the SampleResults of a sampling row's
         positions, in order (one, a verify row's k + 1, or a multi-step decode's num_steps)."""
-        results = {}
+        results, plp_counts = {}, iter(launched.prompt_logprob_counts)
         for op, sampled in zip(launched.ops, launched.sampled):
             if not op.seqs:
                 continue
-            if op.static[0] == _PROMPT_LOGPROBS:
-                prompt_logprobs.accumulate(op.seqs, launched.prompt_logprob_counts, op.arrays[1],
-                                           multihost.local_value(sampled), SampleResult)
+            if op.static[0] == PROMPT_LOGPROBS:
+                prompt_logprobs.accumulate(op.seqs, next(plp_counts), op.arrays[1], multihost.local_value(sampled),
+                                           SampleResult)
                 continue
-            if op.static[0] == _POOL:
+            if op.static[0] == POOL:
                 pooling.accumulate(op.seqs, jax.device_get(multihost.local_value(sampled)))
                 continue
             res: SampleOutput = jax.device_get(multihost.local_value(sampled))
-            if op.static[0] == _MULTI_STEP:   # [steps, rows]; row i ran op.arrays[-2][i] steps
+            if op.static[0] == MULTI_STEP:   # [steps, rows]; row i ran op.arrays[-2][i] steps
                 row_steps = op.arrays[-2].tolist()
             else:
                 res, row_steps = jax.tree.map(lambda a: a[None], res), [1] * len(op.seqs)
@@ -223,7 +231,7 @@ class ModelRunner:
                     row.append(SampleResult(tokens[k][i], logprobs[k][i], top))
         return results
 
-    def _sequence_parallel_op(self, s, seeds: dict[int, int]) -> "_Op":
+    def _sequence_parallel_op(self, s, seeds: dict[int, int]) -> "Op":
         """One prefill chunk for sequence_parallel_prefill: its tokens padded to a token bucket
         (a multiple of the "seq" size), (new, cached) token counts, the full-width page row."""
         seq, n, start = s.seq, s.num_query_tokens, s.seq.num_computed_tokens
@@ -233,52 +241,55 @@ class ModelRunner:
         for row, table in zip(rows, seq.page_tables):
             row[:len(table)] = table
         seqs = [seq] if s.num_sampled else []
-        return _Op([_SEQUENCE_PARALLEL], (tokens, np.array([n, start], np.int32), drop_lone_group(rows)), seqs,
+        return Op([SEQUENCE_PARALLEL], (tokens, np.array([n, start], np.int32), drop_lone_group(rows)), seqs,
                    metadata_for(seqs, seeds, 1, self.max_model_len))
 
     def replay(self, message: list[np.ndarray]) -> list[SampleOutput | None]:
-        """Launch one step's computations from its host arrays (see `_Op.message`): the page
+        """Launch one step's computations from its host arrays (see `Op.message`): the page
         copies, then each op (a sequence-parallel prefill or the batched step) and its sampler.
         Every process of a multi-host mesh runs this with the same message, process 0 from
         `launch`, the others from `follow`. Returns each op's samples (None: no row samples)."""
         copies, *rest = message
         if len(copies):
             self.copy_pages(copies)
-        sampled, hidden = [], None
+        sampled, hidden, hidden_split = [], None, False
         while rest:
             (num_arrays, num_md, kind, *static), *rest = rest
             arrays, md, rest = rest[:num_arrays], rest[num_arrays:num_arrays + num_md], rest[num_arrays + num_md:]
-            if kind == _PROMPT_LOGPROBS:   # over the hidden states of the step just before
-                sampled.append(self._prompt_logprobs(hidden, *arrays))
+            if kind == PROMPT_LOGPROBS:   # over the hidden states of the step (or prefill) just before
+                sampled.append(self._prompt_logprobs(hidden, *arrays, sequence_parallel=hidden_split))
                 continue
-            if kind == _POOL:   # likewise
+            if kind == POOL:   # likewise
                 sampled.append(self._pool(hidden, *arrays))
                 continue
             lora = ()
-            if self.lora is not None and kind in (_STEP, _MULTI_STEP):   # the tokens' adapter slots come first
+            if self.lora is not None and kind in (STEP, MULTI_STEP):   # the tokens' adapter slots come first
                 lora, arrays = (StepLora(self.lora.weights, arrays[0]),), arrays[1:]
-            if kind == _MULTI_STEP:   # samples inside; its arrays end with row_steps, pending
+            if kind == MULTI_STEP:   # samples inside; its arrays end with row_steps, pending
                 outs, self.kv_cache, self._last_sampled, self._last_run = self._run(
                     "multi_step", self._multi_step, (self.params, self.kv_cache),
                     (*arrays, self._last_sampled, self._last_run, SamplingMetadata(*md), *lora), steps=int(static[0]),
                     filters=None if static[1] < 0 else bool(static[1]))
                 sampled.append(outs)
                 continue
-            if kind == _SAMPLE:   # the sampler of the batched step before, sent on its own (`sample`)
+            if kind == SAMPLE:   # the sampler of the batched step before, sent on its own (`sample`)
                 logits, self._unsampled_logits = self._unsampled_logits, None
-            elif kind == _STEP:   # its arrays end with token_src: PENDING tokens are read from _last_sampled
+            elif kind == STEP:   # its arrays end with token_src: PENDING tokens are read from _last_sampled
                 logits, self.kv_cache, hidden = self._run(
                     "step", self._step, (self.params, self.kv_cache), (*arrays, self._last_sampled, *lora),
                     num_prefill_rows=int(static[0]), max_q=int(static[1]), decode_q=int(static[2]))
+                hidden_split = False
                 if static[3]:   # its sampler comes later
                     self._unsampled_logits = logits
             else:
                 tokens, (num_tokens, num_cached), row = arrays
-                logits, self.kv_cache = self._run("sequence_parallel_prefill", self._sp_prefill,
-                                                  (self.params, self.kv_cache), (tokens, num_tokens, num_cached, row))
+                logits, self.kv_cache, hidden = self._run("sequence_parallel_prefill", self._sp_prefill,
+                                                          (self.params, self.kv_cache),
+                                                          (tokens, num_tokens, num_cached, row))
+                hidden_split = True
             out, padded = self._sample(logits, SamplingMetadata(*md)) if md else (None, None)
             sampled.append(out)
-            if kind in (_STEP, _SAMPLE) and md:
+            if kind in (STEP, SAMPLE) and md:
                 self._last_sampled = padded
         return sampled
 
@@ -296,8 +307,11 @@ class ModelRunner:
         """The samples, and their tokens padded to max_logit_rows (the next _last_sampled)."""
         return self._run("sample", serving_sample, (), (logits, md), length=self.buckets.max_logit_rows)
 
-    def _prompt_logprobs(self, hidden, index, targets):
-        return self._run("prompt_logprobs", self._scorer, (self.params,), (hidden, index, targets))
+    def _prompt_logprobs(self, hidden, index, targets, sequence_parallel: bool = False):
+        """Scored from a batched step's hidden states, or a sequence-parallel prefill's (split
+        over "seq": an executable of its own, same shapes)."""
+        name = "sequence_parallel_prompt_logprobs" if sequence_parallel else "prompt_logprobs"
+        return self._run(name, self._scorer, (self.params,), (hidden, index, targets))
 
     def _pool(self, hidden, index, segments):
         return self._run("pool", self._pooler, (), (hidden, index, segments))
@@ -368,32 +382,3 @@ class ModelRunner:
     def stop_warmup(self) -> None:
         if self.background_warmup is not None:
             self.background_warmup.stop()
-
-
-_STEP, _SEQUENCE_PARALLEL, _PROMPT_LOGPROBS, _SAMPLE, _MULTI_STEP, _POOL = 0, 1, 2, 3, 4, 5
-
-
-class Launched(NamedTuple):
-    """A batch on its way (ModelRunner.launch): its computations and their device outputs."""
-    ops: list
-    sampled: list                       # per op: its SampleOutput, prompt logprobs, pooling sums or None, on device
-    prompt_logprob_counts: list | None
-    sampler_arrays: Callable[[], SamplingMetadata] | None = None   # the batched step's sampler waits for `sample`
-
-
-class _Op(NamedTuple):
-    """One computation of a step (the batched step, a sequence-parallel prefill, the prompt
-    logprobs or the pooling sums of the batched step just before, the batched step's deferred
-    sampler, or a multi-step decode) and its sampler."""
-    static: list            # kind, then the static args (step: num_prefill_rows, max_q, decode_q, sample
-                            # later; multi-step: steps, filters)
-    arrays: tuple           # the computation's host arrays (the step's: then where PENDING tokens are read)
-    seqs: list              # the sequences it samples for, in row order
-    md: SamplingMetadata | None
-
-    def message(self) -> list[np.ndarray]:
-        """As host arrays (what multi-host broadcasts): a header (array counts, kind, static
-        args), the arrays, the sampler's arrays."""
-        md = [] if self.md is None else [np.asarray(getattr(self.md, f.name)) for f in dataclasses.fields(self.md)]
-        return [np.array([len(self.arrays), len(md), *self.static], np.int32), *self.arrays, *md]
-

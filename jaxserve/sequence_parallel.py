@@ -37,7 +37,8 @@ def sequence_parallel_prefill(model, mesh, params, kv_cache, tokens, num_tokens,
     num_cached: tokens of this sequence already in the cache (the new ones follow them);
     page_table_row: int32[P], the sequence's pages (covering num_cached + num_tokens); with KV
     groups (jaxserve/kv_groups.py) [G, P], its pages of each group.
-    Returns (float32[1, vocab] logits of the last new token, updated kv_cache).
+    Returns (float32[1, vocab] logits of the last new token, updated kv_cache, the final
+    hidden states [T, hidden] split over "seq": what prompt logprobs are scored from).
     """
     cfg: ModelConfig = model.cfg
     n = mesh.shape["seq"]
@@ -71,10 +72,10 @@ def sequence_parallel_prefill(model, mesh, params, kv_cache, tokens, num_tokens,
         last = num_tokens - 1
         h = jnp.where(last // chunk == s, hidden[last % chunk], 0)
         # In float32: XLA CPU's all-reduce promotion pass crashes on this bf16 psum (jax 0.10).
-        return jax.lax.psum(h.astype(jnp.float32), "seq").astype(h.dtype), kv_cache
+        return jax.lax.psum(h.astype(jnp.float32), "seq").astype(h.dtype), kv_cache, hidden
 
-    h, kv_cache = jax.shard_map(
-        shard, mesh=mesh, in_specs=(P(), P(), P("seq"), P(), P(), P()), out_specs=(P(), P()),
+    h, kv_cache, hidden = jax.shard_map(
+        shard, mesh=mesh, in_specs=(P(), P(), P("seq"), P(), P(), P()), out_specs=(P(), P(), P("seq")),
         # check_vma off: all_gather's result is typed as varying over "seq" although every shard
         # holds the same values, so the (truly replicated) cache output could not be declared P().
         axis_names={"seq"}, check_vma=False)(params, kv_cache, tokens, num_tokens, num_cached,
@@ -82,4 +83,4 @@ def sequence_parallel_prefill(model, mesh, params, kv_cache, tokens, num_tokens,
     logits = model.apply({"params": params}, h[None], method=model.logits)
     # As in the runner's step: vocab-split lm_head, then one gather of the logits.
     logits = jax.lax.with_sharding_constraint(logits, parallel.logits_sharding(cfg, mesh))
-    return jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh)), kv_cache
+    return jax.lax.with_sharding_constraint(logits, parallel.replicated(mesh)), kv_cache, hidden

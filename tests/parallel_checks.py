@@ -10,6 +10,7 @@ Also the helpers of tests/multihost_worker.py and benchmarks/parallel.py.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import sys
@@ -24,7 +25,7 @@ from benchmarks.hlo_collectives import hlo_collectives
 from jaxserve import checkpoint, parallel
 from jaxserve.compilations import CompileCounter
 from jaxserve.config import ModelConfig
-from jaxserve.generate import greedy_generate
+from jaxserve.generate import _step as generate_step, contiguous_kv_cache, greedy_generate
 from jaxserve.kv_cache import KVCache
 from jaxserve.models import build_model
 from jaxserve.sequence_parallel import sequence_parallel_prefill
@@ -134,7 +135,7 @@ def sharded_generate(cfg, params, mesh, sequence_parallel: bool, backend: str = 
             new = ps[i][start:]
             toks = np.zeros(16, np.int32)  # one bucket, a multiple of every seq size tested
             toks[:len(new)] = new
-            logits, kv = sequence_parallel_prefill(model, mesh, params, kv, toks, np.int32(len(new)),
+            logits, kv, _ = sequence_parallel_prefill(model, mesh, params, kv, toks, np.int32(len(new)),
                                                    np.int32(start), rows[i])
             out.append(np.asarray(logits)[0])
         logits = np.stack(out)
@@ -260,12 +261,26 @@ def check_data_parallel(model_dir: str) -> dict:
                                       for d in x.devices()}) for t in dp.threads]}
 
 
+def prompt_logprobs_reference(cfg, params, prompt: list[int]) -> np.ndarray:
+    """log p(prompt[p + 1] | prompt[:p + 1]) for each p: one contiguous-cache forward on one
+    device, every position's logits, a float64 log-softmax."""
+    n = len(prompt)
+    logits, _ = generate_step(build_model(cfg), params, contiguous_kv_cache(cfg, 1, n), np.array(prompt, np.int32),
+                              np.arange(n, dtype=np.int32), np.array([n], np.int32), np.array([0, n], np.int32),
+                              np.arange(n, dtype=np.int32), max_q=n)
+    logits = np.asarray(logits, np.float64)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    return logp[np.arange(n - 1), prompt[1:]]
+
+
 def check_engine_sequence_parallel(model_dir: str, shape: dict) -> dict:
     """The engine on a mesh with a "seq" axis: prefill chunks go through
     sequence_parallel_prefill (counted), chunked prompts reach their cached chunks, decodes run
     in the batched step; greedy tokens against one device, with every page freed or newly taken
-    poisoned (NaN: a chunk that read past its sequence's tokens would turn NaN). Warm-up first,
-    then no compilation."""
+    poisoned (NaN: a chunk that read past its sequence's tokens would turn NaN). The 70-token
+    prompt asks its prompt logprobs, scored from each chunk's hidden states. Warm-up first, then
+    no compilation."""
     from jaxserve.config import EngineConfig
     from jaxserve.engine import LLMEngine
     from jaxserve.sampling_params import SamplingParams
@@ -289,13 +304,19 @@ def check_engine_sequence_parallel(model_dir: str, shape: dict) -> dict:
     engine.runner._run = counting
     compiles = CompileCounter.count
     sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    ids = [engine.add_request(p, sp) for p in ps]
-    tokens = {i: [] for i in ids}
+    ids = [engine.add_request(p, dataclasses.replace(sp, prompt_logprobs=2) if len(p) == 70 else sp) for p in ps]
+    tokens, scored = {i: [] for i in ids}, None
     while engine.has_unfinished():
         for out in engine.step():
             tokens[out.request_id] += [t for c in out.outputs for t in c.token_ids]
+            scored = out.prompt_logprobs or scored
+    compiles = CompileCounter.count - compiles
+    want = prompt_logprobs_reference(cfg, checkpoint.load_params(model_dir, cfg), ps[2])
     return {"tokens_equal": [tokens[i] for i in ids] == ref, "prefill_tokens": sorted(calls),
-            "compiles_after_warmup": CompileCounter.count - compiles}
+            "compiles_after_warmup": compiles,
+            "prompt_logprobs_tokens_equal": [r.token for r in scored] == ps[2][1:],
+            "prompt_logprobs_max_diff": float(np.abs(np.array([r.logprob for r in scored]) - want).max()),
+            "prompt_logprobs_tops": [len(r.top) for r in scored][:3]}
 
 
 # engine_sp first: its count of compilations after warm-up must not find programs that an

@@ -185,3 +185,7 @@ def test_engine_routes_prefills_through_sequence_parallel(checks):
     # prefill chunk ran sequence-parallel, later chunks on top of cached ones.
     assert sum(r["prefill_tokens"]) == 5 + 40 + 70 + 23 and len(r["prefill_tokens"]) > 4, r
     assert r["compiles_after_warmup"] == 0
+    # The 70-token prompt's logprobs, every chunk's scored from its sequence-parallel hidden states.
+    assert r["prompt_logprobs_tokens_equal"], r
+    assert r["prompt_logprobs_max_diff"] < 1e-4, r
+    assert r["prompt_logprobs_tops"] == [2, 2, 2], r
