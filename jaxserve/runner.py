@@ -140,14 +140,13 @@ class ModelRunner:
         just before, which must have sampled it (see jaxserve/engine.py). `sample_later`: the
         batched step's sampler waits, its logits on the device, for `sample`."""
         split = self.prefills_sequence_parallel
-        ops, plp_counts, metadata = [], [], None   # plp_counts: each prompt-logprobs op's counts, in order
+        ops, metadata = [], None
         for s in out.scheduled:
             if split and s.is_prefill_row:
                 ops.append(self._sequence_parallel_op(s, seeds))
                 plp = prompt_logprobs.pack([(s, 0)], len(ops[-1].arrays[0]))
                 if plp is not None:   # scored from its hidden states
-                    ops.append(Op([PROMPT_LOGPROBS], plp[2], plp[0], None))
-                    plp_counts.append(plp[1])
+                    ops.append(Op([PROMPT_LOGPROBS], plp[2], plp[0], None, plp[1]))
         rest = [s for s in out.scheduled if not (split and s.is_prefill_row)]
         if rest:
             batch = pack(dataclasses.replace(out, scheduled=rest), self.buckets, self.max_pages_per_seq,
@@ -177,9 +176,8 @@ class ModelRunner:
                                (*lora, *batch.arrays, token_src), seqs, None if sample_later else metadata()))
             self._last_rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
             if batch.prompt_logprobs is not None:   # scored from that step's hidden states
-                plp_seqs, counts, plp_arrays = batch.prompt_logprobs
-                ops.append(Op([PROMPT_LOGPROBS], plp_arrays, plp_seqs, None))
-                plp_counts.append(counts)
+                plp_seqs, plp_counts, plp_arrays = batch.prompt_logprobs
+                ops.append(Op([PROMPT_LOGPROBS], plp_arrays, plp_seqs, None, plp_counts))
             if batch.pooling is not None:   # pooled from that step's hidden states
                 ops.append(Op([POOL], batch.pooling[1], batch.pooling[0], None))
         message = [np.asarray(out.page_copies, np.int32).reshape(-1, 2)]
@@ -188,7 +186,7 @@ class ModelRunner:
         if self.broadcaster is not None:
             message = self.broadcaster.send(message)
         later = functools.partial(metadata, launched=True) if sample_later else None
-        return Launched(ops, self.replay(message), plp_counts, later)
+        return Launched(ops, self.replay(message), later)
 
     def sample(self, launched: "Launched") -> "Launched":
         """Launch the sampler that `launch(sample_later=True)` left waiting, its arrays built now
@@ -206,12 +204,12 @@ class ModelRunner:
     def collect(self, launched: "Launched") -> dict[int, list[SampleResult]]:
         """Wait for a launched batch; returns seq_id -> the SampleResults of a sampling row's
         positions, in order (one, a verify row's k + 1, or a multi-step decode's num_steps)."""
-        results, plp_counts = {}, iter(launched.prompt_logprob_counts)
+        results = {}
         for op, sampled in zip(launched.ops, launched.sampled):
             if not op.seqs:
                 continue
             if op.static[0] == PROMPT_LOGPROBS:
-                prompt_logprobs.accumulate(op.seqs, next(plp_counts), op.arrays[1], multihost.local_value(sampled),
+                prompt_logprobs.accumulate(op.seqs, op.counts, op.arrays[1], multihost.local_value(sampled),
                                            SampleResult)
                 continue
             if op.static[0] == POOL:

@@ -18,7 +18,6 @@ class Launched(NamedTuple):
     """A batch on its way (ModelRunner.launch): its computations and their device outputs."""
     ops: list
     sampled: list                 # per op: its SampleOutput, prompt logprobs, pooling sums or None, on device
-    prompt_logprob_counts: list   # each prompt-logprobs op's counts (prompt_logprobs.pack), in order
     sampler_arrays: Callable[[], SamplingMetadata] | None = None   # the batched step's sampler waits for `sample`
 
 
@@ -31,6 +30,7 @@ class Op(NamedTuple):
     arrays: tuple           # the computation's host arrays (the step's: then where PENDING tokens are read)
     seqs: list              # the sequences it samples for, in row order
     md: SamplingMetadata | None
+    counts: list | None = None   # prompt logprobs: each sequence's scored rows (prompt_logprobs.pack); not sent
 
     def message(self) -> list[np.ndarray]:
         """As host arrays (what multi-host broadcasts): a header (array counts, kind, static
