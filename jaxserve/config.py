@@ -326,9 +326,6 @@ class EngineConfig:
                              f"{self.hf_overrides!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"engine config: runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
-        if self.runner == "pooling" and self.mesh.get("seq", 1) > 1:
-            raise ValueError("engine config: embeddings are not pooled from the sequence-parallel prefill (mesh "
-                             "seq > 1); serve them (runner pooling) without it")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"engine config: generation_config must be auto or none, got {self.generation_config!r}")
         if self.step_shapes not in ("all", "largest"):

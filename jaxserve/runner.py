@@ -144,9 +144,13 @@ class ModelRunner:
         for s in out.scheduled:
             if split and s.is_prefill_row:
                 ops.append(self._sequence_parallel_op(s, seeds))
-                plp = prompt_logprobs.pack([(s, 0)], len(ops[-1].arrays[0]))
+                tokens = len(ops[-1].arrays[0])
+                plp = prompt_logprobs.pack([(s, 0)], tokens)
+                pooled = pooling.pack([(s, 0)], tokens, self.ecfg.max_num_seqs)
                 if plp is not None:   # scored from its hidden states
                     ops.append(Op([PROMPT_LOGPROBS], plp[2], plp[0], None, plp[1]))
+                if pooled is not None:   # pooled from them
+                    ops.append(Op([POOL], pooled[1], pooled[0], None))
         rest = [s for s in out.scheduled if not (split and s.is_prefill_row)]
         if rest:
             batch = pack(dataclasses.replace(out, scheduled=rest), self.buckets, self.max_pages_per_seq,
@@ -258,7 +262,7 @@ class ModelRunner:
                 sampled.append(self._prompt_logprobs(hidden, *arrays, sequence_parallel=hidden_split))
                 continue
             if kind == POOL:   # likewise
-                sampled.append(self._pool(hidden, *arrays))
+                sampled.append(self._pool(hidden, *arrays, sequence_parallel=hidden_split))
                 continue
             lora = ()
             if self.lora is not None and kind in (STEP, MULTI_STEP):   # the tokens' adapter slots come first
@@ -307,12 +311,13 @@ class ModelRunner:
 
     def _prompt_logprobs(self, hidden, index, targets, sequence_parallel: bool = False):
         """Scored from a batched step's hidden states, or a sequence-parallel prefill's (split
-        over "seq": an executable of its own, same shapes)."""
+        over "seq": an executable of its own, same shapes); so are `_pool`'s sums."""
         name = "sequence_parallel_prompt_logprobs" if sequence_parallel else "prompt_logprobs"
         return self._run(name, self._scorer, (self.params,), (hidden, index, targets))
 
-    def _pool(self, hidden, index, segments):
-        return self._run("pool", self._pooler, (), (hidden, index, segments))
+    def _pool(self, hidden, index, segments, sequence_parallel: bool = False):
+        name = "sequence_parallel_pool" if sequence_parallel else "pool"
+        return self._run(name, self._pooler, (), (hidden, index, segments))
 
     @property
     def pools(self) -> bool:

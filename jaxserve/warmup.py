@@ -55,7 +55,8 @@ def warm_up(runner, background: bool = False) -> int:
                 "sequence_parallel_prefill", runner._sp_prefill, (runner.params, runner.kv_cache),
                 empty_sequence_parallel_prefill(t, runner.max_pages_per_seq, runner.table_groups))
             empty = np.zeros(t, np.int32)
-            jax.block_until_ready(runner._prompt_logprobs(hidden, empty, empty, sequence_parallel=True))
+            jax.block_until_ready(runner._pool(hidden, empty, empty, sequence_parallel=True) if runner.pools else
+                                  runner._prompt_logprobs(hidden, empty, empty, sequence_parallel=True))
     runner.copy_pages([(0, 0)])
     if runner.ecfg.poison_freed_pages:   # the test build's poisoning (runner.poison_pages), of no page
         runner.poison_pages(SchedulerOutput([], [], []), [])
@@ -147,12 +148,13 @@ def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
         hidden = _outputs(runner.executables.get(key("step", args, **static)))[2]
         work.append(_lowering("pool", runner._pooler, (), (hidden, args[0], args[0])) if runner.pools else
                     _lowering("prompt_logprobs", runner._scorer, (runner.params,), (hidden, args[0], args[0])))
-    if beside and runner.prefills_sequence_parallel:   # scorers of hidden states split over "seq" (no pooling)
+    if beside and runner.prefills_sequence_parallel:   # likewise, of hidden states split over "seq"
         for t in runner.buckets.tokens:
             args = empty_sequence_parallel_prefill(t, runner.max_pages_per_seq, runner.table_groups)
             hidden = _outputs(runner.executables.get(key("sequence_parallel_prefill", args)))[2]
-            work.append(_lowering("sequence_parallel_prompt_logprobs", runner._scorer, (runner.params,),
-                                  (hidden, args[0], args[0])))
+            work.append(_lowering("sequence_parallel_pool", runner._pooler, (), (hidden, args[0], args[0]))
+                        if runner.pools else _lowering("sequence_parallel_prompt_logprobs", runner._scorer,
+                                                       (runner.params,), (hidden, args[0], args[0])))
     runner.executables.build(dict(work))
 
 

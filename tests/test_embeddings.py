@@ -171,14 +171,17 @@ def test_mean_pooling_over_chunks_matches_transformers(mean_llm):
                                atol=2e-4)
 
 
-def test_tensor_parallel_embeddings_match_one_device(mean_llm):
-    """MEAN embeddings at TP 2 (fake CPU devices, in a subprocess: this file's main) equal one device's."""
+def test_tensor_and_sequence_parallel_embeddings_match_one_device(mean_llm):
+    """MEAN embeddings at TP 2 and with sequence-parallel prefill over 2 (each chunk pooled from
+    its hidden states split over "seq"; fake CPU devices, in a subprocess: this file's main)
+    equal one device's."""
     llm, _ = mean_llm
     proc = subprocess.run([sys.executable, "-m", "tests.test_embeddings", llm.llm_engine.model_dir], cwd=ROOT,
                           capture_output=True, text=True, env=fake_devices_env(2), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     one_device = [o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)]
-    np.testing.assert_allclose(json.loads(proc.stdout.strip().splitlines()[-1]), one_device, atol=1e-5)
+    for mesh, got in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        np.testing.assert_allclose(got, one_device, atol=1e-5, err_msg=mesh)
 
 
 def test_runners_refuse_each_others_requests(mean_llm):
@@ -187,8 +190,6 @@ def test_runners_refuse_each_others_requests(mean_llm):
         llm.generate([1, 2], SamplingParams(max_tokens=1), use_tqdm=False)
     with pytest.raises(InvalidRequest, match="Matryoshka"):
         llm.embed([1, 2], PoolingParams(dimensions=8), use_tqdm=False)
-    with pytest.raises(ValueError, match="sequence-parallel prefill"):
-        EngineConfig(runner="pooling", mesh={"data": 1, "model": 1, "seq": 2})
     with pytest.raises(InvalidRequest, match="does not serve embeddings"):
         LLM(None, runner="generate", max_model_len=64, max_num_seqs=2, compilation_cache_dir=None,
             max_num_batched_tokens=16).embed([1, 2], use_tqdm=False)
@@ -218,6 +219,6 @@ def test_pooling_sums_over_chunks_and_a_preemption(kind):
         np.testing.assert_allclose(seqs[n].pooling.result(n), want, atol=1e-5)
 
 
-if __name__ == "__main__":   # the TP 2 run, on the fake devices of this process
-    tp = LLM(sys.argv[1], mesh={"data": 1, "model": 2, "seq": 1}, **ENGINE)
-    print(json.dumps([o.outputs.embedding for o in tp.embed(PROMPTS, use_tqdm=False)]))
+if __name__ == "__main__":   # the TP 2 and SP 2 runs, on the fake devices of this process
+    print(json.dumps({axis: [o.outputs.embedding for o in LLM(sys.argv[1], mesh={axis: 2}, **ENGINE).embed(
+        PROMPTS, use_tqdm=False)] for axis in ("model", "seq")}))
