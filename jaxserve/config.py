@@ -349,9 +349,6 @@ class EngineConfig:
             raise ValueError("engine config: a multi-host engine loads LoRA adapters at start only (a later load "
                              "is not sent to the other processes): max_loras must hold every lora_modules adapter, "
                              "and allow_runtime_lora_updating is off")
-        if self.serves_lora and self.mesh.get("seq", 1) > 1:
-            raise ValueError("engine config: LoRA adapters are not applied by the sequence-parallel prefill "
-                             "(mesh seq > 1); serve them without it")
         if self.distributed is not None and self.mesh.get("data", 1) > 1:
             raise ValueError("engine config: data-parallel replicas (mesh data > 1) run in one process; "
                              "a multi-host engine is one engine over all hosts' devices")

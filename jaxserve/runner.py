@@ -243,8 +243,9 @@ class ModelRunner:
         for row, table in zip(rows, seq.page_tables):
             row[:len(table)] = table
         seqs = [seq] if s.num_sampled else []
-        return Op([SEQUENCE_PARALLEL], (tokens, np.array([n, start], np.int32), drop_lone_group(rows)), seqs,
-                   metadata_for(seqs, seeds, 1, self.max_model_len))
+        lora = () if self.lora is None else (np.where(np.arange(len(tokens)) < n, seq.lora_slot, 0).astype(np.int32),)
+        return Op([SEQUENCE_PARALLEL], (*lora, tokens, np.array([n, start], np.int32), drop_lone_group(rows)), seqs,
+                  metadata_for(seqs, seeds, 1, self.max_model_len))
 
     def replay(self, message: list[np.ndarray]) -> list[SampleOutput | None]:
         """Launch one step's computations from its host arrays (see `Op.message`): the page
@@ -265,7 +266,7 @@ class ModelRunner:
                 sampled.append(self._pool(hidden, *arrays, sequence_parallel=hidden_split))
                 continue
             lora = ()
-            if self.lora is not None and kind in (STEP, MULTI_STEP):   # the tokens' adapter slots come first
+            if self.lora is not None and kind in (STEP, MULTI_STEP, SEQUENCE_PARALLEL):   # the tokens' slots first
                 lora, arrays = (StepLora(self.lora.weights, arrays[0]),), arrays[1:]
             if kind == MULTI_STEP:   # samples inside; its arrays end with row_steps, pending
                 outs, self.kv_cache, self._last_sampled, self._last_run = self._run(
@@ -287,7 +288,7 @@ class ModelRunner:
                 tokens, (num_tokens, num_cached), row = arrays
                 logits, self.kv_cache, hidden = self._run("sequence_parallel_prefill", self._sp_prefill,
                                                           (self.params, self.kv_cache),
-                                                          (tokens, num_tokens, num_cached, row))
+                                                          (tokens, num_tokens, num_cached, row, *lora))
                 hidden_split = True
             out, padded = self._sample(logits, SamplingMetadata(*md)) if md else (None, None)
             sampled.append(out)

@@ -30,13 +30,15 @@ from jaxserve.config import ModelConfig
 @functools.partial(jax.jit, static_argnames=("model", "mesh", "backend"),
                    donate_argnames=("kv_cache",))
 def sequence_parallel_prefill(model, mesh, params, kv_cache, tokens, num_tokens, num_cached,
-                              page_table_row, *, backend: str = "xla"):
+                              page_table_row, lora=None, *, backend: str = "xla"):
     """Prefill one sequence's `num_tokens` new tokens split over the "seq" axis.
 
     tokens: int32[T], T a multiple of the "seq" size, real tokens first then padding;
     num_cached: tokens of this sequence already in the cache (the new ones follow them);
     page_table_row: int32[P], the sequence's pages (covering num_cached + num_tokens); with KV
-    groups (jaxserve/kv_groups.py) [G, P], its pages of each group.
+    groups (jaxserve/kv_groups.py) [G, P], its pages of each group; lora: a StepLora
+    (jaxserve/lora.py: the adapters' stacks, whole on every shard, and the tokens' slots [T],
+    split with them), or None: the program has no LoRA.
     Returns (float32[1, vocab] logits of the last new token, updated kv_cache, the final
     hidden states [T, hidden] split over "seq": what prompt logprobs are scored from).
     """
@@ -49,7 +51,7 @@ def sequence_parallel_prefill(model, mesh, params, kv_cache, tokens, num_tokens,
     num_pages, page_size = kv_cache.num_pages, kv_cache.page_size
     kv_spec = parallel.kv_cache_sharding(cfg, mesh).spec
 
-    def shard(params, kv_cache, tokens, num_tokens, num_cached, page_table_row):
+    def shard(params, kv_cache, tokens, num_tokens, num_cached, page_table_row, lora):
         s = jax.lax.axis_index("seq")
         # Every shard writes all T tokens' K/V (gathered in attention), so it needs all slots.
         idx = jnp.arange(t)
@@ -68,18 +70,20 @@ def sequence_parallel_prefill(model, mesh, params, kv_cache, tokens, num_tokens,
             query_start_loc=jnp.stack([0, real]).astype(jnp.int32),
             max_q=chunk, backend=backend, seq_axis="seq", kv_sharding=kv_spec,
             platform=parallel.platform(mesh))
-        hidden, kv_cache = model.apply({"params": params}, tokens, positions, kv_cache, meta)
+        variables = {"params": params} if lora is None else {"params": params, "lora": lora.variables()}
+        hidden, kv_cache = model.apply(variables, tokens, positions, kv_cache, meta)
         last = num_tokens - 1
         h = jnp.where(last // chunk == s, hidden[last % chunk], 0)
         # In float32: XLA CPU's all-reduce promotion pass crashes on this bf16 psum (jax 0.10).
         return jax.lax.psum(h.astype(jnp.float32), "seq").astype(h.dtype), kv_cache, hidden
 
+    lora_spec = P() if lora is None else type(lora)(P(), P("seq"))   # weights whole, token slots split
     h, kv_cache, hidden = jax.shard_map(
-        shard, mesh=mesh, in_specs=(P(), P(), P("seq"), P(), P(), P()), out_specs=(P(), P(), P("seq")),
+        shard, mesh=mesh, in_specs=(P(), P(), P("seq"), P(), P(), P(), lora_spec), out_specs=(P(), P(), P("seq")),
         # check_vma off: all_gather's result is typed as varying over "seq" although every shard
         # holds the same values, so the (truly replicated) cache output could not be declared P().
         axis_names={"seq"}, check_vma=False)(params, kv_cache, tokens, num_tokens, num_cached,
-                                             page_table_row)
+                                             page_table_row, lora)
     logits = model.apply({"params": params}, h[None], method=model.logits)
     # As in the runner's step: vocab-split lm_head, then one gather of the logits.
     logits = jax.lax.with_sharding_constraint(logits, parallel.logits_sharding(cfg, mesh))

@@ -43,12 +43,12 @@ def step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, las
     with `lora` (LoRA adapters' weights) its StepLora, every token on slot 0; `groups`: the page
     tables' (Buckets.empty_batch)."""
     batch = shape.empty_batch(max_pages_per_seq, padding_slot, groups)
-    return *batch, np.full(shape.tokens, -1, np.int32), last_sampled, *empty_lora(shape, lora)
+    return *batch, np.full(shape.tokens, -1, np.int32), last_sampled, *empty_lora(shape.tokens, lora)
 
 
-def empty_lora(shape: StepShape, lora) -> tuple:
-    """() without LoRA weights, else (StepLora with every token of `shape` on slot 0 (none),)."""
-    return () if lora is None else (StepLora(lora, np.zeros(shape.tokens, np.int32)),)
+def empty_lora(tokens: int, lora) -> tuple:
+    """() without LoRA weights, else (StepLora with each of `tokens` tokens on slot 0 (none),)."""
+    return () if lora is None else (StepLora(lora, np.zeros(tokens, np.int32)),)
 
 
 def multi_step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: int, last_sampled, last_run,
@@ -59,7 +59,7 @@ def multi_step_arrays(shape: StepShape, max_pages_per_seq: int, padding_slot: in
     *arrays, last_sampled = step_arrays(shape, max_pages_per_seq, padding_slot, last_sampled, groups=groups)
     md = sampler_variants(shape.logit_rows, max_model_len, vocab_size)[int(penalties)]
     none = np.zeros(shape.logit_rows, np.int32)
-    return *arrays, none, none, last_sampled, last_run, md, *empty_lora(shape, lora)
+    return *arrays, none, none, last_sampled, last_run, md, *empty_lora(shape.tokens, lora)
 
 
 def last_sampled_spec(mesh, *shape: int) -> jax.ShapeDtypeStruct:
@@ -104,10 +104,11 @@ def sampler_lowerings(rows: list[int], vocab_size: int, mesh, max_model_len: int
             for name, args in sampler_args(rows, vocab_size, mesh, max_model_len)]
 
 
-def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int, groups: int = 1) -> tuple:
-    """sequence_parallel_prefill's arrays for no token (nothing written); `groups`: table_groups."""
+def empty_sequence_parallel_prefill(tokens: int, max_pages_per_seq: int, groups: int = 1, lora=None) -> tuple:
+    """sequence_parallel_prefill's arrays for no token (nothing written); `groups`: table_groups;
+    with `lora` (LoRA adapters' weights) its StepLora, every token on slot 0."""
     row = drop_lone_group(np.zeros((groups, max_pages_per_seq), np.int32))
-    return np.zeros(tokens, np.int32), np.int32(0), np.int32(0), row
+    return np.zeros(tokens, np.int32), np.int32(0), np.int32(0), row, *empty_lora(tokens, lora)
 
 
 def table_groups(kv_cache) -> int:

@@ -53,7 +53,7 @@ def warm_up(runner, background: bool = False) -> int:
         for t in runner.buckets.tokens:
             _, runner.kv_cache, hidden = runner._run(
                 "sequence_parallel_prefill", runner._sp_prefill, (runner.params, runner.kv_cache),
-                empty_sequence_parallel_prefill(t, runner.max_pages_per_seq, runner.table_groups))
+                _sequence_parallel_args(runner, t))
             empty = np.zeros(t, np.int32)
             jax.block_until_ready(runner._pool(hidden, empty, empty, sequence_parallel=True) if runner.pools else
                                   runner._prompt_logprobs(hidden, empty, empty, sequence_parallel=True))
@@ -134,7 +134,7 @@ def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
              for args, filters in _multi_steps(runner, shapes)]
     if beside and runner.prefills_sequence_parallel:
         work += [_lowering("sequence_parallel_prefill", runner._sp_prefill, (runner.params, kv),
-                           empty_sequence_parallel_prefill(t, runner.max_pages_per_seq, runner.table_groups))
+                           _sequence_parallel_args(runner, t))
                  for t in runner.buckets.tokens]
     work += [_lowering("sample", serving_sample, (), args, length=runner.buckets.max_logit_rows)
              for _, args in sampler_args(rows, runner.cfg.vocab_size, runner.mesh, runner.max_model_len)]
@@ -150,7 +150,7 @@ def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
                     _lowering("prompt_logprobs", runner._scorer, (runner.params,), (hidden, args[0], args[0])))
     if beside and runner.prefills_sequence_parallel:   # likewise, of hidden states split over "seq"
         for t in runner.buckets.tokens:
-            args = empty_sequence_parallel_prefill(t, runner.max_pages_per_seq, runner.table_groups)
+            args = _sequence_parallel_args(runner, t)
             hidden = _outputs(runner.executables.get(key("sequence_parallel_prefill", args)))[2]
             work.append(_lowering("sequence_parallel_pool", runner._pooler, (), (hidden, args[0], args[0]))
                         if runner.pools else _lowering("sequence_parallel_prompt_logprobs", runner._scorer,
@@ -199,6 +199,11 @@ def _multi_steps(runner, shapes: list[StepShape]) -> list[tuple[tuple, bool | No
                                runner.table_groups),
              filters)
             for s in shapes if s.plain_decode for penalties, filters in multi_step_variants(parallel.platform(runner.mesh))]
+
+
+def _sequence_parallel_args(runner, tokens: int) -> tuple:
+    """A sequence-parallel prefill's arrays for `tokens` tokens, writing nothing."""
+    return empty_sequence_parallel_prefill(tokens, runner.max_pages_per_seq, runner.table_groups, _lora_weights(runner))
 
 
 def _lora_weights(runner):

@@ -157,15 +157,17 @@ def test_speculative_decoding_with_adapters(setup):
 
 def test_tensor_parallel_and_multi_step(setup):
     """TP 2 (fake CPU devices, in a subprocess), 4 decode steps a program: B split with the
-    column-parallel outputs, A with the row-parallel inputs; outputs unchanged."""
+    column-parallel outputs, A with the row-parallel inputs; outputs unchanged. And with
+    sequence-parallel prefill over 2 (each prompt's tokens split, on their adapter's slot)."""
     base, dirs, prompts, expected = setup
     proc = subprocess.run([sys.executable, "-m", "tests.test_lora", json.dumps([base, dirs, prompts])], cwd=ROOT,
                           capture_output=True, text=True, env=fake_devices_env(2), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     names = [None, "a1", "a2"] * len(prompts)
-    for tokens, name, i in zip(result["tokens"], names, [i for i in range(len(prompts)) for _ in range(3)]):
-        assert tokens == expected[name][i][0], (name, i)
+    for run in ("tokens", "sequence_parallel_tokens"):
+        for tokens, name, i in zip(result[run], names, [i for i in range(len(prompts)) for _ in range(3)]):
+            assert tokens == expected[name][i][0], (run, name, i)
     assert result["specs"] == {"q_proj/a": [None, None, None], "q_proj/b": ["model", None, None],
                                "o_proj/a": [None, None, "model"], "o_proj/b": [None, None, None]}
     assert result["multi_step_decodes"] > 0
@@ -333,15 +335,18 @@ def test_missing_files_and_unknown_names_are_refused(setup, llm, tmp_path):
 
 if __name__ == "__main__":   # test_tensor_parallel_and_multi_step's engine, on this process's fake devices
     base, dirs, prompts = json.loads(sys.argv[1])
+    def tokens(llm):
+        outs = llm.generate([p for p in prompts for _ in range(3)], SamplingParams(
+            temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False,
+            lora_request=[request(dirs, n) for n in [None, "a1", "a2"] * len(prompts)])
+        return [o.outputs[0].token_ids for o in outs]
     llm = LLM(model=base, lora_modules=dirs, mesh={"model": 2}, decode_steps=4, **ONE_WAVE)
     layer = llm.llm_engine.loras.weights["model"]["layers_0"]["self_attn"]
     specs = {f"{m}/{leaf}": [*layer[m][leaf].sharding.spec] + [None] * (3 - len(layer[m][leaf].sharding.spec))
              for m in ("q_proj", "o_proj") for leaf in "ab"}
-    outs = llm.generate([p for p in prompts for _ in range(3)], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
-                                                                               ignore_eos=True), use_tqdm=False,
-                        lora_request=[request(dirs, n) for n in [None, "a1", "a2"] * len(prompts)])
-    print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "specs": specs,
-                      "multi_step_decodes": llm.llm_engine.stats["multi_step_decodes"]}))
+    print(json.dumps({"tokens": tokens(llm), "specs": specs,
+                      "multi_step_decodes": llm.llm_engine.stats["multi_step_decodes"],
+                      "sequence_parallel_tokens": tokens(LLM(model=base, lora_modules=dirs, mesh={"seq": 2}, **ONE_WAVE))}))
 
 
 def test_settings_are_checked_and_reach_the_engine_config():
@@ -361,5 +366,3 @@ def test_settings_are_checked_and_reach_the_engine_config():
     with pytest.raises(ValueError, match="multi-host engine loads LoRA adapters at start only"):
         EngineConfig(lora_modules={"a": "/a", "b": "/b"}, max_loras=1,
                      distributed=dict(coordinator_address="h:1", num_processes=2, process_id=0))
-    with pytest.raises(ValueError, match="sequence-parallel prefill"):
-        EngineConfig(enable_lora=True, mesh={"seq": 2})
