@@ -42,7 +42,8 @@ from jaxserve.scheduler import SchedulerOutput
 from jaxserve.sequence_parallel import sequence_parallel_prefill
 from jaxserve.step import (make_multi_step, make_step, multi_step_variant, multi_step_variants, page_copy_batches,
                            serving_sample, table_groups)
-from jaxserve.step_ops import MULTI_STEP, POOL, PROMPT_LOGPROBS, SAMPLE, SEQUENCE_PARALLEL, STEP, Launched, Op
+from jaxserve.step_ops import (MULTI_STEP, POOL, PROMPT_LOGPROBS, SAMPLE, SEQUENCE_PARALLEL, STEP, Launched, Op,
+                               hidden_state_ops)
 
 if TYPE_CHECKING:   # the draft imports this module
     from jaxserve.spec_decode.draft import DraftModel
@@ -144,13 +145,9 @@ class ModelRunner:
         for s in out.scheduled:
             if split and s.is_prefill_row:
                 ops.append(self._sequence_parallel_op(s, seeds))
-                tokens = len(ops[-1].arrays[0])
-                plp = prompt_logprobs.pack([(s, 0)], tokens)
-                pooled = pooling.pack([(s, 0)], tokens, self.ecfg.max_num_seqs)
-                if plp is not None:   # scored from its hidden states
-                    ops.append(Op([PROMPT_LOGPROBS], plp[2], plp[0], None, plp[1]))
-                if pooled is not None:   # pooled from them
-                    ops.append(Op([POOL], pooled[1], pooled[0], None))
+                tokens = len(ops[-1].arrays[-3])   # its tokens (after the LoRA slots, if any)
+                ops += hidden_state_ops(prompt_logprobs.pack([(s, 0)], tokens),
+                                        pooling.pack([(s, 0)], tokens, self.ecfg.max_num_seqs))
         rest = [s for s in out.scheduled if not (split and s.is_prefill_row)]
         if rest:
             batch = pack(dataclasses.replace(out, scheduled=rest), self.buckets, self.max_pages_per_seq,
@@ -179,11 +176,7 @@ class ModelRunner:
                 ops.append(Op([STEP, batch.num_prefill_rows, batch.max_q, batch.decode_q, int(sample_later)],
                                (*lora, *batch.arrays, token_src), seqs, None if sample_later else metadata()))
             self._last_rows = {seq.seq_id: i for i, seq in enumerate(seqs)}
-            if batch.prompt_logprobs is not None:   # scored from that step's hidden states
-                plp_seqs, plp_counts, plp_arrays = batch.prompt_logprobs
-                ops.append(Op([PROMPT_LOGPROBS], plp_arrays, plp_seqs, None, plp_counts))
-            if batch.pooling is not None:   # pooled from that step's hidden states
-                ops.append(Op([POOL], batch.pooling[1], batch.pooling[0], None))
+            ops += hidden_state_ops(batch.prompt_logprobs, batch.pooling)
         message = [np.asarray(out.page_copies, np.int32).reshape(-1, 2)]
         for op in ops:
             message += op.message()

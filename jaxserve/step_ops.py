@@ -38,3 +38,11 @@ class Op(NamedTuple):
         md = [] if self.md is None else [np.asarray(getattr(self.md, f.name)) for f in dataclasses.fields(self.md)]
         return [np.array([len(self.arrays), len(md), *self.static], np.int32), *self.arrays, *md]
 
+
+
+def hidden_state_ops(plp, pooled) -> list[Op]:
+    """The ops that read the hidden states of the computation just before: its prompt logprobs
+    (prompt_logprobs.pack's (seqs, counts, arrays)) and pooling sums (pooling.pack's (seqs,
+    arrays)); None: no row asks."""
+    return (([] if plp is None else [Op([PROMPT_LOGPROBS], plp[2], plp[0], None, plp[1])])
+            + ([] if pooled is None else [Op([POOL], pooled[1], pooled[0], None)]))

@@ -54,9 +54,7 @@ def warm_up(runner, background: bool = False) -> int:
             _, runner.kv_cache, hidden = runner._run(
                 "sequence_parallel_prefill", runner._sp_prefill, (runner.params, runner.kv_cache),
                 _sequence_parallel_args(runner, t))
-            empty = np.zeros(t, np.int32)
-            jax.block_until_ready(runner._pool(hidden, empty, empty, sequence_parallel=True) if runner.pools else
-                                  runner._prompt_logprobs(hidden, empty, empty, sequence_parallel=True))
+            _run_reader(runner, hidden, t, sequence_parallel=True)
     runner.copy_pages([(0, 0)])
     if runner.ecfg.poison_freed_pages:   # the test build's poisoning (runner.poison_pages), of no page
         runner.poison_pages(SchedulerOutput([], [], []), [])
@@ -146,15 +144,12 @@ def _build(runner, shapes: list[StepShape], kv, beside: bool) -> None:
     for shape in shapes:
         args, static = _step_args(runner, shape)
         hidden = _outputs(runner.executables.get(key("step", args, **static)))[2]
-        work.append(_lowering("pool", runner._pooler, (), (hidden, args[0], args[0])) if runner.pools else
-                    _lowering("prompt_logprobs", runner._scorer, (runner.params,), (hidden, args[0], args[0])))
+        work.append(_reader_lowering(runner, hidden, args[0], sequence_parallel=False))
     if beside and runner.prefills_sequence_parallel:   # likewise, of hidden states split over "seq"
         for t in runner.buckets.tokens:
             args = _sequence_parallel_args(runner, t)
             hidden = _outputs(runner.executables.get(key("sequence_parallel_prefill", args)))[2]
-            work.append(_lowering("sequence_parallel_pool", runner._pooler, (), (hidden, args[0], args[0]))
-                        if runner.pools else _lowering("sequence_parallel_prompt_logprobs", runner._scorer,
-                                                       (runner.params,), (hidden, args[0], args[0])))
+            work.append(_reader_lowering(runner, hidden, args[0], sequence_parallel=True))
     runner.executables.build(dict(work))
 
 
@@ -166,9 +161,7 @@ def _run_once(runner, shapes: list[StepShape], kv_cache):
         _, kv_cache, hidden = runner._run("step", runner._step, (runner.params, kv_cache), args, **static)
         # Prompt logprobs: one scorer per step token count (a 1-token prompt chunk, cut by the
         # token budget, rides in a decode-shaped step).
-        empty = np.zeros(shape.tokens, np.int32)
-        jax.block_until_ready(runner._pool(hidden, empty, empty) if runner.pools else
-                              runner._prompt_logprobs(hidden, empty, empty))
+        _run_reader(runner, hidden, shape.tokens, sequence_parallel=False)
     for args, filters in _multi_steps(runner, shapes):
         kv_cache = runner._run("multi_step", runner._multi_step, (runner.params, kv_cache), args,
                                steps=runner.ecfg.decode_steps, filters=filters)[1]
@@ -199,6 +192,23 @@ def _multi_steps(runner, shapes: list[StepShape]) -> list[tuple[tuple, bool | No
                                runner.table_groups),
              filters)
             for s in shapes if s.plain_decode for penalties, filters in multi_step_variants(parallel.platform(runner.mesh))]
+
+
+def _reader_lowering(runner, hidden, index, sequence_parallel: bool):
+    """(key, lowering) of what reads a step's hidden states (a sequence-parallel prefill's: split
+    over "seq", executables of their own, named as ModelRunner._pool and _prompt_logprobs name
+    them): an embedding engine's pooling sums, else the prompt-logprobs scorer."""
+    prefix = "sequence_parallel_" if sequence_parallel else ""
+    if runner.pools:
+        return _lowering(prefix + "pool", runner._pooler, (), (hidden, index, index))
+    return _lowering(prefix + "prompt_logprobs", runner._scorer, (runner.params,), (hidden, index, index))
+
+
+def _run_reader(runner, hidden, tokens: int, sequence_parallel: bool) -> None:
+    """Run that reader once over `hidden`, reading no row."""
+    empty = np.zeros(tokens, np.int32)
+    read = runner._pool if runner.pools else runner._prompt_logprobs
+    jax.block_until_ready(read(hidden, empty, empty, sequence_parallel=sequence_parallel))
 
 
 def _sequence_parallel_args(runner, tokens: int) -> tuple:
