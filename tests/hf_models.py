@@ -269,6 +269,8 @@ def save_byte_tokenizer(out_dir: str) -> None:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
                    "chat_template": "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
                                     "{% if note is defined %}note: {{ note }}\n{% endif %}"
+                                    # as gpt-oss's system message
+                                    "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
                                     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
                                     "{% if m.tool_calls %} calls: {{ m.tool_calls | tojson }}{% endif %}"
                                     "{% if m.tool_call_id %} for {{ m.tool_call_id }}{% endif %}{{ '\\n' }}{% endfor %}"

@@ -83,6 +83,9 @@ HOSTILE = [  # (id, method, path, body: dict or raw bytes, extra headers, expect
     ("chat-tools", "POST", CHAT, {**MSG, "tools": [{"type": "function"}]}, {}, 400),
     ("chat-continue-and-generation-prompt", "POST", CHAT, {**MSG, "continue_final_message": True}, {}, 400),
     ("chat-template-kwargs-list", "POST", CHAT, {**MSG, "chat_template_kwargs": ["note"]}, {}, 400),
+    ("chat-reasoning-effort-unknown", "POST", CHAT, {**MSG, "reasoning_effort": "max"}, {}, 400),
+    ("chat-reasoning-effort-twice", "POST", CHAT, {**MSG, "reasoning_effort": "low",
+                                                   "chat_template_kwargs": {"reasoning_effort": "high"}}, {}, 400),
     ("chat-tool-calls-not-list", "POST", CHAT, {**MSG, "messages": [
         {"role": "assistant", "content": None, "tool_calls": {"name": "add"}}]}, {}, 400),
     ("chat-tool-call-arguments-not-json", "POST", CHAT, {**MSG, "messages": [

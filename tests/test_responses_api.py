@@ -130,6 +130,17 @@ def test_reasoning_is_an_item_of_its_own(client):
     assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["reasoning", "message"]
 
 
+def test_reasoning_effort_reaches_the_template(client):
+    """reasoning.effort is chat's reasoning_effort: the same prompt, which the template's
+    "Reasoning: low" line makes longer than without."""
+    r = client.responses.create(input="hi", reasoning={"effort": "low"}, **BRIEF)
+    c = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                       reasoning_effort="low")
+    plain = client.responses.create(input="hi", **BRIEF)
+    assert r.usage.input_tokens == c.usage.prompt_tokens == plain.usage.input_tokens + len("Reasoning: low\n")
+    assert r.reasoning.effort == "low"
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "hi", "background": True}, "background"),
@@ -142,6 +153,8 @@ def test_reasoning_is_an_item_of_its_own(client):
     ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
     ({"input": "hi", "max_output_tokens": -1}, "max_tokens"),
     ({"input": "hi", "text": {"format": "json"}}, "format"),
+    ({"input": "hi", "reasoning": "low"}, "reasoning"),
+    ({"input": "hi", "reasoning": {"effort": "max"}}, "reasoning_effort"),
 ])
 def test_bad_requests_get_a_400_naming_the_field(server, body, param):  # noqa: F811
     r = requests.post(server.url + "/v1/responses", json={"model": NAME, **body}, timeout=60)

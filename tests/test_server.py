@@ -155,6 +155,14 @@ def test_chat_tool_turns_and_template_options(server, model):
     r = post(server, "/v1/chat/completions", {**body, "model": NAME, "tool_choice": "none", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tokens)
 
+    # OpenAI's reasoning_effort is the template's variable, as chat_template_kwargs' would be
+    effort = post(server, "/tokenize", {"messages": sent[:1], "reasoning_effort": "low"}).json()["tokens"]
+    assert effort == expected(rendered[:1], reasoning_effort="low", add_generation_prompt=True)
+    assert tok.decode(effort).startswith("Reasoning: low\n")
+    r = openai_client(server).chat.completions.create(model=NAME, messages=sent[:1], max_tokens=2,
+                                                      reasoning_effort="low")
+    assert r.usage.prompt_tokens == len(effort)
+
     partial = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
     tokens = post(server, "/tokenize", {"messages": partial, "add_generation_prompt": False,
                                         "continue_final_message": True}).json()["tokens"]

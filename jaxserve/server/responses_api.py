@@ -2,11 +2,12 @@
 
 The body becomes a chat request: `input` (a string, or items: messages with text parts, earlier
 `function_call`s and their `function_call_output`s) the messages, `instructions` a system message
-before them, `max_output_tokens` max_tokens, `text.format` response_format, function `tools` chat
-tools. The chat completion becomes a Response whose `output` holds a `reasoning` item (with a
-reasoning parser), a `message` item with the text, and a `function_call` item per tool call;
-`status` is "incomplete" when max_output_tokens cut it. Streamed, OpenAI's events from
-`response.created` to `response.completed` (or `response.incomplete`), numbered by sequence_number.
+before them, `max_output_tokens` max_tokens, `text.format` response_format, `reasoning.effort`
+reasoning_effort, function `tools` chat tools. The chat completion becomes a Response whose
+`output` holds a `reasoning` item (with a reasoning parser), a `message` item with the text, and
+a `function_call` item per tool call; `status` is "incomplete" when max_output_tokens cut it.
+Streamed, OpenAI's events from `response.created` to `response.completed` (or
+`response.incomplete`), numbered by sequence_number.
 
 Stateless: nothing is stored (`store` is answered false), so `previous_response_id`, `background`
 and `conversation` get a 400: send the whole conversation in `input`.
@@ -80,6 +81,9 @@ def chat_body(body: dict) -> dict:
             k: text_format[k] for k in ("name", "schema", "strict", "description") if k in text_format}}
     elif text_format["type"] != "text":
         chat["response_format"] = text_format
+    reasoning = field(body, "reasoning", lambda v: isinstance(v, dict), "an object", {})
+    if reasoning.get("effort") is not None:   # checked as chat's reasoning_effort
+        chat["reasoning_effort"] = reasoning["effort"]
     if body.get("top_logprobs"):
         raise APIError(400, "'top_logprobs' is not supported on /v1/responses: use /v1/chat/completions",
                        param="top_logprobs")

@@ -25,6 +25,9 @@ UNSUPPORTED = {"suffix": (None, ""), "functions": (None, [])}
 # and its structured_outputs object (one of OUTPUT_KINDS).
 GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# OpenAI's reasoning_effort (vLLM's values), a chat template variable: gpt-oss's writes it in its
+# system message ("Reasoning: low"), medium unless set.
+REASONING_EFFORTS = ("low", "medium", "high")
 
 
 def json_body() -> dict:
@@ -352,12 +355,18 @@ def chat_template_options(body: dict, generation_prompt: bool = True) -> dict:
     """How the chat template renders the messages (vLLM's request fields): a generation prompt
     for the assistant's turn (by default, unless `generation_prompt` is false: a pooling request's)
     or the last message continued; the request's tools; `chat_template_kwargs`, variables for the
-    template (e.g. Qwen3's enable_thinking)."""
+    template (e.g. Qwen3's enable_thinking), and `reasoning_effort` among them."""
     start = field(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean", generation_prompt)
     cont = field(body, "continue_final_message", lambda v: isinstance(v, bool), "a boolean", False)
     if start and cont:
         raise APIError(400, "'continue_final_message' needs 'add_generation_prompt': false (the first "
                             "continues the last message, the second starts a new one)", param="continue_final_message")
     extra = field(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    effort = field(body, "reasoning_effort", lambda v: v in REASONING_EFFORTS, f"one of {', '.join(REASONING_EFFORTS)}")
+    if effort is not None:
+        if extra.get("reasoning_effort", effort) != effort:
+            raise APIError(400, "'reasoning_effort' and chat_template_kwargs' reasoning_effort differ",
+                           param="reasoning_effort")
+        extra = {**extra, "reasoning_effort": effort}
     tools = field(body, "tools", lambda v: isinstance(v, list), "a list of tools", None)
     return {**extra, "add_generation_prompt": start, "continue_final_message": cont, "tools": tools}
