@@ -58,6 +58,7 @@ HOSTILE = [  # (id, method, path, body: dict or raw bytes, extra headers, expect
     ("seed-string", "POST", C, {**OK, "seed": "abc"}, {}, 400),
     ("seed-huge", "POST", C, {**OK, "seed": 2**70}, {}, 400),
     ("stream-not-bool", "POST", C, {**OK, "stream": "yes"}, {}, 400),
+    ("tokens-as-ids-not-bool", "POST", C, {**OK, "return_tokens_as_token_ids": 1}, {}, 400),
     ("stream-options-without-stream", "POST", C, {**OK, "stream_options": {"include_usage": True}}, {}, 400),
     ("max-tokens-zero-without-echo-logprobs", "POST", C, {**OK, "max_tokens": 0, "echo": True}, {}, 400),
     ("prompt-logprobs-too-many", "POST", C, {**OK, "prompt_logprobs": 21}, {}, 400),

@@ -352,6 +352,26 @@ def test_return_token_ids(server, client, model):
     assert sum((ch.choices[0].model_extra["token_ids"] for ch in stream), []) == chat.choices[0].model_extra["token_ids"]
 
 
+def test_return_tokens_as_token_ids(client):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:ID" (the sampled
+    ones' ids are return_token_ids'), with the same logprobs, offsets and bytes as by their text."""
+    kw = dict(max_tokens=6, logprobs=2, return_token_ids=True)
+    plain = complete(client, "Hello", **kw).choices[0]
+    [c] = complete(client, "Hello", return_tokens_as_token_ids=True, **kw).choices
+    assert c.logprobs.tokens == [f"token_id:{t}" for t in c.model_extra["token_ids"]]
+    assert (c.logprobs.token_logprobs, c.logprobs.text_offset) == (plain.logprobs.token_logprobs,
+                                                                   plain.logprobs.text_offset)
+    assert all(len(top) == 2 and all(k.startswith("token_id:") for k in top) for top in c.logprobs.top_logprobs)
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "hi"}], temperature=0, max_tokens=4, logprobs=True,
+              top_logprobs=2)
+    plain = client.chat.completions.create(**kw).choices[0].logprobs.content
+    chat = client.chat.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True,
+                                                            "return_token_ids": True}).choices[0]
+    ids = chat.model_extra["token_ids"]
+    assert [e.token for e in chat.logprobs.content] == [f"token_id:{t}" for t in ids]
+    assert [(e.logprob, e.bytes) for e in chat.logprobs.content] == [(e.logprob, e.bytes) for e in plain]
+
+
 def test_beam_search(server, client, model):
     """vLLM's use_beam_search with n beams: the n choices are transformers' beams, best first
     (jaxserve/beam_search.py's rules), on completions (with logprobs: each token's is its

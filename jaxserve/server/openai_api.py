@@ -93,7 +93,7 @@ def completions():
     timeout = request_timeout(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = submit(host, ids, params, request_id, beam_search(body, params))
-    choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes, return_ids=_return_ids(body))
+    choices = _Choices(engine.tokenizer, params.n, chat=False, echoes=echoes, **_id_options(body))
     submitted = Submitted(body, model, request_id, streams, choices,
                           sum(len(params.resolve(i, engine.max_model_len)[0]) for i in ids), timeout)
     return _respond(host, submitted, "text_completion", stream, usage_flags)
@@ -140,7 +140,7 @@ def submit_chat(host, body: dict, request_id: str | None = None) -> Submitted:
     request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
     streams = submit(host, [ids], params, request_id, beam_search(body, params))
     choices = _Choices(engine.tokenizer, params.n, chat=True, tools=tools, token_bytes=engine.grammars.token_bytes,
-                       reasoning=reasoning, return_ids=_return_ids(body))
+                       reasoning=reasoning, **_id_options(body))
     return Submitted(body, model, request_id, streams, choices,
                      len(params.resolve(ids, engine.max_model_len)[0]), timeout)
 
@@ -161,10 +161,12 @@ def submit(host, prompts: list[list[int]], params, request_id: str, beam) -> lis
     return BeamSearchRequest(host, prompts, params, beam, request_id).streams
 
 
-def _return_ids(body: dict) -> bool:
+def _id_options(body: dict) -> dict:
     """vLLM's return_token_ids: each choice's token ids (a stream: each chunk's), and the prompt's
-    (completions: in each choice's first; chat: in the response, or the stream's first chunk)."""
-    return field(body, "return_token_ids", lambda v: isinstance(v, bool), "a boolean", False)
+    (completions: in each choice's first; chat: in the response, or the stream's first chunk);
+    return_tokens_as_token_ids: logprobs name each token "token_id:ID" (a piece of a character has no text)."""
+    names = {"return_ids": "return_token_ids", "tokens_as_ids": "return_tokens_as_token_ids"}
+    return {k: field(body, name, lambda v: isinstance(v, bool), "a boolean", False) for k, name in names.items()}
 
 
 def request_timeout(body: dict) -> float | None:
@@ -206,8 +208,10 @@ class _Choices:
     """Turns CompletionOutput deltas into OpenAI choice objects (completion or chat format)."""
 
     def __init__(self, tokenizer, n: int, chat: bool, echoes: list[str] | None = None, tools=None,
-                 token_bytes: Callable[[int], bytes] | None = None, reasoning=None, return_ids: bool = False):
-        self.tokenizer, self.n, self.chat, self.echoes, self.return_ids = tokenizer, n, chat, echoes, return_ids
+                 token_bytes: Callable[[int], bytes] | None = None, reasoning=None, return_ids: bool = False,
+                 tokens_as_ids: bool = False):
+        self.tokenizer, self.n, self.chat, self.echoes = tokenizer, n, chat, echoes
+        self.return_ids, self.tokens_as_ids = return_ids, tokens_as_ids
         self.token_bytes = token_bytes   # a chat request's: each logprobs entry's `bytes`
         self.tools = tools   # a chat request's tool calls to read (jaxserve/server/tools.py), or None
         self.reasoning = reasoning   # a chat request's reasoning to set apart (server/reasoning.py), or None
@@ -259,16 +263,19 @@ class _Choices:
         return [None] + [{str(t): dataclasses.asdict(lp) for t, lp in logprob_dict(r, decode).items()}
                          for r in self.prompts[prompt_index][1]]
 
-    def _token(self, token_id: int) -> str:
+    def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _token(self, token_id: int) -> str:   # how logprobs name a token
+        return f"token_id:{token_id}" if self.tokens_as_ids else self._text(token_id)
 
     def _chat_logprobs(self, results) -> dict | None:
         if results is None:
             return None
 
         def entry(token_id, logprob):
-            s = self._token(token_id)
-            return {"token": s, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(self.token_bytes(token_id))}
+            return {"token": self._token(token_id), "logprob": max(logprob, MIN_LOGPROB),
+                    "bytes": list(self.token_bytes(token_id))}
         return {"content": [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
                             for r in results]}
 
@@ -292,8 +299,8 @@ class _Choices:
             for t, lp in pairs or ():   # most likely first; tokens that decode alike keep the best
                 top.setdefault(self._token(t), max(lp, MIN_LOGPROB))
             tops.append(top)
-        if offsets is None:
-            offsets = list(itertools.accumulate([start] + [len(t) for t in tokens[:-1]]))
+        if offsets is None:   # by the tokens' text, however they are named
+            offsets = list(itertools.accumulate([start] + [len(self._text(t)) for t, _, _ in entries[:-1]]))
         return {"tokens": tokens, "token_logprobs": [None if lp is None else max(lp, MIN_LOGPROB) for _, lp, _ in entries],
                 "top_logprobs": tops, "text_offset": offsets}
 
@@ -384,9 +391,7 @@ def _merge(acc: dict, d: dict) -> None:
     text = d["delta"].get("content", "") if "delta" in d else d["text"]
     key = "content" if "delta" in d else "text"
     acc[key] = acc.get(key, "") + text
-    for key in ("prompt_logprobs", "prompt_token_ids"):
-        if key in d:
-            acc[key] = d[key]
+    acc.update({k: d[k] for k in ("prompt_logprobs", "prompt_token_ids") if k in d})
     if "token_ids" in d:
         acc["token_ids"] = acc.get("token_ids", []) + d["token_ids"]
     if d["logprobs"] is not None:
