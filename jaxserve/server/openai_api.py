@@ -292,15 +292,16 @@ class _Choices:
         """The legacy format for (token id, logprob, top) entries: their text_offset `offsets`, or
         else each token's text after its predecessors' from character `start` (a generated delta's
         tokens); logprob and top are None for a prompt's first token."""
-        tokens = [self._token(token) for token, _, _ in entries]
+        texts = [self._text(token) for token, _, _ in entries]
+        tokens = [self._token(token) for token, _, _ in entries] if self.tokens_as_ids else texts
         tops = []
         for _, _, pairs in entries:
             top = None if pairs is None else {}
             for t, lp in pairs or ():   # most likely first; tokens that decode alike keep the best
                 top.setdefault(self._token(t), max(lp, MIN_LOGPROB))
             tops.append(top)
-        if offsets is None:   # by the tokens' text, however they are named
-            offsets = list(itertools.accumulate([start] + [len(self._text(t)) for t, _, _ in entries[:-1]]))
+        if offsets is None:
+            offsets = list(itertools.accumulate([start] + [len(t) for t in texts[:-1]]))
         return {"tokens": tokens, "token_logprobs": [None if lp is None else max(lp, MIN_LOGPROB) for _, lp, _ in entries],
                 "top_logprobs": tops, "text_offset": offsets}
 
@@ -388,9 +389,8 @@ def collect(deltas, choices: _Choices, prompt_tokens: int) -> dict:
 
 def _merge(acc: dict, d: dict) -> None:
     acc["finish_reason"] = d["finish_reason"] or acc.get("finish_reason")
-    text = d["delta"].get("content", "") if "delta" in d else d["text"]
     key = "content" if "delta" in d else "text"
-    acc[key] = acc.get(key, "") + text
+    acc[key] = acc.get(key, "") + (d["delta"].get("content", "") if "delta" in d else d["text"])
     acc.update({k: d[k] for k in ("prompt_logprobs", "prompt_token_ids") if k in d})
     if "token_ids" in d:
         acc["token_ids"] = acc.get("token_ids", []) + d["token_ids"]
