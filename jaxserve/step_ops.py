@@ -39,7 +39,6 @@ class Op(NamedTuple):
         return [np.array([len(self.arrays), len(md), *self.static], np.int32), *self.arrays, *md]
 
 
-
 def hidden_state_ops(plp, pooled) -> list[Op]:
     """The ops that read the hidden states of the computation just before: its prompt logprobs
     (prompt_logprobs.pack's (seqs, counts, arrays)) and pooling sums (pooling.pack's (seqs,
