@@ -7,7 +7,6 @@ The runner sizes its pool from the chip's own memory figures (after placing the 
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -41,16 +40,11 @@ def _mesh(model_axis: int) -> AbstractMesh:
     return AbstractMesh((1, 1, model_axis), parallel.MESH_AXES)
 
 
-@functools.cache
-def _param_shapes(cfg: ModelConfig, dtype, quantization: str | None, lm_head: bool) -> dict:
-    return param_shapes(cfg, dtype, quantization, lm_head)   # traces the model's init: once per model
-
-
 def weight_bytes_per_chip(cfg: ModelConfig, dtype, model_axis: int, quantization: str | None = None,
                           lm_head: bool = False) -> int:
     """The bytes of one chip's share of the weights under tensor parallelism `model_axis`
     (quantized as `quantization`, the LM head too with `lm_head`)."""
-    mesh, shapes = _mesh(model_axis), _param_shapes(cfg, jnp.dtype(dtype), quantization, lm_head)
+    mesh, shapes = _mesh(model_axis), param_shapes(cfg, jnp.dtype(dtype), quantization, lm_head)
 
     def shard_bytes(leaf, axes):
         spec = parallel.logical_to_spec(axes, leaf.shape, mesh, cfg)
