@@ -27,9 +27,10 @@ def raise_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
-async def _hold(host: str, port: int, stop_at: float, drip: bool, counts: dict) -> None:
-    """One connection slot: connect, drip (or idle) until the server closes it, reconnect."""
-    while time.monotonic() < stop_at:
+async def _hold(host: str, port: int, stop: dict, drip: bool, counts: dict) -> None:
+    """One connection slot: connect, drip (or idle) until the server closes it, reconnect; until
+    stop["at"] (the time.monotonic() at which to stop, which run_load moves once all are held)."""
+    while time.monotonic() < stop["at"]:
         try:
             reader, writer = await asyncio.open_connection(host, port)
         except OSError:
@@ -42,8 +43,8 @@ async def _hold(host: str, port: int, stop_at: float, drip: bool, counts: dict) 
                 writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
             closed = asyncio.ensure_future(reader.read())   # done when the server closes it
             line = 0
-            while not closed.done() and time.monotonic() < stop_at:
-                await asyncio.wait([closed], timeout=min(1.0, max(0.0, stop_at - time.monotonic())))
+            while not closed.done() and time.monotonic() < stop["at"]:
+                await asyncio.wait([closed], timeout=min(1.0, max(0.0, stop["at"] - time.monotonic())))
                 if drip and not closed.done():
                     writer.write(b"X-Slow-%d: %s\r\n" % (line, b"y" * 16))
                     line += 1
@@ -81,19 +82,24 @@ def stream(url: str, max_tokens: int = 16, timeout: float = 30) -> tuple[int, in
     return len(events) - 1, events[-1]["usage"]["completion_tokens"]
 
 
-async def run_load(url: str, slow: int, idle: int, seconds: float, probes: int, ramp_s: float = 3.0) -> dict:
-    """Holds the slow and idle connections for `seconds`; after `ramp_s`, times `probes` normal
-    requests one after another. Returns the probe latencies and connection counts."""
+async def run_load(url: str, slow: int, idle: int, seconds: float, probes: int, ramp_limit_s: float = 20.0) -> dict:
+    """Opens the slow and idle connections and, once all are held (or after `ramp_limit_s`), holds
+    them `seconds` more while timing `probes` normal requests one after another. Returns the probe
+    latencies and connection counts. The window starts when the load is in place, not after a fixed
+    ramp: beside other work the client's own loop may take seconds to open them all."""
     parsed = urllib.parse.urlsplit(url)
     counts = {"opened": 0, "refused": 0, "closed_by_server": 0}
-    stop_at = time.monotonic() + seconds
-    holders = [asyncio.ensure_future(_hold(parsed.hostname, parsed.port, stop_at, i < slow, counts))
+    ramp_end = time.monotonic() + ramp_limit_s
+    stop = {"at": ramp_end + seconds}
+    holders = [asyncio.ensure_future(_hold(parsed.hostname, parsed.port, stop, i < slow, counts))
                for i in range(slow + idle)]
-    await asyncio.sleep(ramp_s)
+    while counts["opened"] < slow + idle and time.monotonic() < ramp_end:
+        await asyncio.sleep(0.1)
     held_at_probe = counts["opened"]
+    stop["at"] = time.monotonic() + seconds
     latencies = []
     for _ in range(probes):
-        if time.monotonic() >= stop_at:
+        if time.monotonic() >= stop["at"]:
             break
         latencies.append(await asyncio.to_thread(probe, url))
         await asyncio.sleep(0.2)
