@@ -1,5 +1,9 @@
 """Ragged paged attention: the XLA reference and the Pallas kernels (interpret mode on CPU)
-against a deliberately naive numpy oracle (one token, one head at a time)."""
+against a deliberately naive numpy oracle (one token, one head at a time): mixed batches in
+several head / page / dtype / window configs, soft cap with ALiBi and sinks, quantized pools
+(NaN scales where no row may read), random batches, lowering for the real chips; and `attend`
+(the flash kernel for leading fresh prefill rows, the paged kernel for the rest) on plain,
+quantized and lane-padded pools."""
 import importlib
 import math
 
@@ -21,8 +25,7 @@ def naive_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, 
     -slope * (query position - key position). Sinks as gpt-oss (transformers) writes them: one
     more logit column in the softmax, dropped from the weights."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
-    num_kv_heads, page_size = k_pages.shape[1], k_pages.shape[2]
-    group = q.shape[1] // num_kv_heads
+    page_size, group = k_pages.shape[2], q.shape[1] // k_pages.shape[1]
     out = np.zeros_like(q)
     for s in range(len(seq_lens)):
         start, end, kv_len = query_start_loc[s], query_start_loc[s + 1], seq_lens[s]
@@ -47,16 +50,17 @@ def naive_attention(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, 
 
 
 def make_case(seed, *, seqs, num_kv_heads, group, head_dim, page_size, dtype, pad_tokens=0,
-              lead_tokens=0, sliding_window=None, soft_cap=None, alibi=False, sinks=False):
+              lead_tokens=0, sliding_window=None, soft_cap=None, alibi=False, sinks=False, num_pages=None):
     """seqs: one (q_len, kv_len) per batch slot, (0, 0) for an empty slot. Pages are scattered
     at random through a pool that also holds unused random pages, so reading a wrong page shows.
     lead_tokens: tokens before query_start_loc[0] (another call's; output 0), pad_tokens: after.
     alibi: random ALiBi slopes, a different one per query head; sinks: random sink logits, as
-    large as the scores' softmax weights (some above, some below every score)."""
+    large as the scores' softmax weights (some above, some below every score). num_pages: the
+    pool's (default: the pages needed and 3 more)."""
     rng = np.random.default_rng(seed)
     pages_per_seq = max(1, max(math.ceil(kv / page_size) for _, kv in seqs))
     needed = sum(math.ceil(kv / page_size) for _, kv in seqs)
-    num_pages = needed + 3
+    num_pages = num_pages or needed + 3
     perm = rng.permutation(num_pages)
     # Unused page-table entries point at random pages: a kernel must never let them matter.
     page_table = rng.integers(0, num_pages, (len(seqs), pages_per_seq)).astype(np.int32)
@@ -68,22 +72,16 @@ def make_case(seed, *, seqs, num_kv_heads, group, head_dim, page_size, dtype, pa
     q_lens = np.array([ql for ql, _ in seqs], np.int32)
     total = int(q_lens.sum())
     pad_tokens = max(pad_tokens, int(lead_tokens + total == 0))  # a batch has at least one token
-    shape_kv = (num_pages, num_kv_heads, page_size, head_dim)
+    shape_kv, heads = (num_pages, num_kv_heads, page_size, head_dim), num_kv_heads * group
     return dict(
-        q=jnp.asarray(rng.standard_normal((lead_tokens + total + pad_tokens, num_kv_heads * group,
-                                           head_dim)), dtype),
+        q=jnp.asarray(rng.standard_normal((lead_tokens + total + pad_tokens, heads, head_dim)), dtype),
         k_pages=jnp.asarray(rng.standard_normal(shape_kv), dtype),
         v_pages=jnp.asarray(rng.standard_normal(shape_kv), dtype),
-        page_table=jnp.asarray(page_table),
-        seq_lens=jnp.asarray(np.array([kv for _, kv in seqs], np.int32)),
+        page_table=jnp.asarray(page_table), seq_lens=jnp.asarray(np.array([kv for _, kv in seqs], np.int32)),
         query_start_loc=jnp.asarray(lead_tokens + np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)),
-        sm_scale=head_dim ** -0.5,
-        sliding_window=sliding_window,
-        max_q=max(1, int(q_lens.max())),
-        soft_cap=soft_cap,
-        alibi_slopes=jnp.asarray(rng.uniform(0.01, 0.5, num_kv_heads * group), jnp.float32) if alibi else None,
-        sinks=jnp.asarray(rng.uniform(-2.0, 4.0, num_kv_heads * group), jnp.float32) if sinks else None,
-    )
+        sm_scale=head_dim ** -0.5, sliding_window=sliding_window, max_q=max(1, int(q_lens.max())), soft_cap=soft_cap,
+        alibi_slopes=jnp.asarray(rng.uniform(0.01, 0.5, heads), jnp.float32) if alibi else None,
+        sinks=jnp.asarray(rng.uniform(-2.0, 4.0, heads), jnp.float32) if sinks else None)
 
 
 def oracle(case):
@@ -96,8 +94,7 @@ def oracle(case):
 
 
 def args(case):
-    return (case["q"], case["k_pages"], case["v_pages"], case["page_table"], case["seq_lens"],
-            case["query_start_loc"])
+    return tuple(case[x] for x in ("q", "k_pages", "v_pages", "page_table", "seq_lens", "query_start_loc"))
 
 
 def assert_close(out, case):
@@ -109,18 +106,14 @@ def assert_close(out, case):
 # Batch slots covering every case: q_len 1, kv_len 1, exact page multiples, an empty slot,
 # decode, prefill chunks after cached context, a whole prompt, KV longer than the kernels' default
 # KV chunks (256 keys on TPU, 64 on GPU).
-def mixed_batch(page_size):
-    ps = page_size
-    return [(1, 1), (0, 0), (1, ps), (ps, ps), (3, 2 * ps), (ps + 1, 4 * ps + 3), (1, 257 + ps),
-            (2 * ps, 2 * ps)]
+def mixed_batch(ps):
+    return [(1, 1), (0, 0), (1, ps), (ps, ps), (3, 2 * ps), (ps + 1, 4 * ps + 3), (1, 257 + ps), (2 * ps, 2 * ps)]
 
 
 CONFIGS = [  # (group, num_kv_heads, head_dim, page_size, dtype, sliding_window)
-    (1, 2, 64, 16, "float32", None),
-    (4, 1, 128, 32, "bfloat16", 37),
-    (8, 1, 64, 32, "float32", 7),
-    (8, 2, 128, 16, "bfloat16", None),
-]
+    (1, 2, 64, 16, "float32", None), (4, 1, 128, 32, "bfloat16", 37),
+    (8, 1, 64, 32, "float32", 7), (8, 2, 128, 16, "bfloat16", None)]
+CONFIG_ID = "g{}-kvh{}-d{}-ps{}-{}-w{}".format
 
 
 def dispatch(case, backend, **meta):
@@ -128,13 +121,16 @@ def dispatch(case, backend, **meta):
         positions=None, slot_mapping=None, page_table=case["page_table"], seq_lens=case["seq_lens"],
         query_start_loc=case["query_start_loc"], max_q=case["max_q"], backend=backend, **meta)
     return attention.paged_attention(case["q"], kv_cache.LayerKV(case["k_pages"], case["v_pages"]), meta,
-                                     sliding_window=case["sliding_window"], sm_scale=case["sm_scale"],
-                                     soft_cap=case["soft_cap"], alibi_slopes=case["alibi_slopes"],
-                                     sinks=case["sinks"])
+                                     **{x: case[x] for x in ("sliding_window", "sm_scale", "soft_cap", "alibi_slopes",
+                                                             "sinks")})
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "g{}-kvh{}-d{}-ps{}-{}-w{}".format(*c))
+# Every config on the XLA path. The TPU kernel's other two: with quantized pools (test_paged_paths_read_...
+# below); the GPU kernel's group 1, 8, head_dim 64, 128: test_gpu_kernels.py's test_paged_kernel_mixed_batch.
+DISPATCH = [("xla", c) for c in CONFIGS] + [("pallas_tpu", c) for c in CONFIGS[2:]] + [("pallas_gpu", CONFIGS[1])]
+
+
+@pytest.mark.parametrize("backend, config", DISPATCH, ids=[f"{b}-{CONFIG_ID(*c)}" for b, c in DISPATCH])
 def test_dispatch_matches_oracle_and_reference(backend, config):
     group, kvh, head_dim, page_size, dtype, window = config
     case = make_case(0, seqs=mixed_batch(page_size), num_kv_heads=kvh, group=group,
@@ -149,21 +145,30 @@ def test_dispatch_matches_oracle_and_reference(backend, config):
         assert diff < TOL[dtype], f"differs from the XLA reference by {diff}"
 
 
-SCORE_MODS = {"soft_cap": dict(soft_cap=1.5), "alibi": dict(alibi=True), "both": dict(soft_cap=1.5, alibi=True),
-              "sinks": dict(sinks=True)}
+# Gemma 2's tanh cap (1.5 bites: these scores reach a few units) with ALiBi, and with attention
+# sinks. Not ALiBi with sinks: no model has both, and the paths add slope x key position (not
+# minus slope x distance, scores.py), which leaves a softmax unchanged only without a sink.
+SCORE_MODS = {"soft_cap+alibi": dict(soft_cap=1.5, alibi=True), "soft_cap+sinks": dict(soft_cap=1.5, sinks=True)}
+
+
+def assert_each_modifier_matters(case):
+    """Without any one of its modifiers the oracle moves far past the tolerance: a path that
+    dropped (or misapplied) one would fail."""
+    want = oracle(case)
+    for name in ("soft_cap", "alibi_slopes", "sinks"):
+        if case[name] is not None:
+            assert np.abs(oracle(dict(case, **{name: None})) - want).max() > 0.01, name
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
 @pytest.mark.parametrize("mods", sorted(SCORE_MODS))
-def test_soft_cap_and_alibi_in_every_path(backend, mods):
-    """Gemma 2's tanh cap (1.5 bites: these scores reach a few units), ALiBi and attention sinks
-    through every backend's paged kernel, and the jnp reference; tokens of no row before and after
-    the rows' see no key and give 0."""
+def test_soft_cap_alibi_and_sinks_in_every_path(backend, mods):
+    """Soft cap, ALiBi and attention sinks through every backend's paged kernel, and the jnp
+    reference; tokens of no row before and after the rows' see no key and give 0."""
     case = make_case(2, seqs=[(5, 20), (1, 9), (16, 16), (1, 33), (1, 70)], num_kv_heads=2, group=2, head_dim=64,
                      page_size=16, dtype="float32", sliding_window=50, lead_tokens=2, pad_tokens=3,
                      **SCORE_MODS[mods])
-    plain = oracle(dict(case, soft_cap=None, alibi_slopes=None, sinks=None))
-    assert np.abs(oracle(case) - plain).max() > 0.01   # the modifiers matter
+    assert_each_modifier_matters(case)
     out = dispatch(case, backend)
     assert_close(out, case)
     first, end = int(case["query_start_loc"][0]), int(case["query_start_loc"][-1])
@@ -197,27 +202,19 @@ def cases(draw):
         q_len = {"decode": 1, "prefill": kv}.get(kind) or draw(st.integers(1, kv))
         seqs.append((q_len, kv))
     return dict(
-        seed=draw(st.integers(0, 2**31 - 1)),
-        seqs=seqs,
-        num_kv_heads=draw(st.sampled_from([1, 2])),
-        group=draw(st.sampled_from([1, 4, 8])),
-        head_dim=draw(st.sampled_from([64, 128])),
-        page_size=page_size,
-        dtype=draw(st.sampled_from(["float32", "bfloat16"])),
-        pad_tokens=draw(st.integers(0, 3)),
+        seed=draw(st.integers(0, 2**31 - 1)), seqs=seqs, num_kv_heads=draw(st.sampled_from([1, 2])),
+        group=draw(st.sampled_from([1, 4, 8])), head_dim=draw(st.sampled_from([64, 128])), page_size=page_size,
+        dtype=draw(st.sampled_from(["float32", "bfloat16"])), pad_tokens=draw(st.integers(0, 3)),
         lead_tokens=draw(st.sampled_from([0, 0, 0, 2])),
-        sliding_window=draw(st.sampled_from([None, None, 1, 7, page_size, 2 * page_size + 5])),
-    )
+        sliding_window=draw(st.sampled_from([None, None, 1, 7, page_size, 2 * page_size + 5])))
 
 
 @settings(max_examples=10, deadline=None)
 @given(cases())
 def test_xla_reference_matches_naive_oracle(spec):
     case = make_case(**spec)
-    out = reference.ragged_paged_attention_xla(
-        *args(case), max_q=case["max_q"], sm_scale=case["sm_scale"],
-        sliding_window=case["sliding_window"])
-    assert_close(out, case)
+    assert_close(reference.ragged_paged_attention_xla(*args(case), max_q=case["max_q"], sm_scale=case["sm_scale"],
+                                                      sliding_window=case["sliding_window"]), case)
 
 
 # Blocks of one or two pages: random batches cross block, window and sequence boundaries.
@@ -225,10 +222,9 @@ def test_xla_reference_matches_naive_oracle(spec):
 @given(cases(), st.sampled_from([1, 2]))
 def test_blockwise_xla_path_matches_naive_oracle(spec, block_pages):
     case = make_case(**spec)
-    out = xla.ragged_paged_attention(
-        *args(case), max_q=case["max_q"], sm_scale=case["sm_scale"],
-        sliding_window=case["sliding_window"], block_tokens=block_pages * spec["page_size"])
-    assert_close(out, case)
+    assert_close(xla.ragged_paged_attention(*args(case), max_q=case["max_q"], sm_scale=case["sm_scale"],
+                                            sliding_window=case["sliding_window"],
+                                            block_tokens=block_pages * spec["page_size"]), case)
 
 
 # Small blocks so that random batches cross q-block, sequence and KV-chunk boundaries.
@@ -236,10 +232,9 @@ def test_blockwise_xla_path_matches_naive_oracle(spec, block_pages):
 @given(cases())
 def test_tpu_kernel_random_batches(spec):
     case = make_case(**spec)
-    out = tpu.ragged_paged_attention(
-        *args(case), max_q=case["max_q"], sm_scale=case["sm_scale"],
-        sliding_window=case["sliding_window"], block_rows=8, kv_block=128, interpret=True)
-    assert_close(out, case)
+    assert_close(tpu.ragged_paged_attention(*args(case), max_q=case["max_q"], sm_scale=case["sm_scale"],
+                                            sliding_window=case["sliding_window"], block_rows=8, kv_block=128,
+                                            interpret=True), case)
 
 
 # The interpreters skip the Mosaic / Triton lowerings; lowering for the real platform (no device
@@ -257,11 +252,12 @@ def test_kernels_lower_for_their_platform(kernel, platform):
 
 
 # The Pallas backends' flash path for prefill rows: `attend` writes the new K/V into the pages
-# and runs the leading prefill rows without a cached prefix through the flash kernel.
+# and runs the leading prefill rows without a cached prefix through the flash kernel. Each step
+# has 27 tokens (32 with padding) and the same pool: one compilation of each kernel serves all three.
 FRESH = [(20, 20), (5, 5), (0, 0), (1, 40), (1, 1), (0, 0)]   # 3 prefill rows (1 padding), decodes
 CACHED = [(20, 20), (5, 37), (0, 0), (1, 40), (1, 1), (0, 0)]  # row 1: 32 tokens already cached
 # Row 2 is fresh but follows a cached row (the runner puts fresh rows first): the paged kernel's.
-MIXED = [(20, 20), (5, 37), (6, 6), (1, 40), (1, 1), (0, 0)]
+MIXED = [(14, 14), (5, 37), (6, 6), (1, 40), (1, 1), (0, 0)]
 
 
 def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="auto", values_are_keys=False,
@@ -273,7 +269,7 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="
     stores them; the returned pages are the written ones dequantized. values_are_keys: no V pool
     (latent attention): the new K is V too, and the returned V pages are the K pages."""
     case = make_case(2, seqs=seqs, num_kv_heads=2, group=2, head_dim=64, page_size=16,
-                     dtype="float32", pad_tokens=5, sliding_window=sliding_window, **mods)
+                     dtype="float32", pad_tokens=5, sliding_window=sliding_window, num_pages=16, **mods)
     rng = np.random.default_rng(3)
     t, ps, num_pages = case["q"].shape[0], 16, case["k_pages"].shape[0]
     qsl, table = np.asarray(case["query_start_loc"]), np.asarray(case["page_table"])
@@ -308,46 +304,38 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="
     return out, dict(case, k_pages=k_pages[..., :64], v_pages=v_pages[..., :64])
 
 
-@pytest.mark.parametrize("backend, mods", [(b, m) for b in ("pallas_tpu", "pallas_gpu")
-                                          for m in ("none", "both", "sinks")] + [("xla", "sinks")])
-def test_attend_prefill_rows_match_oracle(backend, mods):
-    """Flash (leading fresh prefill rows) and paged (the rest), with soft cap and ALiBi, or sinks
-    (and the XLA path's prefill and decode rows with sinks)."""
-    out, case = attend_case(MIXED, backend, sliding_window=7, **SCORE_MODS.get(mods, {}))
-    assert_close(out, case)
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
+def test_attend_rows_match_oracle(monkeypatch, backend):
+    """Steps through attend with a window, soft cap and ALiBi or sinks. On the Pallas backends the
+    leading fresh prefill rows take the flash kernel, shifted by 1 here: their tokens, and no
+    other, must show the shift; the other rows take the paged kernel. Every token against the
+    oracle (and the XLA path's prefill and decode rows)."""
+    if backend != "xla":
+        flash = importlib.import_module(f"pallas_kernels.flash_attention.{backend.removeprefix('pallas_')}")
+        real = flash.flash_attention
+        monkeypatch.setattr(flash, "flash_attention", lambda *a, **k: real(*a, **k) + 1)
+    # CACHED and MIXED each have flash, paged prefill and decode rows
+    for seqs, flashed_rows, mods in ((FRESH, 2, "soft_cap+alibi"), (MIXED, 1, "soft_cap+alibi"),
+                                     (CACHED, 1, "soft_cap+sinks")):
+        out, case = attend_case(seqs, backend, sliding_window=7, **SCORE_MODS[mods])
+        if seqs is not FRESH:
+            assert_each_modifier_matters(case)
+        end = int(case["query_start_loc"][flashed_rows]) if backend != "xla" else 0
+        assert_close(out.at[:end].add(-1), case)
 
 
-# pallas_gpu: int8 only (50 s in interpret mode); its kernel's fp8 path: test_gpu_kernels.py.
-@pytest.mark.parametrize("backend, kv_dtype", [(b, kv) for b in ("xla", "pallas_tpu") for kv in ("int8", "fp8")]
-                         + [("pallas_gpu", "int8")])
+# The TPU's paths (pools padded to 128 lanes, as TPUs store them), the Pallas kernel in one dtype:
+# the paged kernels' reads of either (and the GPU kernel's) are tested on their own, below and in
+# test_gpu_kernels.py; writing and the flash path's quantized K/V are the same code on every backend.
+@pytest.mark.parametrize("backend, kv_dtype", [("xla", "int8"), ("xla", "fp8"), ("pallas_tpu", "fp8")])
 def test_attend_into_quantized_pools_matches_their_dequantized_oracle(backend, kv_dtype):
-    """A step writing into quantized pools, fresh rows (flash on the Pallas backends: fed the new
-    K/V as the pools hold them) and cached ones, against the written pools dequantized."""
+    """A step writing into quantized pools, fresh rows (flash on the Pallas backend: fed the new
+    K/V as the pools hold them) and cached ones, against the written pools dequantized; pools
+    padded to 128 lanes give the unpadded attention."""
     for seqs in (FRESH, CACHED):
-        out, case = attend_case(seqs, backend, kv_dtype=kv_dtype)
-        assert_close(out, case)
-
-
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
-def test_attend_through_lane_padded_pools_matches_oracle(backend):
-    """Pools padded to 128 lanes (TPU) give the unpadded attention, for fresh and cached rows."""
-    for seqs in (FRESH, CACHED):
-        out, case = attend_case(seqs, backend, pool_head_dim=128)
+        out, case = attend_case(seqs, backend, kv_dtype=kv_dtype, pool_head_dim=128)
         assert out.shape[-1] == 64
         assert_close(out, case)
-
-
-@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
-def test_flash_runs_only_for_leading_fresh_prefill_rows(monkeypatch, backend):
-    # A flash kernel that returns zeros: the leading fresh rows' tokens must show it, no other.
-    flash = importlib.import_module(f"pallas_kernels.flash_attention.{backend.removeprefix('pallas_')}")
-    monkeypatch.setattr(flash, "flash_attention", lambda q, *a, **k: jnp.zeros_like(q))
-    for seqs, flashed_rows in ((FRESH, 2), (CACHED, 1), (MIXED, 1)):
-        out, case = attend_case(seqs, backend)
-        end, want = int(case["query_start_loc"][flashed_rows]), oracle(case)
-        assert not np.asarray(out[:end]).any()
-        assert np.abs(want[:end]).max() > 0.1
-        assert np.abs(np.asarray(out[end:]) - want[end:]).max() < TOL["float32"]
 
 
 def quantized(pages, dtype, lanes=None):
@@ -363,36 +351,49 @@ def quantized(pages, dtype, lanes=None):
     return stored, scale, deq
 
 
+def poison_unread(scale, page_table, seq_lens, page_size):
+    """Scales [N, KVH, 1, lanes] with NaN wherever no row may read, as a poisoned cache holds them
+    (tests/test_kv_isolation.py): in pages of no sequence, and in each sequence's last page past
+    its length."""
+    unread = np.ones((scale.shape[0], scale.shape[-1]), bool)
+    for s, n in enumerate(np.asarray(seq_lens)):
+        pos = np.arange(n)
+        unread[np.asarray(page_table)[s, pos // page_size], pos % page_size] = False
+    return jnp.where(unread[:, None, None, :], np.nan, scale)
+
+
 def slot_scales(scale_pool, page_size):
     """[N, KVH, 1, lanes] scales -> float64 [N, KVH, page_size]."""
     return np.asarray(scale_pool, np.float64)[:, :, 0, :page_size]
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])   # the GPU kernel's: test_gpu_kernels.py
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-@pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: "g{}-kvh{}-d{}-ps{}-{}-w{}".format(*c))
-def test_paged_paths_read_quantized_pools_through_their_scales(kv_dtype, config, backend):
+# The XLA path in every config and dtype; the TPU kernel in each config and dtype once (the GPU
+# kernel's: test_gpu_kernels.py).
+QUANTIZED = ([("xla", kv, c) for kv in ("int8", "fp8") for c in CONFIGS[:2]]
+             + [("pallas_tpu", "int8", CONFIGS[0]), ("pallas_tpu", "fp8", CONFIGS[1])])
+
+
+@pytest.mark.parametrize("backend, kv_dtype, config", QUANTIZED,
+                         ids=[f"{b}-{kv}-{CONFIG_ID(*c)}" for b, kv, c in QUANTIZED])
+def test_paged_paths_read_quantized_pools_through_their_scales(backend, kv_dtype, config):
     """Int8 / fp8 pools with per-slot scales give the attention of the dequantized pools (naive
-    oracle), and NaN scales in pages no row may read (a freed page) change nothing."""
+    oracle), and NaN scales where no row may read (a freed page, a page's slots past its
+    sequence's length) change nothing."""
     group, kvh, head_dim, page_size, dtype, window = config
     case = make_case(5, seqs=mixed_batch(page_size), num_kv_heads=kvh, group=group, head_dim=head_dim,
                      page_size=page_size, dtype=dtype, pad_tokens=3, sliding_window=window)
     storage = kv_cache.KV_CACHE_DTYPES[kv_dtype]
     lanes = kv_cache.scale_lanes(page_size, "tpu")   # as TPU pools hold them (both paths run on TPUs)
     (k, k_scale, k_deq), (v, v_scale, v_deq) = (quantized(case[name], storage, lanes) for name in ("k_pages", "v_pages"))
-    lens, table = np.asarray(case["seq_lens"]), np.asarray(case["page_table"])
-    read = {int(table[s, p]) for s in range(len(lens)) for p in range(-(-int(lens[s]) // page_size))}
-    unread = np.array(sorted(set(range(k.shape[0])) - read))
-    k_scale, v_scale = (x.at[unread].set(np.nan) for x in (k_scale, v_scale))
+    # The quantization is as fine as the dtype allows: int8 half a step of the scale; e4m3 half a
+    # unit in the last of 3 mantissa bits, or half its subnormal step (2^-9 x scale)
+    pages, step = np.asarray(case["k_pages"], np.float64), slot_scales(k_scale, page_size)[..., None]
+    bound = step / 2 if kv_dtype == "int8" else np.abs(pages) * 2.0 ** -4 + step * 2.0 ** -10
+    assert np.all(np.abs(k_deq - pages) <= bound * (1 + 1e-6) + 1e-7)
+    k_scale, v_scale = (poison_unread(x, case["page_table"], case["seq_lens"], page_size) for x in (k_scale, v_scale))
     meta = attention.AttentionMetadata(
         positions=None, slot_mapping=None, page_table=case["page_table"], seq_lens=case["seq_lens"],
         query_start_loc=case["query_start_loc"], max_q=case["max_q"], backend=backend)
-    out = attention.paged_attention(case["q"], kv_cache.LayerKV(k, v, k_scale, v_scale), meta,
-                                    sliding_window=window, sm_scale=case["sm_scale"])
-    assert_close(out, dict(case, k_pages=k_deq, v_pages=v_deq))
-    # and the quantization itself is as fine as the dtype allows: int8 half a step of the scale;
-    # e4m3 half a unit in the last of 3 mantissa bits, or half its subnormal step (2^-9 x scale)
-    pages, step = np.asarray(case["k_pages"], np.float64), slot_scales(k_scale, page_size)[..., None]
-    bound = step / 2 if kv_dtype == "int8" else np.abs(pages) * 2.0 ** -4 + step * 2.0 ** -10
-    used = np.array(sorted(read))
-    assert np.all(np.abs(k_deq - pages)[used] <= bound[used] * (1 + 1e-6) + 1e-7)
+    assert_close(attention.paged_attention(case["q"], kv_cache.LayerKV(k, v, k_scale, v_scale), meta,
+                                           sliding_window=window, sm_scale=case["sm_scale"]),
+                 dict(case, k_pages=k_deq, v_pages=v_deq))
