@@ -1,8 +1,10 @@
 """DeepSeek-V2 and V3 beyond the mixtures of experts' parity checks (tests/test_moe.py runs the
 seeded deepseek_v3 and deepseek_v2_lite checkpoints through f32 logits on both expert paths, the
-save round trip and the engine with a prefix hit): the engine's KV pool holds the latent, one KV
-head of kv_lora_rank + qk_rope_head_dim dims; the Hub's config.json files read to transformers'
-softmax scale and RoPE; tensor parallelism; a V3-architecture step compiled for a TPU."""
+save round trip and the engine with a prefix hit; tests/test_expert_parallel.py the engine under
+tensor parallelism, V2-Lite's at TP 2, and under expert and sequence parallelism, V3's, and V3's
+latent attention at TP 4 against one device): the engine's KV pool holds the latent, one KV head
+of kv_lora_rank + qk_rope_head_dim dims, through the Pallas TPU kernels; the Hub's config.json
+files read to transformers' softmax scale and RoPE; a V3-architecture step compiled for a TPU."""
 import dataclasses
 import json
 import os
@@ -15,14 +17,14 @@ import transformers as tf
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 
-from jaxserve import LLM, check
+from jaxserve import LLM, SamplingParams, check
 from jaxserve.buckets import Buckets
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kv_cache import page_bytes_per_chip
 from jaxserve.models.layers import rope_frequencies
 from jaxserve.models.mla import LatentDims
 from jaxserve.models.routing import Routing
-from tests.test_family_engine import ENGINE, engine_tokens, save_with_greedy, tensor_parallel_tokens, tp_meshes
+from tests.test_family_engine import ENGINE, _prompts, save_with_greedy
 from tests.test_tpu_compile import ROOT, assert_serves, with_ci_layers
 
 YARN_V3 = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -53,15 +55,9 @@ HF_CLASSES = {"deepseek_v2": (tf.DeepseekV2Config, v2.DeepseekV2Attention, v2.De
 # Moonlight-16B-A3B's (V3's architecture), as configs/moonlight-16b-a3b-v6e-4.yaml serves it.
 with open(os.path.join(ROOT, "configs", "models", "moonlight-16b-a3b", "config.json")) as f:
     MOONLIGHT = json.load(f)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
-    out = {}
-    for name in ("deepseek_v2_lite", "deepseek_v3"):
-        d = str(tmp_path_factory.mktemp(name))
-        out[name] = (d, save_with_greedy(name, d))
-    return out
+# The interpreted Pallas kernels take about a second a step: the engine's first 4 greedy tokens,
+# not tests/test_family_engine.engine_tokens' 24; prefill chunks and decodes run all the same.
+PALLAS_TOKENS = 4
 
 
 def test_v3_config_as_published_and_its_latent_kv_bytes():
@@ -99,28 +95,23 @@ def test_softmax_scale_and_rope_as_transformers(hf_config):
     assert scale == pytest.approx(rotary.attention_scaling)
 
 
-def test_engine_kv_pool_holds_the_latent_once(checkpoints):
+def test_engine_kv_pool_holds_the_latent_once(tmp_path):
     """Every layer's pool: one KV head of kv_lora_rank 32 + qk_rope_head_dim 8, as K alone (no V
     pool: the values are the keys). Through the Pallas TPU kernels (interpret mode: flash for
     fresh prefill rows, the paged kernel for the rest, both reading V from K) the greedy tokens
-    are transformers' (the XLA path's: tests/test_moe.py)."""
-    d, want = checkpoints["deepseek_v3"]
+    are transformers' (the XLA path's: tests/test_moe.py), the first prompt alone and then the
+    others, one of them on its prefix in the cache (as engine_tokens runs them)."""
+    d = str(tmp_path)
+    want = save_with_greedy("deepseek_v3", d)
     llm = LLM(model=d, **ENGINE, attention_backend="pallas_tpu")
     layers = llm.llm_engine.runner.kv_cache.layers
     assert len(layers) == 3
     assert {layer.k.shape for layer in layers} == {(ENGINE["num_pages"], 1, 8, 40)}
     assert all(layer.v is None and layer.v_scale is None for layer in layers)
-    assert engine_tokens(d, llm)[0] == want
-
-
-def test_tensor_parallel_matches_transformers(checkpoints):
-    """V2-Lite's shape at TP 2, V3's at TP 4 (one query head a device): the query heads and
-    kv_b_proj split, the latent projections and the one KV head replicated, the experts' and the
-    shared expert's intermediate dims split."""
-    assert tp_meshes(checkpoints) == {"deepseek_v2_lite": {"model": 2}, "deepseek_v3": {"model": 4}}
-    tokens = tensor_parallel_tokens({name: d for name, (d, _) in checkpoints.items()})
-    for case, got in tokens.items():
-        assert got == checkpoints[case.split("@")[0]][1], case
+    prompts, sp = _prompts(256), SamplingParams(temperature=0.0, max_tokens=PALLAS_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts[:1], sp, use_tqdm=False) + llm.generate(prompts[1:], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [tokens[:PALLAS_TOKENS] for tokens in want]
+    assert llm.llm_engine.block_manager.prefix_hit_rate > 0
 
 
 def test_moonlight_decode_step_compiles_for_tpu():

@@ -1,12 +1,15 @@
-"""Expert parallelism (enable_expert_parallel: parallel.EXPERT_PARALLEL_RULES, layers.SparseMoE):
-the experts split whole over the "model" axis. On seeded checkpoints of Qwen3-MoE, OLMoE,
-DeepSeek-V3 (shared experts, grouped routing) and gpt-oss (biased experts; and its experts as
-MXFP4, as the Hub stores them), at model 2 and 4 on fake CPU devices: the engine step's f32 logits
-equal one device's, the engine's greedy tokens equal transformers' (DeepSeek's with
-sequence-parallel prefill too), int8 experts equal int8 on one device, the stacks (and their
-scales) lie on their expert axis while the router stays whole and the shared experts
-tensor-parallel, and experts that do not divide are refused. All of it in one subprocess on 8
-fake devices (this file's main): jax starts once."""
+"""Mixtures of experts on several fake CPU devices, all in one subprocess on 8 of them (this file's
+main: jax starts once, without torch). Expert parallelism (enable_expert_parallel:
+parallel.EXPERT_PARALLEL_RULES, layers.SparseMoE): the experts split whole over the "model" axis.
+On seeded checkpoints of Qwen3-MoE, OLMoE, DeepSeek-V3 (shared experts, grouped routing) and
+gpt-oss (biased experts; and its experts as MXFP4, as the Hub stores them), and Qwen3-MoE's experts
+in int8: the engine step's f32 logits equal one device's (each at model 2 or 4; under EP attention
+stays tensor-parallel, so DeepSeek-V3's at model 4 is its latent attention with one query head a
+device), the stacks (and their scales) lie on their expert axis while the router stays whole and
+the shared experts tensor-parallel, experts that do not divide are refused; the engine's greedy
+tokens equal transformers' for DeepSeek-V3 (sequence-parallel prefill too) and Qwen3-MoE.
+Tensor parallelism (tests/test_moe.py's and tests/test_deepseek.py's, run here to share the
+subprocess): the engine's greedy tokens equal transformers' for gpt-oss and DeepSeek-V2-Lite."""
 import dataclasses
 import json
 import os
@@ -21,44 +24,67 @@ import pytest
 from jaxserve import cli
 from jaxserve.config import EngineConfig
 from tests.conftest import fake_devices_env
-from tests.test_family_engine import ENGINE, engine_tokens, save_with_greedy
-from tests.test_mxfp4 import save_mxfp4_gpt_oss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAMILIES = ("deepseek_v3", "gpt_oss", "olmoe", "qwen3_moe")   # 8, 4, 4, 4 experts
-# One engine run each (suite time). DeepSeek's prefills sequence-parallel too: each chunk's tokens
-# split over "seq", the experts over "model".
-ENGINE_MESH = {"deepseek_v3": {"model": 2, "seq": 2}, "gpt_oss": {"model": 4}, "olmoe": {"model": 2},
-               "qwen3_moe": {"model": 4}}
+# The step's logits against one device's, each variant at one model axis (suite time: each mesh
+# is a program of its own): 4 experts at 2 (two a device) and at 4 (one), DeepSeek-V3's 8 at 4
+# here and at 2 in its engine run below, Qwen3-MoE's at 2 here and at 4 in int8 and its engine run.
+LOGITS_MESH = {"deepseek_v3": 4, "gpt_oss": 2, "olmoe": 4, "qwen3_moe": 2, "gpt_oss_mxfp4": 4, "qwen3_moe_int8": 4}
+# The engine runs: (checkpoint, mesh, expert parallel). Under EP DeepSeek-V3's prefills run
+# sequence-parallel too (each chunk's tokens split over "seq", the experts over "model"). Two EP
+# families, not four (suite time): the engine adds nothing per family that the step's logits
+# above do not check (the same step; each family's engine on one device: tests/test_moe.py).
+# Under TP (intermediate dims split) gpt-oss's experts: 48 columns each, gate and up de-interleaved
+# from gate_up_proj so each device holds matching halves, their biases with them, the down bias
+# added once, the attention sinks split with their query heads, the router replicated; V2-Lite's:
+# the query heads (q_proj without a bottleneck) and kv_b_proj split, the latent projections and
+# the one KV head replicated, the routed and the 2 shared experts' intermediate dims split. The
+# other families' experts load and run through the same code (V3 at TP 4, one query head a device:
+# its attention in the logits above, which EP leaves tensor-parallel; its experts split as V2's).
+ENGINE_RUNS = [("deepseek_v3", {"model": 2, "seq": 2}, True), ("qwen3_moe", {"model": 4}, True),
+               ("gpt_oss", {"model": 2}, False), ("deepseek_v2_lite", {"model": 2}, False)]
+
+
+def run_id(run) -> str:
+    name, mesh, ep = run
+    return "-".join([name, "ep" if ep else "tp", *(f"{axis}{n}" for axis, n in mesh.items())])
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    """The subprocess's measurements, and transformers' greedy tokens of each family."""
+    """The subprocess's measurements, and transformers' greedy tokens of each engine's family."""
+    # Here, not at the top: the subprocess imports this file, and torch costs it 9 s.
+    from tests.hf_models import save_hf_model
+    from tests.test_family_engine import ENGINE, NEW_TOKENS, _prompts, save_with_greedy
+    from tests.test_mxfp4 import save_mxfp4_gpt_oss
+
     dirs, expected = {}, {}
-    for name in FAMILIES:
+    for name in ("deepseek_v3", "gpt_oss", "olmoe", "qwen3_moe", "deepseek_v2_lite"):
         dirs[name] = str(tmp_path_factory.mktemp(name))
-        expected[name] = save_with_greedy(name, dirs[name])
+        if name in {run[0] for run in ENGINE_RUNS}:
+            expected[name] = save_with_greedy(name, dirs[name])
+        else:
+            save_hf_model(name, dirs[name])
     dirs["gpt_oss_mxfp4"] = save_mxfp4_gpt_oss(tmp_path_factory.mktemp("gpt_oss_mxfp4"))[0]
-    proc = subprocess.run([sys.executable, "-m", "tests.test_expert_parallel", json.dumps(dirs)], cwd=ROOT,
+    args = {"dirs": dirs, "engine": ENGINE, "prompts": _prompts(256), "new_tokens": NEW_TOKENS}
+    proc = subprocess.run([sys.executable, "-m", "tests.test_expert_parallel", json.dumps(args)], cwd=ROOT,
                           capture_output=True, text=True, env=fake_devices_env(8), timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "expected": expected}
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, "gpt_oss_mxfp4", "qwen3_moe_int8"])
+@pytest.mark.parametrize("name", LOGITS_MESH)
 def test_logits_equal_one_device(results, name):
-    for model in (2, 4):
-        got = results["logits"][f"{name}@{model}"]
-        assert got["tokens_equal"] and got["max_logit_diff"] < 1e-5, (model, got)
+    got = results["logits"][name]
+    assert got["tokens_equal"] and got["max_logit_diff"] < 1e-5, got
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_engine_greedy_equals_transformers(results, name):
-    assert results["engine"][name] == results["expected"][name]
+@pytest.mark.parametrize("run", ENGINE_RUNS, ids=run_id)
+def test_engine_greedy_equals_transformers(results, run):
+    assert results["engine"][run_id(run)] == results["expected"][run[0]]
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, "gpt_oss_mxfp4", "qwen3_moe_int8"])
+@pytest.mark.parametrize("name", LOGITS_MESH)
 def test_stacks_split_on_their_expert_axis(results, name):
     """Every leaf of the stacks (weights, int8 and MXFP4 scales, gpt-oss's biases) on its expert
     axis and nothing else; the router replicated; DeepSeek's shared expert split by width (TP)."""
@@ -100,30 +126,35 @@ def _specs(params, layer: int) -> dict:
             "shared": spec(moe["shared_experts"]["gate_proj"]["weight"]) if "shared_experts" in moe else None}
 
 
-def main(dirs: dict[str, str]) -> dict:
-    from jaxserve import LLM, parallel, quantization
+def main(dirs: dict[str, str], engine: dict, prompts: list[list[int]], new_tokens: int) -> dict:
+    from jaxserve import LLM, SamplingParams, parallel, quantization
     from jaxserve.checkpoint import load_params
     from jaxserve.config import ModelConfig
     from jaxserve.generate import greedy_generate
     from jaxserve.models import layers
-    from tests.parallel_checks import NEW_TOKENS, prompts, sharded_generate
+    from tests import parallel_checks
 
     out = {"logits": {}, "specs": {}, "engine": {}}
-    runs = [(name, d, None) for name, d in dirs.items()] + [("qwen3_moe_int8", dirs["qwen3_moe"], "int8")]
-    for name, d, mode in runs:
+    for name, model in LOGITS_MESH.items():
+        d, mode = (dirs["qwen3_moe"], "int8") if name == "qwen3_moe_int8" else (dirs[name], None)
         cfg = ModelConfig.from_pretrained(d)
         params = quantization.quantize_params(load_params(d, cfg), mode)
-        ref_tokens, ref_logits = greedy_generate(cfg, params, prompts(), NEW_TOKENS, return_logits=True)
+        ref_tokens, ref_logits = greedy_generate(cfg, params, parallel_checks.prompts(), parallel_checks.NEW_TOKENS,
+                                                 return_logits=True)
         ep = dataclasses.replace(cfg, expert_parallel=True)
-        for model in (2, 4):
-            mesh = parallel.make_mesh({"model": model}, jax.devices()[:model])
-            sharded = jax.device_put(params, parallel.param_shardings(params, mesh, ep))
-            tokens, logits = sharded_generate(ep, sharded, mesh, False)
-            out["logits"][f"{name}@{model}"] = {"tokens_equal": tokens.tolist() == ref_tokens,
-                                                "max_logit_diff": float(np.abs(logits - ref_logits).max())}
+        mesh = parallel.make_mesh({"model": model}, jax.devices()[:model])
+        sharded = jax.device_put(params, parallel.param_shardings(params, mesh, ep))
+        tokens, logits = parallel_checks.sharded_generate(ep, sharded, mesh, False)
+        out["logits"][name] = {"tokens_equal": tokens.tolist() == ref_tokens,
+                               "max_logit_diff": float(np.abs(logits - ref_logits).max())}
         out["specs"][name] = _specs(sharded, cfg.moe_layers[0])
-    for name, mesh in ENGINE_MESH.items():
-        out["engine"][name] = engine_tokens(dirs[name], mesh=mesh, enable_expert_parallel=True)[0]
+    # tests.test_family_engine.engine_tokens' run: the first prompt alone fills the prefix cache.
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for run in ENGINE_RUNS:
+        name, mesh, ep = run
+        llm = LLM(model=dirs[name], mesh=mesh, enable_expert_parallel=ep, **engine)
+        outs = llm.generate(prompts[:1], sp, use_tqdm=False) + llm.generate(prompts[1:], sp, use_tqdm=False)
+        out["engine"][run_id(run)] = [o.outputs[0].token_ids for o in outs]
     mesh = parallel.make_mesh({"model": 4}, jax.devices()[:4])
     moe = layers.SparseMoE(8, 2, 32, True, mesh=mesh, expert_parallel=True)
     x = jax.ShapeDtypeStruct((16, 64), np.float32, sharding=parallel.replicated(mesh))
@@ -134,7 +165,7 @@ def main(dirs: dict[str, str]) -> dict:
     hlo = jax.jit(moe.apply).lower(params, x).compile().as_text()
     out["collectives"] = re.findall(r"= (\w+\[[\d,]*\])\S* (all-reduce|all-gather|all-to-all|collective-permute)\(", hlo)
     try:
-        LLM(model=dirs["qwen3_moe"], mesh={"model": 8}, enable_expert_parallel=True, **ENGINE)
+        LLM(model=dirs["qwen3_moe"], mesh={"model": 8}, enable_expert_parallel=True, **engine)
         out["refused"] = "not refused"
     except ValueError as e:
         out["refused"] = str(e)
@@ -142,4 +173,4 @@ def main(dirs: dict[str, str]) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(json.loads(sys.argv[1]))))
+    print(json.dumps(main(**json.loads(sys.argv[1]))))

@@ -1,9 +1,10 @@
 """Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss, GLM-4.5, DeepSeek-V2 and
 V3: their latent attention and routing, tests/test_deepseek.py) against transformers on seeded
 checkpoints written by its save_pretrained (per-expert tensors as on the Hub; gpt-oss's fused):
-full-sequence logits, the engine's greedy tokens on one device and under tensor parallelism (fake
-CPU devices), the checkpoint written back, the FLOP estimate, what is refused, and an engine step
-of Qwen3-30B-A3B's shapes compiled for a TPU through libtpu."""
+full-sequence logits, the engine's greedy tokens on one device, the checkpoint written back, the
+FLOP estimate, what is refused, the collectives of an MoE layer under tensor parallelism, and an
+engine step of Qwen3-30B-A3B's shapes compiled for a TPU through libtpu. The engine under tensor
+and expert parallelism (fake CPU devices): tests/test_expert_parallel.py."""
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models import build_model, layers
 from jaxserve.models.routing import Routing
 from tests.hf_models import MOE_CONFIGS
-from tests.test_family_engine import engine_tokens, save_with_greedy, tensor_parallel_tokens, tp_meshes
+from tests.test_family_engine import engine_tokens, save_with_greedy
 from tests.test_tpu_compile import CI_LAYERS, ROOT, assert_serves, with_ci_layers
 
 # Qwen3-30B-A3B's config.json as on the Hub (the keys the parser reads).
@@ -82,27 +83,39 @@ def hf_logits(model_dir: str, tokens: np.ndarray) -> np.ndarray:
         return hf(torch.tensor(tokens)).logits.numpy()
 
 
+@pytest.fixture(scope="module")
+def reference(checkpoints) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Two 40-token rows and transformers' logits of them, per checkpoint (once for both expert paths)."""
+    tokens = np.random.RandomState(2).randint(0, 256, (2, 40))   # every MOE_CONFIGS vocabulary: 256
+    return tokens, {name: hf_logits(d, tokens) for name, (d, _) in checkpoints.items()}
+
+
 @pytest.mark.parametrize("path", ["every_expert", "grouped_experts"])
 @pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
-def test_logits_match_transformers_and_the_saved_checkpoint_loads_back(name, path, checkpoints, tmp_path, monkeypatch):
+def test_logits_match_transformers(name, path, checkpoints, reference, monkeypatch):
     """f32 logits of two 40-token rows within 1e-4 of transformers', through CPU's path (every
-    expert) and the accelerators' (grouped ragged_dot, put in CPU's place: XLA:CPU runs it too);
-    save_pretrained of the loaded params writes the per-expert tensors transformers reads back to
-    the same logits."""
+    expert) and the accelerators' (grouped ragged_dot, put in CPU's place: XLA:CPU runs it too)."""
     monkeypatch.setattr(layers, "every_expert", getattr(layers, path))
     model_dir = checkpoints[name][0]
     cfg = ModelConfig.from_pretrained(model_dir)
     params = load_params(model_dir, cfg)
-    tokens = np.random.RandomState(2).randint(0, cfg.vocab_size, (2, 40))
-    ref = hf_logits(model_dir, tokens)
+    tokens, ref = reference[0], reference[1][name]
     model = build_model(cfg)
     ours = np.asarray(model.apply({"params": params}, tokens, np.broadcast_to(np.arange(40), tokens.shape),
                                   method=model.forward_logits))
     assert np.abs(ours - ref).max() < 1e-4, name
     assert np.abs(ref).max() > 0.1
+
+
+@pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
+def test_the_saved_checkpoint_loads_back(name, checkpoints, reference, tmp_path):
+    """save_pretrained of the loaded params writes the per-expert tensors transformers reads back to
+    the same logits (the params, and so what is written, do not depend on the expert path)."""
+    model_dir = checkpoints[name][0]
+    params = load_params(model_dir, ModelConfig.from_pretrained(model_dir))
     with open(os.path.join(model_dir, "config.json")) as f:
         save_pretrained(params, json.load(f), str(tmp_path))
-    assert np.abs(hf_logits(str(tmp_path), tokens) - ref).max() < 1e-6
+    assert np.abs(hf_logits(str(tmp_path), reference[0]) - reference[1][name]).max() < 1e-6
 
 
 def test_config_reads_moe_layers():
@@ -176,17 +189,6 @@ def test_engine_greedy_matches_transformers(name, checkpoints):
     tokens, hit_rate = engine_tokens(model_dir)
     assert tokens == expected, name
     assert hit_rate > 0
-
-
-def test_tensor_parallel_matches_transformers(checkpoints):
-    """gpt-oss at TP 2: each expert's 48 intermediate columns split (gate and up de-interleaved
-    from gate_up_proj, so each device holds matching halves; their biases with them), the down
-    bias added once, the attention sinks split with their query heads, the router replicated.
-    One family (suite time: each engine here is ~15 s); the other families' experts load and run
-    through the same code, their dense layers are Llama's MLP."""
-    model_dir, expected = checkpoints["gpt_oss"]
-    assert list(tp_meshes(["gpt_oss"]).values()) == [{"model": 2}]
-    assert tensor_parallel_tokens({"gpt_oss": model_dir}) == {'gpt_oss@{"model": 2}': expected}
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "qwen3_moe"])
