@@ -1,14 +1,12 @@
 """Mesh and sharding rules (in process, on abstract meshes), and tensor / sequence / data parallel
-runs on 8 fake CPU devices (in a subprocess, this file's main: the device count is fixed when jax
-starts) through tests/parallel_checks.py."""
+runs on 8 fake CPU devices (in a subprocess running tests/parallel_checks.py: the device count is
+fixed when jax starts)."""
 import json
 import os
 import subprocess
 import sys
-import traceback
 
 import jax
-import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
@@ -18,21 +16,6 @@ from jaxserve.config import ModelConfig
 from tests.conftest import fake_devices_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# parallel_checks.check_generate's cases: (config, mesh, sequence parallel[, attention backend]).
-# Each mesh size, kind of KV split and backend at least once, not every combination (suite time:
-# each case is a program of its own; the Pallas ones run their kernels interpreted, 10-30 s each):
-# TP 8 with the KV heads split, TP 4 with them replicated; TP 2 in the TP 2 x SP 2 case (split),
-# the Pallas cases and the engine_sp and dp engines; SP 2 in TP 2 x SP 2. Through the Pallas
-# kernels' shard_map: split KV heads in the ALiBi case (BLOOM's KV heads are its heads), one
-# replicated in the MQA case. The "even" config at TP 4, and through the Pallas kernels: the HLO check.
-GENERATE_CASES = {
-    "tp": [("even", {"model": 8}, False), ("gqa2", {"model": 4}, False)],
-    "sp": [("even", {"seq": 4}, True), ("even", {"model": 2, "seq": 2}, True)],
-    "pallas_tp": [("mqa", {"model": 2}, False, "pallas_tpu")],
-}
-# BLOOM (ALiBi) with 4 heads of 16, not parallel_checks' 8: the interpreted kernels cost by the
-# KV heads each device holds (21 s, not 32), and at TP 2 each device's two slopes still differ.
-ALIBI4 = {"architectures": ["BloomForCausalLM"], "vocab_size": 256, "hidden_size": 64, "n_layer": 2, "n_head": 4}
 
 
 def small_cfg(**kw) -> ModelConfig:
@@ -131,15 +114,14 @@ def test_every_param_has_logical_axes_of_its_rank():
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory) -> dict:
-    """The checks of tests/parallel_checks.py (GENERATE_CASES' share of its generation cases),
-    run once in one subprocess (8 fake devices) on one saved engine model: {check: its values,
+    """The checks of tests/parallel_checks.py, run once in one subprocess (8 fake devices) on one saved engine model: {check: its values,
     or {"error": traceback}}."""
     from tests.hf_models import save_engine_model
 
     model_dir = str(tmp_path_factory.mktemp("parallel_model"))
     save_engine_model(model_dir)
     env = fake_devices_env(8)
-    proc = subprocess.run([sys.executable, "-m", "tests.test_parallel", model_dir], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "tests.parallel_checks", model_dir], cwd=ROOT,
                           capture_output=True, text=True, env=env, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -208,38 +190,3 @@ def test_engine_routes_prefills_through_sequence_parallel(checks):
     assert r["prompt_logprobs_tokens_equal"], r
     assert r["prompt_logprobs_max_diff"] < 1e-4, r
     assert r["prompt_logprobs_tops"] == [2, 2, 2], r
-
-
-def alibi_pallas_tp2() -> dict:
-    """parallel_checks.check_generate's measure of ALIBI4 at TP 2 through the Pallas TPU kernels."""
-    from jaxserve.generate import greedy_generate
-    from tests.parallel_checks import NEW_TOKENS, prompts, sharded_generate
-
-    cfg = ModelConfig.from_hf_dict(ALIBI4)
-    rng = np.random.default_rng(1)
-    params = jax.tree.map(lambda s: (0.1 * rng.standard_normal(s.shape) + (len(s.shape) == 1)).astype(np.float32),
-                          param_shapes(cfg))
-    ref_tokens, ref_logits = greedy_generate(cfg, params, prompts(), NEW_TOKENS, return_logits=True)
-    mesh = parallel.make_mesh({"model": 2}, jax.devices()[:2])
-    sharded = jax.device_put(params, parallel.param_shardings(params, mesh, cfg))
-    tokens, logits = sharded_generate(cfg, sharded, mesh, False, "pallas_tpu")
-    return {"tokens_equal": tokens.tolist() == ref_tokens, "max_logit_diff": float(np.abs(logits - ref_logits).max())}
-
-
-def main(model_dir: str) -> dict:
-    """The checks' values, each check's traceback in its place if it fails (its test alone fails)."""
-    from tests.parallel_checks import check_generate, run_checks
-
-    out = run_checks(model_dir, ["engine_sp", "dp", "hlo", "param_bytes"])   # engine_sp first: see CHECKS
-    for name, cases in GENERATE_CASES.items():
-        try:
-            out[name] = check_generate(cases)
-            if name == "pallas_tp":
-                out[name]["alibi4 {'model': 2} step pallas_tpu"] = alibi_pallas_tp2()
-        except Exception:
-            out[name] = {"error": traceback.format_exc()}
-    return out
-
-
-if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1])))
