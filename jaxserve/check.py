@@ -346,14 +346,15 @@ def run(config: str, topology: str, model: str | None = None, backend: str | Non
     platform = target.devices[0].platform
     buckets = Buckets(ecfg, seq, platform, resolve_backend(backend or ecfg.attention_backend, platform, cfg.head_dim,
                                                            ecfg.kv_cache_dtype))
-    shapes = quick_shapes(buckets.warmup_shapes(seq > 1))
+    shapes = list(dict.fromkeys(quick_shapes(buckets.warmup_shapes(seq > 1))))   # one decode bucket: once
     report = check(ecfg, cfg, target, model_name=name, dtype=dtype, backend=backend,
                    shapes=shapes if quick else None, samplers=not quick, quantization=quantization, draft=draft)
     weights = jnp.dtype(dtype).name + (f", {quantization} weights" if quantization else "") + (
         " and LM head" if ecfg.quantize_lm_head else "")
+    quick_note = f", quick: {len(shapes)} step shapes{' each' if draft else ''}, no sampler" if quick else ""
     header = (f"jaxserve check: {name} ({cfg.num_params / 1e9:.2f}B parameters, {weights}) "
               + (f"drafted by {draft.dir} ({draft.cfg.num_params / 1e9:.2f}B parameters) " if draft else "")
               + f"with {config} on {target.name} ({target.chips} chip(s)), mesh {ecfg.mesh}"
-              f"{', quick: 3 step shapes' + (' each' if draft else '') + ', no sampler' if quick else ''}, per chip:")
+              f"{quick_note}, per chip:")
     print(format_report(report, header))
     return 0 if report.fits and report.compiles else 1
