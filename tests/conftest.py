@@ -36,7 +36,7 @@ def fake_devices_env(n: int) -> dict[str, str]:
 HEAVY_FIRST = ["test_quantized_engine.py", "test_spec_decode_draft.py", "test_family_engine.py", "test_multi_step.py",
                "test_shutdown.py", "test_spec_decode.py", "test_kv_isolation.py", "test_tpu_compile.py",
                "test_parallel.py", "test_soak.py", "test_flash_attention.py", "test_engine.py",
-               "test_structured_output.py", "test_engine_kernels.py", "test_scoring.py", "test_weight_update.py"]
+               "test_structured_output.py", "test_scoring.py", "test_weight_update.py"]
 
 
 def pytest_configure(config):
