@@ -145,15 +145,13 @@ def test_dispatch_matches_oracle_and_reference(backend, config):
         assert diff < TOL[dtype], f"differs from the XLA reference by {diff}"
 
 
-# Gemma 2's tanh cap (1.5 bites: these scores reach a few units) with ALiBi, and with attention
-# sinks. Not ALiBi with sinks: no model has both, and the paths add slope x key position (not
-# minus slope x distance, scores.py), which leaves a softmax unchanged only without a sink.
+# Gemma 2's tanh cap (1.5 bites: these scores reach a few units) with ALiBi, and with sinks. Not ALiBi with
+# sinks: no model has both, and the paths add slope x key position (scores.py), unlike the oracle's distance.
 SCORE_MODS = {"soft_cap+alibi": dict(soft_cap=1.5, alibi=True), "soft_cap+sinks": dict(soft_cap=1.5, sinks=True)}
 
 
 def assert_each_modifier_matters(case):
-    """Without any one of its modifiers the oracle moves far past the tolerance: a path that
-    dropped (or misapplied) one would fail."""
+    """Without any one of its modifiers the oracle moves far past the tolerance (a path dropping it fails)."""
     want = oracle(case)
     for name in ("soft_cap", "alibi_slopes", "sinks"):
         if case[name] is not None:
@@ -304,8 +302,13 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="
     return out, dict(case, k_pages=k_pages[..., :64], v_pages=v_pages[..., :64])
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
-def test_attend_rows_match_oracle(monkeypatch, backend):
+# Each modifier set once on the Pallas backends: attend hands both kernels ALiBi and sinks alike, and
+# the kernels' own tests (above, test_flash_attention.py) check each kernel with each.
+ATTEND = [("xla", m) for m in SCORE_MODS] + [("pallas_tpu", "soft_cap+alibi"), ("pallas_gpu", "soft_cap+sinks")]
+
+
+@pytest.mark.parametrize("backend, mods", ATTEND)
+def test_attend_rows_match_oracle(monkeypatch, backend, mods):
     """Steps through attend with a window, soft cap and ALiBi or sinks. On the Pallas backends the
     leading fresh prefill rows take the flash kernel, shifted by 1 here: their tokens, and no
     other, must show the shift; the other rows take the paged kernel. Every token against the
@@ -314,11 +317,9 @@ def test_attend_rows_match_oracle(monkeypatch, backend):
         flash = importlib.import_module(f"pallas_kernels.flash_attention.{backend.removeprefix('pallas_')}")
         real = flash.flash_attention
         monkeypatch.setattr(flash, "flash_attention", lambda *a, **k: real(*a, **k) + 1)
-    # CACHED and MIXED each have flash, paged prefill and decode rows
-    for seqs, flashed_rows, mods in ((FRESH, 2, "soft_cap+alibi"), (MIXED, 1, "soft_cap+alibi"),
-                                     (CACHED, 1, "soft_cap+sinks")):
+    for seqs, flashed_rows in ((FRESH, 2), (CACHED, 1), (MIXED, 1)):
         out, case = attend_case(seqs, backend, sliding_window=7, **SCORE_MODS[mods])
-        if seqs is not FRESH:
+        if seqs is MIXED:   # flash, paged prefill and decode rows
             assert_each_modifier_matters(case)
         end = int(case["query_start_loc"][flashed_rows]) if backend != "xla" else 0
         assert_close(out.at[:end].add(-1), case)
