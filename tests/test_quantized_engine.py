@@ -2,7 +2,9 @@
 orbax round trip (`jaxserve convert --quantization`), tensor parallelism on fake devices (an int8
 KV cache's scales and a quantized LM head's too), the CLI flags, and the quantized engine step
 compiled for a real TPU (libtpu, compile-only). A configuration is a mode, or "mode+head" for
-the LM head quantized too (benchmarks/quantization.py's names)."""
+the LM head quantized too (benchmarks/quantization.py's names). One compiled forward pass per
+configuration (the training script's, no KV cache, one device) gives the perplexity and, as the
+model's argmax after each prefix, the greedy tokens that tensor parallelism must reproduce."""
 import functools
 import json
 import os
@@ -14,6 +16,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # xdist workers each 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from benchmarks import quantization as bench
@@ -23,6 +26,8 @@ from jaxserve.checkpoint import load_params
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import TINY_MODEL_DIR
 from jaxserve.kv_cache import KVCache
+from jaxserve.models import build_model
+from jaxserve.tokenizer import load_tokenizer
 from tests.conftest import fake_devices_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +42,8 @@ PROMPTS = ["The for statement is used to", "A function definition defines", "The
 # int8 weights with per-channel scales, sharded alike (their `scale` leaf's rule: int4's).
 # int4_asym's Linears hold int4's leaves and zero-point offsets sharded as their scales. fp8's hold
 # e4m3 weights and int4's grouped scales, at TP 2 split over the input groups where the inputs are
-# (o_proj's 2, down_proj's 6: at TP 4 the 6 stay whole).
+# (o_proj's 2, down_proj's 6: at TP 4 the 6 stay whole). w8a8+head's int8 KV cache: the one-device
+# engine of the agreement test below is its oracle (the forward pass has no KV cache).
 TP_CASES = [("int4_asym", "auto", {"model": 4}), ("fp8", "auto", {"model": 2}), ("w8a8+head", "int8", {"model": 2})]
 NEW_TOKENS = 32
 
@@ -56,9 +62,53 @@ def quantized_engine(config: str | None, kv_cache_dtype: str) -> LLM:
 
 
 @functools.cache
-def quantized_greedy(config: str | None, kv_cache_dtype: str = "auto") -> list[list[int]]:
+def quantized_greedy(config: str | None, kv_cache_dtype: str) -> list[list[int]]:
     """The reference tokens of several tests below."""
     return greedy(quantized_engine(config, kv_cache_dtype))
+
+
+CFG = ModelConfig.from_pretrained(TINY_MODEL_DIR)
+MODEL = build_model(CFG)
+WINDOWS, SEQ_LEN = 16, 128   # the held-out windows the perplexity test reads: the forward pass's rows
+
+
+@jax.jit
+def forward(params, tokens):
+    """Of each row of tokens [WINDOWS, SEQ_LEN + 1]: the mean next-token loss (the training
+    script's row_losses) and the argmax after each token."""
+    inputs = tokens[:, :-1]
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+    logits = MODEL.apply({"params": params}, inputs, positions, method=MODEL.forward_logits)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(axis=1), logits.argmax(-1)
+
+
+@functools.cache
+def model_params(config: str | None) -> dict:
+    return bench.quantized(load_params(TINY_MODEL_DIR, CFG) if config is None else model_params(None), config)
+
+
+@functools.cache
+def heldout_stream() -> np.ndarray:
+    """benchmarks/quantization.py's held-out tokens, the first WINDOWS windows of them."""
+    script = bench.training_script()
+    return script.token_stream(load_tokenizer(TINY_MODEL_DIR), script.split_corpus(None)[1])[:WINDOWS * SEQ_LEN + 1]
+
+
+def perplexity(config: str | None) -> float:
+    return bench.training_script().perplexity(lambda p, t: forward(p, t)[0], model_params(config), heldout_stream(),
+                                              SEQ_LEN, WINDOWS)
+
+
+def model_greedy(config: str | None, tokens: list[list[int]]) -> list[list[int]]:
+    """The model's argmax after each prompt followed by each prefix of its `tokens`: `tokens`
+    itself exactly where they are the model's greedy tokens."""
+    tokenizer = load_tokenizer(TINY_MODEL_DIR)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    rows = np.zeros((WINDOWS, SEQ_LEN + 1), heldout_stream().dtype)   # the perplexity's shape: no compilation more
+    for row, p, t in zip(rows, prompts, tokens):
+        row[:len(p) + len(t)] = p + t
+    best = np.asarray(forward(model_params(config), rows)[1])
+    return [b[len(p) - 1:len(p) - 1 + len(t)].tolist() for b, p, t in zip(best, prompts, tokens)]
 
 
 def tp_case(mode, kv_cache_dtype, mesh) -> str:
@@ -97,25 +147,26 @@ def test_cli_flag_reaches_the_engine_config():
 def test_heldout_perplexity_within_thresholds():
     """int8, fp8 and w8a8 within 1% of unquantized, int4 and int4_asym within 5%, on the first 16 held-out
     windows (benchmarks/quantization.py measures all of them)."""
-    ppl = bench.heldout_perplexities(max_windows=16)
+    ppl = {config: perplexity(config) for config in bench.CONFIGS}
     for config in ("int8", "fp8", "w8a8", "int8+head", "w8a8+head"):
         assert abs(ppl[config] / ppl[None] - 1) < 0.01, (config, ppl)
     assert abs(ppl["int4"] / ppl[None] - 1) < 0.05 and abs(ppl["int4_asym"] / ppl[None] - 1) < 0.05, ppl
 
 
 # Through the engine, each 8-bit Linear and the int8 head once: w8a8 and int8+head differ from
-# these only in the parts the perplexity test above checks.
-@pytest.mark.parametrize("config", ["int8", "w8a8+head"])
-def test_8bit_greedy_agrees_with_unquantized(config):
-    prefix, same = bench.agreement(quantized_greedy(None), quantized_greedy(config))
+# these only in the parts the perplexity test above checks. w8a8+head with an int8 KV cache: the
+# tensor-parallel test's oracle, its quantized KV cache agreeing too.
+@pytest.mark.parametrize("config, kv_cache_dtype", [("int8", "auto"), ("w8a8+head", "int8")])
+def test_8bit_greedy_agrees_with_unquantized(config, kv_cache_dtype):
+    prefix, same = bench.agreement(quantized_greedy(None, "auto"), quantized_greedy(config, kv_cache_dtype))
     assert sum(same) >= 0.9 * NEW_TOKENS * len(PROMPTS), (prefix, same)
 
 
 def test_lm_head_stays_in_the_model_dtype_unless_asked():
     """The embedded model ties its head to the embeddings: by default the logits come from the
     f32 table; with quantize_lm_head from an int8 copy of it, the table kept for the lookups."""
-    dtypes = {config: jax.tree.map(lambda x: x.dtype.name, quantized_engine(config, "auto").llm_engine.runner.params)
-              for config in ("w8a8", "w8a8+head")}
+    dtypes = {config: jax.tree.map(lambda x: x.dtype.name, quantized_engine(config, kv).llm_engine.runner.params)
+              for config, kv in (("w8a8", "auto"), ("w8a8+head", "int8"))}
     for d in dtypes.values():
         assert d["model"]["embed_tokens"] == {"embedding": "float32"}
         assert d["model"]["layers_0"]["mlp"]["up_proj"] == {"qweight": "int8", "channel_scale": "float32"}
@@ -127,6 +178,18 @@ def leaves(params):
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
+def assert_same_leaves(expected: dict, got: dict):
+    assert expected.keys() == got.keys()
+    for k in expected:
+        assert expected[k].dtype == got[k].dtype and np.array_equal(expected[k], got[k]), k
+
+
+def engine_params(**engine) -> dict:
+    """The leaves of the params an engine loads (building it compiles nothing: its steps compile
+    on first use, and equal params make the same tokens)."""
+    return leaves(LLM(**engine, **ENGINE).llm_engine.runner.params)
+
+
 # int4_asym: int4's leaves and more; fp8: float8 leaves through orbax
 @pytest.mark.parametrize("config", ["int8", "int4_asym", "fp8", "w8a8", "w8a8+head"])
 def test_convert_quantized_reloads_exactly(tmp_path, config):
@@ -136,13 +199,11 @@ def test_convert_quantized_reloads_exactly(tmp_path, config):
     assert cli.main(["convert", TINY_MODEL_DIR, dst, "--quantization", mode] + ["--quantize-lm-head"] * head) == 0
     cfg = ModelConfig.from_pretrained(TINY_MODEL_DIR)
     expected = leaves(load_params(TINY_MODEL_DIR, cfg, quantization=mode, lm_head=head))
-    reloaded = leaves(load_params(dst, cfg))
-    assert expected.keys() == reloaded.keys() and any(k.endswith("['qweight']") for k in expected)
+    assert any(k.endswith("['qweight']") for k in expected)
     assert any(k.startswith("['lm_head']") for k in expected) == head
-    for k in expected:
-        assert expected[k].dtype == reloaded[k].dtype and np.array_equal(expected[k], reloaded[k]), k
+    assert_same_leaves(expected, leaves(load_params(dst, cfg)))
     if config in ("int4_asym", "w8a8+head"):   # the engine's restore of packed nibbles and of a head copy
-        assert greedy(LLM(model=dst, **ENGINE)) == quantized_greedy(config)   # (int8 and w8a8: as their leaves)
+        assert_same_leaves(expected, engine_params(model=dst))   # (int8 and w8a8: as their leaves)
     other = "int4" if mode == "int8" else "int8"
     with pytest.raises(ValueError, match=f"holds {mode} weights"):
         load_params(dst, cfg, quantization=other)
@@ -155,21 +216,21 @@ def test_unquantized_orbax_checkpoint_quantizes_as_it_loads(tmp_path):
     dst = str(tmp_path / "f32")
     assert cli.main(["convert", TINY_MODEL_DIR, dst]) == 0
     cfg = ModelConfig.from_pretrained(TINY_MODEL_DIR)
-    expected, loaded = leaves(load_params(TINY_MODEL_DIR, cfg, quantization="int8")), leaves(
-        load_params(dst, cfg, quantization="int8"))
-    assert expected.keys() == loaded.keys()
-    assert all(np.array_equal(expected[k], loaded[k]) for k in expected)
+    expected = leaves(load_params(TINY_MODEL_DIR, cfg, quantization="int8"))
+    assert_same_leaves(expected, leaves(load_params(dst, cfg, quantization="int8")))
     # through the engine: restored onto the quantized tree's shardings, then quantized
-    assert greedy(LLM(model=dst, quantization="int8", **ENGINE)) == quantized_greedy("int8")
+    assert_same_leaves(expected, engine_params(model=dst, quantization="int8"))
 
 
 def test_tensor_parallel_greedy_matches_one_device():
     """int4_asym weights at TP 4, fp8 weights at TP 2 and w8a8+head with an int8 KV cache at TP 2, on
     fake CPU devices (tiny model: 8 heads, 2 kv heads, so K/V replicated at TP 4; int4 o_proj has 2
-    input groups, so its scales and zero-point offsets are replicated at TP 4; fp8's are split at TP 2). One mesh each: the other pairs add engines to compile, not
-    layouts. The one-device tokens come from this process (the subprocess keeps its XLA flags,
-    adding the fake devices). The int8 cache's scales are split over the KV heads like its pages:
-    each device holds its one KV head's pages and scales."""
+    input groups, so its scales and zero-point offsets are replicated at TP 4; fp8's are split at
+    TP 2). One mesh each: the other pairs add engines to compile, not layouts. The one-device
+    tokens come from this process (the subprocess keeps its XLA flags, adding the fake devices):
+    the model's greedy tokens by the forward pass, and with the int8 KV cache the engine's. The
+    int8 cache's scales are split over the KV heads like its pages: each device holds its one KV
+    head's pages and scales."""
     env = fake_devices_env(4)
     proc = subprocess.run([sys.executable, "-m", "tests.test_quantized_engine"], cwd=ROOT,
                           capture_output=True, text=True, env=env, timeout=900)
@@ -177,8 +238,9 @@ def test_tensor_parallel_greedy_matches_one_device():
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(results) == len(TP_CASES)
     for mode, kv_cache_dtype, mesh in TP_CASES:
-        assert results[tp_case(mode, kv_cache_dtype, mesh)]["tokens"] == quantized_greedy(mode, kv_cache_dtype), \
-            (mode, kv_cache_dtype, mesh)
+        tokens = results[tp_case(mode, kv_cache_dtype, mesh)]["tokens"]
+        one_device = model_greedy(mode, tokens) if kv_cache_dtype == "auto" else quantized_greedy(mode, kv_cache_dtype)
+        assert tokens == one_device, (mode, kv_cache_dtype, mesh)
     kv = results[tp_case("w8a8+head", "int8", {"model": 2})]["kv"]
     heads = [None, "model", None, None]   # [pages, KV heads, slots or 1, head_dim or scale lanes]
     (k_spec, (pages, *k_shard)), (v_spec, v_shard) = kv["k"], kv["v"]
