@@ -7,9 +7,11 @@ pages hold (a model of the pool's slots, as tests/test_block_manager.py's), and 
 prefix hit every group can serve (brute force over the cached keys). Engine: greedy tokens of
 seeded gpt-oss and Mistral checkpoints with an 8-token window and 4-token pages, with the hybrid
 cache on and off, equal to transformers' through chunked prefill, a prefix hit, preemption, n > 1,
-n-gram speculation and a draft model (its pool addressed by the full group's page table), with
-freed pages poisoned (NaN) so a released page read shows up; the hybrid run holds fewer pages.
+n-gram speculation, a draft model (its pool addressed by the full group's page table), multi-step
+decodes, sleep and wake-up, and sequence-parallel prefill with tensor parallelism, with freed
+pages poisoned (NaN) so a released page read shows up; the hybrid run holds fewer pages.
 """
+import functools
 import json
 import os
 import subprocess
@@ -218,15 +220,26 @@ def _prompts() -> list[list[int]]:
     return [first, first[:24] + rng.integers(0, 256, 18).tolist(), rng.integers(0, 256, 20).tolist()]
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_POOL))
-def checkpoint(request, tmp_path_factory):
-    """(name, model dir, transformers' greedy tokens of each prompt) of a seeded checkpoint with an
-    8-token window: gpt-oss (sliding and full layers alternate: two groups), Mistral (all sliding)."""
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (model dir, transformers' greedy tokens of each prompt) of a seeded checkpoint with
+    an 8-token window, made on first use: gpt-oss (sliding and full layers alternate: two groups),
+    Mistral (all sliding)."""
     from tests.hf_models import hf_greedy, save_byte_tokenizer, save_hf_model
-    d = str(tmp_path_factory.mktemp(request.param))
-    hf = save_hf_model(request.param, d, sliding_window=WINDOW)
-    save_byte_tokenizer(d)
-    return request.param, d, [hf_greedy(hf, p, NEW_TOKENS)[0] for p in _prompts()]
+
+    @functools.cache
+    def make(name):
+        d = str(tmp_path_factory.mktemp(name))
+        hf = save_hf_model(name, d, sliding_window=WINDOW)
+        save_byte_tokenizer(d)
+        return d, [hf_greedy(hf, p, NEW_TOKENS)[0] for p in _prompts()]
+    return make
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_POOL))
+def checkpoint(request, checkpoints):
+    """(name, model dir, transformers' greedy tokens of each prompt) of each checkpoint."""
+    return request.param, *checkpoints(request.param)
 
 
 def generate(model_dir: str, n: int = 1, llm=None, **engine):
@@ -332,22 +345,28 @@ def test_sleep_and_wake_up_with_the_hybrid_cache(checkpoint):
     assert bm.prefix_hit_tokens > hits   # the second prompt found the first's prefix cached anew
 
 
-def test_sequence_parallel_prefill_and_tensor_parallelism_with_the_hybrid_cache(checkpoint):
-    """Meshes seq 2 (each prefill chunk split over 2 devices, the grouped page rows whole on each)
-    and model 2, on fake CPU devices in a subprocess (this file's main)."""
+# Both axes on one mesh (one engine a model, not two): the batched step's prefill rows at TP 2,
+# which sequence-parallel prefill takes over, run on one device with the hybrid cache above and at
+# TP 2 without it in tests/test_parallel.py's data-parallel replicas.
+MESH = {"seq": 2, "model": 2}
+
+
+def test_sequence_parallel_prefill_and_tensor_parallelism_with_the_hybrid_cache(checkpoints):
+    """Mesh seq 2 x model 2 (each prefill chunk split over 2 devices, the grouped page rows whole
+    on each; the weights and KV heads split over 2), both checkpoints, on fake CPU devices in one
+    subprocess (this file's main)."""
     from tests.conftest import fake_devices_env
-    _, d, expected = checkpoint
+    runs = {name: checkpoints(name) for name in sorted(TINY_POOL)}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "tests.test_hybrid_kv_cache", d], cwd=root, capture_output=True,
-                          text=True, env=fake_devices_env(2), timeout=1200)
+    proc = subprocess.run([sys.executable, "-m", "tests.test_hybrid_kv_cache", *(d for d, _ in runs.values())],
+                          cwd=root, capture_output=True, text=True, env=fake_devices_env(4), timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for mesh, tokens in json.loads(proc.stdout.strip().splitlines()[-1]).items():
-        assert tokens == [[e] for e in expected], mesh
+    for (name, (_, expected)), tokens in zip(runs.items(), json.loads(proc.stdout.strip().splitlines()[-1])):
+        assert tokens == [[e] for e in expected], name
 
 
-if __name__ == "__main__":   # the meshes' runs, on the fake devices of this process
-    print(json.dumps({json.dumps(mesh): generate(sys.argv[1], mesh=mesh)[0]
-                      for mesh in ({"seq": 2}, {"model": 2})}))
+if __name__ == "__main__":   # each model dir's run on MESH, on the fake devices of this process
+    print(json.dumps([generate(d, mesh=MESH)[0] for d in sys.argv[1:]]))
 
 
 def test_capacity_of_sliding_window_models():
