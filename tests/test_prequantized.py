@@ -1,7 +1,9 @@
 """Pre-quantized Hugging Face checkpoints: compressed-tensors int8 (W8A16) and packed int4 (W4A16),
 written by the `compressed-tensors` package and read by transformers on CPU as the reference, and
 GPTQ int4 holding the W4A16 checkpoint's codes and scales (so the same reference). FP8:
-tests/test_prequantized_fp8.py, with the checkpoint writers and comparisons here."""
+tests/test_prequantized_fp8.py, with the checkpoint writers and comparisons here. The engine serves
+the int8 checkpoint as transformers here, and AWQ's Linears (these writers', experts too) in
+tests/test_prequantized_moe.py::test_qwen3_moe_awq_loads_experts_as_int4_asym_and_matches_transformers."""
 import functools
 import json
 import os
@@ -10,6 +12,7 @@ import re
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -222,11 +225,16 @@ def test_loads_int8_as_stored_and_logits_match_transformers(compressed_dir):
     assert_logits_match(cfg, params, compressed_dir)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def forward_logits(model, params, ids):
+    """One compilation per model and layout of its weights: the formats read alike share it."""
+    return model.apply({"params": params}, ids, jnp.arange(ids.shape[1])[None], method=model.forward_logits)
+
+
 def assert_logits_match(cfg, params, reference_dir):
     """Our logits of a prompt with `params` are transformers' with `reference_dir`'s model."""
     ids = np.asarray([PROMPTS[1]])
-    model = build_model(cfg)
-    ours = model.apply({"params": params}, ids, np.arange(ids.shape[1])[None], method=model.forward_logits)
+    ours = forward_logits(build_model(cfg), params, ids)
     with torch.no_grad():
         expected = reference(reference_dir)(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4, rtol=1e-4)
@@ -262,10 +270,6 @@ def engine_greedy(model_dir):
     sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     return [o.outputs[0].token_ids for o in LLM(model=model_dir, **ENGINE).generate(
         [{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)]
-
-
-def test_engine_serves_awq_as_transformers_the_same_weights(awq_dir, asym_float_dir):
-    assert engine_greedy(awq_dir) == hf_greedy(asym_float_dir)
 
 
 def test_engine_greedy_matches_transformers_and_survives_convert(compressed_dir, tmp_path):

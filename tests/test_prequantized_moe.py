@@ -24,7 +24,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models import build_model, experts
 from jaxserve.quantization import weight_bytes
 from tests.hf_models import hf_greedy, save_byte_tokenizer, save_hf_model
-from tests.test_prequantized import awq, reference
+from tests.test_prequantized import awq, forward_logits, reference
 from tests.test_prequantized_fp8 import fp8_blocks
 
 # every projection's inputs whole 128-wide blocks: hidden, both latent ranks, 4 heads x 32 values
@@ -87,8 +87,7 @@ def test_deepseek_v3_fp8_loads_experts_in_fp8_and_matches_transformers(deepseek_
 def assert_logits_match(cfg, params, float_dir):
     """Our logits of 24 random tokens with `params` within 1e-4 of transformers' with float_dir's model."""
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, 24))
-    model = build_model(cfg)
-    ours = model.apply({"params": params}, ids, np.arange(24)[None], method=model.forward_logits)
+    ours = forward_logits(build_model(cfg), params, ids)
     with torch.no_grad():
         expected = reference(float_dir)(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4, rtol=1e-4)
@@ -106,7 +105,7 @@ def test_deepseek_v3_quantized_at_load_runs_its_latent_attention(deepseek_fp8_di
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, 24))
 
     def logits(params):
-        return np.asarray(model.apply({"params": params}, ids, np.arange(24)[None], method=model.forward_logits))
+        return np.asarray(forward_logits(model, params, ids))
     full, int8 = (logits(load_params(float_dir, cfg, quantization=mode)) for mode in (None, "int8"))
     assert np.abs(int8 - full).mean() < 0.15 * full.std()
     asym = load_params(float_dir, cfg, quantization="int4_asym")
