@@ -1,5 +1,6 @@
 """Quantized Linear weights (jaxserve/quantization.py: int8 / int4 weight-only, w8a8) against a
 numpy oracle, and the compiled programs' buffers: no full-precision copy of a weight on CPU or TPU."""
+import functools
 import os
 import re
 
@@ -119,25 +120,37 @@ def test_quantize_lm_head_quantizes_an_untied_head_and_copies_a_tied_one(mode):
         quantization.quantize_params({"lm_head": {"weight": head}}, None, lm_head=True)
 
 
-@pytest.mark.parametrize("mode", [None, *quantization.MODES])
-def test_tied_model_logits_through_the_quantized_head(mode):
-    """A tied model's logits of random hidden states against numpy: the embedding table itself
-    without a quantized head, with one its copy as the numpy oracle rounds it (w8a8: and each
-    token's activations rounded to 255 levels). XLA divides by a scale as x * (1 / scale), so a
-    value within a float32 ulp of a rounding midpoint may land one level from numpy's: a few in
-    a million random values (the trained weights of the embedded model hold few distinct values,
-    many on a midpoint, hence random weights of its shapes)."""
+@pytest.fixture(scope="module")
+def tied_model():
+    """The embedded model's config (its head tied to the embeddings), the model, random params of
+    its shapes."""
     from jaxserve.config import ModelConfig
     from jaxserve.engine import TINY_MODEL_DIR
     from jaxserve.models import build_model, init_params
 
     cfg = ModelConfig.from_pretrained(TINY_MODEL_DIR)
     assert cfg.tie_word_embeddings
-    params, model = init_params(cfg, jax.random.key(0)), build_model(cfg)
+    return cfg, build_model(cfg), init_params(cfg, jax.random.key(0))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def head_logits(model, params, x):
+    return model.apply({"params": params}, x, method=model.logits)
+
+
+@pytest.mark.parametrize("mode", [None, *quantization.MODES])
+def test_tied_model_logits_through_the_quantized_head(mode, tied_model):
+    """A tied model's logits of random hidden states against numpy: the embedding table itself
+    without a quantized head, with one its copy as the numpy oracle rounds it (w8a8: and each
+    token's activations rounded to 255 levels). XLA divides by a scale as x * (1 / scale), so a
+    value within a float32 ulp of a rounding midpoint may land one level from numpy's: a few in
+    a million random values (the trained weights of the embedded model hold few distinct values,
+    many on a midpoint, hence random weights of its shapes)."""
+    cfg, model, params = tied_model
     table = np.asarray(params["model"]["embed_tokens"]["embedding"])
     q = quantization.quantize_params(params, mode, lm_head=mode is not None)
     x = np.random.default_rng(3).normal(size=(5, cfg.hidden_size)).astype(np.float32)
-    logits = np.asarray(model.apply({"params": q}, x, method=model.logits))
+    logits = np.asarray(head_logits(model, q, x))
     w = table
     if mode is not None:
         w = dequantized(q["lm_head"], mode)
@@ -150,7 +163,7 @@ def test_tied_model_logits_through_the_quantized_head(mode):
         x = np.clip(np.round(x / s), -127, 127) * s
     np.testing.assert_allclose(logits, x @ w.T, rtol=1e-4, atol=1e-4)
     if mode is not None:   # the head's rounding shows: the test tells the two tables apart
-        assert np.abs(logits - np.asarray(model.apply({"params": params}, x, method=model.logits))).max() > 1e-3
+        assert np.abs(logits - np.asarray(head_logits(model, params, x))).max() > 1e-3
 
 
 # ---------------------------------------------------------------- compiled buffers
