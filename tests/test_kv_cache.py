@@ -189,8 +189,8 @@ def test_pool_head_dim_pads_only_on_tpu():
     assert [kv_cache.pool_head_dim(d, p) for d in (32, 96) for p in ("cpu", "gpu")] == [32, 32, 96, 96]
 
 
-# pallas_gpu int8: 50 s in interpret mode (tests/test_paged_attention.py); its dequantize in place
-# serves a V pool the same way.
+# Not pallas_gpu int8 (50 s in interpret mode): its dequantize in place, checked on its own in
+# tests/test_gpu_kernels.py, serves a V pool the same way.
 @pytest.mark.parametrize("backend, kv_dtype", [(b, kv) for b in ("xla", "pallas_tpu") for kv in ("auto", "int8")]
                          + [("pallas_gpu", "auto")])
 def test_values_are_read_from_the_key_pages(backend, kv_dtype):
