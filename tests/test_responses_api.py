@@ -74,6 +74,27 @@ def test_streamed_events_make_the_same_response(client):
     assert re.fullmatch("[a-z ]{20}", whole.output_text) and final.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_logprobs_are_the_chat_completions(client):
+    """include=["message.output_text.logprobs"] with top_logprobs: the output_text's logprobs are
+    the chat completion's of the same request (test_server.py checks those against
+    transformers), whole and streamed (each delta's own, the done event's all of them)."""
+    kw = dict(input="Once upon a time", include=["message.output_text.logprobs"], top_logprobs=3,
+              extra_body={"ignore_eos": True, **NO_THINKING}, **BRIEF)
+    r = client.responses.create(**kw)
+    c = chat(client, [{"role": "user", "content": "Once upon a time"}], ignore_eos=True, logprobs=True,
+             top_logprobs=3, **NO_THINKING)
+    expected = [e.model_dump() for e in c.logprobs.content]
+    assert len(expected) == 12 and all(len(e["top_logprobs"]) == 3 for e in expected)
+    assert [e.model_dump() for e in r.output[0].content[0].logprobs] == expected
+    assert r.output_text == c.message.content
+    events = list(client.responses.create(stream=True, **kw))
+    streamed = [e.model_dump() for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    [done] = [ev for ev in events if ev.type == "response.output_text.done"]
+    assert streamed == [e.model_dump() for e in done.logprobs] == expected
+    # without them: none, as before
+    assert client.responses.create(**{**kw, "include": [], "top_logprobs": None}).output[0].content[0].logprobs == []
+
+
 class Point(pydantic.BaseModel):
     x: typing.Literal[1, 2, 3]
     y: bool
@@ -150,7 +171,8 @@ def test_reasoning_effort_reaches_the_template(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": [{"type": "web_search_call"}]}, "input"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
-    ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
+    ({"input": "hi", "top_logprobs": 21}, "top_logprobs"),
+    ({"input": "hi", "include": "message.output_text.logprobs"}, "include"),
     ({"input": "hi", "max_output_tokens": -1}, "max_tokens"),
     ({"input": "hi", "text": {"format": "json"}}, "format"),
     ({"input": "hi", "reasoning": "low"}, "reasoning"),

@@ -7,7 +7,11 @@ reasoning_effort, function `tools` chat tools. The chat completion becomes a Res
 `output` holds a `reasoning` item (with a reasoning parser), a `message` item with the text, and
 a `function_call` item per tool call; `status` is "incomplete" when max_output_tokens cut it.
 Streamed, OpenAI's events from `response.created` to `response.completed` (or
-`response.incomplete`), numbered by sequence_number.
+`response.incomplete`), numbered by sequence_number; whole, the Response those events end with
+(one path builds both). With `include: ["message.output_text.logprobs"]` (or `top_logprobs`
+alone) each output_text and each of its deltas carry the chat logprobs of their tokens, with
+`top_logprobs` alternatives (default 0). Reasoning and tool-call tokens have none in OpenAI's
+schema; a delta that both ends the reasoning and starts the answer counts as the answer's.
 
 Stateless: nothing is stored (`store` is answered false), so `previous_response_id`, `background`
 and `conversation` get a 400: send the whole conversation in `input`.
@@ -22,7 +26,7 @@ import uuid
 from flask import Blueprint, current_app, jsonify
 
 from jaxserve.server.errors import APIError
-from jaxserve.server.openai_api import chunks, collect, follow, submit_chat
+from jaxserve.server.openai_api import chunks, follow, submit_chat
 from jaxserve.server.sse import sse_response
 from jaxserve.server.validation import GUIDED, field, json_body
 
@@ -36,6 +40,7 @@ PASSED_ON = ("model", "temperature", "top_p", "parallel_tool_calls", "user", "se
              "timeout", "chat_template_kwargs", "cache_salt", *(name for name in GUIDED if name != "response_format"))
 TEXT_PARTS = ("input_text", "output_text", "text")
 ROLES = ("user", "assistant", "system", "developer")
+LOGPROBS = "message.output_text.logprobs"   # the `include` entry that asks for them (others: nothing to add)
 
 
 @bp.post("/v1/responses")
@@ -44,14 +49,15 @@ def create_response():
     body = json_body()
     submitted = submit_chat(host, chat_body(body), request_id=f"resp_{uuid.uuid4().hex}")
     response = _Response(body, submitted.model, submitted.request_id)
-    deltas = follow(host, submitted)
+    events = response.events(chunks(follow(host, submitted), submitted.choices, {}, True, False,
+                                    submitted.prompt_tokens))
     if field(body, "stream", lambda v: isinstance(v, bool), "a boolean", False):
-        return sse_response(response.events(chunks(deltas, submitted.choices, {}, True, False,
-                                                   submitted.prompt_tokens)))
-    chat = collect(deltas, submitted.choices, submitted.prompt_tokens)
-    [choice] = chat["choices"]
-    response.add_message(choice["message"])
-    return jsonify(response.body(choice["finish_reason"], chat["usage"]))
+        return sse_response(events)
+    try:
+        *_, last = events
+    except ValueError as e:   # refused by the engine after submission (e.g. KV pool too small)
+        raise APIError(400, str(e)) from None
+    return jsonify(last["response"])
 
 
 def chat_body(body: dict) -> dict:
@@ -84,9 +90,10 @@ def chat_body(body: dict) -> dict:
     reasoning = field(body, "reasoning", lambda v: isinstance(v, dict), "an object", {})
     if reasoning.get("effort") is not None:   # checked as chat's reasoning_effort
         chat["reasoning_effort"] = reasoning["effort"]
-    if body.get("top_logprobs"):
-        raise APIError(400, "'top_logprobs' is not supported on /v1/responses: use /v1/chat/completions",
-                       param="top_logprobs")
+    include = field(body, "include", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                    "a list of strings", [])
+    if LOGPROBS in include or body.get("top_logprobs") is not None:   # checked as chat's top_logprobs
+        chat.update(logprobs=True, top_logprobs=body.get("top_logprobs") or 0)
     return chat
 
 
@@ -157,15 +164,6 @@ class _Response:
     def _item_id(self, prefix: str) -> str:
         return f"{prefix}_{self.id.removeprefix('resp_')}_{next(self._ids)}"
 
-    def add_message(self, message: dict) -> None:
-        """A finished chat message's reasoning, text and tool calls as output items."""
-        if message.get("reasoning_content") is not None:
-            self.output.append(self._reasoning(message["reasoning_content"]))
-        if message.get("content"):
-            self.output.append(self._message(message["content"], "completed"))
-        for call in message.get("tool_calls") or ():
-            self.output.append(self._call(call, "completed"))
-
     def body(self, finish_reason: str | None, usage: dict | None, status: str | None = None) -> dict:
         cut = finish_reason == "length"
         status = status or ("incomplete" if cut else "completed")
@@ -197,7 +195,8 @@ class _Response:
 
         yield event("created", response=self.body(None, None, "in_progress"))
         yield event("in_progress", response=self.body(None, None, "in_progress"))
-        open_item, text, finish, usage = None, "", None, None   # the item being streamed, and its text
+        open_item, text, logprobs, finish, usage = None, "", [], None, None   # the item being streamed, its text
+        held = []   # logprobs of tokens whose text has not come yet
 
         def close():
             index, item = len(self.output) - 1, self.output[-1]
@@ -205,10 +204,10 @@ class _Response:
                 item["content"][0]["text"] = text
                 yield event("reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text)
             else:
-                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
                 item.update(status="completed", content=[part])
                 yield event("output_text.done", item_id=item["id"], output_index=index, content_index=0, text=text,
-                            logprobs=[])
+                            logprobs=logprobs)
                 yield event("content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
             yield event("output_item.done", output_index=index, item=item)
 
@@ -217,13 +216,16 @@ class _Response:
             for choice in chunk["choices"]:
                 finish = choice["finish_reason"] or finish
                 delta = choice["delta"]
+                # A token held back (part of a character) comes with no text: its logprobs wait for
+                # the next text, and go with it if that is the answer's.
+                held += (choice.get("logprobs") or {}).get("content") or []
                 for kind, key in (("reasoning", "reasoning_content"), ("message", "content")):
                     if not delta.get(key):
                         continue
                     if open_item != kind:
                         if open_item is not None:
                             yield from close()
-                        open_item, text = kind, ""
+                        open_item, text, logprobs = kind, "", []
                         self.output.append(self._reasoning("") if kind == "reasoning"
                                            else self._message("", "in_progress"))
                         index, item = len(self.output) - 1, self.output[-1]
@@ -237,10 +239,14 @@ class _Response:
                     if kind == "reasoning":
                         yield event("reasoning_text.delta", item_id=item_id, output_index=index, content_index=0,
                                     delta=delta[key])
+                        held = held if delta.get("content") else []
                     else:
+                        logprobs += held
                         yield event("output_text.delta", item_id=item_id, output_index=index, content_index=0,
-                                    delta=delta[key], logprobs=[])
+                                    delta=delta[key], logprobs=held)
+                        held = []
                 for call in delta.get("tool_calls") or ():
+                    held = []
                     if open_item is not None:
                         yield from close()
                         open_item = None
