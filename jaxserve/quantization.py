@@ -261,7 +261,8 @@ def _blocked_dot(x, qweight, scale, zero, dtype):
     loop): one byte a weight written per step, where int8 slices its weight in place."""
     out, stored = qweight.shape[0], qweight.dtype
     nb = num_blocks(out, x.shape[-1])
-    q3 = _bytes(qweight).reshape(out // nb, nb, *qweight.shape[1:])
+    as_bytes = jax.lax.bitcast_convert_type(qweight, jnp.uint8) if jnp.issubdtype(stored, jnp.floating) else qweight
+    q3 = as_bytes.reshape(out // nb, nb, *qweight.shape[1:])
     s3 = scale.reshape(out // nb, nb, *scale.shape[1:])
 
     def block(j):
@@ -271,11 +272,6 @@ def _blocked_dot(x, qweight, scale, zero, dtype):
     y = jax.lax.map(block, jnp.arange(nb))               # [nb, ..., out / nb]
     y = jnp.moveaxis(y, 0, -1).reshape(*x.shape[:-1], out)
     return y if zero is None else y - _zero_product(x, zero, dtype)   # small: outside the loop, once
-
-
-def _bytes(q):
-    """A 1-byte float array's bits as uint8 (others as they are)."""
-    return jax.lax.bitcast_convert_type(q, jnp.uint8) if jnp.issubdtype(q.dtype, jnp.floating) else q
 
 
 def _int8_dot(x, qweight, scale, zero, dtype):

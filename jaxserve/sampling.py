@@ -187,7 +187,6 @@ def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: in
     output is the step's own PENDING token, not one it samples after."""
     if not seqs:
         return None
-    params = [s.sampling for s in seqs]
     prompts, outputs, aheads, listed = [], [], [], collections.Counter()
     for s in seqs:
         aheads.append(s.proposed_token_ids[:listed[s.seq_id]])
@@ -202,7 +201,7 @@ def metadata_for(seqs: list, seeds: dict[int, int], rows: int, max_model_len: in
             outputs.append(range(len(s.output_token_ids) - launched + len(aheads[-1])))
         listed[s.seq_id] += 1
     return SamplingMetadata.build(
-        params, prompts, outputs,
+        [s.sampling for s in seqs], prompts, outputs,
         [seeds[s.seq_id] for s in seqs], pad_to=rows,
         history_len=max_model_len, end_token_ids=[s.end_token_ids for s in seqs],
         allowed=token_masks(seqs, aheads, rows), bad_words=[s.bad_words for s in seqs])

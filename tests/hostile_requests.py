@@ -3,6 +3,8 @@ model's name): each should be answered with its 4xx status and an OpenAI error b
 should stay up (tests/test_server.py sends them)."""
 import json
 
+import requests
+
 from tests.server_harness import BYTES_MAX_LEN
 
 NAME = "jaxserve-tiny"   # the embedded model's name, so the README examples run as written
@@ -103,3 +105,9 @@ HOSTILE = [  # (id, method, path, body: dict or raw bytes, extra headers, expect
     ("score-on-generate", "POST", "/v1/score", {"text_1": "a", "text_2": "b"}, {}, 400),
     ("rerank-on-generate", "POST", "/rerank", {"query": "a", "documents": ["b"]}, {}, 400),
 ]
+
+
+def send(url: str, method: str, path: str, body, headers: dict) -> requests.Response:
+    """A HOSTILE entry's request to the server at `url`: raw bytes as they are, a dict as JSON."""
+    kw = {"data": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+    return requests.request(method, url + path, headers=headers, timeout=120, **kw)

@@ -17,8 +17,8 @@ PS = 4
 BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12]
 
 
-def seq_of(tokens, rid="r"):
-    return Sequence(request_id=rid, prompt_token_ids=list(tokens))
+def seq_of(tokens, rid="r", salt=None):
+    return Sequence(request_id=rid, prompt_token_ids=list(tokens), sampling=SamplingParams(cache_salt=salt))
 
 
 class PagePool:
@@ -53,6 +53,12 @@ class PagePool:
         return [self.slots[page_table[p // ps] * ps + p % ps] for p in range(num_tokens)]
 
 
+def paged(num_pages, **kw):
+    """A BlockManager of num_pages pages of PS tokens, and its PagePool."""
+    bm = BlockManager(num_pages, PS, **kw)
+    return bm, PagePool(bm)
+
+
 def snapshot(bm):
     return (list(bm.ref_counts), list(bm.free_pages), list(bm.evictable), dict(bm.cached_page))
 
@@ -79,6 +85,15 @@ class SequenceMachine(RuleBasedStateMachine):
     def after_reserve(self, seq, start):
         """Checks right after a reserve for a step from `start` (successful or not)."""
 
+    def reserve(self, seq, n):
+        """self.bm.reserve(seq, n), checked (after_reserve; a failed one changes nothing), its copies applied."""
+        start, before = seq.num_computed_tokens, self.snapshot()
+        copies = self.bm.reserve(seq, n)
+        self.after_reserve(seq, start)
+        assert copies is not None or self.snapshot() == before
+        self.pool.copy(copies or [])
+        return copies
+
     @rule(data=st.data(), base=st.sampled_from(BASES), cut=st.integers(1, 12), chunk=st.integers(1, 16))
     def admit(self, data, base, cut, chunk):
         seq = seq_of(base[:cut] + data.draw(st.lists(st.integers(0, 3), max_size=self.max_tail)))
@@ -92,10 +107,8 @@ class SequenceMachine(RuleBasedStateMachine):
             return
         # (a partial page is left out of the hit when the pool has no page for its copy)
         assert seq.num_computed_tokens in (hit.num_tokens, len(hit.keys) * PS)
-        copies = self.bm.reserve(seq, n)   # as the scheduler: a partial page hit is copied first
-        assert copies is not None          # admit left room for the copy
-        self.after_reserve(seq, seq.num_computed_tokens)
-        self.pool.copy(copies)
+        copies = self.reserve(seq, n)   # as the scheduler: a partial page hit is copied first
+        assert copies is not None       # admit left room for the copy
         self.pool.compute(seq, n)
         self.live.append(seq)
 
@@ -106,18 +119,14 @@ class SequenceMachine(RuleBasedStateMachine):
         if seq.num_computed_tokens == seq.num_tokens:
             seq.output_token_ids += new                            # as if sampled
         n = min(n, seq.num_tokens - seq.num_computed_tokens)
-        before = self.snapshot()
-        copies = self.bm.reserve(seq, n)
-        self.after_reserve(seq, seq.num_computed_tokens)
+        copies = self.reserve(seq, n)
         if copies is None:
-            assert self.snapshot() == before
             return
         for src, dst in copies:    # the source stays with its other holders or in the prefix cache
             assert self.bm.ref_counts[src] >= 1 or src in self.bm.evictable
             assert self.bm.ref_counts[dst] == 1 and dst not in self.bm.page_key
         assert len({dst for _, dst in copies}) == len(copies)
         assert len(seq.page_table) == self.bm.pages_for(seq.num_computed_tokens + n)
-        self.pool.copy(copies)
         self.pool.compute(seq, n)
 
     @precondition(lambda self: self.live)
@@ -130,14 +139,10 @@ class SequenceMachine(RuleBasedStateMachine):
             seq.output_token_ids.append(bonus)   # a verify row's first token is its last known one
         known = seq.num_tokens - seq.num_computed_tokens
         start = seq.num_computed_tokens
-        before = self.snapshot()
-        copies = self.bm.reserve(seq, known + len(proposed))
-        self.after_reserve(seq, start)
+        copies = self.reserve(seq, known + len(proposed))
         if copies is None:
-            assert self.snapshot() == before
             return
         assert len(seq.page_table) == self.bm.pages_for(seq.num_tokens + len(proposed))
-        self.pool.copy(copies)
         self.pool.compute(seq, known + len(proposed), proposed)
         accepted = data.draw(st.integers(0, len(proposed)))
         seq.output_token_ids += proposed[:accepted] + [bonus]
@@ -196,8 +201,7 @@ class SequenceMachine(RuleBasedStateMachine):
 class BlockManagerMachine(SequenceMachine):
     @initialize(num_pages=st.integers(4, 24), caching=st.booleans())
     def setup(self, num_pages, caching):
-        self.bm = BlockManager(num_pages, PS, enable_prefix_caching=caching)
-        self.pool = PagePool(self.bm)
+        self.bm, self.pool = paged(num_pages, enable_prefix_caching=caching)
         self.live = []
         self.prefix_of_key = {}   # every key ever registered -> the token prefix it names
 
@@ -248,10 +252,10 @@ BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step
 TestBlockManager = BlockManagerMachine.TestCase
 
 
-def computed(bm, pool, tokens, rid="r"):
-    """Admit and fully compute a prompt (a partial page hit copied first); returns the sequence."""
-    seq = seq_of(tokens, rid)
-    hit = bm.match_prefix(seq.token_ids)
+def computed(bm, pool, tokens, rid="r", salt=None):
+    """The sequence of a prompt admitted under cache salt `salt` and fully computed (a partial hit copied first)."""
+    seq = seq_of(tokens, rid, salt)
+    hit = bm.match_prefix(seq.token_ids, salt)
     assert bm.admit(seq, hit, seq.num_tokens - hit.num_tokens)
     pool.copy(bm.reserve(seq, seq.num_tokens - hit.num_tokens))
     pool.compute(seq, seq.num_tokens - seq.num_computed_tokens)
@@ -259,8 +263,7 @@ def computed(bm, pool, tokens, rid="r"):
 
 
 def test_prefix_hit_reuses_pages_and_counts_hit_rate():
-    bm = BlockManager(8, PS)
-    pool = PagePool(bm)
+    bm, pool = paged(8)
     a = computed(bm, pool, range(10))                 # pages 0, 1 full, page 2 partial
     b = seq_of(list(range(8)) + [50, 51])
     hit = bm.match_prefix(b.token_ids)
@@ -273,8 +276,7 @@ def test_prefix_hit_reuses_pages_and_counts_hit_rate():
 
 
 def test_unreferenced_cached_pages_are_evicted_lru_and_only_when_needed():
-    bm = BlockManager(4, PS)
-    pool = PagePool(bm)
+    bm, pool = paged(4)
     a = computed(bm, pool, range(9))                  # 2 full pages + 1 token (a partial page)
     a_pages = list(a.page_table)
     bm.free(a)
@@ -290,8 +292,7 @@ def test_a_prompt_going_on_from_an_ended_sequence_shares_its_partial_page():
     """A sequence that ends inside a page leaves it cached under the tokens it holds: a prompt that
     goes on from there (a conversation's next turn, a beam search round) computes only the tokens
     after them, into a copy of the page; one that differs inside the page gets the full pages."""
-    bm = BlockManager(8, PS)
-    pool = PagePool(bm)
+    bm, pool = paged(8)
     a = computed(bm, pool, range(10))                 # 2 full pages + 2 tokens
     a_pages = list(a.page_table)
     bm.free(a)
@@ -312,8 +313,7 @@ def test_a_prompt_going_on_from_an_ended_sequence_shares_its_partial_page():
 def test_a_page_a_fork_still_holds_is_not_cached_when_its_sibling_ends():
     """A partial page is cached only when the ended sequence was its one holder: a running fork
     sibling writes on into it (its own, not a copy)."""
-    bm = BlockManager(8, PS)
-    pool = PagePool(bm)
+    bm, pool = paged(8)
     parent = computed(bm, pool, range(6))             # pages [x, y], y half full
     child = seq_of(list(range(6)) + [1])
     bm.fork(parent, child, 6)
@@ -340,8 +340,7 @@ def test_a_partial_hit_is_left_out_when_the_pool_has_no_page_for_its_copy():
 
 
 def test_cow_copy_gives_private_page_to_the_writer():
-    bm = BlockManager(6, PS)
-    pool = PagePool(bm)
+    bm, pool = paged(6)
     parent = computed(bm, pool, range(6))             # pages [x, y], y half full
     child = seq_of(list(range(6)) + [1])
     bm.fork(parent, child, 6)
@@ -355,8 +354,7 @@ def test_cow_copy_gives_private_page_to_the_writer():
 
 
 def test_rollback_releases_tail_pages_and_keeps_cached_pages_correct():
-    bm = BlockManager(8, PS)
-    pool = PagePool(bm)
+    bm, pool = paged(8)
     a = computed(bm, pool, range(10))                 # pages 0, 1 full and cached, page 2 partial
     child = seq_of(list(range(10)) + [1])
     bm.fork(a, child, 10)
@@ -378,8 +376,7 @@ def test_rollback_releases_tail_pages_and_keeps_cached_pages_correct():
 
 
 def test_reserve_fails_without_changes_when_pool_is_short():
-    bm = BlockManager(2, PS, enable_prefix_caching=False)
-    pool = PagePool(bm)
+    bm, pool = paged(2, enable_prefix_caching=False)
     a = computed(bm, pool, range(8))
     before = snapshot(bm)
     assert bm.reserve(a, 1) is None and snapshot(bm) == before
@@ -388,24 +385,16 @@ def test_reserve_fails_without_changes_when_pool_is_short():
 def test_cache_salts_never_share_pages():
     """Equal prompts under different salts (tenants) neither hit each other's pages nor share one;
     under the same salt they do."""
-    bm = BlockManager(16, PS)
-    pool = PagePool(bm)
+    bm, pool = paged(16)
     tokens = list(range(13))                          # 3 full pages + 1
-
-    def computed_salted(salt, rid):
-        seq = Sequence(request_id=rid, prompt_token_ids=tokens, sampling=SamplingParams(cache_salt=salt))
-        hit = bm.match_prefix(seq.token_ids, salt)
-        assert bm.admit(seq, hit, seq.num_tokens - len(hit[0]) * PS)
-        pool.compute(seq, seq.num_tokens - seq.num_computed_tokens)
-        assert pool.read(seq.page_table, seq.num_tokens) == tokens
-        return seq
-
-    seqs = {salt: computed_salted(salt, salt or "none") for salt in ("tenant-a", "tenant-b", None)}
+    seqs = {salt: computed(bm, pool, tokens, salt or "none", salt) for salt in ("tenant-a", "tenant-b", None)}
     assert [s.num_cached_tokens for s in seqs.values()] == [0, 0, 0]
     for a in seqs.values():
         for b in seqs.values():
             assert a is b or not set(a.page_table) & set(b.page_table)
-    again = computed_salted("tenant-a", "a2")
+    again = computed(bm, pool, tokens, "a2", "tenant-a")
     assert again.num_cached_tokens == 12 and again.page_table[:3] == seqs["tenant-a"].page_table[:3]
+    for seq in [*seqs.values(), again]:
+        assert pool.read(seq.page_table, seq.num_tokens) == tokens
     for salt in ("tenant-c", "", None):
         assert bm.match_prefix(tokens, salt)[0] != seqs["tenant-a"].page_table[:3]

@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from tests.hf_models import hf_greedy
-from tests.hostile_requests import C, HOSTILE, LONG, MAX_LEN, NAME, OK
+from tests.hostile_requests import C, HOSTILE, LONG, MAX_LEN, NAME, OK, send
 from tests.server_harness import BYTES_ENGINE, bytes_model, openai_client, serving
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
@@ -247,12 +247,9 @@ def test_a_grammar_waits_for_the_end_of_thinking(client):
 
 # ---- hostile input: a 4xx with an error body, never a 500, and the server stays up ----
 
-
-
 @pytest.mark.parametrize("method,path,body,headers,status", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
 def test_hostile_request(server, method, path, body, headers, status):
-    kw = {"data": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
-    r = requests.request(method, server.url + path, headers=headers, timeout=120, **kw)
+    r = send(server.url, method, path, body, headers)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -268,8 +265,7 @@ def test_error_messages_name_the_problem(server):
 
 def test_healthy_after_hostile_requests(server):
     for _, method, path, body, headers, _ in HOSTILE[:12]:   # the raw-bytes ones, again
-        kw = {"data": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
-        requests.request(method, server.url + path, headers=headers, timeout=120, **kw)
+        send(server.url, method, path, body, headers)
     assert requests.get(server.url + "/health", timeout=30).status_code == 200
     r = post(server, C, OK)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1

@@ -35,13 +35,9 @@ def server(model, tmp_path_factory):
                       **BYTES_ENGINE)
 
 
-def client_for(server, key: str) -> openai.OpenAI:
-    return openai_client(server, key)
-
-
 @pytest.fixture(scope="module")
 def client(server):
-    return client_for(server, "key-a1")
+    return openai_client(server, "key-a1")
 
 
 def biased(bias: dict[int, float]):
@@ -55,6 +51,10 @@ def biased(bias: dict[int, float]):
 def complete(client, prompt, **extra):
     return client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=extra.pop("max_tokens", 8),
                                      extra_body=extra)
+
+
+def post(server, path: str, body: dict, key: str = "key-a1", **kw) -> requests.Response:
+    return requests.post(server.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120, **kw)
 
 
 def hf_prompt_logprobs(hf, ids: list[int]) -> torch.Tensor:
@@ -92,8 +92,8 @@ def test_echo_logprobs_match_transformers(server, client, model):
     streamed = sum((ch.choices[0].logprobs.token_logprobs for ch in chunks if ch.choices[0].logprobs), [])
     assert streamed[0] is None and streamed[1:] == pytest.approx(out.choices[1].logprobs.token_logprobs[1:], abs=1e-5)
     # vLLM's prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}}, the token and the top-N.
-    body = requests.post(server.url + "/v1/completions", headers={"Authorization": "Bearer key-a1"}, timeout=120,
-                         json={"model": NAME, "prompt": prompts[1], "max_tokens": 1, "prompt_logprobs": 2}).json()
+    body = post(server, "/v1/completions", {"model": NAME, "prompt": prompts[1], "max_tokens": 1,
+                                            "prompt_logprobs": 2}).json()
     check_prompt_logprobs(body["choices"][0]["prompt_logprobs"], prompts[1], refs[1], 2)
 
 
@@ -111,20 +111,17 @@ def test_chat_prompt_logprobs_match_transformers(server, model):
     """prompt_logprobs on chat (vLLM's): the rendered prompt's, once in the response, whatever n;
     max_tokens 0 scores the prompt only; not with stream (400, as vLLM)."""
     _, hf, _ = model
-    auth = {"Authorization": "Bearer key-a1"}
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
-    ids = requests.post(server.url + "/tokenize", json={"messages": msgs}, headers=auth, timeout=60).json()["tokens"]
+    ids = post(server, "/tokenize", {"messages": msgs}).json()["tokens"]
     ref = hf_prompt_logprobs(hf, ids)
     for extra in ({"max_tokens": 2, "n": 2, "temperature": 0.8}, {"max_tokens": 0}):
-        r = requests.post(server.url + "/v1/chat/completions", headers=auth, timeout=120,
-                          json={"model": NAME, "messages": msgs, "prompt_logprobs": 3, **extra})
+        r = post(server, "/v1/chat/completions", {"model": NAME, "messages": msgs, "prompt_logprobs": 3, **extra})
         body = r.json()
         assert r.status_code == 200 and body["usage"]["prompt_tokens"] == len(ids), body
         check_prompt_logprobs(body["prompt_logprobs"], ids, ref, 3)
         assert len(body["choices"]) == extra.get("n", 1) and all("prompt_logprobs" not in c for c in body["choices"])
     assert body["choices"][0]["message"]["content"] == "" and body["choices"][0]["finish_reason"] == "length"
-    r = requests.post(server.url + "/v1/chat/completions", headers=auth, timeout=60,
-                      json={"model": NAME, "messages": msgs, "prompt_logprobs": 1, "stream": True})
+    r = post(server, "/v1/chat/completions", {"model": NAME, "messages": msgs, "prompt_logprobs": 1, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 
@@ -253,9 +250,9 @@ def test_limits_usage_and_info_routes(server, client, model):
     out = complete(client, prompt, truncate_prompt_tokens=6, ignore_eos=True)
     assert out.usage.prompt_tokens == 6 and out.choices[0].text == tok.decode(hf_greedy(hf, prompt[-6:], 8)[0])
 
-    r = requests.post(server.url + "/v1/completions", headers={"Authorization": "Bearer key-b"}, stream=True,
-                      timeout=120, json={"model": NAME, "prompt": prompt, "max_tokens": 6, "ignore_eos": True,
-                                         "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    r = post(server, "/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": 6, "ignore_eos": True,
+                                         "stream": True, "stream_options": {"continuous_usage_stats": True}},
+             key="key-b", stream=True)
     events = [json.loads(line[6:]) for line in r.iter_lines() if line and line != b"data: [DONE]"]
     counts = [ev["usage"]["completion_tokens"] for ev in events]
     assert counts == sorted(counts) and counts[-1] == 6 and len(set(counts)) > 1
@@ -284,7 +281,7 @@ def test_tenants_never_share_prefix_cache(server):
     """A shared 512-token prefix: a second request of the same tenant (another key) finds it in
     the prefix cache and answers sooner; the other tenant finds nothing, whatever cache_salt it
     sends, and waits as long as a miss."""
-    clients = {key: client_for(server, key) for key in KEYS}
+    clients = {key: openai_client(server, key) for key in KEYS}
 
     def first_token(key, prefix, suffix, **extra):
         """(time to first token, cached tokens): the server's own TTFT (arrival to first token, from
@@ -298,15 +295,11 @@ def test_tenants_never_share_prefix_cache(server):
     ttft = {"miss": [], "hit": [], "other tenant": []}
     for _ in range(5):
         prefix = rng.integers(0, 256, PREFIX).tolist()
-        seconds, cached = first_token("key-a1", prefix, [1, 2, 3])
-        assert cached == 0
-        ttft["miss"].append(seconds)
-        seconds, cached = first_token("key-a2", prefix, [4, 5, 6])
-        assert cached == PREFIX
-        ttft["hit"].append(seconds)
-        seconds, cached = first_token("key-b", prefix, [7, 8, 9])
-        assert cached == 0
-        ttft["other tenant"].append(seconds)
+        for case, key, suffix, want in (("miss", "key-a1", [1, 2, 3], 0), ("hit", "key-a2", [4, 5, 6], PREFIX),
+                                        ("other tenant", "key-b", [7, 8, 9], 0)):
+            seconds, cached = first_token(key, prefix, suffix)
+            assert cached == want, case
+            ttft[case].append(seconds)
         # No salt a client sends reaches another tenant's pages (nor its own unsalted ones).
         for key, salt in (("key-b", "tenant-a"), ("key-b", '["tenant-a", null]'), ("key-a1", "tenant-a")):
             assert first_token(key, prefix, [10, 11, 12], cache_salt=salt)[1] == 0
@@ -340,8 +333,7 @@ def test_return_token_ids(server, client, model):
         assert all("prompt_token_ids" not in m for m in mine[1:])
 
     msgs = [{"role": "user", "content": "hi"}]
-    ids = requests.post(server.url + "/tokenize", json={"messages": msgs}, timeout=60,
-                        headers={"Authorization": "Bearer key-a1"}).json()["tokens"]
+    ids = post(server, "/tokenize", {"messages": msgs}).json()["tokens"]
     kw = dict(model=NAME, messages=msgs, temperature=0, max_tokens=5, extra_body={"return_token_ids": True})
     chat = client.chat.completions.create(**kw)
     assert chat.model_extra["prompt_token_ids"] == ids
@@ -391,16 +383,12 @@ def test_beam_search(server, client, model):
         top = c.logprobs.top_logprobs[0]   # the 2 most likely of its candidates (1 if both decode alike)
         assert len(top) in (1, 2) and max(top.values()) >= c.logprobs.token_logprobs[0]
     assert out.usage.completion_tokens == sum(len(t) for t, _ in want)
-    streamed = client.completions.create(model=NAME, prompt=prompt, n=3, max_tokens=6, stream=True, extra_body=beam)
-    texts = {}
-    for chunk in streamed:
-        for c in chunk.choices:
-            texts[c.index] = texts.get(c.index, "") + c.text
-    assert [texts[i] for i in range(3)] == [c.text for c in out.choices]
+    streamed = [c for chunk in client.completions.create(model=NAME, prompt=prompt, n=3, max_tokens=6, stream=True,
+                                                         extra_body=beam) for c in chunk.choices]
+    assert ["".join(c.text for c in streamed if c.index == i) for i in range(3)] == [c.text for c in out.choices]
 
     messages = [{"role": "user", "content": "beams"}]
-    ids = requests.post(server.url + "/tokenize", json={"model": NAME, "messages": messages},
-                        headers={"Authorization": "Bearer key-a1"}, timeout=30).json()["tokens"]
+    ids = post(server, "/tokenize", {"model": NAME, "messages": messages}).json()["tokens"]
     chat = client.chat.completions.create(model=NAME, messages=messages, n=2, max_tokens=5, extra_body=beam)
     assert [c.model_extra["token_ids"] for c in chat.choices] == [t for t, _ in hf_beams(hf, ids, [EOS], 1.0, 5, 2)]
 
