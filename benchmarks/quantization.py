@@ -67,18 +67,21 @@ def training_script():
     return script
 
 
-def heldout_perplexities(configs=CONFIGS, max_windows: int | None = None, seq_len: int = 128) -> dict:
+def heldout_perplexities(configs=CONFIGS, max_windows: int | None = None, seq_len: int = 128,
+                         row_losses=None, params_of=None) -> dict:
     """Held-out perplexity of the tiny model per configuration (max_windows: of the first so
-    many seq_len windows only, for a quicker look)."""
+    many seq_len windows only, for a quicker look). `row_losses(params, tokens)` and
+    `params_of(config)` replace, when given, the training script's row losses (jitted) and the
+    checkpoint quantized per configuration (tests/test_quantized_engine.py passes its own forward
+    pass, which also gives the argmax, and its cached params)."""
     script = training_script()
     cfg = ModelConfig.from_pretrained(TINY_MODEL_DIR)
     stream = script.token_stream(load_tokenizer(TINY_MODEL_DIR), script.split_corpus(None)[1])
     if max_windows:
         stream = stream[:max_windows * seq_len + 1]
-    row_losses = jax.jit(script.make_row_losses(build_model(cfg)))
-    params = load_params(TINY_MODEL_DIR, cfg)
-    return {config: script.perplexity(row_losses, quantized(params, config), stream, seq_len)
-            for config in configs}
+    row_losses = row_losses or jax.jit(script.make_row_losses(build_model(cfg)))
+    params_of = params_of or functools.partial(quantized, load_params(TINY_MODEL_DIR, cfg))
+    return {config: script.perplexity(row_losses, params_of(config), stream, seq_len) for config in configs}
 
 
 def greedy_tokens(llm: LLM) -> list[list[int]]:

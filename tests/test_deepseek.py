@@ -24,7 +24,8 @@ from jaxserve.kv_cache import page_bytes_per_chip
 from jaxserve.models.layers import rope_frequencies
 from jaxserve.models.mla import LatentDims
 from jaxserve.models.routing import Routing
-from tests.test_family_engine import ENGINE, _prompts, save_with_greedy
+from tests.engine_runs import ENGINE, _prompts
+from tests.test_family_engine import save_with_greedy
 from tests.test_tpu_compile import ROOT, assert_serves, with_ci_layers
 
 YARN_V3 = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,

@@ -24,6 +24,7 @@ import pytest
 from jaxserve import cli
 from jaxserve.config import EngineConfig
 from tests.conftest import fake_devices_env
+from tests.engine_runs import ENGINE, engine_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The step's logits against one device's, each variant at one model axis (suite time: each mesh
@@ -55,7 +56,7 @@ def results(tmp_path_factory) -> dict:
     """The subprocess's measurements, and transformers' greedy tokens of each engine's family."""
     # Here, not at the top: the subprocess imports this file, and torch costs it 9 s.
     from tests.hf_models import save_hf_model
-    from tests.test_family_engine import ENGINE, NEW_TOKENS, _prompts, save_with_greedy
+    from tests.test_family_engine import save_with_greedy
     from tests.test_mxfp4 import save_mxfp4_gpt_oss
 
     dirs, expected = {}, {}
@@ -66,8 +67,7 @@ def results(tmp_path_factory) -> dict:
         else:
             save_hf_model(name, dirs[name])
     dirs["gpt_oss_mxfp4"] = save_mxfp4_gpt_oss(tmp_path_factory.mktemp("gpt_oss_mxfp4"))[0]
-    args = {"dirs": dirs, "engine": ENGINE, "prompts": _prompts(256), "new_tokens": NEW_TOKENS}
-    proc = subprocess.run([sys.executable, "-m", "tests.test_expert_parallel", json.dumps(args)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "tests.test_expert_parallel", json.dumps(dirs)], cwd=ROOT,
                           capture_output=True, text=True, env=fake_devices_env(8), timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "expected": expected}
@@ -126,8 +126,8 @@ def _specs(params, layer: int) -> dict:
             "shared": spec(moe["shared_experts"]["gate_proj"]["weight"]) if "shared_experts" in moe else None}
 
 
-def main(dirs: dict[str, str], engine: dict, prompts: list[list[int]], new_tokens: int) -> dict:
-    from jaxserve import LLM, SamplingParams, parallel, quantization
+def main(dirs: dict[str, str]) -> dict:
+    from jaxserve import LLM, parallel, quantization
     from jaxserve.checkpoint import load_params
     from jaxserve.config import ModelConfig
     from jaxserve.generate import greedy_generate
@@ -148,13 +148,9 @@ def main(dirs: dict[str, str], engine: dict, prompts: list[list[int]], new_token
         out["logits"][name] = {"tokens_equal": tokens.tolist() == ref_tokens,
                                "max_logit_diff": float(np.abs(logits - ref_logits).max())}
         out["specs"][name] = _specs(sharded, cfg.moe_layers[0])
-    # tests.test_family_engine.engine_tokens' run: the first prompt alone fills the prefix cache.
-    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for run in ENGINE_RUNS:
         name, mesh, ep = run
-        llm = LLM(model=dirs[name], mesh=mesh, enable_expert_parallel=ep, **engine)
-        outs = llm.generate(prompts[:1], sp, use_tqdm=False) + llm.generate(prompts[1:], sp, use_tqdm=False)
-        out["engine"][run_id(run)] = [o.outputs[0].token_ids for o in outs]
+        out["engine"][run_id(run)] = engine_tokens(dirs[name], mesh=mesh, enable_expert_parallel=ep)[0]
     mesh = parallel.make_mesh({"model": 4}, jax.devices()[:4])
     moe = layers.SparseMoE(8, 2, 32, True, mesh=mesh, expert_parallel=True)
     x = jax.ShapeDtypeStruct((16, 64), np.float32, sharding=parallel.replicated(mesh))
@@ -165,7 +161,7 @@ def main(dirs: dict[str, str], engine: dict, prompts: list[list[int]], new_token
     hlo = jax.jit(moe.apply).lower(params, x).compile().as_text()
     out["collectives"] = re.findall(r"= (\w+\[[\d,]*\])\S* (all-reduce|all-gather|all-to-all|collective-permute)\(", hlo)
     try:
-        LLM(model=dirs["qwen3_moe"], mesh={"model": 8}, enable_expert_parallel=True, **engine)
+        LLM(model=dirs["qwen3_moe"], mesh={"model": 8}, enable_expert_parallel=True, **ENGINE)
         out["refused"] = "not refused"
     except ValueError as e:
         out["refused"] = str(e)
@@ -173,4 +169,4 @@ def main(dirs: dict[str, str], engine: dict, prompts: list[list[int]], new_token
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(**json.loads(sys.argv[1]))))
+    print(json.dumps(main(json.loads(sys.argv[1]))))

@@ -7,22 +7,15 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 import transformers as tf
 
-from jaxserve import LLM, SamplingParams
 from tests.conftest import fake_devices_env
+from tests.engine_runs import NEW_TOKENS, _prompts, engine_tokens
 from tests.hf_models import CONFIGS, save_byte_tokenizer, save_hf_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NEW_TOKENS = 24
-# Small buckets (few compilations); 16-token chunks split every prompt; 8-token pages let the
-# second prompt find the first one's 32-token prefix in the cache.
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=16, max_prefill_seqs=1,
-              page_size=8, max_model_len=128, num_pages=64, enable_prefix_caching=True,
-              compilation_cache_dir=None, step_shapes="largest")
 # Under TP, one checkpoint per family, each at one mesh, TP 2 and TP 4 alternating in name order:
 # llama_mqa's one KV head and the 2 KV heads of the TP-4 families are replicated, and the two
 # 6-head ALiBi families take one mesh each. The other Llama variants (Granite's: scalar constants),
@@ -42,23 +35,6 @@ TP_SKIP = {"llama_mha", "llama_gqa_rope3", "granite_multipliers", "gemma_geglu",
 
 def tp_meshes(names) -> dict[str, dict]:
     return {name: {"model": 2 if i % 2 == 0 else 4} for i, name in enumerate(sorted(names))}
-
-
-def _prompts(vocab: int) -> list[list[int]]:
-    rng = np.random.default_rng(3)
-    shared = rng.integers(0, vocab, 36).tolist()
-    return [shared + rng.integers(0, vocab, 5).tolist(), shared + rng.integers(0, vocab, 11).tolist(),
-            rng.integers(0, vocab, 21).tolist()]
-
-
-def engine_tokens(model_dir: str, llm: LLM | None = None, **engine) -> tuple[list[list[int]], float]:
-    """Greedy tokens of the prompts (the first run alone, filling the prefix cache), and the
-    prefix-cache hit rate; llm: an engine already made of the model (None: one of ENGINE, engine)."""
-    llm = llm or LLM(model=model_dir, **ENGINE, **engine)
-    prompts = _prompts(llm.llm_engine.model_cfg.vocab_size)
-    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = llm.generate(prompts[:1], sp, use_tqdm=False) + llm.generate(prompts[1:], sp, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], llm.llm_engine.block_manager.prefix_hit_rate
 
 
 def save_with_greedy(name: str, d: str) -> list[list[int]]:

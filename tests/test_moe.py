@@ -23,7 +23,8 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models import build_model, layers
 from jaxserve.models.routing import Routing
 from tests.hf_models import MOE_CONFIGS
-from tests.test_family_engine import engine_tokens, save_with_greedy
+from tests.engine_runs import engine_tokens
+from tests.test_family_engine import save_with_greedy
 from tests.test_tpu_compile import CI_LAYERS, ROOT, assert_serves, with_ci_layers
 
 # Qwen3-30B-A3B's config.json as on the Hub (the keys the parser reads).

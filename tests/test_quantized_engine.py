@@ -87,24 +87,12 @@ def model_params(config: str | None) -> dict:
     return bench.quantized(load_params(TINY_MODEL_DIR, CFG) if config is None else model_params(None), config)
 
 
-@functools.cache
-def heldout_stream() -> np.ndarray:
-    """benchmarks/quantization.py's held-out tokens, the first WINDOWS windows of them."""
-    script = bench.training_script()
-    return script.token_stream(load_tokenizer(TINY_MODEL_DIR), script.split_corpus(None)[1])[:WINDOWS * SEQ_LEN + 1]
-
-
-def perplexity(config: str | None) -> float:
-    return bench.training_script().perplexity(lambda p, t: forward(p, t)[0], model_params(config), heldout_stream(),
-                                              SEQ_LEN, WINDOWS)
-
-
 def model_greedy(config: str | None, tokens: list[list[int]]) -> list[list[int]]:
     """The model's argmax after each prompt followed by each prefix of its `tokens`: `tokens`
     itself exactly where they are the model's greedy tokens."""
     tokenizer = load_tokenizer(TINY_MODEL_DIR)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    rows = np.zeros((WINDOWS, SEQ_LEN + 1), heldout_stream().dtype)   # the perplexity's shape: no compilation more
+    rows = np.zeros((WINDOWS, SEQ_LEN + 1), np.int32)   # the perplexity's windows' shape and dtype: no compilation more
     for row, p, t in zip(rows, prompts, tokens):
         row[:len(p) + len(t)] = p + t
     best = np.asarray(forward(model_params(config), rows)[1])
@@ -147,7 +135,7 @@ def test_cli_flag_reaches_the_engine_config():
 def test_heldout_perplexity_within_thresholds():
     """int8, fp8 and w8a8 within 1% of unquantized, int4 and int4_asym within 5%, on the first 16 held-out
     windows (benchmarks/quantization.py measures all of them)."""
-    ppl = {config: perplexity(config) for config in bench.CONFIGS}
+    ppl = bench.heldout_perplexities(bench.CONFIGS, WINDOWS, SEQ_LEN, lambda p, t: forward(p, t)[0], model_params)
     for config in ("int8", "fp8", "w8a8", "int8+head", "w8a8+head"):
         assert abs(ppl[config] / ppl[None] - 1) < 0.01, (config, ppl)
     assert abs(ppl["int4"] / ppl[None] - 1) < 0.05 and abs(ppl["int4_asym"] / ppl[None] - 1) < 0.05, ppl
