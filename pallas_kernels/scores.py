@@ -11,6 +11,12 @@ Sinks: each query head has a learned logit sinks[head] that joins every row's so
 column and is then dropped: it takes weight from the keys and gives the output nothing. A row
 with no visible key gives 0. In an online softmax it is one term after the last KV block
 (`add_sink`); kernels that split the KV and merge partial results add it once, at the merge.
+
+ALiBi with sinks: the sink column has no key, so the row's constant does not cancel against it.
+Scores that lack -slope * query position are compared with the sink logit raised by
+slope * query position instead (`sink_logits`), the query position in the same frame as the
+keys' (any offset common to the row's keys and its query cancels again). Without it the sink's
+weight shrinks with the query's distance from position 0 (errors of order 1 in the output).
 """
 import jax
 import jax.numpy as jnp
@@ -34,6 +40,15 @@ def softmax(scores, sinks=None):
     m = jnp.maximum(scores.max(axis=-1, keepdims=True), sinks)
     p = jnp.exp(scores - m)
     return p / (p.sum(axis=-1, keepdims=True) + jnp.exp(sinks - m))
+
+
+def sink_logits(sinks, slopes=None, q_pos=None):
+    """Each row's sink logit beside scores from `modify_scores`: sinks, plus slopes * q_pos with
+    ALiBi (slopes None: sinks as they are). sinks, slopes f32 and q_pos int, broadcastable to
+    each other: the row's head's sink and slope, the row's query position in its keys' frame."""
+    if slopes is None:
+        return sinks
+    return sinks + slopes * q_pos.astype(jnp.float32)
 
 
 def add_sink(m, l, sinks):

@@ -93,22 +93,28 @@ NO_SEGMENTS = [dict(BIDIRECTIONAL, batch=1, seq_len=50, segments=None),    # pad
                dict(BIDIRECTIONAL, batch=1, seq_len=128, segments=None)]   # every tile FULL
 
 
-def test_reference_sinks_match_numpy():
+@pytest.mark.parametrize("alibi", [False, True])
+def test_reference_sinks_match_numpy(alibi):
     """The jnp reference's sinks against the softmax-with-sink formula written out per row in
     float64 (gpt-oss as transformers computes it): GQA, a sliding window, packed segments; one
-    head's sink far above every score (its rows' output nearly 0), one far below (plain softmax)."""
+    head's sink far above every score (its rows' output nearly 0), one far below (plain softmax).
+    With ALiBi too, as its paper writes it (-slope * distance; no model has both): the reference
+    adds slope * packed key index, so the sink must follow the row's index (scores.py)."""
     rng = np.random.default_rng(0)
     t, h, kvh, d, window = 24, 4, 2, 16, 6
     q, k, v = (rng.standard_normal((1, t, n, d)) for n in (h, kvh, kvh))
     seg = np.repeat([0, 1, 2], [9, 10, 5])[None]
     sinks = np.array([0.5, 30.0, -1.0, -30.0])
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625]) if alibi else np.zeros(h)
     out = causal_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), sm_scale=d ** -0.5,
-                           sliding_window=window, segment_ids=jnp.asarray(seg), sinks=jnp.asarray(sinks, jnp.float32))
+                           sliding_window=window, segment_ids=jnp.asarray(seg), sinks=jnp.asarray(sinks, jnp.float32),
+                           alibi_slopes=jnp.asarray(slopes, jnp.float32) if alibi else None)
     expected = np.zeros((t, h, d))
     for i in range(t):
         seen = [j for j in range(t) if j <= i and j > i - window and seg[0, j] == seg[0, i]]
         for head in range(h):
-            logits = np.append(k[0, seen, head // 2] @ q[0, i, head] * d ** -0.5, sinks[head])
+            scores = k[0, seen, head // 2] @ q[0, i, head] * d ** -0.5 - slopes[head] * (i - np.array(seen))
+            logits = np.append(scores, sinks[head])
             w = np.exp(logits - logits.max())
             expected[i, head] = (w / w.sum())[:-1] @ v[0, seen, head // 2]
     np.testing.assert_allclose(np.asarray(out[0]), expected, atol=1e-5)

@@ -58,7 +58,7 @@ def compile_for_h100(fn, args, monkeypatch, capfd):
 
 FLASH = {  # name: (head_dim, segment ids, flash_attention options; alibi=True, sinks=True: those passed)
     "causal-d64": (64, False, dict(causal=True)),
-    "all-features-d64": (64, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True)),
+    "all-features-d64": (64, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True, sinks=True)),
     "all-features-d128": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0, alibi=True)),
     "all-but-alibi-d128": (128, True, dict(causal=True, sliding_window=300, soft_cap=30.0)),
     "causal-d256": (256, False, dict(causal=True)),  # block_kv 64: the largest that fits

@@ -145,9 +145,11 @@ def test_dispatch_matches_oracle_and_reference(backend, config):
         assert diff < TOL[dtype], f"differs from the XLA reference by {diff}"
 
 
-# Gemma 2's tanh cap (1.5 bites: these scores reach a few units) with ALiBi, and with sinks. Not ALiBi with
-# sinks: no model has both, and the paths add slope x key position (scores.py), unlike the oracle's distance.
-SCORE_MODS = {"soft_cap+alibi": dict(soft_cap=1.5, alibi=True), "soft_cap+sinks": dict(soft_cap=1.5, sinks=True)}
+# Gemma 2's tanh cap (1.5 bites: these scores reach a few units) with ALiBi, with sinks, and with both: no
+# model has both, but the paths add slope x key position (scores.py), so the sink must be raised by slope x
+# query position to match the oracle's distance (without it, errors of 1.5 in this test's batch).
+SCORE_MODS = {"soft_cap+alibi": dict(soft_cap=1.5, alibi=True), "soft_cap+sinks": dict(soft_cap=1.5, sinks=True),
+              "soft_cap+alibi+sinks": dict(soft_cap=1.5, alibi=True, sinks=True)}
 
 
 def assert_each_modifier_matters(case):
@@ -302,9 +304,10 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="
     return out, dict(case, k_pages=k_pages[..., :64], v_pages=v_pages[..., :64])
 
 
-# Each modifier set once on the Pallas backends: attend hands both kernels ALiBi and sinks alike, and
-# the kernels' own tests (above, test_flash_attention.py) check each kernel with each.
-ATTEND = [("xla", m) for m in SCORE_MODS] + [("pallas_tpu", "soft_cap+alibi"), ("pallas_gpu", "soft_cap+sinks")]
+# Each modifier set once on the Pallas backends (the TPU's ALiBi with sinks: the flash kernel's packed
+# positions and the paged kernel's both): attend hands both kernels ALiBi and sinks alike, and the
+# kernels' own tests (above, test_flash_attention.py) check each kernel with each.
+ATTEND = [("xla", m) for m in SCORE_MODS] + [("pallas_tpu", "soft_cap+alibi+sinks"), ("pallas_gpu", "soft_cap+sinks")]
 
 
 @pytest.mark.parametrize("backend, mods", ATTEND)

@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import wgmma
 from pallas_kernels.flash_attention.masks import MASK_VALUE, Mask, block_schedule, pad_to_blocks
-from pallas_kernels.scores import add_sink, modify_scores
+from pallas_kernels.scores import add_sink, modify_scores, sink_logits
 
 
 WG_ROWS = 64  # q rows per consumer warpgroup: wgmma's M
@@ -217,7 +217,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, mask, segments, sm_scale, soft_cap, alib
             pl.when(wg == 0)(rendezvous)
         with jax.named_scope("finish"):
             if sinks:   # the running max is in base-2 units (wgmma.online_softmax)
-                l, alpha = add_sink(m / wgmma.LOG2E, l, sink_ref[h])
+                sink = sink_ref[h]
+                if alibi:   # each row's sink raised by slope * its (packed) position (scores.py)
+                    q_pos = rows + plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0,
+                                                          layout=None if interpret else row_layout)
+                    sink = sink_logits(sink, slope, q_pos)
+                l, alpha = add_sink(m / wgmma.LOG2E, l, sink)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             wgmma.softmax_finish(acc, l, q_smem)
             plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(rows, WG_ROWS), h])

@@ -1,7 +1,7 @@
 """Plain jnp reference of masked (causal / sliding-window / segment) attention."""
 import jax.numpy as jnp
 
-from pallas_kernels.scores import modify_scores, softmax
+from pallas_kernels.scores import modify_scores, sink_logits, softmax
 
 MASK_VALUE = -1e30  # finite so fully-masked (padding) rows stay NaN-free
 
@@ -33,6 +33,8 @@ def causal_attention(q, k, v, *, sliding_window=None, sm_scale, segment_ids=None
     if segment_ids is not None:
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
     s = jnp.where(mask[:, None, None], s, MASK_VALUE)
-    p = softmax(s, per_head(sinks))
+    if sinks is not None:   # with ALiBi, each row's sink raised by slope * its (packed) position
+        sinks = sink_logits(per_head(sinks), per_head(alibi_slopes), pos[:, None])
+    p = softmax(s, sinks)
     o = jnp.einsum("bkgqj,bjkd->bqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return o.reshape(b, t, h, d).astype(q.dtype)

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.flash_attention.masks import MASK_VALUE, Mask, block_schedule, pad_to_blocks
-from pallas_kernels.scores import add_sink, modify_scores
+from pallas_kernels.scores import add_sink, modify_scores, sink_logits
 
 LANES = 128
 
@@ -74,7 +74,9 @@ def _kernel(kv_block_ref, full_ref, count_ref, q_ref, k_ref, v_ref, q_seg_ref, k
     def _finish():
         acc, l = acc_ref[...], l_ref[...]
         if sinks:
-            l, alpha = add_sink(m_ref[...], l, sink_ref[h])
+            q_pos = i * block_q + lax.broadcasted_iota(jnp.int32, l.shape, 0)   # ALiBi: scores.py
+            sink = sink_logits(sink_ref[h], None if slope_ref is None else slope_ref[h], q_pos)
+            l, alpha = add_sink(m_ref[...], l, sink)
             acc = acc * _lanes(alpha, acc.shape[1])
         o_ref[...] = (acc / _lanes(l, acc.shape[1])).astype(o_ref.dtype)
 

@@ -25,7 +25,8 @@ axis of the grid also numbers splits: split c of a program's tiles takes the c-t
 ceil(tiles / kv_splits) of them and writes its own output and each row's log-sum-exp, which XLA
 then merges (`_merge_splits`). The default picks splits from the static shapes (`pick_kv_splits`).
 Sinks (pallas_kernels/scores.py) join at that merge, once: with sinks a program writes its rows'
-log-sum-exp even unsplit, and the merge of its one part adds the sink.
+log-sum-exp even unsplit, and the merge of its one part adds the sink (with ALiBi, raised by
+slope * the token's position: scores.py).
 
 Quantized pools (int8, fp8 e4m3; jaxserve/kv_cache.py): the pages' TMA copies land in SMEM in
 their own dtype (double-buffered, half the bytes of a bf16 tile), and each page's per-slot f32
@@ -46,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import wgmma
-from pallas_kernels.scores import modify_scores
+from pallas_kernels.scores import modify_scores, sink_logits
 
 MASK_VALUE = wgmma.MASK_VALUE
 ROWS = 64  # (token, head in group) rows per program: wgmma's M
@@ -220,6 +221,14 @@ def _blocks(query_start_loc, t, num_seqs, block_q, group):
     return jnp.where(owned, first, num_blocks * ROWS)[:, None] + jnp.arange(group), num_blocks
 
 
+def _positions(query_start_loc, seq_lens, t):
+    """Each of the t tokens' position in its sequence (tokens of no sequence: any finite value)."""
+    tok = jnp.arange(t)
+    num_seqs = seq_lens.shape[0]
+    seq = jnp.clip(jnp.searchsorted(query_start_loc, tok, side="right", method="compare_all") - 1, 0, num_seqs - 1)
+    return tok + seq_lens[seq] - query_start_loc[seq + 1]
+
+
 def _merge_splits(out, lse, sinks=None):
     """out [splits, ..., D], lse [splits, ...]: each split's softmax output and log-sum-exp,
     merged into one output [..., D]. sinks (broadcastable to lse[0]) or None: each row's sink
@@ -344,6 +353,9 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     gather = lambda x: x.at[:, :, rows].get(mode="fill", fill_value=0)  # noqa: E731
     if lse:   # sinks: each row's (KV head, head in group) sink logit, as [KVH, 1, group]
         sink_rows = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group)
+        if sink_rows is not None and alibi:   # raised by slope * the token's position: [KVH, t, group]
+            sink_rows = sink_logits(sink_rows, alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, 1, group),
+                                    _positions(query_start_loc, seq_lens, t)[:, None])
         out = _merge_splits(*map(gather, out), sink_rows)
     else:
         out = gather(out)[0]

@@ -4,7 +4,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.scores import modify_scores, softmax
+from pallas_kernels.scores import modify_scores, sink_logits, softmax
 
 MASK_VALUE = -1e30  # finite so fully-masked (padding) rows stay NaN-free
 
@@ -42,7 +42,9 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, page_table, seq_lens, query_
     if sliding_window is not None:
         mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     scores = jnp.where(mask[:, None, None], scores, MASK_VALUE)
-    probs = softmax(scores, per_head(sinks))
+    if sinks is not None:   # with ALiBi, each row's sink raised by slope * its position: [S, KVH, g, max_q, 1]
+        sinks = sink_logits(per_head(sinks)[None], per_head(alibi_slopes), q_pos[:, None, None, :, None])
+    probs = softmax(scores, sinks)
     o = jnp.einsum("skgqj,sjkd->sqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     o = o.reshape(s_max, max_q, h, d)[seq_id, q_off]
     return jnp.where(valid[:, None, None], o, 0).astype(q.dtype)

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.scores import add_sink, modify_scores
+from pallas_kernels.scores import add_sink, modify_scores, sink_logits
 
 MASK_VALUE = -1e30
 LANES = 128
@@ -156,7 +156,16 @@ def _kernel(page_table_ref, seq_lens_ref, qsl_ref, blk_first_ref, blk_end_ref,  
 
     l, alpha = l_ref[...], 1.0
     if sinks:   # the output is acc * alpha / l
-        l, alpha = add_sink(m_ref[...], l, sink_ref[...])
+        sink, slopes, q_pos = sink_ref[...], None, None
+        if alibi:   # each row's sink raised by slope * its token's position (scores.py)
+            tok = tok0 + (lax.broadcasted_iota(jnp.int32, sink.shape, 0) & (block_q - 1))
+
+            def position(s, pos):   # rows of sequence s: token t sits at position t + offset
+                rows_s = (tok >= qsl_ref[s]) & (tok < qsl_ref[s + 1])
+                return jnp.where(rows_s, tok + seq_lens_ref[s] - qsl_ref[s + 1], pos)
+
+            slopes, q_pos = slope_ref[...], lax.fori_loop(blk_first_ref[i], s_end, position, jnp.zeros_like(tok))
+        l, alpha = add_sink(m_ref[...], l, sink_logits(sink, slopes, q_pos))
     inv = jnp.where(l > 0, alpha / jnp.where(l > 0, l, 1.0), 0.0)  # rows with no keys (padding) -> 0
     o_ref[...] = (acc_ref[...] * _lanes(inv, acc_ref.shape[1])).astype(o_ref.dtype)
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.scores import add_sink, modify_scores
+from pallas_kernels.scores import add_sink, modify_scores, sink_logits
 
 MASK_VALUE = -1e30
 
@@ -112,7 +112,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, seq_lens, query_star
     init = (stats, jnp.zeros_like(stats), jnp.zeros((s_max, kvh, rows, d), jnp.float32))
     m, l, acc = lax.fori_loop(start_block, end_block, block, init)
     if sinks is not None:
-        l, alpha = add_sink(m, l, per_row(sinks))
+        slope_rows = None if alibi_slopes is None else per_row(alibi_slopes)
+        l, alpha = add_sink(m, l, sink_logits(per_row(sinks), slope_rows, q_pos[:, None, :]))   # [S, KVH, rows]
         acc = acc * alpha[..., None]
     o = acc / jnp.maximum(l, 1e-30)[..., None]
     o = o.reshape(s_max, kvh, max_q, g, d).transpose(0, 2, 1, 3, 4).reshape(s_max, max_q, h, d)
