@@ -131,6 +131,9 @@ def _add_app_args(p: argparse.ArgumentParser) -> None:
                    help="chat answers' reasoning as message.reasoning_content: deepseek_r1 (thinking begun in the "
                         "prompt: DeepSeek-R1, QwQ, Qwen3 thinking-2507), qwen3 (Qwen3's <think> blocks), "
                         "openai_gptoss (gpt-oss's analysis channel)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name each token 'token_id:ID' unless a request says otherwise (its "
+                        "return_tokens_as_token_ids): a piece of a character has no text of its own")
 
 
 def _app_options(args, cfg: EngineConfig) -> dict:
@@ -144,7 +147,8 @@ def _app_options(args, cfg: EngineConfig) -> dict:
     if reasoning is None and args.tool_call_parser == "openai":
         reasoning = "openai_gptoss"
     return dict(served_model_name=args.served_model_name, reasoning_parser=reasoning,
-                tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                return_tokens_as_token_ids=args.return_tokens_as_token_ids)
 
 
 def _family_reasoning_parser(cfg: EngineConfig) -> str | None:

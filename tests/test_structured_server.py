@@ -1,7 +1,8 @@
 """Structured output and tool calls through the real server and the openai SDK: a pydantic model
 with `beta.chat.completions.parse`, json_object, guided fields and grammars, streamed JSON, forced
 tool calls streamed and not, and the 400s of bad constraints. Engine-level checks:
-tests/test_structured_output.py."""
+tests/test_structured_output.py. The server runs with --return-tokens-as-token-ids (the flag's
+test is here: none of the others reads a logprob's token)."""
 import json
 import re
 from typing import Literal
@@ -20,7 +21,7 @@ from tests.structured_cases import AGE, CHOICES, POINT, REGEX, TAGS
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     yield from serving(tmp_path_factory.mktemp("server"), TINY_MODEL_DIR, "--served-model-name", "jaxserve-tiny",
-                      **{**TEST_ENGINE, "max_model_len": 256})
+                       "--return-tokens-as-token-ids", **{**TEST_ENGINE, "max_model_len": 256})
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,24 @@ def test_openai_parse_with_a_pydantic_model(server, client):
         assert isinstance(choice.message.parsed, City)
         assert City.model_validate_json(choice.message.content) == choice.message.parsed
     assert server.metrics()["jaxserve_xla_compilations_total"] == before
+
+
+def test_the_server_names_tokens_by_id_unless_a_request_says_not(server):
+    """--return-tokens-as-token-ids: logprobs' tokens are "token_id:ID" (the ids the request's
+    return_token_ids lists, the tokenizer's texts with return_tokens_as_token_ids false)."""
+    tok = load_tokenizer(TINY_MODEL_DIR)
+
+    def logprobs(**extra):
+        r = requests.post(server.url + "/v1/completions", json={
+            "prompt": "Data:", "max_tokens": 4, "temperature": 0, "logprobs": 1, "return_token_ids": True, **extra},
+            timeout=120)
+        assert r.status_code == 200, r.text
+        [c] = r.json()["choices"]
+        return c["logprobs"]["tokens"], c["token_ids"]
+    tokens, ids = logprobs()
+    assert tokens == [f"token_id:{t}" for t in ids] and len(ids) == 4
+    tokens, same = logprobs(return_tokens_as_token_ids=False)
+    assert same == ids and "".join(tokens) == tok.decode(ids)
 
 
 def test_json_object_and_guided_fields_on_completions(server):

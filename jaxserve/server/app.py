@@ -42,16 +42,18 @@ def read_api_keys(path: str) -> dict[str, str]:
 def create_app(engine_cfg: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, on_load_error=None,
                api_keys: dict[str, str] | None = None, tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None) -> Flask:
+               reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False) -> Flask:
     """Starts loading the engine in a background thread; /health says 503 until it is warm.
     `api_key` admits one key; `api_keys` (key -> tenant) several, each request's tenant (flask.g)
     then salting its prefix cache. `tool_call_parser` reads tool_choice "auto"'s calls
     (jaxserve/server/tool_parsers.py); None: "auto" is a 400. `reasoning_parser` sets chat
-    answers' reasoning apart (jaxserve/server/reasoning.py)."""
+    answers' reasoning apart (jaxserve/server/reasoning.py). `return_tokens_as_token_ids`: the
+    default of the request field of that name."""
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["TOOL_CALL_PARSER"] = tool_call_parser
     app.config["REASONING_PARSER"] = reasoning_parser
+    app.config["RETURN_TOKENS_AS_TOKEN_IDS"] = return_tokens_as_token_ids
     app.json.sort_keys = False
     app.extensions["jaxserve"] = EngineHost(engine_cfg, served_model_name or model_name(engine_cfg.model),
                                             on_load_error)

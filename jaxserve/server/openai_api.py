@@ -162,11 +162,11 @@ def submit(host, prompts: list[list[int]], params, request_id: str, beam) -> lis
 
 
 def _id_options(body: dict) -> dict:
-    """vLLM's return_token_ids: each choice's token ids (a stream: each chunk's), and the prompt's
-    (completions: in each choice's first; chat: in the response, or the stream's first chunk);
-    return_tokens_as_token_ids: logprobs name each token "token_id:ID" (a piece of a character has no text)."""
-    names = {"return_ids": "return_token_ids", "tokens_as_ids": "return_tokens_as_token_ids"}
-    return {k: field(body, name, lambda v: isinstance(v, bool), "a boolean", False) for k, name in names.items()}
+    """vLLM's return_token_ids (each choice's or chunk's token ids; the prompt's in completions' choices,
+    chat's response or first chunk) and return_tokens_as_token_ids (default: serve's flag of that name)."""
+    as_ids = current_app.config["RETURN_TOKENS_AS_TOKEN_IDS"]
+    return {k: field(body, name, lambda v: isinstance(v, bool), "a boolean", default) for k, name, default in
+            (("return_ids", "return_token_ids", False), ("tokens_as_ids", "return_tokens_as_token_ids", as_ids))}
 
 
 def request_timeout(body: dict) -> float | None:
