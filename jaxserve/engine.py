@@ -269,17 +269,17 @@ class LLMEngine:
         """The launched step's results: accepted tokens, detokenized deltas, stops, finished
         requests. Rows of sequences that finished (a stop found late, an abort) are dropped."""
         results = self.runner.collect(launched)
-        live = [s for s in out.scheduled if s.num_sampled and not s.seq.is_finished]
-        accepted = {s.seq.seq_id: results[s.seq.seq_id] if s.num_steps > 1 else
-                    self._accept(s.seq.proposed_token_ids, results[s.seq.seq_id]) for s in live}
-        before = {s.seq.seq_id: s.seq.num_known_outputs for s in live}   # outputs before this step
-        self.scheduler.resolve(out, {k: [r.token for r in v] for k, v in accepted.items()})
+        # (sequence, its accepted run: a verify row's is cut at the first rejection, its outputs before this step)
+        rows = [(s.seq, results[s.seq.seq_id] if s.num_sampled == 1 or s.num_steps > 1 else
+                 self._accept(s.seq.proposed_token_ids, results[s.seq.seq_id]), s.seq.num_known_outputs)
+                for s in out.scheduled if s.num_sampled and not s.seq.is_finished]
+        tokens = {seq.seq_id: [r.token for r in run] for seq, run, _ in rows}
+        self.scheduler.resolve(out, tokens)
         self.stats["steps"] += 1
         now = time.monotonic()
-        texts = self._detokenize(live, accepted)
+        texts = self._detokenize([seq for seq, _, _ in rows], tokens)
         deltas: dict[str, list[CompletionOutput]] = {}
-        for s in live:
-            seq, tokens = s.seq, accepted[s.seq.seq_id]
+        for seq, run, first in rows:
             req = self._requests[seq.request_id]
             if req.params.max_tokens == 0 or seq.pooling is not None:   # the prompt is scored or pooled:
                 self.scheduler.finish(seq, "length")                         # its sampled token is dropped
@@ -287,8 +287,8 @@ class LLMEngine:
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
-            delta, first = None, before[seq.seq_id]
-            for i, res in enumerate(tokens):   # one, or a run (verify, multi-step): cut where it ends
+            delta = None
+            for i, res in enumerate(run):   # one, or a run (verify, multi-step): cut where it ends
                 req.num_generated += 1
                 self.stats["generation_tokens"] += 1
                 d = self._advance(req, seq, res, first + i + 1, texts[seq.seq_id][i])
@@ -359,12 +359,12 @@ class LLMEngine:
             self.stats["spec_accepted_tokens"] += n
         return sampled[:n + 1]
 
-    def _detokenize(self, live: list, accepted: dict[int, list[SampleResult]]) -> dict[int, list[str]]:
-        """Each row's new tokens' texts by seq_id (IncrementalDetokenizer.step_runs); a stop
+    def _detokenize(self, seqs: list[Sequence], tokens: dict[int, list[int]]) -> dict[int, list[str]]:
+        """Each sequence's new `tokens`' texts by seq_id (IncrementalDetokenizer.step_runs); a stop
         token's too, kept only if asked for (`_advance`); texts past a stop go unused."""
-        seqs = [s.seq for s in live if self._requests[s.seq.request_id].params.max_tokens]
-        return IncrementalDetokenizer.step_runs({q.seq_id: [r.token for r in accepted[q.seq_id]] for q in seqs},
-                                                {q.seq_id: self._requests[q.request_id].detoks[q.index] for q in seqs})
+        detoks = {q.seq_id: self._requests[q.request_id].detoks[q.index] for q in seqs
+                  if self._requests[q.request_id].params.max_tokens}
+        return IncrementalDetokenizer.step_runs({k: tokens[k] for k in detoks}, detoks)
 
     def _advance(self, req: Request, seq: Sequence, res: SampleResult, num_outputs: int,
                  text: str) -> CompletionOutput:

@@ -69,7 +69,10 @@ class Request:
         stop string still completing. What was sent is dropped but for the longest stop string's
         length (a match may start there): appending a token's text then copies a bounded string,
         not the whole output so far (0.2 ms a step at 128 rows of 32k characters, 2-core box)."""
-        longest = max(map(len, self.params.stop)) if self.params.stop else 0
+        if not self.params.stop:   # nothing held, nothing kept
+            text, self.texts[i], self.emitted[i] = self.texts[i][self.emitted[i]:], "", 0
+            return text
+        longest = max(map(len, self.params.stop))
         hold = longest - 1 if longest and not finished else 0
         end = max(self.emitted[i], len(self.texts[i]) - hold)
         cut = max(0, end - longest)

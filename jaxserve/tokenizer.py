@@ -16,7 +16,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-# An engine step decodes two windows of a few ids per row (IncrementalDetokenizer.step_all), ~1 us
+# An engine step decodes a window of a few ids per row (IncrementalDetokenizer.step_all), ~1 us
 # of work each; `tokenizers` would hand them to its thread pool, whose wake-ups cost more than the
 # work (128 rows: 0.7 against 0.25 ms a step; benchmarks/results/host_time.md). A user's own
 # setting stands.
@@ -41,6 +41,9 @@ class Tokenizer:
     def __init__(self, model_dir: str):
         self.model_dir = model_dir
         self.config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        # The text of each single id met as a detokenizer's context, by skip_special_tokens (at most
+        # the vocabulary's size): see IncrementalDetokenizer._windows.
+        self.id_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}
         self.chat_template = _read_chat_template(model_dir, self.config)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -241,15 +244,25 @@ class IncrementalDetokenizer:
 
     @staticmethod
     def _windows(detoks: list[IncrementalDetokenizer]) -> list[tuple[str, str]]:
-        """Each detokenizer's (emitted context, whole window) texts."""
+        """Each detokenizer's (emitted context, whole window) texts, by one decode_batch call per
+        skip_special_tokens setting. A context of one id (a decoding row's after its first step:
+        the id before the new one) is the tokenizer's text of that id, decoded once: a step then
+        decodes one window a row, not two."""
         texts: list[tuple[str, str]] = [("", "")] * len(detoks)
         for skip in {d.skip_special_tokens for d in detoks}:
             mine = [i for i, d in enumerate(detoks) if d.skip_special_tokens == skip]
-            windows = [w for i in mine for d in [detoks[i]] for w in (d.ids[d.prefix_offset:d.read_offset],
-                                                                    d.ids[d.prefix_offset:])]
-            decoded = detoks[mine[0]].tokenizer.decode_batch(windows, skip)
-            for k, i in enumerate(mine):
-                texts[i] = decoded[2 * k], decoded[2 * k + 1]
+            tokenizer = detoks[mine[0]].tokenizer
+            known = tokenizer.id_texts[skip]
+            contexts = [detoks[i].ids[detoks[i].prefix_offset:detoks[i].read_offset] for i in mine]
+            cached = [known.get(c[0]) if len(c) == 1 else None for c in contexts]
+            unknown = [c for c, text in zip(contexts, cached) if text is None]
+            decoded = tokenizer.decode_batch(unknown + [detoks[i].ids[detoks[i].prefix_offset:] for i in mine], skip)
+            for c, text in zip(unknown, decoded):
+                if len(c) == 1:
+                    known[c[0]] = text
+            fresh, windows = iter(decoded), iter(decoded[len(unknown):])
+            for i, text in zip(mine, cached):
+                texts[i] = next(fresh) if text is None else text, next(windows)
         return texts
 
     @staticmethod

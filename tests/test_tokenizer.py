@@ -324,13 +324,15 @@ def test_detokenizer_random_ids(tokenizer, skip):
 def test_detokenizer_work_is_bounded(tokenizer):
     """Each step decodes a short window, however long the output grows."""
     ids = tokenizer.encode(" ".join(TEXTS * 8))
-    widths = []
+    widths, calls = [], []
     decode_batch = tokenizer.decode_batch
-    tokenizer.decode_batch = lambda windows, skip: widths.extend(map(len, windows)) or decode_batch(windows, skip)
+    tokenizer.decode_batch = lambda windows, skip: (calls.append(len(windows)) or widths.extend(map(len, windows))
+                                                    or decode_batch(windows, skip))
     detok = IncrementalDetokenizer(tokenizer, ids[:50])
     text = "".join(detok.step([i]) for i in ids[50:]) + detok.flush()
     del tokenizer.decode_batch
     assert len(ids) > 400 and max(widths) <= 16
+    assert calls.count(1) > len(calls) // 2   # a context of one id met before: its text is known (_windows)
     assert text == tokenizer.decode(ids)[len(tokenizer.decode(ids[:50])):]
 
 
