@@ -172,6 +172,8 @@ def paged_attention(q, kv: LayerKV, meta: AttentionMetadata, *, sliding_window, 
         flash = importlib.import_module(f"pallas_kernels.flash_attention.{kernels}").flash_attention
         flash = functools.partial(flash, interpret=interpret, **kwargs)
         args, specs = args + (k, v), specs + (kv_heads, kv_heads)
+    if interpret:
+        paged, flash = _waited_for(paged), flash and _waited_for(flash)
     call = functools.partial(_pallas_rows, paged=paged, flash=flash, num_prefill_rows=meta.num_prefill_rows,
                              max_q=meta.max_q, decode_q=meta.decode_q)
     per_head = {name: x.astype(jnp.float32) for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks))
@@ -230,6 +232,24 @@ def _flash_fits(meta: AttentionMetadata, q, k, interpret: bool) -> bool:
     if interpret:
         return q.shape[-1] % 64 == 0
     return importlib.import_module("pallas_kernels.flash_attention.gpu").fits(q.shape[-1], q.dtype)
+
+
+def _waited_for(kernel):
+    """An interpreted kernel (CPU) that, called eagerly (tests; under jit it is traced and waits for
+    nothing), returns once it has run. XLA:CPU runs a device's computations in the order they were
+    dispatched, each holding one of the device's in-flight slots (a semaphore in its Execute) until
+    it has run, and the interpreters' host callbacks dispatch JAX operations of their own (jax
+    0.10.2 hands them their arguments as jax.Arrays: the TPU interpreter's get/store iterate the
+    grid point, its device barrier multiplies the device id). With attend's eager operations queued
+    behind a running kernel and the slots gone, the kernel's next callback waited for a slot that
+    only the kernel's end would free: a hang using no CPU (test_paged_attention, 1 run in 13 beside
+    another job; 3 in 3 with the interpreter's callbacks slowed)."""
+    def call(*args, **kwargs):
+        out = kernel(*args, **kwargs)
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(out)):
+            jax.block_until_ready(out)
+        return out
+    return call
 
 
 def _paged_kernel(kernel, q, kv: LayerKV, *tables, **kwargs):
