@@ -69,8 +69,10 @@ def check_against_reference(kernel, case, **blocks):
     opts = dict(causal=case["causal"], sliding_window=case["sliding_window"], soft_cap=case["soft_cap"],
                 alibi_slopes=slopes, sinks=sinks)
     gpu_interpret.reset_gpu_interpret_mode_state()  # a failed run (while shrinking) leaves state
-    out = kernel.flash_attention(q, k, v, segment_ids=seg, interpret=kernel is tpu or GPU_INTERPRET, **blocks,
-                                 **opts)
+    # Waited for before the eager reference: ops queued behind a running interpreted kernel can
+    # hang it (jaxserve/attention._waited_for).
+    out = jax.block_until_ready(kernel.flash_attention(q, k, v, segment_ids=seg,
+                                                       interpret=kernel is tpu or GPU_INTERPRET, **blocks, **opts))
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  the reference runs in f32 on the same inputs
     ref = causal_attention(f32(q), f32(k), f32(v), sm_scale=case["head_dim"] ** -0.5,
                            segment_ids=seg, **opts)

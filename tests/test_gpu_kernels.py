@@ -160,7 +160,9 @@ def flash_against_reference(seq_len, *, head_dim, block_kv, **opts):
     q, k, v = (jax.random.normal(key, (1, seq_len, 1, head_dim), jnp.bfloat16)
                for key in jax.random.split(jax.random.key(seq_len), 3))
     gpu_interpret.reset_gpu_interpret_mode_state()
-    out = flash_gpu.flash_attention(q, k, v, block_kv=block_kv, interpret=INTERPRET, **opts)
+    # Waited for before the eager reference (jaxserve/attention._waited_for: ops queued behind a
+    # running interpreted kernel can hang it).
+    out = jax.block_until_ready(flash_gpu.flash_attention(q, k, v, block_kv=block_kv, interpret=INTERPRET, **opts))
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     ref = causal_attention(f32(q), f32(k), f32(v), sm_scale=head_dim ** -0.5, **opts)
     err = float(jnp.abs(f32(out) - ref).max())
