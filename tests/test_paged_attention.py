@@ -145,9 +145,8 @@ def test_dispatch_matches_oracle_and_reference(backend, config):
         assert diff < TOL[dtype], f"differs from the XLA reference by {diff}"
 
 
-# Gemma 2's tanh cap (1.5 bites: these scores reach a few units) with ALiBi, with sinks, and with both: no
-# model has both, but the paths add slope x key position (scores.py), so the sink must be raised by slope x
-# query position to match the oracle's distance (without it, errors of 1.5 in this test's batch).
+# Gemma 2's tanh cap (1.5 bites: these scores reach a few units) with ALiBi, with sinks, and with both (no
+# model has both; the sink raised by slope x query position: scores.py; without it, errors of 1.5 here).
 SCORE_MODS = {"soft_cap+alibi": dict(soft_cap=1.5, alibi=True), "soft_cap+sinks": dict(soft_cap=1.5, sinks=True),
               "soft_cap+alibi+sinks": dict(soft_cap=1.5, alibi=True, sinks=True)}
 
@@ -166,8 +165,7 @@ def test_soft_cap_alibi_and_sinks_in_every_path(backend, mods):
     """Soft cap, ALiBi and attention sinks through every backend's paged kernel, and the jnp
     reference; tokens of no row before and after the rows' see no key and give 0."""
     case = make_case(2, seqs=[(5, 20), (1, 9), (16, 16), (1, 33), (1, 70)], num_kv_heads=2, group=2, head_dim=64,
-                     page_size=16, dtype="float32", sliding_window=50, lead_tokens=2, pad_tokens=3,
-                     **SCORE_MODS[mods])
+                     page_size=16, dtype="float32", sliding_window=50, lead_tokens=2, pad_tokens=3, **SCORE_MODS[mods])
     assert_each_modifier_matters(case)
     out = dispatch(case, backend)
     assert_close(out, case)
@@ -304,9 +302,8 @@ def attend_case(seqs, backend, sliding_window=None, pool_head_dim=64, kv_dtype="
     return out, dict(case, k_pages=k_pages[..., :64], v_pages=v_pages[..., :64])
 
 
-# Each modifier set once on the Pallas backends (the TPU's ALiBi with sinks: the flash kernel's packed
-# positions and the paged kernel's both): attend hands both kernels ALiBi and sinks alike, and the
-# kernels' own tests (above, test_flash_attention.py) check each kernel with each.
+# Each modifier set once on the Pallas backends (the TPU's ALiBi with sinks: its flash and paged kernels'
+# positions): attend hands both kernels ALiBi and sinks alike; test_flash_attention.py checks each with each.
 ATTEND = [("xla", m) for m in SCORE_MODS] + [("pallas_tpu", "soft_cap+alibi+sinks"), ("pallas_gpu", "soft_cap+sinks")]
 
 
