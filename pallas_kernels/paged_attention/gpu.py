@@ -211,21 +211,25 @@ def _blocks(query_start_loc, t, num_seqs, block_q, group):
     outside [query_start_loc[0], query_start_loc[-1]) belong to no block: their rows are past the
     last (dropped when scattered, 0 when gathered)."""
     num_blocks = pl.cdiv(t, block_q) + num_seqs
-    tok = jnp.arange(t)
-    # compare_all: one fusion. The default binary search is a loop whose every step launches
-    # kernels on a GPU: 17 of the 24 launches of a decode call (B=64), whose host dispatch bound it.
-    seq = jnp.clip(jnp.searchsorted(query_start_loc, tok, side="right", method="compare_all") - 1, 0, num_seqs - 1)
+    tok, seq = _token_seqs(query_start_loc, t, num_seqs)
     local = tok - query_start_loc[seq]
     first = ((tok - local % block_q) // block_q + seq) * ROWS + local % block_q * group
     owned = (tok >= query_start_loc[0]) & (tok < query_start_loc[-1])
     return jnp.where(owned, first, num_blocks * ROWS)[:, None] + jnp.arange(group), num_blocks
 
 
+def _token_seqs(query_start_loc, t, num_seqs):
+    """The t tokens' indices and each one's sequence (tokens of no sequence: the nearest one's)."""
+    tok = jnp.arange(t)
+    # compare_all: one fusion. The default binary search is a loop whose every step launches
+    # kernels on a GPU: 17 of the 24 launches of a decode call (B=64), whose host dispatch bound it.
+    return tok, jnp.clip(jnp.searchsorted(query_start_loc, tok, side="right", method="compare_all") - 1,
+                         0, num_seqs - 1)
+
+
 def _positions(query_start_loc, seq_lens, t):
     """Each of the t tokens' position in its sequence (tokens of no sequence: any finite value)."""
-    tok = jnp.arange(t)
-    num_seqs = seq_lens.shape[0]
-    seq = jnp.clip(jnp.searchsorted(query_start_loc, tok, side="right", method="compare_all") - 1, 0, num_seqs - 1)
+    tok, seq = _token_seqs(query_start_loc, t, seq_lens.shape[0])
     return tok + seq_lens[seq] - query_start_loc[seq + 1]
 
 
